@@ -1,0 +1,1 @@
+"""jaxdp: Megatron-Core data parallelism for JAX."""
