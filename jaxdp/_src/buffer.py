@@ -1,0 +1,145 @@
+"""Turning a `Layout` into arrays: ravel params into flat buffers and back.
+
+The only module that knows how a bucket's bytes are arranged (shard-major, see
+`layout.py`). Every function works on plain arrays and is traceable.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp._src.layout import Bucket, Layout, ParamSpec
+
+PyTree = Any
+
+
+def pad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
+  """A param in its padded shape `(rows, *shape[1:])` (a scalar becomes `(rows,)`)."""
+  x = x.reshape(spec.shape or (1,))
+  return jnp.pad(x, [(0, spec.rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+
+
+def unpad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
+  """Inverse of `pad_rows`."""
+  return x[: (spec.shape[0] if spec.shape else 1)].reshape(spec.shape)
+
+
+def bucket_ravel(leaves: Sequence[jax.Array], bucket: Bucket, dp: int, dtype=None) -> jax.Array:
+  """The bucket's params as one 1-D buffer of `dp * bucket.shard_size` elements.
+
+  `leaves` are the bucket's params in `bucket.params` order, full shapes.
+  """
+  dtype = dtype or leaves[0].dtype
+  cols = [pad_rows(x.astype(dtype), p).reshape(dp, -1) for x, p in zip(leaves, bucket.params)]
+  used = sum(c.shape[1] for c in cols)
+  cols.append(jnp.zeros((dp, bucket.shard_size - used), dtype))
+  return jnp.concatenate(cols, axis=1).reshape(-1)
+
+
+def bucket_unravel(flat: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
+  """Inverse of `bucket_ravel`: the bucket's params in their full shapes."""
+  shards = flat.reshape(dp, bucket.shard_size)
+  out = []
+  for p in bucket.params:
+    n = p.shard_size(dp)
+    rows = shards[:, p.offset: p.offset + n].reshape(p.padded_shape)
+    out.append(unpad_rows(rows, p))
+  return out
+
+
+def shard_ravel(local: Sequence[jax.Array], bucket: Bucket, dtype=None) -> jax.Array:
+  """One device's shard of the bucket from its row blocks `(rows / dp, *shape[1:])`."""
+  dtype = dtype or local[0].dtype
+  parts = [x.astype(dtype).reshape(-1) for x in local]
+  used = sum(x.shape[0] for x in parts)
+  parts.append(jnp.zeros((bucket.shard_size - used,), dtype))
+  return jnp.concatenate(parts)
+
+
+def shard_unravel(shard: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
+  """Inverse of `shard_ravel`: the device's row block of every param in the bucket."""
+  out = []
+  for p in bucket.params:
+    n = p.shard_size(dp)
+    out.append(shard[p.offset: p.offset + n].reshape(p.rows // dp, *p.padded_shape[1:]))
+  return out
+
+
+def bucket_leaves(tree_leaves: Sequence[Any], bucket: Bucket) -> list[Any]:
+  """Picks the bucket's params out of `jax.tree.leaves(params)`."""
+  return [tree_leaves[p.index] for p in bucket.params]
+
+
+def ravel(params: PyTree, layout: Layout) -> dict[str, jax.Array]:
+  """Flattens the params that have a gradient buffer into one 1-D array per buffer.
+
+  Args:
+    params: a pytree with the structure the layout was made from.
+    layout: from `make_layout`.
+
+  Returns:
+    `{buffer name: 1-D array}` in each buffer's param dtype, padding zeroed.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "n": jnp.array(7)}
+    >>> layout = jaxdp.make_layout(params, dp=2)
+    >>> {k: v.shape for k, v in jaxdp.ravel(params, layout).items()}
+    {'float32': (128,)}
+  """
+  leaves = _check_structure(params, layout)
+  return {buf.name: jnp.concatenate([
+      bucket_ravel(bucket_leaves(leaves, b), b, layout.dp, buf.param_dtype)
+      for b in buf.buckets]) for buf in layout.buffers}
+
+
+def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = None) -> PyTree:
+  """Inverse of `ravel`; the round trip is bitwise.
+
+  Args:
+    flat: `{buffer name: 1-D array}` as returned by `ravel`.
+    layout: the layout `flat` was made with.
+    like: a params tree to take the leaves without a gradient buffer from (frozen or
+      integer leaves); if None they come back as None.
+
+  Returns:
+    The param tree.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "n": jnp.array(7)}
+    >>> layout = jaxdp.make_layout(params, dp=2)
+    >>> jaxdp.unravel(jaxdp.ravel(params, layout), layout, like=params)["w"]
+    Array([[0., 1.],
+           [2., 3.],
+           [4., 5.]], dtype=float32)
+  """
+  out: list[Any] = [None] * len(layout.shapes)
+  if like is not None:
+    for i, x in enumerate(_check_structure(like, layout)):
+      out[i] = x
+  for buf in layout.buffers:
+    if buf.name not in flat or flat[buf.name].shape != (buf.size,):
+      got = flat[buf.name].shape if buf.name in flat else "nothing"
+      raise ValueError(f"unravel: buffer {buf.name!r} must have shape ({buf.size},), got {got}")
+    for b in buf.buckets:
+      size = b.shard_size * layout.dp
+      chunk = flat[buf.name][b.offset: b.offset + size]
+      for p, x in zip(b.params, bucket_unravel(chunk, b, layout.dp)):
+        out[p.index] = x
+  return jax.tree.unflatten(layout.treedef, out)
+
+
+def _check_structure(params: PyTree, layout: Layout) -> list[Any]:
+  leaves, treedef = jax.tree.flatten(params)
+  if treedef != layout.treedef:
+    raise ValueError(f"params have structure {treedef}, but the layout was made for "
+                     f"{layout.treedef}; make the layout from these params")
+  for path, x, shape in zip(layout.paths, leaves, layout.shapes):
+    if tuple(x.shape) != shape:
+      raise ValueError(f"params{path}: shape {tuple(x.shape)}, but the layout has {shape}")
+  return leaves
+

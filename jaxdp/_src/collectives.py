@@ -1,0 +1,113 @@
+"""Every collective jaxdp issues, and the grad-ready hook that issues them.
+
+The only module that calls `jax.lax` collectives (Megatron's `start_grad_sync` /
+`start_param_sync`). It runs inside `jax.shard_map` over the data axes. Everything else
+asks it to "reduce this bucket" or "gather this bucket".
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel
+from jaxdp._src.layout import Bucket
+
+DATA = "data"
+"""The mesh axis jaxdp shards buckets, optimizer state and FSDP units over."""
+REPLICA = "replica"
+"""Outer data-parallel axis: replicas of the sharded state (HSDP, partial distributed optimizer)."""
+
+
+def make_varying(tree, axes: Sequence[str]):
+  """Marks replicated values as varying over `axes`, so that `jax.grad` does not psum them."""
+  return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(axes), to="varying"), tree)
+
+
+def sum_over(x, axes: Sequence[str]):
+  """Sum of a per-device scalar over `axes` (for metrics and norms)."""
+  return jax.lax.psum(x, tuple(axes))
+
+
+def all_gather_bucket(local: Sequence[jax.Array], bucket: Bucket, dp: int,
+                      to: str = "varying") -> list[jax.Array]:
+  """All-gathers a bucket from every device's row blocks: one collective per bucket.
+
+  Args:
+    local: this device's row block `(rows / dp, ...)` of each param in the bucket.
+    bucket: the bucket.
+    dp: size of the data axis.
+    to: "varying" to feed a forward pass, "invarying" to return replicated params.
+
+  Returns:
+    The bucket's params in their full shapes.
+  """
+  shard = shard_ravel(local, bucket)
+  full = jax.lax.all_gather(shard, DATA, tiled=True, to=to)
+  return bucket_unravel(full, bucket, dp)
+
+
+def reduce_bucket(flat: jax.Array, *, dp: int, scatter: bool, axes: Sequence[str],
+                  average: bool) -> jax.Array:
+  """Reduces one ravelled bucket over the data-parallel axes: one collective (two with a
+  replica axis).
+
+  DDP: `psum` over `axes`, every device gets the whole bucket. Distributed optimizer:
+  `psum_scatter(tiled=True)` over `DATA`, device `d` gets shard `d`, then `psum` over the
+  other axes. Either pre-scaled by `1/dp` and summed, or (`average`) averaged.
+  """
+  if not average:
+    flat = flat * jnp.asarray(1.0 / dp, flat.dtype)
+  if scatter:
+    out = jax.lax.psum_scatter(flat, DATA, tiled=True)
+    other = tuple(a for a in axes if a != DATA)
+    if other:
+      out = jax.lax.psum(out, other)
+  else:
+    out = jax.lax.psum(flat, tuple(axes))
+  return out / jnp.asarray(dp, out.dtype) if average else out
+
+
+def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
+  """The backward hook of one bucket (Megatron's `register_grad_ready` + `start_grad_sync`).
+
+  Returns `hook(leaves, sink, acc) -> leaves`, the identity in the forward. Its backward
+  rule ravels the bucket's cotangents into one buffer of `grad_dtype`, adds `acc` (grads
+  accumulated over earlier micro-batches, or zeros) and reduces it with `reduce_bucket`.
+  The reduced buffer leaves as the cotangent of `sink`, so it may have another dtype or
+  size than the params (fp32 main grads, a 1/dp shard); the params get zero cotangents.
+  The reduction depends only on this bucket's grads, so XLA can run it while the rest of
+  backward computes.
+
+  Args:
+    bucket: the bucket this hook reduces.
+    grad_dtype: dtype of the reduction.
+    **reduce_kwargs: `dp`, `scatter`, `axes`, `average` of `reduce_bucket`.
+  """
+
+  @jax.custom_vjp
+  def hook(leaves, sink, acc):
+    del sink, acc
+    return leaves
+
+  def fwd(leaves, sink, acc):
+    del sink
+    return leaves, acc
+
+  def bwd(acc, cts):
+    flat = bucket_ravel(cts, bucket, jax.lax.axis_size(DATA), grad_dtype) + acc
+    return (jax.tree.map(jnp.zeros_like, cts), reduce_bucket(flat, **reduce_kwargs),
+            jnp.zeros_like(acc))
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+def sink_for(bucket: Bucket, grad_dtype, scatter: bool) -> jax.Array:
+  """The zero input whose cotangent receives the bucket's reduced grads."""
+  shards = jax.lax.axis_size(DATA)
+  if scatter:
+    return jax.lax.pcast(jnp.zeros((bucket.shard_size,), grad_dtype), DATA, to="varying")
+  return jnp.zeros((bucket.shard_size * shards,), grad_dtype)

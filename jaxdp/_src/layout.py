@@ -1,0 +1,265 @@
+"""Where every gradient lives: per-dtype buffers cut into buckets, from shapes alone.
+
+This is Megatron's `param_layout.py` in static Python data. Params are grouped into one
+flat buffer per (param dtype, grad dtype) key, laid out in reverse tree order (backprop
+order, so the last layers' bucket fills first) and cut into buckets of at least
+`bucket_size` elements without splitting a param.
+
+A bucket is stored *shard-major*: its buffer is `dp` equal shards, and shard `d` holds rows
+`[d * r, (d + 1) * r)` of every param in the bucket, where `r = rows / dp` and `rows` is the
+param's leading dim padded to a multiple of `dp`. A `psum_scatter(tiled=True)` of the bucket
+therefore hands device `d` the same 1/dp of every param, so a sharded optimizer sees an
+ordinary param tree (leaf shapes `(rows, *shape[1:])`, sharded on dim 0) and every optax
+transformation (masks, global norms) stays exact. Each shard is padded at its end so that
+the bucket is a multiple of `lcm(dp, 128)` elements (Megatron's bucket-end padding).
+
+Nothing here is traced: layouts are frozen, hashable dataclasses of ints and tuples that can
+be static arguments of `jax.jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+PyTree = Any
+Frozen = PyTree | Callable[[str, Any], bool] | None
+
+
+def default_bucket_size(dp: int) -> int:
+  """Megatron's default bucket size in elements: `max(40_000_000, 1_000_000 * dp)`."""
+  return max(40_000_000, 1_000_000 * dp)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """One param's place in its bucket (Megatron's `param_index_map` entry)."""
+
+  path: str
+  """`jax.tree_util.keystr` of the leaf."""
+  index: int
+  """Position of the leaf in `jax.tree.leaves(params)`."""
+  shape: tuple[int, ...]
+  rows: int
+  """Leading dim (1 for a scalar) padded up to a multiple of dp."""
+  offset: int
+  """Start of this param's rows inside every shard of its bucket."""
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def padded_shape(self) -> tuple[int, ...]:
+    """The param as the sharded optimizer sees it: leading dim padded to `rows`."""
+    return (self.rows, *self.shape[1:])
+
+  def shard_size(self, dp: int) -> int:
+    """Elements of this param in one shard."""
+    return self.rows // dp * math.prod(self.shape[1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+  """A run of params reduced by one collective."""
+
+  index: int
+  params: tuple[ParamSpec, ...]
+  offset: int
+  """Start of the bucket in its buffer."""
+  shard_size: int
+  """Elements per shard, padding included; the bucket holds `dp * shard_size`."""
+
+  @property
+  def numel(self) -> int:
+    """Elements of real params (no padding)."""
+    return sum(p.size for p in self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferLayout:
+  """One flat buffer: all params with one (param dtype, grad dtype) key."""
+
+  name: str
+  param_dtype: np.dtype
+  grad_dtype: np.dtype
+  buckets: tuple[Bucket, ...]
+  size: int
+  """Elements, padding included."""
+
+  @property
+  def params(self) -> tuple[ParamSpec, ...]:
+    return tuple(p for b in self.buckets for p in b.params)
+
+  @property
+  def numel(self) -> int:
+    return sum(b.numel for b in self.buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Buffers and buckets of a param tree for a data-parallel size `dp`."""
+
+  treedef: jax.tree_util.PyTreeDef
+  shapes: tuple[tuple[int, ...], ...]
+  """Shape of every leaf, in tree order."""
+  dtypes: tuple[np.dtype, ...]
+  paths: tuple[str, ...]
+  dp: int
+  bucket_size: int
+  buffers: tuple[BufferLayout, ...]
+  static: tuple[int, ...]
+  """Leaves with no gradient buffer (frozen or not floating point), in tree order."""
+
+  @property
+  def params(self) -> tuple[ParamSpec, ...]:
+    """Every param with a gradient buffer, in buffer and bucket order."""
+    return tuple(p for buf in self.buffers for p in buf.params)
+
+  @property
+  def trainable(self) -> tuple[bool, ...]:
+    """Per leaf in tree order: does it have a gradient buffer."""
+    static = set(self.static)
+    return tuple(i not in static for i in range(len(self.shapes)))
+
+  @property
+  def num_buckets(self) -> int:
+    return sum(len(b.buckets) for b in self.buffers)
+
+  def summary(self) -> str:
+    """A table of buffers and buckets: params, elements, padding.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jaxdp
+      >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros((3,))}
+      >>> print(jaxdp.make_layout(params, dp=8, bucket_size=2000).summary())
+      dp=8, bucket_size=2,000 elements; 1 buffer, 1 bucket, 1,203 param elements
+      buffer float32: 1,280 elements (77 padding)
+        bucket 0: [0, 1,280)  2 params, 1,203 elements, 77 padding  ['w'] .. ['b']
+    """
+    n = sum(b.numel for b in self.buffers)
+    lines = [f"dp={self.dp}, bucket_size={self.bucket_size:,} elements; "
+             f"{len(self.buffers)} buffer{'s' * (len(self.buffers) != 1)}, "
+             f"{self.num_buckets} bucket{'s' * (self.num_buckets != 1)}, {n:,} param elements"]
+    if self.static:
+      lines.append(f"{len(self.static)} leaves without gradient buffer (frozen or not float): "
+                   + ", ".join(self.paths[i] for i in self.static[:4])
+                   + (" .." if len(self.static) > 4 else ""))
+    for buf in self.buffers:
+      lines.append(f"buffer {buf.name}: {buf.size:,} elements ({buf.size - buf.numel:,} padding)")
+      for b in buf.buckets:
+        size = b.shard_size * self.dp
+        lines.append(
+            f"  bucket {b.index}: [{b.offset:,}, {b.offset + size:,})  {len(b.params)} "
+            f"param{'s' * (len(b.params) != 1)}, {b.numel:,} elements, "
+            f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}")
+    return "\n".join(lines)
+
+
+def _is_float(dtype) -> bool:
+  return np.issubdtype(np.dtype(dtype), np.floating)
+
+
+def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str]) -> list[bool]:
+  leaves = jax.tree.leaves(params)
+  if frozen is None:
+    return [False] * len(leaves)
+  if callable(frozen):
+    return [bool(frozen(path, leaf)) for path, leaf in zip(paths, leaves)]
+  try:
+    mask = jax.tree.leaves(jax.tree.broadcast(frozen, params))
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "frozen: must be a boolean pytree with the structure of params (or a prefix of "
+        f"it), or a function (path, leaf) -> bool; got {jax.tree.structure(frozen)} for "
+        f"params {jax.tree.structure(params)}") from e
+  return [bool(m) for m in mask]
+
+
+def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
+                grad_dtype=None, frozen: Frozen = None) -> Layout:
+  """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
+
+  Args:
+    params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+    dp: number of data-parallel shards every bucket divides into.
+    bucket_size: elements after which a bucket closes (a param is never split);
+      None: Megatron's default `max(40_000_000, 1_000_000 * dp)`.
+    grad_dtype: dtype gradients are reduced in (e.g. `jnp.float32` for fp32 main grads);
+      None: each param's own dtype.
+    frozen: params that get no gradient buffer: a boolean pytree (True = frozen) with
+      the structure of params, or `fn(path: str, leaf) -> bool`. Leaves that are not
+      floating point are always left out.
+
+  Returns:
+    A static `Layout`.
+
+  Raises:
+    ValueError: dp or bucket_size not positive, or `frozen` does not match params.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"a": jnp.zeros((1000,)), "b": jnp.zeros((10, 10), jnp.bfloat16)}
+    >>> layout = jaxdp.make_layout(params, dp=8, grad_dtype=jnp.float32)
+    >>> [buf.name for buf in layout.buffers]
+    ['bfloat16/float32', 'float32']
+    >>> layout.buffers[1].size  # 1000 elements padded to a multiple of lcm(8, 128)
+    1024
+  """
+  if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+    raise ValueError(f"dp={dp!r}: must be a positive integer (the data axis size)")
+  if bucket_size is None:
+    bucket_size = default_bucket_size(dp)
+  if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
+    raise ValueError(f"bucket_size={bucket_size!r}: must be a positive number of elements, "
+                     "or None for Megatron's default")
+  keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
+  paths = [jax.tree_util.keystr(k) for k, _ in keyed]
+  shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in keyed]
+  dtypes = [np.dtype(leaf.dtype) for _, leaf in keyed]
+  frozen_leaves = _frozen_mask(params, frozen, paths)
+
+  by_key: dict[tuple[np.dtype, np.dtype], list[int]] = {}
+  static = []
+  for i in reversed(range(len(keyed))):  # backprop order
+    if frozen_leaves[i] or not _is_float(dtypes[i]):
+      static.append(i)
+      continue
+    gdtype = np.dtype(grad_dtype) if grad_dtype is not None else dtypes[i]
+    by_key.setdefault((dtypes[i], gdtype), []).append(i)
+
+  align = math.lcm(dp, 128) // dp  # shard-size multiple that makes a bucket lcm(dp, 128)
+  buffers = []
+  for (pdtype, gdtype), leaves in sorted(by_key.items(), key=lambda kv: _buffer_name(*kv[0])):
+    groups, group, count = [], [], 0
+    for i in leaves:
+      group.append(i)
+      count += math.prod(shapes[i])
+      if count >= bucket_size:
+        groups.append(group)
+        group, count = [], 0
+    if group:
+      groups.append(group)
+    buckets, offset = [], 0
+    for b, group in enumerate(groups):
+      specs, shard = [], 0
+      for i in group:
+        rows = -(-(shapes[i][0] if shapes[i] else 1) // dp) * dp
+        spec = ParamSpec(paths[i], i, shapes[i], rows, shard)
+        specs.append(spec)
+        shard += spec.shard_size(dp)
+      shard = -(-shard // align) * align
+      buckets.append(Bucket(b, tuple(specs), offset, shard))
+      offset += shard * dp
+    buffers.append(BufferLayout(_buffer_name(pdtype, gdtype), pdtype, gdtype,
+                                tuple(buckets), offset))
+  return Layout(treedef, tuple(shapes), tuple(dtypes), tuple(paths), dp, bucket_size,
+                tuple(buffers), tuple(sorted(static)))
+
+
+def _buffer_name(param_dtype: np.dtype, grad_dtype: np.dtype) -> str:
+  return param_dtype.name if param_dtype == grad_dtype else f"{param_dtype.name}/{grad_dtype.name}"
