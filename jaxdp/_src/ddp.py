@@ -90,7 +90,7 @@ def _dp(mesh) -> int:
 
 
 def _master_dtype(dtype) -> np.dtype:
-  return np.promote_types(dtype, np.float32)
+  return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
 def _keeps_master(config: DDPConfig, dtype) -> bool:

@@ -161,7 +161,7 @@ class Layout:
 
 
 def _is_float(dtype) -> bool:
-  return np.issubdtype(np.dtype(dtype), np.floating)
+  return jax.numpy.issubdtype(dtype, jax.numpy.floating)  # bf16 is no np.floating
 
 
 def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str]) -> list[bool]:

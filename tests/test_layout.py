@@ -1,0 +1,133 @@
+"""Layout, ravel and unravel, checked against numbers worked out by hand in this file."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdp
+
+
+def test_buckets_offsets_and_padding_by_hand():
+  # Tree order is b1, w1, w2; backprop order is the reverse: w2, w1, b1.
+  params = {"w1": jnp.zeros((300, 4)), "b1": jnp.zeros((3,)), "w2": jnp.zeros((4, 5))}
+  layout = jaxdp.make_layout(params, dp=8, bucket_size=1000)
+  (buf,) = layout.buffers
+  assert buf.name == "float32"
+  # w2 (20 elements) keeps bucket 0 open; w1 brings it to 1220 >= 1000 and closes it.
+  b0, b1 = buf.buckets
+  assert [p.path for p in b0.params] == ["['w2']", "['w1']"]
+  assert [p.path for p in b1.params] == ["['b1']"]
+  # Rows padded to a multiple of dp: w2 4 -> 8 rows of 5 (5 per shard), w1 300 -> 304 rows
+  # of 4 (152 per shard), b1 3 -> 8 rows of 1 (1 per shard).
+  assert [p.rows for p in b0.params + b1.params] == [8, 304, 8]
+  assert [p.offset for p in b0.params] == [0, 5]
+  # Shards padded so that a bucket is a multiple of lcm(8, 128) = 128: 157 -> 160, 1 -> 16.
+  assert (b0.offset, b0.shard_size, b1.offset, b1.shard_size) == (0, 160, 1280, 16)
+  assert buf.size == 1280 + 128
+  assert buf.numel == 1223
+  assert layout.num_buckets == 2 and layout.static == ()
+
+
+def test_dtype_buffers_and_odd_dp():
+  params = {"x": jnp.zeros((10,)), "y": jnp.zeros((2, 2), jnp.bfloat16)}
+  layout = jaxdp.make_layout(params, dp=3, grad_dtype=jnp.float32)
+  assert [b.name for b in layout.buffers] == ["bfloat16/float32", "float32"]
+  bf16, f32 = layout.buffers
+  assert bf16.param_dtype == jnp.bfloat16 and bf16.grad_dtype == jnp.float32
+  # lcm(3, 128) = 384: every bucket is 384 elements, 128 per shard.
+  assert [b.buckets[0].shard_size for b in layout.buffers] == [128, 128]
+  assert bf16.size == f32.size == 384
+  assert f32.buckets[0].params[0].rows == 12  # 10 -> 12
+  assert bf16.buckets[0].params[0].rows == 3  # 2 -> 3
+
+
+def test_default_bucket_size_is_megatrons():
+  params = {"w": jnp.zeros((4,))}
+  assert jaxdp.make_layout(params, dp=8).bucket_size == 40_000_000
+  assert jaxdp.make_layout(params, dp=64).bucket_size == 64_000_000
+
+
+def test_a_param_is_never_split_and_every_bucket_reaches_bucket_size():
+  params = {f"p{i:02d}": jnp.zeros((n,)) for i, n in enumerate([7, 300, 64, 1, 999, 5, 130])}
+  layout = jaxdp.make_layout(params, dp=4, bucket_size=250)
+  buckets = layout.buffers[0].buckets
+  sizes = [[p.size for p in b.params] for b in buckets]
+  # Backprop order: 130, 5, 999 | 1, 64, 300 | 7
+  assert sizes == [[130, 5, 999], [1, 64, 300], [7]]
+  assert all(sum(s) >= 250 for s in sizes[:-1])
+
+
+def test_frozen_and_integer_leaves_get_no_buffer():
+  params = {"emb": jnp.zeros((8, 4)), "frozen": jnp.zeros((4, 4)), "step": jnp.zeros((), jnp.int32)}
+  by_tree = jaxdp.make_layout(params, dp=2, frozen={"emb": False, "frozen": True, "step": False})
+  by_fn = jaxdp.make_layout(params, dp=2, frozen=lambda path, leaf: "frozen" in path)
+  for layout in (by_tree, by_fn):
+    assert [p.path for p in layout.params] == ["['emb']"]
+    assert layout.static == (1, 2)  # tree order: emb, frozen, step
+  with pytest.raises(ValueError, match="frozen"):
+    jaxdp.make_layout(params, dp=2, frozen={"emb": True})
+
+
+def test_shapes_alone_give_the_same_layout():
+  params = {"a": jnp.zeros((33, 3), jnp.bfloat16), "b": jnp.zeros((5,))}
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  assert jaxdp.make_layout(shapes, dp=8, bucket_size=64) == \
+      jaxdp.make_layout(params, dp=8, bucket_size=64)
+  hash(jaxdp.make_layout(shapes, dp=8))  # static: usable as a jit static argument
+
+
+def _random_tree(dtypes):
+  rng = np.random.default_rng(0)
+  shapes = [(), (1,), (7,), (3, 5), (13, 1, 3), (129,)]
+  return {f"{np.dtype(d).name}_{i}": jnp.asarray(rng.normal(size=s), d)
+          for d in dtypes for i, s in enumerate(shapes)}
+
+
+@pytest.mark.parametrize("dp", [1, 3, 8])
+def test_round_trip_is_bitwise(dp):
+  params = _random_tree([jnp.float32, jnp.bfloat16, jnp.float16])
+  params["count"] = jnp.arange(3, dtype=jnp.int32)
+  layout = jaxdp.make_layout(params, dp=dp, bucket_size=40)
+  flat = jaxdp.ravel(params, layout)
+  assert {k: v.dtype for k, v in flat.items()} == {
+      "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+  back = jaxdp.unravel(flat, layout, like=params)
+  for k in params:
+    a, b = np.asarray(params[k]), np.asarray(back[k])
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes(), k
+
+
+def test_ravel_places_each_shard_rows_where_the_layout_says():
+  dp = 4
+  params = {"a": jnp.arange(10.0 * 3).reshape(10, 3), "b": jnp.arange(6.0) + 100}
+  layout = jaxdp.make_layout(params, dp=dp)
+  flat = np.asarray(jaxdp.ravel(params, layout)["float32"])
+  (bucket,) = layout.buffers[0].buckets
+  for p in bucket.params:
+    full = np.asarray(params[p.path[2:-2]]).reshape(p.shape[0], -1)
+    padded = np.zeros((p.rows, full.shape[1]), np.float32)
+    padded[: p.shape[0]] = full
+    r = p.rows // dp
+    n = r * full.shape[1]
+    for d in range(dp):
+      start = bucket.offset + d * bucket.shard_size + p.offset
+      np.testing.assert_array_equal(flat[start: start + n], padded[d * r:(d + 1) * r].ravel())
+  # Everything that is not a param is zero padding.
+  assert np.count_nonzero(flat) == 10 * 3 + 6 - 1  # a[0, 0] is 0.0
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="bucket_size"):
+    jaxdp.make_layout({"w": jnp.zeros(3)}, dp=2, bucket_size=0)
+  with pytest.raises(ValueError, match="dp"):
+    jaxdp.make_layout({"w": jnp.zeros(3)}, dp=0)
+  layout = jaxdp.make_layout({"w": jnp.zeros(3)}, dp=2)
+  with pytest.raises(ValueError, match="structure"):
+    jaxdp.ravel({"v": jnp.zeros(3)}, layout)
+  with pytest.raises(ValueError, match=r"\['w'\]: shape"):
+    jaxdp.ravel({"w": jnp.zeros(4)}, layout)
+  assert math.lcm(2, 128) == jaxdp.ravel({"w": jnp.zeros(3)}, layout)["float32"].size
