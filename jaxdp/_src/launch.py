@@ -1,0 +1,306 @@
+"""A local multi-process launcher: P processes of one script, joined by `jaxdp.initialize`.
+
+For development and tests on one machine (torchrun's ``--standalone`` in spirit): each
+process gets the `JAXDP_*` environment that `jaxdp.initialize` reads (coordinator on
+``127.0.0.1``, its process id, its CPU device count), its output is streamed with a
+``[pI]`` prefix, and when one process fails the others are stopped: SIGTERM, then SIGKILL
+after a grace period. The launcher exits 0 only if every process exits 0.
+
+The launcher itself never touches devices: importing JAX does not start its backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence
+
+from jaxdp._src import distributed
+
+_POLL_S = 0.05
+PROG = "python -m jaxdp.launch"
+
+
+def free_port() -> int:
+  """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def describe_exit(returncode: int) -> str:
+  """`Popen.returncode` in words: ``exit code 3`` or ``signal SIGKILL``."""
+  if returncode < 0:
+    try:
+      name = signal.Signals(-returncode).name
+    except ValueError:
+      name = str(-returncode)
+    return f"signal {name}"
+  return f"exit code {returncode}"
+
+
+def _shell_code(returncode: int) -> int:
+  """The shell's convention: a death by signal N is 128 + N."""
+  return 128 - returncode if returncode < 0 else returncode
+
+
+@dataclasses.dataclass
+class _Worker:
+  index: int
+  proc: subprocess.Popen
+  threads: list[threading.Thread]
+  stopped_by_launcher: bool = False
+
+
+def _pump(pipe: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Lock) -> None:
+  """Copies `pipe` to `sink` line by line, each line prefixed, until EOF."""
+  for line in iter(pipe.readline, b""):
+    if not line.endswith(b"\n"):
+      line += b"\n"
+    with lock:
+      try:
+        sink.write(prefix + line)
+        sink.flush()
+      except (BrokenPipeError, ValueError):  # Our own stdout went away: keep draining.
+        pass
+  pipe.close()
+
+
+def _binary(stream: IO) -> IO[bytes]:
+  return getattr(stream, "buffer", stream)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+  """Sends `sig` to the process group the worker leads (it and its children)."""
+  try:
+    os.killpg(proc.pid, sig)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+# Runs first in each worker (Linux): ask the kernel to SIGKILL it when the launcher dies,
+# even by SIGKILL, then exec the real command. (A `preexec_fn` would do the same but makes
+# subprocess fork() a multithreaded process, which JAX warns against.)
+_BOOT = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("jaxdp.launch: the launcher died before this process started")
+os.execv(sys.executable, [sys.executable] + sys.argv[2:])
+"""
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int | None = None,
+    *,
+    port: int | None = None,
+    grace_period_s: float = 5.0,
+    timeout_s: float | None = None,
+    stdout: IO | None = None,
+    stderr: IO | None = None,
+) -> int:
+  """Runs ``python COMMAND...`` as `num_processes` local processes of one JAX job.
+
+  Args:
+    command: what follows ``python``: ``["train.py", "--steps", "3"]`` or
+      ``["-m", "pkg.mod", ...]``. Run with this interpreter (`sys.executable`).
+    num_processes: processes to start.
+    devices_per_process: CPU devices each process exposes (`JAXDP_LOCAL_DEVICES`);
+      None leaves JAX's default.
+    port: coordinator port on 127.0.0.1; None picks a free one.
+    grace_period_s: after SIGTERM (or SIGINT on Ctrl-C), how long a process may take
+      to exit before it is SIGKILLed.
+    timeout_s: stop everything and fail if the job runs longer than this; None: no limit.
+    stdout: where the processes' prefixed stdout goes (default `sys.stdout`).
+    stderr: where their prefixed stderr and the launcher's own messages go (default
+      `sys.stderr`).
+
+  Returns:
+    0 if every process exited 0. Otherwise the first failure's code (128 + N for a
+    death by signal N), 124 on timeout, 130 on Ctrl-C (SIGINT), 143 on SIGTERM.
+
+  Raises:
+    ValueError: `num_processes` or `devices_per_process` below 1, or an empty command.
+  """
+  if num_processes < 1:
+    raise ValueError(f"num_processes={num_processes}: must be at least 1")
+  if devices_per_process is not None and devices_per_process < 1:
+    raise ValueError(f"devices_per_process={devices_per_process}: must be at least 1")
+  if not command:
+    raise ValueError("no command: give the script to run, e.g. `-- train.py --steps 3`")
+  out = _binary(stdout or sys.stdout)
+  err = _binary(stderr or sys.stderr)
+  lock = threading.Lock()
+
+  def say(message: str) -> None:
+    with lock:
+      err.write(f"[jaxdp.launch] {message}\n".encode())
+      err.flush()
+
+  port = port or free_port()
+  base_env = dict(os.environ)
+  base_env.setdefault("JAX_PLATFORMS", "cpu")  # A local launcher: CPU unless told otherwise.
+  base_env["PYTHONUNBUFFERED"] = "1"
+  # The processes import the same jaxdp as the launcher, installed or not.
+  package_root = str(pathlib.Path(__file__).resolve().parents[2])
+  base_env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (package_root, base_env.get("PYTHONPATH")) if p)
+  base_env[distributed.ENV_COORDINATOR] = f"127.0.0.1:{port}"
+  base_env[distributed.ENV_NUM_PROCESSES] = str(num_processes)
+  if devices_per_process is not None:
+    base_env[distributed.ENV_LOCAL_DEVICES] = str(devices_per_process)
+
+  # SIGINT/SIGTERM to the launcher: stop the job (not the launcher mid-cleanup).
+  received: list[int] = []
+  in_main_thread = threading.current_thread() is threading.main_thread()
+  previous_handlers = {}
+  if in_main_thread:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      previous_handlers[sig] = signal.signal(sig, lambda s, _: received.append(s))
+
+  workers: list[_Worker] = []
+  try:
+    for i in range(num_processes):
+      env = dict(base_env, **{distributed.ENV_PROCESS_ID: str(i)})
+      # Own process group: a signal to the group reaches the worker and its children.
+      argv = [sys.executable, *command]
+      if sys.platform == "linux":
+        argv = [sys.executable, "-c", _BOOT, str(os.getpid()), *command]
+      proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              start_new_session=True)
+      threads = [threading.Thread(target=_pump, args=(pipe, f"[p{i}] ".encode(), sink, lock),
+                                  daemon=True)
+                 for pipe, sink in ((proc.stdout, out), (proc.stderr, err))]
+      for t in threads:
+        t.start()
+      workers.append(_Worker(i, proc, threads))
+    say(f"started {num_processes} processes (coordinator 127.0.0.1:{port}"
+        + (f", {devices_per_process} devices each" if devices_per_process else "")
+        + f"): pids {' '.join(str(w.proc.pid) for w in workers)}")
+
+    start = time.monotonic()
+    failed: _Worker | None = None
+    code = 0
+    while True:
+      if received:
+        sig = received[0]
+        say(f"received {signal.Signals(sig).name}; stopping all processes")
+        code = 128 + sig
+        break
+      for w in workers:
+        rc = w.proc.poll()
+        if rc is not None and rc != 0:
+          failed = w
+          break
+      if failed is not None:
+        code = _shell_code(failed.proc.returncode)
+        say(f"process {failed.index} (pid {failed.proc.pid}) failed with "
+            f"{describe_exit(failed.proc.returncode)}; stopping the others")
+        break
+      if all(w.proc.poll() == 0 for w in workers):
+        break
+      if timeout_s is not None and time.monotonic() - start > timeout_s:
+        running = [w.index for w in workers if w.proc.poll() is None]
+        say(f"timeout after {timeout_s:g} s with processes {running} still running; "
+            "stopping them")
+        code = 124
+        break
+      time.sleep(_POLL_S)
+  finally:
+    _stop(workers, signal.SIGINT if signal.SIGINT in received else signal.SIGTERM,
+          grace_period_s, say, received)
+    for sig, handler in previous_handlers.items():
+      signal.signal(sig, handler)
+
+  for w in workers:
+    for t in w.threads:
+      t.join(timeout=2.0)  # A grandchild that escaped the group may hold the pipe open.
+  if code and failed is not None:
+    others = [f"p{w.index}: {describe_exit(w.proc.returncode)}"
+              + (" (stopped by the launcher)" if w.stopped_by_launcher else "")
+              for w in workers if w is not failed]
+    say(f"FAILED: process {failed.index} failed with {describe_exit(failed.proc.returncode)}"
+        + (f"; others: {', '.join(others)}" if others else ""))
+  return code
+
+
+def _stop(workers: Sequence[_Worker], first_signal: int, grace_period_s: float, say,
+          received: list[int]) -> None:
+  """Signals every running worker, then SIGKILLs what is left after the grace period.
+
+  A signal to the launcher while it waits (a second Ctrl-C) cuts the grace period short.
+  """
+  running = [w for w in workers if w.proc.poll() is None]
+  for w in running:
+    w.stopped_by_launcher = True
+    _signal_group(w.proc, first_signal)
+  signals_before = len(received)
+  deadline = time.monotonic() + grace_period_s
+  while (any(w.proc.poll() is None for w in running) and time.monotonic() < deadline
+         and len(received) == signals_before):
+    time.sleep(_POLL_S)
+  for w in running:
+    if w.proc.poll() is None:
+      say(f"process {w.index} (pid {w.proc.pid}) still running after "
+          f"{'a second signal' if len(received) > signals_before else f'{grace_period_s:g} s'}"
+          "; sending SIGKILL")
+    # Also reaps children a worker left behind in its group.
+    _signal_group(w.proc, signal.SIGKILL)
+  for w in running:
+    w.proc.wait()
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog=PROG,
+      usage=f"{PROG} --num-processes P [--devices-per-process D] [--port PORT] -- "
+            "SCRIPT [ARGS...]",
+      description="Run SCRIPT as P local processes of one JAX job (CPU, gloo collectives). "
+                  "Each process reads its place in the job from JAXDP_COORDINATOR, "
+                  "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID and JAXDP_LOCAL_DEVICES through "
+                  "jaxdp.initialize(). If one process fails, the others are stopped and the "
+                  "launcher exits non-zero naming it.")
+  parser.add_argument("-n", "--num-processes", type=int, required=True)
+  parser.add_argument("-d", "--devices-per-process", type=int, default=None,
+                      help="CPU devices per process (default: JAX's default, 1)")
+  parser.add_argument("--port", type=int, default=None,
+                      help="coordinator port on 127.0.0.1 (default: a free one)")
+  parser.add_argument("--grace-period", type=float, default=5.0, metavar="SECONDS",
+                      help="after SIGTERM, seconds before SIGKILL (default: 5)")
+  parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                      help="fail if the job runs longer than this (default: no limit)")
+  return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line entry: ``python -m jaxdp.launch -n P -d D -- SCRIPT ARGS...``."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = _parser()
+  if "--" in argv:
+    cut = argv.index("--")
+    options, command = argv[:cut], argv[cut + 1:]
+  else:
+    options, command = argv, []
+  args = parser.parse_args(options)
+  if not command:
+    parser.error("no script: put it after `--`, e.g. `-- train.py --steps 3`")
+  try:
+    return launch(command, args.num_processes, args.devices_per_process, port=args.port,
+                  grace_period_s=args.grace_period, timeout_s=args.timeout)
+  except ValueError as e:
+    parser.error(str(e))
+    return 2  # Unreachable: parser.error exits.

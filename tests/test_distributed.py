@@ -1,0 +1,215 @@
+"""Many processes: `initialize`, `host_local_batch_to_global` and ``python -m jaxdp.launch``.
+
+The multi-process tests run 2 processes x 4 CPU devices through the launcher (gloo
+collectives on 127.0.0.1) and compare with the same computation on this process's 8
+devices. Launcher behaviour (prefixes, exit codes, stopping the others, Ctrl-C) is checked
+with tiny `python -c` workers that do not import JAX.
+"""
+
+import io
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxdp._src import distributed
+from jaxdp._src.launch import launch, main
+from tests import mp_worker
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKER = str(REPO / "tests" / "mp_worker.py")
+
+
+def run_launcher(*args: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess, float]:
+  start = time.monotonic()
+  result = subprocess.run([sys.executable, "-m", "jaxdp.launch", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+  return result, time.monotonic() - start
+
+
+def launch_quiet(command, num_processes, **kwargs) -> tuple[int, str, str]:
+  """`launch` in this process, its output captured."""
+  out, err = io.BytesIO(), io.BytesIO()
+  code = launch(command, num_processes, stdout=out, stderr=err, **kwargs)
+  return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+# --- two processes x four devices, through the launcher ---------------------------------
+
+
+def test_two_processes_psum_equals_single_process(tmp_path):
+  result, elapsed = run_launcher("--num-processes", "2", "--devices-per-process", "4", "--",
+                                 WORKER, "psum", str(tmp_path))
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert elapsed < 60
+  assert "process 0 of 2" in result.stderr and "process 1 of 2" in result.stderr
+  assert "4 local devices, 8 global devices (cpu)" in result.stderr
+
+  mesh = jax.make_mesh((8,), ("data",))
+  batch = distributed.host_local_batch_to_global(mp_worker.global_batch(), mesh)
+  want_rows, want_total = (np.asarray(a) for a in mp_worker.compute(batch, mesh))
+  for p in range(2):
+    got = np.load(tmp_path / f"psum.p{p}.npz")
+    assert (int(got["process_count"]), int(got["device_count"])) == (2, 8)
+    # Each row is computed on one device, identically: bitwise. The psum adds 8 partial
+    # sums in an order gloo chooses: float32 rounding only.
+    np.testing.assert_array_equal(got["rows"], want_rows)
+    np.testing.assert_allclose(got["total"], want_total, rtol=1e-6)
+
+
+def test_killed_process_stops_the_job_and_is_named(tmp_path):
+  result, elapsed = run_launcher("-n", "2", "-d", "4", "--grace-period", "3", "--",
+                                 WORKER, "crash", str(tmp_path), timeout=90)
+  log = result.stdout + result.stderr
+  assert result.returncode != 0, log
+  assert elapsed < 60, log
+  assert "process 0: entering a collective that cannot finish" in log  # p0 really blocked.
+  assert "process 1 (pid" in log and "failed with signal SIGKILL" in log, log
+  assert "FAILED: process 1" in log, log
+  assert "unreachable" not in log
+
+
+# --- launcher behaviour, with workers that do not import JAX ----------------------------
+
+_PID = "int(os.environ['JAXDP_PROCESS_ID'])"
+
+
+def test_launcher_sets_env_and_prefixes_output():
+  code, out, err = launch_quiet(
+      ["-c", "import os; e = os.environ; "
+             "print(e['JAXDP_PROCESS_ID'], e['JAXDP_NUM_PROCESSES'], e['JAXDP_LOCAL_DEVICES'], "
+             "e['JAXDP_COORDINATOR'], e['JAX_PLATFORMS']); "
+             "import sys; print('to stderr', file=sys.stderr, end='')"],
+      3, devices_per_process=4, port=12345)
+  assert code == 0, err
+  for p in range(3):
+    assert f"[p{p}] {p} 3 4 127.0.0.1:12345 cpu\n" in out
+    assert f"[p{p}] to stderr\n" in err  # Also a last line without a newline.
+  assert "FAILED" not in err
+
+
+def test_launcher_names_failed_process_and_its_exit_code():
+  start = time.monotonic()
+  code, _, err = launch_quiet(
+      ["-c", f"import os, sys, time; pid = {_PID}; "
+             "sys.exit(3) if pid == 1 else time.sleep(600)"],
+      3, grace_period_s=2.0)
+  assert code == 3
+  assert time.monotonic() - start < 10
+  assert "process 1 (pid" in err and "failed with exit code 3" in err
+  assert "p0: signal SIGTERM (stopped by the launcher)" in err
+
+
+def test_launcher_sigkills_processes_that_ignore_sigterm():
+  start = time.monotonic()
+  code, _, err = launch_quiet(
+      ["-c", f"import os, signal, sys, time; pid = {_PID}; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "print('ready', flush=True); "
+             "(time.sleep(0.5), os.kill(os.getpid(), signal.SIGKILL)) if pid == 0 "
+             "else time.sleep(600)"],
+      2, grace_period_s=1.0)
+  assert code == 128 + signal.SIGKILL
+  assert time.monotonic() - start < 10
+  assert "process 0 (pid" in err and "failed with signal SIGKILL" in err
+  assert "process 1 (pid" in err and "sending SIGKILL" in err
+
+
+def test_launcher_timeout():
+  code, _, err = launch_quiet(["-c", "import time; time.sleep(600)"], 2, timeout_s=0.5,
+                              grace_period_s=1.0)
+  assert code == 124
+  assert "timeout after 0.5 s with processes [0, 1] still running" in err
+
+
+def test_ctrl_c_stops_the_job():
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "jaxdp.launch", "-n", "2", "--grace-period", "3", "--",
+       "-c", "import time; print('up', flush=True); time.sleep(600)"],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    started = ""
+    while "pids" not in started:  # The launcher's first line names the workers.
+      started = proc.stderr.readline()
+      assert started or proc.poll() is None, "launcher exited before starting workers"
+    pids = [int(p) for p in re.search(r"pids ([\d ]+)", started).group(1).split()]
+    assert proc.stdout.readline().endswith("up\n")
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert time.monotonic() - start < 10
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "received SIGINT" in proc.stderr.read()
+    for pid in pids:
+      with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # Reaped by the launcher: gone.
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+
+
+def test_launcher_requires_a_script(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["-n", "2"])
+  assert exit_info.value.code == 2
+  assert "no script: put it after `--`" in capsys.readouterr().err
+
+
+# --- single process ------------------------------------------------------------------
+
+
+def test_initialize_alone_is_a_no_op(monkeypatch):
+  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+               distributed.ENV_PROCESS_ID, distributed.ENV_LOCAL_DEVICES):
+    monkeypatch.delenv(name, raising=False)
+  if distributed._detected_cluster() is not None:
+    pytest.skip("running inside a cluster environment")
+  distributed.initialize()
+  distributed.initialize()  # Idempotent.
+  distributed.initialize(num_processes=1, process_id=0)
+  assert not jax.distributed.is_initialized()
+
+
+def test_initialize_with_a_partial_cluster_description_says_what_is_missing(monkeypatch):
+  if distributed._detected_cluster() is not None:
+    pytest.skip("running inside a cluster environment")
+  monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
+  monkeypatch.delenv(distributed.ENV_NUM_PROCESSES, raising=False)
+  monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
+  with pytest.raises(ValueError, match=r"no num_processes, process_id.*set "
+                                       r"JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID"):
+    distributed.initialize()
+
+
+def test_initialize_rejects_a_malformed_env_var(monkeypatch):
+  monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+  with pytest.raises(ValueError, match="JAXDP_NUM_PROCESSES='two': expected an integer"):
+    distributed.initialize()
+
+
+def test_initialize_after_the_backend_started_cannot_change_the_device_count():
+  jax.devices()  # The backend runs with conftest's 8 CPU devices.
+  distributed.initialize(local_device_count=8)  # Agrees: fine.
+  with pytest.raises(RuntimeError, match="already started with 8 local CPU devices"):
+    distributed.initialize(local_device_count=4)
+
+
+def test_host_local_batch_to_global_single_process():
+  mesh = jax.make_mesh((8,), ("data",))
+  local = {"x": np.arange(32, dtype=np.float32).reshape(16, 2), "w": np.ones(3, np.float32)}
+  batch = distributed.host_local_batch_to_global(local, mesh, {"x": P("data"), "w": P()})
+  np.testing.assert_array_equal(batch["x"], local["x"])
+  assert batch["x"].sharding.spec == P("data") and batch["w"].sharding.spec == P()
+  assert [s.data.shape for s in batch["x"].addressable_shards] == [(2, 2)] * 8
+  with pytest.raises(ValueError, match=r"batch\['x'\]: dim 0 of the local batch is 12, not "
+                                       r"divisible by the 8 devices"):
+    distributed.host_local_batch_to_global({"x": np.ones((12, 2))}, mesh)
