@@ -1,0 +1,351 @@
+"""Compile for GPU without a GPU, and the XLA options jaxdp compiles with.
+
+jaxdp decides its buckets itself, so XLA must not merge bucket collectives back
+into one (its *collective combiners* do exactly that) and must be free to run
+them asynchronously under backward compute. :func:`compiler_options` gives the
+options that say so, per platform; the train step passes them to ``jax.jit``.
+
+With ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` installed (``pip install
+'jaxdp[aot]'``), :func:`gpu_mesh` builds a mesh of *compile-only* H100 devices
+from the target description shipped in ``jaxdp/_src/data`` and
+:func:`compile_for_gpu` compiles a program for it. No GPU is needed; the result
+cannot run, but its scheduled HLO (``as_text()``) and ``memory_analysis()`` are
+the GPU program's. This works with ``JAX_PLATFORMS=cpu``.
+
+Facts checked with jax/jaxlib 0.10.2 (see tests/test_inspect.py):
+
+- CPU has one collective combiner pass, ``cpu-all-reduce-combiner``; XLA:CPU in
+  this version has no reduce-scatter or all-gather combiner (independent
+  ``psum_scatter``/``all_gather`` stay separate without any option).
+- GPU combines all-reduce, reduce-scatter and all-gather below
+  ``xla_gpu_*_combine_threshold_bytes``; 0 turns each combiner off.
+- GPU collectives are asynchronous (``*-start``/``*-done``) unless listed in
+  ``xla_gpu_disable_async_collectives``; jaxdp sets it to ``""`` so that an
+  ``XLA_FLAGS`` setting cannot silently make bucket collectives synchronous.
+  (``xla_gpu_enable_async_collectives`` no longer exists.)
+- Options given to ``jax.jit(f, compiler_options=...)`` and to
+  ``.lower(...).compile(compiler_options=...)`` are merged.
+- Without the plugin, ``get_topology_desc(platform="cuda")`` raises
+  ``NotImplementedError('topology not implemented for cuda')``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+PyTree = Any
+
+#: Collective combiner passes of XLA:CPU (jaxlib 0.10.2). There is no
+#: reduce-scatter or all-gather combiner on CPU.
+CPU_COMBINER_PASSES = ("cpu-all-reduce-combiner",)
+
+_CPU_OPTIONS = {"xla_disable_hlo_passes": ",".join(CPU_COMBINER_PASSES)}
+
+_GPU_OPTIONS = {
+    # Bucket collectives stay buckets: 0 bytes turns each combiner off.
+    "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+    "xla_gpu_all_gather_combine_threshold_bytes": 0,
+    # Overlap: schedule for latency hiding, and no collective kind forced
+    # synchronous (overrides a --xla_gpu_disable_async_collectives in XLA_FLAGS).
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_disable_async_collectives": "",
+}
+
+_TARGET_CONFIG_FILE = "h100_target_config.txtpb"
+_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def compiler_options(platform: str) -> dict[str, str | int | bool]:
+  """XLA options jaxdp compiles with on ``platform``, so buckets stay buckets.
+
+  Pass them to ``jax.jit(f, compiler_options=...)`` (or to
+  ``.lower(...).compile(compiler_options=...)``). On CPU they disable the
+  all-reduce combiner; on GPU they set every combine threshold to 0 and keep
+  collectives asynchronous under the latency hiding scheduler.
+
+  Args:
+    platform: ``"cpu"``, or ``"cuda"``/``"gpu"``/``"rocm"`` (e.g.
+      ``jax.default_backend()`` or ``device.platform``).
+
+  Returns:
+    A new dict of option name to value.
+
+  Raises:
+    ValueError: for another platform (e.g. ``"tpu"``), where jaxdp has not
+      verified which passes merge collectives.
+
+  Examples:
+    >>> compiler_options("cpu")
+    {'xla_disable_hlo_passes': 'cpu-all-reduce-combiner'}
+    >>> compiler_options("cuda")["xla_gpu_all_reduce_combine_threshold_bytes"]
+    0
+  """
+  if platform == "cpu":
+    return dict(_CPU_OPTIONS)
+  if platform in _GPU_PLATFORMS:
+    return dict(_GPU_OPTIONS)
+  raise ValueError(
+      f"compiler_options: jaxdp knows the collective-combiner options for "
+      f"'cpu' and 'cuda'/'gpu'/'rocm', not {platform!r}; pass the options "
+      f"that keep your platform's collectives separate to jax.jit yourself"
+  )
+
+
+def h100_target_config() -> str:
+  """The H100 target description jaxdp ships (a ``GpuTargetConfigProto`` text).
+
+  Returns:
+    The text, as passed to ``get_topology_desc(target_config=...)``.
+
+  Examples:
+    >>> "NVIDIA H100" in h100_target_config()
+    True
+  """
+  path = importlib.resources.files("jaxdp._src").joinpath(
+      "data", _TARGET_CONFIG_FILE
+  )
+  return path.read_text()
+
+
+@functools.cache
+def gpu_compile_unavailable() -> str | None:
+  """Why GPU programs cannot be compiled here, or None when they can.
+
+  Returns:
+    None when :func:`gpu_topology` works; otherwise one line saying what is
+    missing and how to get it. Tests skip their GPU cases with this reason.
+
+  Examples:
+    >>> reason = gpu_compile_unavailable()
+    >>> reason is None or "jax-cuda12" in reason
+    True
+  """
+  for module, package in (
+      ("jax_cuda12_plugin", "jax-cuda12-plugin"),
+      ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"),
+  ):
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except ImportError:
+      found = False
+    if not found:
+      return (
+          f"{package}=={jax.__version__} is not installed; "
+          f"pip install 'jaxdp[aot]' to compile GPU programs without a GPU"
+      )
+  try:
+    _topology(1, 1, None)
+  except Exception as e:  # noqa: BLE001 - any failure means "unavailable".
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return (
+        f"jax-cuda12-plugin is installed but no cuda topology can be built "
+        f"({type(e).__name__}: {first}); check that jax-cuda12-plugin, "
+        f"jax-cuda12-pjrt and jaxlib are all version {jax.__version__}"
+    )
+  return None
+
+
+@functools.cache
+def _topology(num_hosts: int, per_host: int, target_config: str | None):
+  from jax.experimental import topologies  # noqa: PLC0415 - optional path.
+
+  return topologies.get_topology_desc(
+      platform="cuda",
+      target_config=target_config or h100_target_config(),
+      topology=f"1x{num_hosts}x{per_host}",
+  )
+
+
+def gpu_topology(
+    num_devices: int = 8, *, num_hosts: int = 1, target_config: str | None = None
+) -> tuple[jax.Device, ...]:
+  """Compile-only GPU devices (H100 unless ``target_config`` says otherwise).
+
+  Args:
+    num_devices: total number of GPUs.
+    num_hosts: hosts they are spread over (topology ``1 x hosts x per host``).
+    target_config: a ``GpuTargetConfigProto`` text; default: the H100 one
+      (:func:`h100_target_config`).
+
+  Returns:
+    ``num_devices`` devices that programs can be lowered and compiled for, but
+    not run on.
+
+  Raises:
+    ValueError: if ``num_devices`` is not a positive multiple of ``num_hosts``.
+    RuntimeError: if GPU programs cannot be compiled here
+      (:func:`gpu_compile_unavailable` says why).
+
+  Examples:
+    >>> devices = gpu_topology(8)
+    >>> len(devices), devices[0].device_kind
+    (8, 'NVIDIA H100 80GB HBM3')
+  """
+  if num_devices < 1 or num_hosts < 1 or num_devices % num_hosts:
+    raise ValueError(
+        f"gpu_topology: num_devices={num_devices} must be a positive multiple "
+        f"of num_hosts={num_hosts}"
+    )
+  reason = gpu_compile_unavailable()
+  if reason is not None:
+    raise RuntimeError(f"gpu_topology: {reason}")
+  topo = _topology(num_hosts, num_devices // num_hosts, target_config)
+  return tuple(topo.devices)
+
+
+def gpu_mesh(
+    axis_shapes: Sequence[int] = (8,),
+    axis_names: Sequence[str] = ("data",),
+    *,
+    num_hosts: int = 1,
+    target_config: str | None = None,
+) -> jax.sharding.Mesh:
+  """A mesh over compile-only GPU devices, like ``jax.make_mesh`` for a GPU.
+
+  Args:
+    axis_shapes: mesh shape; its product is the number of GPUs.
+    axis_names: one name per axis.
+    num_hosts: hosts the GPUs are spread over.
+    target_config: a ``GpuTargetConfigProto`` text; default: H100.
+
+  Returns:
+    A ``jax.sharding.Mesh`` to build shardings and ``shard_map``s on.
+
+  Raises:
+    ValueError: if shapes and names differ in length.
+    RuntimeError: if GPU programs cannot be compiled here.
+
+  Examples:
+    >>> dict(gpu_mesh((4, 2), ("data", "model")).shape)
+    {'data': 4, 'model': 2}
+  """
+  from jax.experimental import mesh_utils  # noqa: PLC0415
+
+  axis_shapes, axis_names = tuple(axis_shapes), tuple(axis_names)
+  if len(axis_shapes) != len(axis_names):
+    raise ValueError(
+        f"gpu_mesh: axis_shapes {axis_shapes} and axis_names {axis_names} "
+        f"must have the same length"
+    )
+  n = 1
+  for s in axis_shapes:
+    n *= s
+  devices = gpu_topology(n, num_hosts=num_hosts, target_config=target_config)
+  return jax.sharding.Mesh(
+      mesh_utils.create_device_mesh(axis_shapes, list(devices)), axis_names
+  )
+
+
+def abstract_like(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
+  """``ShapeDtypeStruct``s of ``tree``'s leaves, placed on ``mesh``.
+
+  Each leaf keeps its ``PartitionSpec`` when it has a ``NamedSharding`` (the
+  mesh axis names must exist on ``mesh``) and is replicated otherwise. Use it to
+  compile a step for a GPU mesh from arrays (or abstract values) built for a
+  CPU mesh with the same axis names.
+
+  Args:
+    tree: a pytree of arrays or ``jax.ShapeDtypeStruct``s.
+    mesh: the target mesh, e.g. :func:`gpu_mesh`.
+
+  Returns:
+    The same pytree of ``jax.ShapeDtypeStruct`` with ``NamedSharding``s on
+    ``mesh``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> abstract_like({"w": jnp.zeros((2, 3))}, mesh)["w"].shape
+    (2, 3)
+  """
+
+  def one(leaf):
+    sharding = getattr(leaf, "sharding", None)
+    spec = (
+        sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    )
+    return jax.ShapeDtypeStruct(
+        leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)
+    )
+
+  return jax.tree.map(one, tree)
+
+
+def _platforms_of(tree: PyTree) -> set[str]:
+  platforms = set()
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.sharding.Sharding):
+      sharding = leaf
+    else:
+      sharding = getattr(leaf, "sharding", None)
+    if sharding is not None:
+      platforms |= {d.platform for d in sharding.device_set}
+  return platforms
+
+
+def compile_for_gpu(
+    fn: Callable[..., Any],
+    *args: Any,
+    compiler_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> jax.stages.Compiled:
+  """Lowers and compiles ``fn(*args, **kwargs)`` for GPU with jaxdp's options.
+
+  Args:
+    fn: a function or a ``jax.jit``-wrapped one (its own ``compiler_options``
+      are kept; jaxdp's and then ``compiler_options`` are merged on top).
+    *args: arguments; arrays or ``jax.ShapeDtypeStruct``s whose shardings are
+      on a GPU mesh (:func:`gpu_mesh`, :func:`abstract_like`).
+    compiler_options: extra or overriding XLA options, e.g. the default
+      combine thresholds back (``{"xla_gpu_all_reduce_combine_threshold_bytes":
+      30 * 2**20}``).
+    **kwargs: keyword arguments of ``fn``.
+
+  Returns:
+    The compiled GPU program: ``as_text()`` is its scheduled HLO,
+    ``memory_analysis()`` its per-device memory. It cannot be executed.
+
+  Raises:
+    ValueError: if the arguments or the compiled program live on non-GPU
+      devices (the program would have been compiled for that platform).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = gpu_mesh((8,), ("data",))
+    >>> x = jax.ShapeDtypeStruct((64, 32), jnp.float32,
+    ...                          sharding=NamedSharding(mesh, P("data")))
+    >>> compiled = compile_for_gpu(lambda x: jnp.sin(x).sum(), x)
+    >>> "all-reduce-start" in compiled.as_text()
+    True
+  """
+  if not isinstance(fn, jax.stages.Wrapped):
+    fn = jax.jit(fn)
+  platforms = _platforms_of((args, kwargs))
+  if platforms - {"gpu"}:
+    raise ValueError(
+        f"compile_for_gpu: arguments are placed on {sorted(platforms)} devices; "
+        f"give them shardings on a GPU mesh: "
+        f"args = abstract_like(args, gpu_mesh(...))"
+    )
+  options = {**_GPU_OPTIONS, **(compiler_options or {})}
+  compiled = fn.lower(*args, **kwargs).compile(compiler_options=options)
+  compiled_platforms = _platforms_of(
+      (compiled.input_shardings, compiled.output_shardings)
+  )
+  if compiled_platforms - {"gpu"}:
+    raise ValueError(
+        f"compile_for_gpu: the program was compiled for "
+        f"{sorted(compiled_platforms)}, not GPU: no argument and no mesh in "
+        f"fn was on a GPU mesh; pass args = abstract_like(args, gpu_mesh(...))"
+    )
+  return compiled
+

@@ -1,0 +1,866 @@
+"""What a compiled program communicates, when, and what it overlaps.
+
+jaxdp claims that its bucket collectives overlap backward compute and move exactly
+what the ring formulas say. This module reads the *scheduled* HLO of a compiled
+program (``compiled.as_text()``) and answers from it:
+
+- :func:`schedule` parses the program into a :class:`Schedule`: every op of the
+  entry computation in schedule order (while-loop bodies and ``call``\\ s inlined at
+  the op that runs them) and every collective (:class:`Collective`) with its kind,
+  dtype, operand bytes, replica groups, ring bytes and, for asynchronous ones,
+  the compute ops XLA scheduled between its ``-start`` and ``-done``.
+- :func:`report` renders that as text; :meth:`Schedule.records` and
+  :meth:`Schedule.timeline` give plain dicts to tabulate or plot.
+- :func:`memory_stats` reads ``compiled.memory_analysis()`` into a
+  :class:`MemoryStats` with the peak bytes per device.
+
+The HLO forms handled are the ones XLA 0.10.2 prints (checked on CPU and on the
+deviceless H100 target, see tests/test_inspect.py):
+
+- CPU: synchronous ``all-reduce``, ``reduce-scatter``, ``all-gather``,
+  ``all-to-all``, ``collective-permute``, possibly tuple-shaped (combined).
+- GPU: ``all-reduce-start``/``-done``, ``all-gather-start``/``-done``,
+  ``collective-permute-start``/``-done`` and the async-wrapped
+  ``reduce-scatter-start``/``-done`` and ``all-to-all-start``/``-done`` (the
+  printed sugar for ``async-start``/``async-done``; the unsugared
+  ``async-start(...), calls=%wrapped`` form is read too). A start whose
+  ``backend_config`` says ``"is_sync":true`` is one XLA runs synchronously:
+  nothing could overlap it.
+- Collectives inside ``while`` bodies count ``known_trip_count`` times.
+
+Byte counts are per device: an operand ``f32[1024,1024]`` is 4 MiB on every
+device of the group. Ring bytes are what each device sends with the ring
+algorithm (:func:`ring_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+
+COLLECTIVE_KINDS = (
+    "all-reduce",
+    "reduce-scatter",
+    "all-gather",
+    "all-to-all",
+    "collective-permute",
+)
+
+# Ops that launch no kernel: nothing runs while they "execute".
+_FREE_OPCODES = frozenset({
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+    "after-all", "add-dependency", "opt-barrier", "partition-id",
+    "replica-id", "domain", "async-update",
+})
+_CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
+_GEMM_TARGET = re.compile(r"gemm|matmul|conv", re.IGNORECASE)
+
+_COMMENT = re.compile(r"/\*.*?\*/")
+_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
+_INSTR = re.compile(r"^\s+(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\b(pred|token|[a-z]+[0-9]+[a-z0-9]*)\[([^\]]*)\]")
+_NAME_REF = re.compile(r"%([\w.\-]+)")
+
+
+# ----------------------------------------------------------------------------
+# Data
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledOp:
+  """One op of the program, in schedule order.
+
+  Attributes:
+    index: position in :attr:`Schedule.ops` (loop bodies inlined).
+    name: HLO instruction name, e.g. ``"all-reduce-start.3"``.
+    opcode: HLO opcode, e.g. ``"fusion"``, ``"all-reduce-start"``.
+    category: ``"gemm"`` (a dot, convolution, cuBLAS call or a fusion that
+      contains one), ``"compute"`` (any other kernel), ``"collective"`` (a
+      synchronous one), ``"collective-start"``, ``"collective-done"``,
+      ``"control"`` (while/call/conditional: its body follows inlined) or
+      ``"free"`` (no kernel: parameter, tuple, bitcast, ...).
+    computation: the HLO computation it belongs to.
+    trip_count: how many times it runs per program run (loop trip counts
+      multiplied; 1 outside loops).
+  """
+
+  index: int
+  name: str
+  opcode: str
+  category: str
+  computation: str
+  trip_count: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the program.
+
+  Attributes:
+    name: HLO name of the op (the ``-start`` for an asynchronous one).
+    kind: one of :data:`COLLECTIVE_KINDS`.
+    opcode: as printed, e.g. ``"all-reduce"`` or ``"reduce-scatter-start"``.
+    is_async: issued as a start/done pair that XLA may overlap with compute
+      (False for a plain op and for a start marked ``"is_sync":true``).
+    done_name: HLO name of the ``-done`` (None for a synchronous op, or when
+      the done could not be matched).
+    computation: the HLO computation holding it (the entry or a loop body).
+    trip_count: executions per program run.
+    start_index: index of the op (or its start) in :attr:`Schedule.ops`.
+    done_index: index of the done (equal to ``start_index`` when synchronous).
+    dtypes: element types of the operands, e.g. ``("bf16",)``.
+    operand_shapes: the operands' array shapes, e.g. ``("f32[1024,1024]",)``.
+    operand_bytes: bytes of all operands, per device.
+    result_bytes: bytes of the result, per device.
+    replica_groups: the device groups (partition ids); empty for a
+      collective-permute.
+    group_size: devices per group, ``N`` in the ring formulas (for a
+      collective-permute: number of devices that send).
+    source_target_pairs: a collective-permute's (source, target) pairs.
+    overlapped: names of the kernels scheduled between start and done.
+    overlapped_gemms: those of them that are GEMMs.
+  """
+
+  name: str
+  kind: str
+  opcode: str
+  is_async: bool
+  done_name: str | None
+  computation: str
+  trip_count: int
+  start_index: int
+  done_index: int
+  dtypes: tuple[str, ...]
+  operand_shapes: tuple[str, ...]
+  operand_bytes: int
+  result_bytes: int
+  replica_groups: tuple[tuple[int, ...], ...]
+  group_size: int
+  source_target_pairs: tuple[tuple[int, int], ...] = ()
+  overlapped: tuple[str, ...] = ()
+  overlapped_gemms: tuple[str, ...] = ()
+
+  @property
+  def buffer_bytes(self) -> int:
+    """``B`` of the ring formula: the full buffer (an all-gather's result)."""
+    return self.result_bytes if self.kind == "all-gather" else self.operand_bytes
+
+  @property
+  def ring_bytes(self) -> float:
+    """Bytes each device sends per execution with the ring algorithm."""
+    return ring_bytes(self.kind, self.buffer_bytes, self.group_size)
+
+  @property
+  def overlaps_compute(self) -> bool:
+    """Whether any kernel runs between its start and done."""
+    return bool(self.overlapped)
+
+  @property
+  def overlaps_gemm(self) -> bool:
+    """Whether a GEMM runs between its start and done."""
+    return bool(self.overlapped_gemms)
+
+  @property
+  def exposed(self) -> bool:
+    """True when nothing hides it: synchronous, or no kernel while in flight."""
+    return not (self.is_async and self.overlapped)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """A compiled program's schedule and collectives (see :func:`schedule`).
+
+  Attributes:
+    module: HLO module name, e.g. ``"jit_train_step"``.
+    is_scheduled: whether the text was a scheduled module (op order = run
+      order). Pre-optimization HLO is not.
+    num_partitions: devices the SPMD program runs on.
+    ops: every op in schedule order, loop and call bodies inlined.
+    collectives: every collective in schedule order.
+  """
+
+  module: str
+  is_scheduled: bool
+  num_partitions: int
+  ops: tuple[ScheduledOp, ...]
+  collectives: tuple[Collective, ...]
+
+  def comm_bytes(self) -> dict[str, dict[str, float]]:
+    """Per kind: count, operand bytes and ring bytes per device per run.
+
+    Loop trip counts are included. Keys are the kinds present, plus
+    ``"total"``.
+
+    Returns:
+      ``{kind: {"count": n, "operand_bytes": b, "ring_bytes": r}}``.
+    """
+    out: dict[str, dict[str, float]] = {}
+    total = {"count": 0, "operand_bytes": 0, "ring_bytes": 0.0}
+    for c in self.collectives:
+      row = out.setdefault(
+          c.kind, {"count": 0, "operand_bytes": 0, "ring_bytes": 0.0}
+      )
+      for r in (row, total):
+        r["count"] += c.trip_count
+        r["operand_bytes"] += c.operand_bytes * c.trip_count
+        r["ring_bytes"] += c.ring_bytes * c.trip_count
+    out["total"] = total
+    return out
+
+  def records(self) -> list[dict[str, Any]]:
+    """The collectives as plain dicts (fields and properties), for tables."""
+    rows = []
+    for i, c in enumerate(self.collectives):
+      row = {"index": i, **dataclasses.asdict(c)}
+      for prop in ("buffer_bytes", "ring_bytes", "overlaps_compute",
+                   "overlaps_gemm", "exposed"):
+        row[prop] = getattr(c, prop)
+      rows.append(row)
+    return rows
+
+  def timeline(self) -> list[dict[str, Any]]:
+    """Intervals in schedule steps, for plotting.
+
+    One dict per kernel (``start == end == op index``) and one per collective
+    (``start``/``end`` = its start and done op index), each with ``name``,
+    ``category`` and ``lane`` (``"compute"`` or ``"comm"``). Plot lanes as rows
+    and ``start..end+1`` as bars; an async collective's bar covers the kernels
+    it overlaps.
+    """
+    rows = []
+    for op in self.ops:
+      if op.category in ("gemm", "compute"):
+        rows.append({"name": op.name, "category": op.category,
+                     "lane": "compute", "start": op.index, "end": op.index})
+    for c in self.collectives:
+      rows.append({"name": c.name, "category": c.kind, "lane": "comm",
+                   "start": c.start_index, "end": c.done_index,
+                   "bytes": c.operand_bytes, "exposed": c.exposed})
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+  """Per-device memory of a compiled program (from ``memory_analysis()``).
+
+  Attributes:
+    argument_bytes: inputs resident during the call.
+    output_bytes: outputs.
+    temp_bytes: XLA's scratch (activations, gathered params, buffers).
+    alias_bytes: outputs that reuse donated inputs' memory.
+    generated_code_bytes: compiled code (0 on the deviceless GPU target).
+    peak_bytes: ``argument + output + temp - alias``: what the device must
+      hold while the program runs.
+  """
+
+  argument_bytes: int
+  output_bytes: int
+  temp_bytes: int
+  alias_bytes: int
+  generated_code_bytes: int
+  peak_bytes: int
+
+
+# ----------------------------------------------------------------------------
+# Formulas and sizes
+
+
+def ring_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
+  """Bytes each device sends for one collective with the ring algorithm.
+
+  Args:
+    kind: one of :data:`COLLECTIVE_KINDS`.
+    buffer_bytes: ``B``, the full buffer: an all-reduce's or reduce-scatter's
+      input, an all-gather's output, an all-to-all's input, a
+      collective-permute's input.
+    group_size: ``N``, devices in the group.
+
+  Returns:
+    all-reduce ``2(N-1)/N·B``; reduce-scatter, all-gather, all-to-all
+    ``(N-1)/N·B``; collective-permute ``B``.
+
+  Raises:
+    ValueError: for an unknown kind.
+
+  Examples:
+    >>> ring_bytes("all-reduce", 800, 8)
+    1400.0
+    >>> ring_bytes("reduce-scatter", 800, 8) + ring_bytes("all-gather", 800, 8)
+    1400.0
+  """
+  if kind not in COLLECTIVE_KINDS:
+    raise ValueError(f"ring_bytes: kind {kind!r} is not one of {COLLECTIVE_KINDS}")
+  if kind == "collective-permute":
+    return float(buffer_bytes)
+  if group_size <= 1:
+    return 0.0
+  factor = 2 if kind == "all-reduce" else 1
+  return factor * (group_size - 1) / group_size * buffer_bytes
+
+
+def _dtype_bits(name: str) -> int:
+  if name == "pred":
+    return 8
+  if name == "token":
+    return 0
+  m = re.match(r"[a-z]+?(\d+)", name)
+  if not m:
+    raise ValueError(f"unknown HLO element type {name!r}")
+  return int(m.group(1))
+
+
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  out = []
+  for dtype, dims in _ARRAY.findall(shape):
+    sizes = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
+    out.append((dtype, sizes))
+  return out
+
+
+def _bytes(shape: str) -> int:
+  return sum(
+      math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8)
+      for dtype, dims in _arrays(shape)
+  )
+
+
+def _parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
+  m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
+  if m:
+    return tuple(
+        tuple(int(x) for x in g.split(",") if x.strip())
+        for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+    )
+  # Iota form: [groups,size]<=[dims] or [groups,size]<=[dims]T(perm).
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
+                attrs)
+  if m:
+    import numpy as np  # noqa: PLC0415
+
+    shape = [int(x) for x in m.group(1).split(",")]
+    dims = [int(x) for x in m.group(2).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+    return tuple(tuple(int(x) for x in g) for g in ids.reshape(shape))
+  return None
+
+
+def _parse_mesh_groups(attrs: str):
+  """Shardy form ``mesh['a'=4,'b'=2] {'a'}`` -> (group size, groups).
+
+  Devices are numbered row-major over the mesh axes (the form has no device
+  list); groups are left empty when a sub-axis (``'a':(1)2``) is reduced.
+  """
+  at = attrs.find("replica_groups=mesh[")
+  if at < 0:
+    return None
+  open_at = at + len("replica_groups=mesh")
+  close = _balanced(attrs, open_at)
+  mesh = attrs[open_at + 1:close - 1]
+  m = re.match(r"\s*\{([^}]*)\}", attrs[close:])
+  if not m:
+    return None
+  names_sizes = re.findall(r"'([^']+)'=(\d+)", mesh)
+  names = [a for a, _ in names_sizes]
+  sizes = [int(n) for _, n in names_sizes]
+  reduced = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(1))
+  size = 1
+  for axis, _, sub in reduced:
+    size *= int(sub) if sub else sizes[names.index(axis)]
+  if any(sub for _, _, sub in reduced) or "device_ids" in mesh:
+    return size, ()
+  import numpy as np  # noqa: PLC0415
+
+  axes = [names.index(a) for a, _, _ in reduced]
+  rest = [i for i in range(len(names)) if i not in axes]
+  ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + axes)
+  groups = tuple(tuple(int(x) for x in g) for g in ids.reshape(-1, size))
+  return size, groups
+
+
+# ----------------------------------------------------------------------------
+# HLO text
+
+
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  shape: str
+  opcode: str
+  operands: list[str]
+  attrs: str
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at text[start]."""
+  pairs = {"(": ")", "{": "}", "[": "]"}
+  stack = []
+  in_str = False
+  i = start
+  while i < len(text):
+    ch = text[i]
+    if in_str:
+      if ch == "\\":
+        i += 1
+      elif ch == '"':
+        in_str = False
+    elif ch == '"':
+      in_str = True
+    elif ch in pairs:
+      stack.append(pairs[ch])
+    elif stack and ch == stack[-1]:
+      stack.pop()
+      if not stack:
+        return i + 1
+    i += 1
+  return len(text)
+
+
+def _parse_instr(line: str) -> _Instr | None:
+  m = _INSTR.match(line)
+  if not m:
+    return None
+  name, rest = m.group(2), m.group(3)
+  if rest.startswith("("):
+    end = _balanced(rest, 0)
+  else:
+    end = rest.find(" ")
+    end = len(rest) if end < 0 else end
+  shape, rest = rest[:end], rest[end:].lstrip()
+  m = re.match(r"([\w\-]+)\(", rest)
+  if not m:
+    return None
+  opcode = m.group(1)
+  close = _balanced(rest, m.end() - 1)
+  operands = _NAME_REF.findall(rest[m.end():close - 1])
+  attrs = rest[close:]
+  return _Instr(name, shape, opcode, operands, attrs)
+
+
+def _parse_module(text: str):
+  """-> (header line, {computation: [instrs]}, entry name)."""
+  text = _COMMENT.sub("", text)
+  comps: dict[str, list[_Instr]] = {}
+  entry = None
+  header = ""
+  current = None
+  for line in text.splitlines():
+    if line.startswith("HloModule"):
+      header = line
+      continue
+    if current is None:
+      m = _HEADER.match(line)
+      if m:
+        current = m.group(2)
+        comps[current] = []
+        if m.group(1):
+          entry = current
+      continue
+    if line.startswith("}"):
+      current = None
+      continue
+    instr = _parse_instr(line)
+    if instr is not None:
+      comps[current].append(instr)
+  if entry is None:
+    raise ValueError(
+        "schedule: no ENTRY computation found; pass compiled.as_text() (the "
+        "optimized HLO), not StableHLO (lowered.as_text())"
+    )
+  return header, comps, entry
+
+
+def _called(instr: _Instr) -> list[str]:
+  names = []
+  for key in ("calls", "to_apply", "body", "condition", "true_computation",
+              "false_computation"):
+    m = re.search(rf"\b{key}=%([\w.\-]+)", instr.attrs)
+    if m:
+      names.append(m.group(1))
+  for key in ("branch_computations", "calls"):
+    m = re.search(rf"\b{key}=\{{([^}}]*)\}}", instr.attrs)
+    if m:
+      names += _NAME_REF.findall(m.group(1))
+  return names
+
+
+def _collective_kind(opcode: str) -> tuple[str, str] | None:
+  """-> (kind, "sync" | "start" | "done") for a collective opcode."""
+  for kind in COLLECTIVE_KINDS:
+    if opcode == kind:
+      return kind, "sync"
+    if opcode == kind + "-start":
+      return kind, "start"
+    if opcode == kind + "-done":
+      return kind, "done"
+  return None
+
+
+class _Parser:
+
+  def __init__(self, text: str):
+    header, self.comps, self.entry = _parse_module(text)
+    m = re.match(r"HloModule\s+([\w.\-]+)", header)
+    self.module = m.group(1) if m else "unknown"
+    self.is_scheduled = "is_scheduled=true" in header
+    m = re.search(r"num_partitions=(\d+)", header)
+    self.num_partitions = int(m.group(1)) if m else 1
+    m = re.search(r"replica_count=(\d+)", header)
+    self.replica_count = int(m.group(1)) if m else 1
+    self.shapes = {
+        c: {i.name: i.shape for i in instrs} for c, instrs in self.comps.items()
+    }
+    self._gemm_cache: dict[str, bool] = {}
+
+  def has_gemm(self, comp: str, seen: frozenset = frozenset()) -> bool:
+    if comp in self._gemm_cache:
+      return self._gemm_cache[comp]
+    if comp in seen or comp not in self.comps:
+      return False
+    found = any(
+        self.is_gemm(i) or any(
+            self.has_gemm(c, seen | {comp}) for c in _called(i)
+        )
+        for i in self.comps[comp]
+    )
+    self._gemm_cache[comp] = found
+    return found
+
+  def is_gemm(self, instr: _Instr) -> bool:
+    if instr.opcode in ("dot", "convolution"):
+      return True
+    if instr.opcode == "custom-call":
+      m = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
+      return bool(m and _GEMM_TARGET.search(m.group(1)))
+    if instr.opcode == "fusion":
+      return any(self.has_gemm(c) for c in _called(instr))
+    return False
+
+  def async_kind(self, instr: _Instr) -> str | None:
+    """Kind of the collective an unsugared async-start wraps."""
+    for comp in _called(instr):
+      for inner in self.comps.get(comp, []):
+        kind = _collective_kind(inner.opcode)
+        if kind and kind[1] == "sync":
+          return kind[0]
+    return None
+
+  def classify(self, instr: _Instr) -> tuple[str, str | None, str | None]:
+    """-> (category, collective kind, role)."""
+    kind = _collective_kind(instr.opcode)
+    if kind is None and instr.opcode in ("async-start", "async-done"):
+      role = "start" if instr.opcode == "async-start" else "done"
+      k = self.async_kind(instr) if role == "start" else None
+      kind = (k, role) if (k or role == "done") else None
+    if kind is not None:
+      k, role = kind
+      category = "collective" if role == "sync" else f"collective-{role}"
+      return category, k, role
+    if instr.opcode in _FREE_OPCODES:
+      return "free", None, None
+    if instr.opcode in _CONTROL_OPCODES:
+      return "control", None, None
+    if self.is_gemm(instr):
+      return "gemm", None, None
+    return "compute", None, None
+
+  def walk(self) -> Iterator[tuple[_Instr, str, int]]:
+    """Instrs in schedule order, while/call/conditional bodies inlined."""
+
+    def go(comp: str, trips: int, depth: int):
+      if depth > 64:
+        return
+      for instr in self.comps.get(comp, []):
+        yield instr, comp, trips
+        if instr.opcode == "while":
+          m = re.search(r"\bbody=%([\w.\-]+)", instr.attrs)
+          n = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+          if m:
+            yield from go(m.group(1), trips * (int(n.group(1)) if n else 1),
+                          depth + 1)
+        elif instr.opcode in ("call", "conditional"):
+          for c in _called(instr):
+            yield from go(c, trips, depth + 1)
+
+    yield from go(self.entry, 1, 0)
+
+  def operand_shapes(self, comp: str, instr: _Instr) -> list[str]:
+    table = self.shapes[comp]
+    return [table[o] for o in instr.operands if o in table]
+
+  def build(self) -> Schedule:
+    ops: list[ScheduledOp] = []
+    open_starts: dict[tuple[str, str], dict[str, Any]] = {}
+    found: list[dict[str, Any]] = []
+    for instr, comp, trips in self.walk():
+      category, kind, role = self.classify(instr)
+      ops.append(ScheduledOp(len(ops), instr.name, instr.opcode, category,
+                             comp, trips))
+      index = len(ops) - 1
+      if role in ("sync", "start"):
+        shapes = self.operand_shapes(comp, instr)
+        if instr.opcode.endswith("-start") or instr.opcode == "async-start":
+          shapes = [s for s in shapes if _arrays(s)]
+        record = {
+            "name": instr.name, "kind": kind, "opcode": instr.opcode,
+            "is_async": role == "start" and '"is_sync":true' not in instr.attrs,
+            "done_name": None, "computation": comp, "trip_count": trips,
+            "start_index": index, "done_index": index,
+            "shapes": shapes, "result": instr.shape, "attrs": instr.attrs,
+        }
+        found.append(record)
+        if role == "start":
+          open_starts[(comp, instr.name)] = record
+      elif role == "done":
+        start = next(
+            (open_starts.pop((comp, o)) for o in instr.operands
+             if (comp, o) in open_starts),
+            None,
+        )
+        if start is not None:
+          start.update(done_name=instr.name, done_index=index,
+                       result=instr.shape)
+    collectives = tuple(self.collective(r, ops) for r in found)
+    return Schedule(self.module, self.is_scheduled, self.num_partitions,
+                    tuple(ops), collectives)
+
+  def collective(self, r: dict[str, Any], ops: list[ScheduledOp]) -> Collective:
+    arrays = [a for s in r["shapes"] for a in _arrays(s)]
+    dtypes = tuple(dict.fromkeys(d for d, _ in arrays))
+    shapes = tuple(f"{d}[{','.join(map(str, dims))}]" for d, dims in arrays)
+    operand_bytes = sum(_bytes(s) for s in r["shapes"])
+    result_bytes = _bytes(r["result"])
+    pairs: tuple[tuple[int, int], ...] = ()
+    if r["kind"] == "collective-permute":
+      m = re.search(r"source_target_pairs=\{(.*?)\}\}", r["attrs"])
+      if m:
+        pairs = tuple(
+            (int(a), int(b))
+            for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
+        )
+      groups: tuple[tuple[int, ...], ...] = ()
+      group_size = len({a for a, _ in pairs})
+    else:
+      groups = _parse_replica_groups(r["attrs"]) or ()
+      mesh_form = _parse_mesh_groups(r["attrs"])
+      if mesh_form is not None:
+        group_size, groups = mesh_form
+      elif groups and groups[0]:
+        group_size = len(groups[0])
+      elif "use_global_device_ids=true" in r["attrs"] or self.replica_count == 1:
+        group_size = self.num_partitions
+      else:
+        group_size = self.replica_count
+    between = ops[r["start_index"] + 1:r["done_index"]] if r["is_async"] else []
+    kernels = tuple(o.name for o in between if o.category in ("gemm", "compute"))
+    gemms = tuple(o.name for o in between if o.category == "gemm")
+    return Collective(
+        name=r["name"], kind=r["kind"], opcode=r["opcode"],
+        is_async=r["is_async"], done_name=r["done_name"],
+        computation=r["computation"], trip_count=r["trip_count"],
+        start_index=r["start_index"], done_index=r["done_index"],
+        dtypes=dtypes, operand_shapes=shapes, operand_bytes=operand_bytes,
+        result_bytes=result_bytes, replica_groups=groups,
+        group_size=group_size, source_target_pairs=pairs,
+        overlapped=kernels, overlapped_gemms=gemms,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Public functions
+
+
+def _compiled(program: Any, args: tuple, kwargs: dict,
+              compiler_options: dict[str, Any] | None):
+  if isinstance(program, jax.stages.Compiled):
+    return program
+  if isinstance(program, jax.stages.Lowered):
+    return program.compile(compiler_options=compiler_options)
+  if callable(program):
+    fn = program if isinstance(program, jax.stages.Wrapped) else jax.jit(program)
+    return fn.lower(*args, **kwargs).compile(compiler_options=compiler_options)
+  raise TypeError(
+      f"expected a compiled program, its as_text(), a Lowered, or a function "
+      f"plus example arguments; got {type(program).__name__}"
+  )
+
+
+def schedule(
+    program: Any,
+    *args: Any,
+    compiler_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Schedule:
+  """Parses a compiled program's schedule and collectives.
+
+  Args:
+    program: a ``jax.stages.Compiled``; its ``as_text()``; a
+      ``jax.stages.Lowered`` (compiled here); a :class:`Schedule` (returned
+      as is); or a function (jitted or not) to call with ``args``/``kwargs``.
+    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``) when
+      ``program`` is a function.
+    compiler_options: XLA options for the compile done here (a jitted
+      function's own ``compiler_options`` apply as well).
+    **kwargs: keyword arguments of the function.
+
+  Returns:
+    The :class:`Schedule`.
+
+  Raises:
+    ValueError: if the text holds no HLO module (e.g. StableHLO).
+    TypeError: for anything else.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...                   in_specs=P(), out_specs=P())
+    >>> s = schedule(f, jnp.zeros((256,), jnp.float32))
+    >>> [(c.kind, c.dtypes, c.operand_bytes) for c in s.collectives]
+    [('all-reduce', ('f32',), 1024)]
+  """
+  if isinstance(program, Schedule):
+    return program
+  if isinstance(program, str):
+    return _Parser(program).build()
+  compiled = _compiled(program, args, kwargs, compiler_options)
+  return _Parser(compiled.as_text()).build()
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:.2f} {unit}"
+  return f"{n:.0f} B"
+
+
+def report(program: Any, *args: Any, **kwargs: Any) -> str:
+  """A readable account of a program's collectives and their overlap.
+
+  Args:
+    program: anything :func:`schedule` takes.
+    *args: passed to :func:`schedule`.
+    **kwargs: passed to :func:`schedule`.
+
+  Returns:
+    Lines: a summary; one row per collective in schedule order (kind, dtype,
+    operand bytes, group size N, ring bytes per device, runs per step, and what
+    it overlaps, or ``EXPOSED``); totals per kind against the ring formula.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...                   in_specs=P(), out_specs=P())
+    >>> text = report(f, jnp.zeros((256,), jnp.float32))
+    >>> print(text.splitlines()[0])  # doctest: +ELLIPSIS
+    jit__lambda: 1 collective (0 async, 0 overlapping compute, 1 exposed), ...
+    >>> "EXPOSED (sync)" in text
+    True
+  """
+  s = schedule(program, *args, **kwargs)
+  n_async = sum(c.is_async for c in s.collectives)
+  n_over = sum(c.is_async and c.overlaps_compute for c in s.collectives)
+  n_exposed = sum(c.exposed for c in s.collectives)
+  plural = "" if len(s.collectives) == 1 else "s"
+  lines = [
+      f"{s.module}: {len(s.collectives)} collective{plural} ({n_async} async, "
+      f"{n_over} overlapping compute, {n_exposed} exposed), "
+      f"{s.num_partitions} partitions"
+      + ("" if s.is_scheduled else ", NOT scheduled (order is text order)")
+  ]
+  if s.collectives:
+    lines.append(
+        f"  {'#':>3}  {'op':<28} {'kind':<18} {'dtype':<9} {'operands':>11} "
+        f"{'N':>3} {'ring/dev':>11} {'runs':>4}  overlaps"
+    )
+  for i, c in enumerate(s.collectives):
+    if not c.is_async:
+      what = "EXPOSED (sync)"
+    elif not c.overlapped:
+      what = "EXPOSED (nothing between start and done)"
+    else:
+      n_gemm = len(c.overlapped_gemms)
+      n_other = len(c.overlapped) - n_gemm
+      what = (f"{n_gemm} GEMM{'s' if n_gemm != 1 else ''}, "
+              f"{n_other} other kernel{'s' if n_other != 1 else ''}")
+      if c.overlapped_gemms:
+        shown = ", ".join(c.overlapped_gemms[:3])
+        more = ", ..." if n_gemm > 3 else ""
+        what += f" ({shown}{more})"
+    lines.append(
+        f"  {i:>3}  {c.name:<28} {c.kind:<18} {','.join(c.dtypes):<9} "
+        f"{_fmt_bytes(c.operand_bytes):>11} {c.group_size:>3} "
+        f"{_fmt_bytes(c.ring_bytes):>11} {c.trip_count:>4}  {what}"
+    )
+  formula = {"all-reduce": "2(N-1)/N*B", "reduce-scatter": "(N-1)/N*B",
+             "all-gather": "(N-1)/N*B of the gathered buffer",
+             "all-to-all": "(N-1)/N*B", "collective-permute": "B"}
+  volume = s.comm_bytes()
+  if s.collectives:
+    lines.append("  per device per run:")
+  for kind, row in volume.items():
+    if kind == "total":
+      continue
+    lines.append(
+        f"    {kind:<18} x{row['count']:<4} operands "
+        f"{_fmt_bytes(row['operand_bytes']):>11}, ring "
+        f"{_fmt_bytes(row['ring_bytes']):>11}  ({formula[kind]})"
+    )
+  if len(volume) > 2:
+    lines.append(f"    {'total':<18} x{volume['total']['count']:<4} operands "
+                 f"{_fmt_bytes(volume['total']['operand_bytes']):>11}, ring "
+                 f"{_fmt_bytes(volume['total']['ring_bytes']):>11}")
+  return "\n".join(lines)
+
+
+def memory_stats(
+    program: Any,
+    *args: Any,
+    compiler_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> MemoryStats:
+  """Per-device memory of a compiled program.
+
+  On the CPU backend the numbers mislead (no temp accounting of the GPU kind,
+  gathers hoisted); compile for the GPU target (:mod:`jaxdp._src.aot`) for
+  memory claims.
+
+  Args:
+    program: a ``jax.stages.Compiled``, a ``Lowered``, or a function to
+      compile with ``args``/``kwargs``.
+    *args: example arguments when ``program`` is a function.
+    compiler_options: XLA options for a compile done here.
+    **kwargs: keyword arguments of the function.
+
+  Returns:
+    The :class:`MemoryStats`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> m = memory_stats(lambda x: x * 2, jnp.zeros((256,), jnp.float32))
+    >>> m.argument_bytes, m.output_bytes
+    (1024, 1024)
+  """
+  compiled = _compiled(program, args, kwargs, compiler_options)
+  m = compiled.memory_analysis()
+  if m is None:
+    raise ValueError("memory_stats: this backend gives no memory_analysis()")
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes +
+          m.temp_size_in_bytes - m.alias_size_in_bytes)
+  return MemoryStats(
+      argument_bytes=int(m.argument_size_in_bytes),
+      output_bytes=int(m.output_size_in_bytes),
+      temp_bytes=int(m.temp_size_in_bytes),
+      alias_bytes=int(m.alias_size_in_bytes),
+      generated_code_bytes=int(m.generated_code_size_in_bytes),
+      peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or peak),
+  )
