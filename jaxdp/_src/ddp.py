@@ -223,7 +223,8 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
         if t and _keeps_master(config, x.dtype) else None
         for i, (t, x) in enumerate(zip(trainable, leaves))]
     if not sharded:
-      master = [m.reshape(x.shape) if m is not None else None for m, x in zip(master, leaves)]
+      master = [unpad_rows(m, spec_of[i]) if m is not None else None
+                for i, m in enumerate(master)]
     model = [None if (t and gather_in_step) else x for t, x in zip(trainable, leaves)]
     state = TrainState(jnp.zeros((), jnp.int32), _tree(layout, model), _tree(layout, master),
                        None, layout, config, tuple(mesh.shape.items()))
