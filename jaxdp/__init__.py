@@ -4,6 +4,7 @@ Bucketed DDP reduced inside backward, the distributed optimizer (ZeRO-1/2) and F
 any mesh with a "data" axis. See README.md and DESIGN.md.
 """
 
+from jaxdp import inspect as inspect
 from jaxdp._src.buffer import ravel as ravel
 from jaxdp._src.buffer import unravel as unravel
 from jaxdp._src.config import DDPConfig as DDPConfig
@@ -11,10 +12,14 @@ from jaxdp._src.ddp import TrainState as TrainState
 from jaxdp._src.ddp import get_params as get_params
 from jaxdp._src.ddp import init_state as init_state
 from jaxdp._src.ddp import make_train_step as make_train_step
+from jaxdp._src.distributed import host_local_batch_to_global as host_local_batch_to_global
+from jaxdp._src.distributed import initialize as initialize
 from jaxdp._src.layout import Bucket as Bucket
 from jaxdp._src.layout import BufferLayout as BufferLayout
 from jaxdp._src.layout import Layout as Layout
 from jaxdp._src.layout import ParamSpec as ParamSpec
 from jaxdp._src.layout import make_layout as make_layout
+from jaxdp._src.nnx import nnx_merge as nnx_merge
+from jaxdp._src.nnx import nnx_split as nnx_split
 
 __version__ = "0.1.0"

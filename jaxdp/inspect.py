@@ -1,0 +1,22 @@
+"""What a compiled train step really does: its collectives, their overlap, its memory.
+
+`schedule` / `report` read a compiled program's HLO (CPU, or a GPU program compiled for
+an H100 target on a machine without a GPU via `compile_for_gpu`); `memory_stats` reads
+`memory_analysis()`.
+"""
+
+from jaxdp._src.aot import abstract_like as abstract_like
+from jaxdp._src.aot import compile_for_gpu as compile_for_gpu
+from jaxdp._src.aot import compiler_options as compiler_options
+from jaxdp._src.aot import gpu_compile_unavailable as gpu_compile_unavailable
+from jaxdp._src.aot import gpu_mesh as gpu_mesh
+from jaxdp._src.aot import gpu_topology as gpu_topology
+from jaxdp._src.aot import h100_target_config as h100_target_config
+from jaxdp._src.inspect import Collective as Collective
+from jaxdp._src.inspect import MemoryStats as MemoryStats
+from jaxdp._src.inspect import Schedule as Schedule
+from jaxdp._src.inspect import ScheduledOp as ScheduledOp
+from jaxdp._src.inspect import memory_stats as memory_stats
+from jaxdp._src.inspect import report as report
+from jaxdp._src.inspect import ring_bytes as ring_bytes
+from jaxdp._src.inspect import schedule as schedule
