@@ -76,27 +76,23 @@ def compiler_options(platform: str) -> dict[str, str | int | bool]:
       ``jax.default_backend()`` or ``device.platform``).
 
   Returns:
-    A new dict of option name to value.
-
-  Raises:
-    ValueError: for another platform (e.g. ``"tpu"``), where jaxdp has not
-      verified which passes merge collectives.
+    A new dict of option name to value; empty for another platform (e.g.
+    ``"tpu"``), where jaxdp has not verified which passes merge collectives
+    (there XLA may merge buckets: check with ``jaxdp.inspect``).
 
   Examples:
     >>> compiler_options("cpu")
     {'xla_disable_hlo_passes': 'cpu-all-reduce-combiner'}
     >>> compiler_options("cuda")["xla_gpu_all_reduce_combine_threshold_bytes"]
     0
+    >>> compiler_options("tpu")
+    {}
   """
   if platform == "cpu":
     return dict(_CPU_OPTIONS)
   if platform in _GPU_PLATFORMS:
     return dict(_GPU_OPTIONS)
-  raise ValueError(
-      f"compiler_options: jaxdp knows the collective-combiner options for "
-      f"'cpu' and 'cuda'/'gpu'/'rocm', not {platform!r}; pass the options "
-      f"that keep your platform's collectives separate to jax.jit yourself"
-  )
+  return {}
 
 
 def h100_target_config() -> str:

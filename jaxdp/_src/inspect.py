@@ -55,10 +55,11 @@ COLLECTIVE_KINDS = (
 _FREE_OPCODES = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
     "after-all", "add-dependency", "opt-barrier", "partition-id",
-    "replica-id", "domain", "async-update",
+    "replica-id", "domain", "async-update", "copy-start", "copy-done",
+    "send", "recv", "send-done", "recv-done",
 })
 _CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
-_GEMM_TARGET = re.compile(r"gemm|matmul|conv", re.IGNORECASE)
+_GEMM_TARGET = re.compile(r"gemm|matmul|\$conv", re.IGNORECASE)
 
 _COMMENT = re.compile(r"/\*.*?\*/")
 _HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
