@@ -1,16 +1,19 @@
 """One process of a multi-process test job; run it through ``python -m jaxdp.launch``.
 
-    python -m jaxdp.launch -n 2 -d 4 -- tests/mp_worker.py psum OUT_DIR
-    python -m jaxdp.launch -n 2 -d 4 -- tests/mp_worker.py crash OUT_DIR
+    python -m jaxdp.launch -n 2 -d 4 -- tests/mp_worker.py MODE OUT_DIR
 
-``psum``: every process loads its slice of `global_batch()`, builds the global batch with
-`jaxdp.host_local_batch_to_global`, runs `compute` (a shard_map with a psum over the
-8-device ``("data",)`` mesh) and writes the result, gathered to the host, to
-``OUT_DIR/psum.p{I}.npz``. ``crash``: after one collective, process 1 SIGKILLs itself while
-process 0 blocks in the next collective, which can never finish.
+Every process loads its slice of the global batch and builds the global arrays with
+`host_local_batch_to_global`, on the 8-device ``("data",)`` mesh. MODE:
 
-`global_batch` and `compute` are importable, so the test computes its single-process
-reference with the same code.
+``psum``: runs `compute` (a shard_map with a psum over "data") and writes the result,
+gathered to the host, to ``OUT_DIR/psum.p{I}.npz``.
+``train``: trains `STEPS` steps with each of `STRATEGIES` (`train`) and writes the params
+and losses to ``OUT_DIR/train.{strategy}.p{I}.npz``.
+``crash``: after one collective, process 1 SIGKILLs itself while process 0 blocks in the
+next collective, which can never finish.
+
+Everything but `main` is importable, so the tests compute their single-process
+references with the same code.
 """
 
 import logging
@@ -23,8 +26,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
+import jaxdp
 # Until jaxdp/__init__.py re-exports them; then jaxdp.initialize, jaxdp.host_local_batch_to_global.
 from jaxdp._src.distributed import host_local_batch_to_global, initialize
 
@@ -55,6 +61,48 @@ def compute(batch, mesh):
   return jax.jit(f)(batch)
 
 
+STRATEGIES = ("no_shard", "optim", "optim_grads_params")
+STEPS = 3
+
+
+def init_params() -> dict:
+  rng = np.random.default_rng(1)
+  return {"l0": {"w": 0.5 * rng.standard_normal((FEATURES, 16)).astype(np.float32),
+                 "b": np.zeros(16, np.float32)},
+          "l1": {"w": 0.5 * rng.standard_normal((16, 2)).astype(np.float32),
+                 "b": np.zeros(2, np.float32)}}
+
+
+def loss_fn(params, batch):
+  h = jnp.tanh(batch["x"] @ params["l0"]["w"] + params["l0"]["b"])
+  pred = h @ params["l1"]["w"] + params["l1"]["b"]
+  target = jnp.stack([jnp.sin(batch["y"]), jnp.cos(batch["y"])], -1).astype(jnp.float32)
+  return jnp.mean((pred - target) ** 2)
+
+
+def make_tx():
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+
+def train_batches() -> list[dict[str, np.ndarray]]:
+  """`STEPS` global batches, different per step."""
+  base = global_batch()
+  return [{"x": base["x"] * (1.0 + 0.5 * i), "y": base["y"] + i} for i in range(STEPS)]
+
+
+def train(strategy: str, mesh, to_global) -> tuple[dict, list[float]]:
+  """`STEPS` jaxdp steps; `to_global` turns a global batch into this process's input."""
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  tx = make_tx()
+  state = jaxdp.init_state(init_params(), tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  losses = []
+  for batch in train_batches():
+    state, metrics = step(state, to_global(batch))
+    losses.append(metrics["loss"])
+  return jaxdp.get_params(state), losses
+
+
 def main(mode: str, out_dir: str) -> None:
   logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
   initialize()
@@ -62,11 +110,19 @@ def main(mode: str, out_dir: str) -> None:
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   batch = host_local_batch_to_global(local_slice(global_batch(), me, n), mesh)
   rows, total = compute(batch, mesh)
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-  rows = multihost_utils.process_allgather(rows, tiled=True)
-  total = multihost_utils.process_allgather(total, tiled=True)
-  if mode == "psum":
+  gather = lambda x: multihost_utils.process_allgather(x, tiled=True)  # Global -> NumPy.
+  rows, total = gather(rows), gather(total)
+  if mode == "train":
+    to_global = lambda b: host_local_batch_to_global(local_slice(b, me, n), mesh)
+    for strategy in STRATEGIES:
+      params, losses = train(strategy, mesh, to_global)
+      flat = {jax.tree_util.keystr(path): gather(x)
+              for path, x in jax.tree_util.tree_leaves_with_path(params)}
+      np.savez(pathlib.Path(out_dir) / f"train.{strategy}.p{me}.npz",
+               losses=np.array([gather(l) for l in losses]), **flat)
+      print(f"process {me}/{n}: {strategy}: losses {[float(gather(l)) for l in losses]}",
+            flush=True)
+  elif mode == "psum":
     np.savez(pathlib.Path(out_dir) / f"psum.p{me}.npz", rows=rows, total=total,
              process_count=n, device_count=jax.device_count())
     print(f"process {me}/{n}: wrote psum.p{me}.npz", flush=True)
