@@ -31,7 +31,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import collectives
+from jaxdp._src import checks, collectives, distributed_optimizer
+from jaxdp._src.aot import compiler_options
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_rows, shard_unravel, unpad_rows
 from jaxdp._src.collectives import DATA, REPLICA
 from jaxdp._src.config import DDPConfig
@@ -81,6 +82,17 @@ def _sharded(config: DDPConfig) -> bool:
   return config.data_parallel_sharding_strategy != "no_shard"
 
 
+def _fsdp_branch(config: DDPConfig, fsdp) -> bool:
+  """True for `optim_grads_params` (implemented in fsdp.py); refuses `fsdp=` elsewhere."""
+  if config.data_parallel_sharding_strategy == "optim_grads_params":
+    return True
+  if fsdp is not None:
+    raise ValueError(f"fsdp={fsdp} is for data_parallel_sharding_strategy="
+                     "'optim_grads_params'; leave it out for "
+                     f"{config.data_parallel_sharding_strategy!r}")
+  return False
+
+
 def _data_axes(mesh) -> tuple[str, ...]:
   return (REPLICA, DATA) if REPLICA in mesh.axis_names else (DATA,)
 
@@ -95,22 +107,6 @@ def _master_dtype(dtype) -> np.dtype:
 
 def _keeps_master(config: DDPConfig, dtype) -> bool:
   return _sharded(config) or _master_dtype(dtype) != np.dtype(dtype)
-
-
-def compiler_options(platform: str) -> dict[str, Any]:
-  """XLA options that keep jaxdp's buckets separate collectives.
-
-  XLA's combiner passes would merge independent bucket collectives into one; jaxdp decides
-  the buckets, so every program it compiles disables them.
-  """
-  if platform == "cpu":
-    return {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,all-gather-combiner,"
-                                      "reduce-scatter-combiner"}
-  if platform in ("cuda", "gpu", "rocm"):
-    return {"xla_gpu_all_reduce_combine_threshold_bytes": 0,
-            "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-            "xla_gpu_all_gather_combine_threshold_bytes": 0}
-  return {}
 
 
 def _constrain(x, mesh, spec):
@@ -181,7 +177,7 @@ def _opt_params(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
 
 
 def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
-               *, frozen: Frozen = None) -> TrainState:
+               *, frozen: Frozen = None, fsdp=None) -> TrainState:
   """Places params on the mesh and builds the optimizer state for `config`'s strategy.
 
   The caller's arrays are copied, never donated.
@@ -195,6 +191,7 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     config: the `DDPConfig`.
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
+    fsdp: `optim_grads_params` only: its `FSDPConfig` (units); None for the default.
 
   Returns:
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
@@ -210,9 +207,14 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     >>> int(state.step), state.layout.num_buckets
     (0, 1)
   """
+  if _fsdp_branch(config, fsdp):
+    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - fsdp imports this module
+    return fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
   _check_mesh(mesh, config)
   layout = layout_for(params, mesh, config, frozen)
   sharded, trainable = _sharded(config), layout.trainable
+  if sharded:  # the optimizer sees padded leaves: refuse tx that would be silently different
+    distributed_optimizer.check_exact(tx, layout)
   gather_in_step = sharded and config.overlap_param_gather
   spec_of = {p.index: p for p in layout.params}
 
@@ -250,6 +252,9 @@ def get_params(state: TrainState) -> PyTree:
     (3, 2)
   """
   layout = state.layout
+  if _fsdp_branch(state.config, None):
+    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
+    return fsdp_lib.get_params(state)
   if not (_sharded(state.config) and state.config.overlap_param_gather):
     return state.params
   spec_of = {p.index: p for p in layout.params}
@@ -266,7 +271,7 @@ def get_params(state: TrainState) -> PyTree:
 # ----------------------------------------------------------------------------- step
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1):
+                    config: DDPConfig, *, grad_accum_steps: int = 1, fsdp=None):
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
@@ -276,13 +281,23 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     config: the `DDPConfig` `init_state` was given.
     grad_accum_steps: micro-batches per step; gradients are communicated once per step
       (every micro-batch under `optim_grads`, which keeps only its shard).
+    fsdp: `optim_grads_params` only: the `FSDPConfig` given to `init_state`.
 
   Returns:
-    `train_step(state, batch) -> (state, metrics)`, a `jax.jit` function that donates
-    `state`. `batch` is a pytree of global arrays whose leading dim (the same for every
-    leaf, divisible by data-parallel size × `grad_accum_steps`) is split over the data
-    axes. `metrics` holds the global mean `loss` and the global `grad_norm` (before any
-    clipping).
+    `train_step(state, batch) -> (state, metrics)`: a `jax.jit` function that donates
+    `state` (`.lower`, `.trace` are the jitted function's), wrapped in host-side checks.
+    `batch` is a pytree of global arrays whose leading dim (the same for every leaf,
+    divisible by data-parallel size × `grad_accum_steps`) is split over the data axes.
+    `metrics` holds the global mean `loss` and the global `grad_norm` (before any
+    clipping). With `config.check_for_nan_in_grad` the state is not donated, each step
+    waits for its grads to be checked, and a NaN/Inf raises `NonFiniteGradError` naming the
+    params and the step, the state passed in left as it was (the jitted function then also
+    returns one "finite" flag per trainable leaf).
+
+  Raises:
+    ValueError: (when called) a batch whose leading dims differ or do not divide, a state
+      built for another mesh or config, or whose params changed after `init_state`.
+    NonFiniteGradError: (when called, `check_for_nan_in_grad`) a reduced grad is NaN/Inf.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -296,6 +311,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     >>> float(metrics["loss"])
     1.0
   """
+  if _fsdp_branch(config, fsdp):
+    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
+    return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
+                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp)
   _check_mesh(mesh, config)
   if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
       or grad_accum_steps < 1:
@@ -354,16 +373,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     acc_zero = [jnp.zeros((b.shard_size * layout.dp,), buf.grad_dtype) for buf, b in buckets]
     acc_zero = [collectives.make_varying(a, axes) for a in acc_zero]
     last = jax.tree.map(lambda x: x[-1], micro)
+    loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), axes)  # a scan carry
     if scatter_each_microbatch:
       def body(carry, mb):
         loss_sum, red_sum = carry
         loss, red = jax.value_and_grad(hooked_loss)(sinks, acc_zero, mb)
         return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)]), None
-      init = (jnp.zeros((), jnp.float32), zeros)
+      init = (loss_zero, zeros)
       (loss, reduced), _ = jax.lax.scan(body, init, micro) if k > 1 else \
           (body(init, last)[0], None)
     else:
-      loss, accs = jnp.zeros((), jnp.float32), acc_zero
+      loss, accs = loss_zero, acc_zero
       if k > 1:
         def body(carry, mb):
           loss_sum, acc = carry
@@ -373,14 +393,23 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         (loss, accs), _ = jax.lax.scan(body, (loss, accs), first)
       l, reduced = jax.value_and_grad(hooked_loss)(sinks, accs, last)
       loss = loss + l
-    loss = jax.lax.pmean(loss / k, axes)
+    # The metrics: global mean loss and grad norm. Sharded: the norm² of the reduced shards
+    # (zero padding; replicas hold equal shards) rides in the loss's psum; DDP: every
+    # device holds the whole reduced buckets.
+    sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) for r in reduced)
+    if sharded:
+      loss, sq = collectives.sum_over(jnp.stack([loss / k, sq / (dp // layout.dp)]), axes)
+      loss = loss / dp
+    else:
+      loss = jax.lax.pmean(loss / k, axes)
+    grad_norm = jnp.sqrt(sq)
 
     grads: list[Any] = [None] * len(trainable)
     for (_, b), red in zip(buckets, reduced):
       parts = shard_unravel(red, b, layout.dp) if sharded else bucket_unravel(red, b, layout.dp)
       for p, g in zip(b.params, parts):
         grads[p.index] = g
-    return _tree(layout, grads), loss
+    return _tree(layout, grads), loss, grad_norm
 
   def step(state: TrainState, batch):
     layout = state.layout
@@ -389,15 +418,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     specs = _state_specs(state)
     batch = jax.tree.map(lambda x: _constrain(x, mesh, batch_spec), batch)
     grad_spec = P(DATA) if sharded else P()
-    grads, loss = jax.shard_map(
+    grads, loss, grad_norm = jax.shard_map(
         functools.partial(local_grads, layout=layout), mesh=mesh,
         in_specs=(specs.params, specs.master, batch_spec),
         out_specs=(jax.tree.map(lambda _: grad_spec, _opt_params(layout, state.params,
-                                                                  state.master)), P()),
+                                                                  state.master)), P(), P()),
         axis_names=set(axes))(state.params, state.master, batch)
 
     opt_params = _opt_params(layout, state.params, state.master)
-    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, opt_params)
     new = _leaves(optax.apply_updates(opt_params, updates))
 
@@ -415,10 +443,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                                     master=_tree(layout, master), opt_state=opt_state)
     new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state,
                              _state_specs(new_state))
-    return new_state, {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if config.check_for_nan_in_grad:  # read on the host by checks.TrainStep
+      return new_state, metrics, checks.finite_leaves(grads)
+    return new_state, metrics
 
   platform = mesh.devices.flat[0].platform
-  return jax.jit(step, donate_argnums=0, compiler_options=compiler_options(platform))
+  # With the NaN check on, the state is not donated: a step that fails the check leaves the
+  # caller's state valid and unchanged (at the cost of holding two states during the step).
+  donate = () if config.check_for_nan_in_grad else 0
+  jitted = jax.jit(step, donate_argnums=donate, compiler_options=compiler_options(platform))
+  return checks.TrainStep(jitted, mesh, config)
 
 
 def _gather_params(master, layout: Layout, mesh, params):
@@ -453,6 +488,7 @@ def _check_state(state, mesh, config: DDPConfig):
     raise ValueError(f"the state was built for a mesh of shape {dict(state.mesh_shape)}, but "
                      f"this step runs on {dict(mesh.shape)}; build the state (or restore the "
                      "checkpoint) with init_state on this mesh")
+  checks.check_state_structure(state, _leaves)
 
 
 def _check_batch(batch, divisor: int):
