@@ -353,7 +353,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         out = hook([leaves[p.index] for p in b.params], sink, acc)
         for p, x in zip(b.params, out):
           leaves[p.index] = x
-      return loss_fn(_tree(layout, leaves), mb)
+      # Each micro-batch's loss is divided by k (Megatron's schedule does the same), so
+      # the k accumulated grads sum to the grad of the mean loss over the k× batch.
+      return loss_fn(_tree(layout, leaves), mb) / grad_accum_steps
 
     def local_accum(mb):
       """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
@@ -361,7 +363,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         leaves = list(full)
         for p, x in zip(layout.params, tleaves):
           leaves[p.index] = x
-        return loss_fn(_tree(layout, leaves), mb)
+        return loss_fn(_tree(layout, leaves), mb) / grad_accum_steps
       loss, g = jax.value_and_grad(loss_of_trainable)([full[p.index] for p in layout.params])
       g = dict(zip((p.index for p in layout.params), g))
       return loss, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
@@ -398,10 +400,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     # device holds the whole reduced buckets.
     sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) for r in reduced)
     if sharded:
-      loss, sq = collectives.sum_over(jnp.stack([loss / k, sq / (dp // layout.dp)]), axes)
+      loss, sq = collectives.sum_over(jnp.stack([loss, sq / (dp // layout.dp)]), axes)
       loss = loss / dp
     else:
-      loss = jax.lax.pmean(loss / k, axes)
+      loss = jax.lax.pmean(loss, axes)
     grad_norm = jnp.sqrt(sq)
 
     grads: list[Any] = [None] * len(trainable)

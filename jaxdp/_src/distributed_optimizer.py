@@ -1,0 +1,361 @@
+"""The distributed optimizer (ZeRO-1 `optim`, ZeRO-2 `optim_grads`): exactness and memory.
+
+The sharded strategies run the user's optax transformation in the global view on the
+*row shards* of the layout (see `layout.py`): a trainable leaf of shape `(n, *rest)` is seen
+as `(rows, *rest)` with `rows` = `n` padded up to a multiple of dp, sharded over "data" on
+dim 0, its padding rows zero. Elementwise transformations, global norms, schedules and
+per-leaf masks are exact on such leaves by construction. A transformation whose result
+depends on a leaf's *shape* (a mean over elements, factored moments, an element count) is
+exact on leaves that need no padding and silently different on padded ones, so
+`check_exact` probes it before training and refuses it with a message that says what to do.
+
+`memory_ledger` predicts what each device holds per strategy (DESIGN.md's table, with the
+layout's real padding) and `measured_bytes` reads what a `TrainState` does hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxdp._src.config import STRATEGIES
+from jaxdp._src.layout import Frozen, Layout, ParamSpec, default_bucket_size, make_layout
+
+PyTree = Any
+
+_PROBE_STEPS = 3
+"""Optimizer steps the exactness probe runs (later steps see the state earlier ones left)."""
+_PROBE_RTOL = 1e-9
+"""Relative mismatch (of the leaf's largest update) the probe tolerates in float64: far
+above reassociation noise (~1e-15) and far below any shape effect (>= 1/rows)."""
+_PROBE_RTOL_NATIVE = 1e-5
+"""The same when the probe has to run in the master dtype (float32)."""
+_SHRINK = 2
+"""Non-padded leaves are probed with every dim cut to at most this (their result is exact
+anyway; they only take part so that cross-leaf terms such as global norms exist)."""
+
+
+# ----------------------------------------------------------------------------- exactness
+
+def _master_dtype(dtype) -> np.dtype:
+  return np.promote_types(dtype, np.float32)
+
+
+def _is_padded(p: ParamSpec) -> bool:
+  return p.padded_shape != p.shape
+
+
+def _probe_values(rng: np.random.Generator, shape, scale: float) -> np.ndarray:
+  """Small dyadic values, mostly non-zero: sums of their squares are exact in any order."""
+  return rng.integers(-4, 5, size=shape).astype(np.float64) * scale
+
+
+_PROBE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
+                           "xla_llvm_disable_expensive_passes": True}
+"""The probe runs once on small arrays: compile it fast rather than well."""
+
+
+def _run_both(tx, runs, layout: Layout):
+  """For each `(params, [grads per step])` in `runs`: the updates `tx` makes at every step.
+
+  All runs are one program, compiled once.
+  """
+  unflat = lambda leaves: jax.tree.unflatten(layout.treedef, leaves)
+  flat = lambda tree: jax.tree.flatten(tree, is_leaf=lambda x: x is None)[0]
+
+  def run(tree, grads):
+    def step(carry, g):
+      params, state = carry
+      updates, state = tx.update(unflat(g), state, params)
+      return (optax.apply_updates(params, updates), state), flat(updates)
+    params = unflat(tree)
+    return jax.lax.scan(step, (params, tx.init(params)), grads)[1]
+
+  args = [(tree, [None if g[0] is None else np.stack(g) for g in zip(*grads)])
+          for tree, grads in runs]
+  both = lambda args: [run(*a) for a in args]
+  compiled = jax.jit(both).lower(args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
+  out = jax.device_get(compiled(args))
+  return [[[None if u is None else u[s] for u in o] for s in range(_PROBE_STEPS)] for o in out]
+
+
+def _probe(tx, layout: Layout, shrink: bool, x64: bool):
+  """Runs `tx` on the true shapes and on the padded shapes with the same values.
+
+  Returns `[(step, spec, rel_err, padding_nonzero)]` for every trainable leaf.
+  """
+  specs = {p.index: p for p in layout.params}
+  rng = np.random.default_rng(0)
+  shapes = {}  # the shape values are drawn in
+  for i, p in specs.items():
+    if _is_padded(p):
+      shapes[i] = p.shape or (1,)
+    else:
+      shapes[i] = tuple(min(d, _SHRINK) for d in p.shape) if shrink else p.shape
+  n = len(layout.shapes)
+  dtype = {i: np.float64 if x64 else _master_dtype(layout.dtypes[i]) for i in specs}
+
+  def leaves(values, pad):
+    out = [None] * n
+    for i, x in values.items():
+      p = specs[i]
+      if _is_padded(p):
+        x = np.pad(x, [(0, p.rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) if pad \
+            else x.reshape(p.shape)
+      out[i] = np.asarray(x, dtype[i])
+    return out
+
+  params = {i: _probe_values(rng, shapes[i], 1 / 16) for i in specs}
+  grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in specs} for _ in range(_PROBE_STEPS)]
+
+  true, pad = _run_both(tx, [(leaves(params, pad), [leaves(g, pad) for g in grads])
+                             for pad in (False, True)], layout)
+  results = []
+  for step, (ut, up) in enumerate(zip(true, pad)):
+    for i, p in specs.items():
+      a = np.asarray(ut[i], np.float64).reshape(shapes[i])
+      b = np.asarray(up[i], np.float64)
+      real, rest = b[: a.shape[0]], b[a.shape[0]:]
+      scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
+      err = float(np.max(np.abs(real - a), initial=0.0)) / scale
+      if not np.all(np.isfinite(real)) or not np.all(np.isfinite(a)):
+        err = 0.0 if np.array_equal(np.isnan(real), np.isnan(a)) and np.array_equal(
+            np.nan_to_num(real), np.nan_to_num(a)) else math.inf
+      results.append((step, p, err, bool(np.any(rest != 0))))
+  return results
+
+
+def _shape_dependent_state(tx, layout: Layout) -> list[str]:
+  """State leaves that are neither scalars nor shaped like a (padded) param."""
+  specs = {p.index: p for p in layout.params}
+  tree = [None] * len(layout.shapes)
+  for i, p in specs.items():
+    tree[i] = jax.ShapeDtypeStruct(p.padded_shape, _master_dtype(layout.dtypes[i]))
+  state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, tree))
+  shapes = {p.padded_shape for p in specs.values()}
+  return [f"opt_state{jax.tree_util.keystr(path)}: {tuple(x.shape)}"
+          for path, x in jax.tree_util.tree_leaves_with_path(state)
+          if x.ndim and tuple(x.shape) not in shapes]
+
+
+def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
+  """Refuses an optax transformation that the sharded optimizer would run inexactly.
+
+  The sharded strategies feed `tx` each trainable leaf with its leading dim padded to a
+  multiple of dp (zero rows). Leaves that need no padding see exactly what a single
+  device sees, whatever `tx` does with shapes. For the padded ones this runs `tx` for a
+  few steps on one host device twice, on the true and on the padded shapes with the
+  same values (non-padded leaves shrunk to keep it cheap), in float64 where it can, and
+  requires the same updates on the real rows and zero updates on the padding rows.
+
+  Args:
+    tx: the optax transformation.
+    layout: the layout of the sharded strategy (from `make_layout` with the data axis size).
+
+  Raises:
+    NotImplementedError: `tx` depends on the shape of a padded leaf; the message names
+      the leaf, its shapes, what differs, and what to use instead.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxdp
+    >>> from jaxdp._src.distributed_optimizer import check_exact
+    >>> layout = jaxdp.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
+    >>> check_exact(optax.lamb(1e-3), layout)  # per-leaf norms: exact on zero padding
+    >>> check_exact(optax.adafactor(1e-3), layout)
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: optax transformation is not exact on padded leaves ...
+  """
+  specs = [p for p in layout.params if _is_padded(p)]
+  if not specs:
+    return
+  try:
+    cpu = jax.devices("cpu")[0]
+  except RuntimeError:
+    cpu = None
+  results = None
+  for shrink in (True, False):
+    for x64 in (True, False):
+      try:
+        with jax.default_device(cpu), jax.enable_x64(x64):
+          results = _probe(tx, layout, shrink, x64)
+        break
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+    if results is not None:
+      break
+  if results is None:
+    raise error
+  rtol = _PROBE_RTOL if x64 else _PROBE_RTOL_NATIVE
+  bad = [(s, p, err, pad) for s, p, err, pad in results if err > rtol or pad]
+  if not bad:
+    return
+  step, p, err, pad = bad[0]
+  n = p.shape[0] if p.shape else 1
+  if err > rtol:
+    state = [x for x in _shape_dependent_state(tx, layout) if p.path in x]
+    what = (f"its update differs by {err:.2g} (relative) at step {step + 1} when the leaf "
+            "carries zero padding rows: ")
+    if state:
+      what += ("its state for this leaf is neither a scalar nor param-shaped ("
+               f"{'; '.join(state[:3])}{' ...' if len(state) > 3 else ''}): factored "
+               "second moments, as in optax.adafactor")
+    else:
+      what += ("it depends on the leaf's shape (a mean over elements, an RMS or an element "
+               "count, as in optax.adafactor's update clipping and parameter scaling)")
+  else:
+    what = ("it gives zero params with zero grads non-zero updates (e.g. added noise), so "
+            "the padding rows drift and would enter later per-leaf statistics")
+  others = sorted({q.path for _, q, _, _ in bad} - {p.path})
+  raise NotImplementedError(
+      f"optax transformation is not exact on padded leaves under a sharded "
+      f"data_parallel_sharding_strategy: params{p.path} has shape {p.shape}; the "
+      f"distributed optimizer sees it as {p.padded_shape} (leading dim {n} padded to "
+      f"{p.rows}, a multiple of dp={layout.dp}), and {what}."
+      + (f" Also affected: {', '.join('params' + q for q in others[:4])}"
+         f"{' ...' if len(others) > 4 else ''}." if others else "")
+      + " Use a shape-independent transformation for these leaves (elementwise ones such "
+      "as adamw, lion, sgd; global-norm clipping; lamb), "
+      + (f"or a data-parallel size that divides the leading dim ({n}), " if p.shape else "")
+      + "or data_parallel_sharding_strategy='no_shard'.")
+
+
+# ----------------------------------------------------------------------------- memory
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLedger:
+  """Bytes one device holds, by kind (DESIGN.md's table with the layout's padding).
+
+  `params` are the model params in their own dtypes as a step uses them (all of them for
+  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the resident shards,
+  not the gathered units). Of those, `gathered_in_step` bytes are not kept between steps
+  (`overlap_param_gather`: the trainable params are gathered from `master` at the start of
+  each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
+  reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
+  live only inside the step. `master` and `opt_state` are what `TrainState` holds.
+  """
+
+  params: int
+  grads: int
+  master: int
+  opt_state: int
+  gathered_in_step: int = 0
+
+  @property
+  def total(self) -> int:
+    """params + grads + master + opt_state."""
+    return self.params + self.grads + self.master + self.opt_state
+
+  @property
+  def state(self) -> dict[str, int]:
+    """What `measured_bytes` should find in the `TrainState` (all but the step counter)."""
+    return {"params": self.params - self.gathered_in_step, "master": self.master,
+            "opt_state": self.opt_state}
+
+
+def _nbytes(shape, dtype) -> int:
+  return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def memory_ledger(params: PyTree, strategy: str, dp: int,
+                  tx: optax.GradientTransformation | None = None, *,
+                  grad_reduce_in_fp32: bool = True, bucket_size: int | None = None,
+                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = True,
+                  frozen: Frozen = None) -> MemoryLedger:
+  """Predicts the bytes per device of params, grads, master params and optimizer state.
+
+  The numbers follow the layout `init_state` builds (leading dims padded to a multiple
+  of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
+  off the state, byte for byte.
+
+  Args:
+    params: the model params (arrays or `jax.ShapeDtypeStruct`s).
+    strategy: a `data_parallel_sharding_strategy`.
+    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies).
+    tx: the optax transformation; None: Adam (two moments in the master dtype).
+    grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather: as in
+      `DDPConfig`.
+    frozen: as in `init_state`.
+
+  Returns:
+    A `MemoryLedger`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxdp
+    >>> from jaxdp._src.distributed_optimizer import memory_ledger
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}  # psi = 2**20
+    >>> [m.total / 2**20 for m in (memory_ledger(params, s, dp=8)
+    ...                            for s in ("no_shard", "optim", "optim_grads"))]
+    [18.0, 7.5, 4.0]
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+  size = (bucket_size or default_bucket_size(dp)) if overlap_grad_reduce else sys.maxsize
+  layout = make_layout(params, dp=dp, bucket_size=size, frozen=frozen,
+                       grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None)
+  sharded = strategy != "no_shard"
+  fsdp = strategy == "optim_grads_params"
+  specs = {p.index: p for p in layout.params}
+
+  model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
+  trainable_model = sum(_nbytes(p.shape, layout.dtypes[p.index]) for p in specs.values())
+  if fsdp:
+    model -= trainable_model
+    model += sum(buf.size // dp * buf.param_dtype.itemsize for buf in layout.buffers)
+  grads = sum(buf.size * buf.grad_dtype.itemsize for buf in layout.buffers)
+  if strategy in ("optim_grads", "optim_grads_params"):
+    grads //= dp
+
+  opt_tree = [None] * len(layout.shapes)
+  master = 0
+  for i, p in specs.items():
+    dtype = _master_dtype(layout.dtypes[i])
+    shape = p.padded_shape if sharded else p.shape
+    opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
+    if sharded:
+      master += _nbytes(shape, dtype) // dp
+    elif dtype != layout.dtypes[i]:
+      master += _nbytes(shape, dtype)
+  if tx is None:
+    tx = optax.scale_by_adam()
+  state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
+  padded = {p.padded_shape for p in specs.values()}
+  opt = 0
+  for x in jax.tree.leaves(state):
+    n = _nbytes(x.shape, x.dtype)
+    opt += n // dp if sharded and x.ndim and tuple(x.shape) in padded else n
+
+  gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
+  return MemoryLedger(params=model, grads=grads, master=master, opt_state=opt,
+                      gathered_in_step=gathered)
+
+
+def measured_bytes(state, device=None) -> dict[str, int]:
+  """Bytes that one device holds of each field of a `TrainState`.
+
+  Sums `addressable_shards` on `device` (default: the first device of the state's mesh).
+
+  Returns:
+    `{"step": .., "params": .., "master": .., "opt_state": ..}`.
+  """
+  leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
+            if isinstance(x, jax.Array)]
+  if device is None:
+    device = min((d for x in leaves for d in x.sharding.device_set), key=lambda d: d.id)
+
+  def field(tree):
+    total = 0
+    for x in jax.tree.leaves(tree):
+      if isinstance(x, jax.Array):
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+    return total
+
+  return {"step": field(state.step), "params": field(state.params),
+          "master": field(state.master), "opt_state": field(state.opt_state)}
