@@ -87,10 +87,15 @@ def nnx_split(model: nnx.Module,
     state_def = jax.tree.structure(param_state)
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
 
+    rest_leaves, rest_def = jax.tree.flatten(rest)
+
     def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
         _check_like(params, template, "loss_fn", check_dtype=False)  # trace time only
+        # Fresh Variables on every call, so whatever model_loss writes into the rebuilt
+        # model (stats, RNG counts) dies with it and never leaks out, not even tracers.
         state = jax.tree.unflatten(state_def, jax.tree.leaves(params))
-        return model_loss(nnx.merge(graphdef, state, rest), batch)
+        frozen = jax.tree.unflatten(rest_def, rest_leaves)
+        return model_loss(nnx.merge(graphdef, state, frozen), batch)
 
     return params, loss_fn
 
