@@ -10,7 +10,7 @@ gathered to the host, to ``OUT_DIR/psum.p{I}.npz``.
 ``train``: trains `STEPS` steps with each of `STRATEGIES` (`train`) and writes the params
 and losses to ``OUT_DIR/train.{strategy}.p{I}.npz``.
 ``crash``: after one collective, process 1 SIGKILLs itself while process 0 blocks in the
-next collective, which can never finish.
+next collective, which can never finish. ``raise``: the same, but process 1 raises.
 
 Everything but `main` is importable, so the tests compute their single-process
 references with the same code.
@@ -31,8 +31,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-# Until jaxdp/__init__.py re-exports them; then jaxdp.initialize, jaxdp.host_local_batch_to_global.
-from jaxdp._src.distributed import host_local_batch_to_global, initialize
 
 GLOBAL_BATCH = 16
 FEATURES = 4
@@ -105,15 +103,15 @@ def train(strategy: str, mesh, to_global) -> tuple[dict, list[float]]:
 
 def main(mode: str, out_dir: str) -> None:
   logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-  initialize()
+  jaxdp.initialize()
   me, n = jax.process_index(), jax.process_count()
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  batch = host_local_batch_to_global(local_slice(global_batch(), me, n), mesh)
+  batch = jaxdp.host_local_batch_to_global(local_slice(global_batch(), me, n), mesh)
   rows, total = compute(batch, mesh)
   gather = lambda x: multihost_utils.process_allgather(x, tiled=True)  # Global -> NumPy.
   rows, total = gather(rows), gather(total)
   if mode == "train":
-    to_global = lambda b: host_local_batch_to_global(local_slice(b, me, n), mesh)
+    to_global = lambda b: jaxdp.host_local_batch_to_global(local_slice(b, me, n), mesh)
     for strategy in STRATEGIES:
       params, losses = train(strategy, mesh, to_global)
       flat = {jax.tree_util.keystr(path): gather(x)
@@ -126,10 +124,13 @@ def main(mode: str, out_dir: str) -> None:
     np.savez(pathlib.Path(out_dir) / f"psum.p{me}.npz", rows=rows, total=total,
              process_count=n, device_count=jax.device_count())
     print(f"process {me}/{n}: wrote psum.p{me}.npz", flush=True)
-  elif mode == "crash":
+  elif mode in ("crash", "raise"):
     print(f"process {me}/{n}: first collective done", flush=True)
     if me == 1:
       time.sleep(0.5)  # Let process 0 enter the collective below first.
+      if mode == "raise":
+        print("process 1: raise", flush=True)
+        raise RuntimeError("process 1 fails on purpose")
       print("process 1: SIGKILL myself", flush=True)
       os.kill(os.getpid(), signal.SIGKILL)
     print(f"process {me}: entering a collective that cannot finish", flush=True)

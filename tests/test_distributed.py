@@ -7,6 +7,7 @@ with tiny `python -c` workers that do not import JAX.
 """
 
 import contextlib
+import doctest
 import io
 import os
 import pathlib
@@ -23,7 +24,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jaxdp
 from jaxdp._src import distributed
+from jaxdp._src import launch as launch_module
 from jaxdp._src.launch import launch, main
 from tests import mp_worker
 
@@ -74,7 +77,7 @@ def test_two_processes_psum_equals_single_process(tmp_path):
   assert "4 local devices, 8 global devices (cpu)" in result.stderr
 
   mesh = jax.make_mesh((8,), ("data",))
-  batch = distributed.host_local_batch_to_global(mp_worker.global_batch(), mesh)
+  batch = jaxdp.host_local_batch_to_global(mp_worker.global_batch(), mesh)
   want_rows, want_total = (np.asarray(a) for a in mp_worker.compute(batch, mesh))
   for p in range(2):
     got = np.load(tmp_path / f"psum.p{p}.npz")
@@ -87,14 +90,24 @@ def test_two_processes_psum_equals_single_process(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_by_two_processes(tmp_path_factory):
-  """Runs `mp_worker.py train` (every strategy) once: {(strategy, process): npz}."""
+  """Runs `mp_worker.py train` (every strategy, in turn) once.
+
+  Returns `get(strategy) -> [npz of process 0, npz of process 1]`, which fails the
+  calling test with the job's log if that strategy did not finish.
+  """
   out = tmp_path_factory.mktemp("train")
   result, elapsed = run_launcher("-n", "2", "-d", "4", "--", WORKER, "train", str(out),
-                                 timeout=120)
-  assert result.returncode == 0, result.stdout + result.stderr
+                                 timeout=180)
   print(f"2 processes x 4 devices, {len(mp_worker.STRATEGIES)} strategies: {elapsed:.1f} s")
-  return {(s, p): dict(np.load(out / f"train.{s}.p{p}.npz"))
-          for s in mp_worker.STRATEGIES for p in range(2)}
+
+  def get(strategy):
+    files = [out / f"train.{strategy}.p{p}.npz" for p in range(2)]
+    if not all(f.exists() for f in files):
+      pytest.fail(f"{strategy}: the 2-process job did not finish it (launcher exit "
+                  f"{result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return [dict(np.load(f)) for f in files]
+
+  return get
 
 
 def _single_device_reference() -> dict[str, np.ndarray]:
@@ -111,13 +124,13 @@ def _single_device_reference() -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("strategy", mp_worker.STRATEGIES)
 def test_two_processes_train_equal_to_single_process(trained_by_two_processes, strategy):
+  got = trained_by_two_processes(strategy)
   mesh = jax.make_mesh((8,), ("data",))
   params, losses = mp_worker.train(
-      strategy, mesh, lambda b: distributed.host_local_batch_to_global(b, mesh))
+      strategy, mesh, lambda b: jaxdp.host_local_batch_to_global(b, mesh))
   one_process = {jax.tree_util.keystr(k): np.asarray(x)
                  for k, x in jax.tree_util.tree_leaves_with_path(params)}
   one_device = _single_device_reference()
-  got = [trained_by_two_processes[strategy, p] for p in range(2)]
   for key in one_process:
     np.testing.assert_array_equal(got[0][key], got[1][key], err_msg=key)  # The same arrays.
     # The 8 partial grads are summed by gloo in another order than in one process:
@@ -129,23 +142,33 @@ def test_two_processes_train_equal_to_single_process(trained_by_two_processes, s
   np.testing.assert_allclose(got[0]["losses"], np.array(losses), rtol=1e-6)
 
 
-def test_killed_process_stops_the_job_and_is_named(tmp_path):
+@pytest.mark.parametrize("mode", ["crash", "raise"])
+def test_failed_process_stops_the_job_and_is_named(tmp_path, mode):
+  """Process 1 dies (SIGKILL, or an uncaught exception) while process 0 is blocked in a
+  collective that needs it: the launcher stops process 0 and names process 1."""
   with launcher_process("-n", "2", "-d", "4", "--grace-period", "3", "--",
-                        WORKER, "crash", str(tmp_path), stderr=subprocess.STDOUT) as proc:
-    log, killed_at = [], None
+                        WORKER, mode, str(tmp_path), stderr=subprocess.STDOUT) as proc:
+    log, failed_at = [], None
     for line in proc.stdout:  # Ends when the launcher exits.
       log.append(line)
-      if killed_at is None and "process 1: SIGKILL myself" in line:
-        killed_at = time.monotonic()
+      if failed_at is None and re.search(r"process 1: (SIGKILL myself|raise)", line):
+        failed_at = time.monotonic()
     proc.wait(timeout=60)
-    stopped_in = time.monotonic() - killed_at
+    stopped_in = time.monotonic() - failed_at
     log = "".join(log)
-  assert proc.returncode == 128 + signal.SIGKILL, log  # p1's own death, as the shell says it.
+  how = "signal SIGKILL" if mode == "crash" else "exit code 1"
+  # The launcher exits with process 1's status, as the shell would say it.
+  assert proc.returncode == (128 + signal.SIGKILL if mode == "crash" else 1), log
   assert stopped_in < 60, log
-  print(f"launcher exited {stopped_in:.1f} s after process 1 killed itself")
+  print(f"launcher exited {stopped_in:.1f} s after process 1 failed")
   assert "process 0: entering a collective that cannot finish" in log  # p0 really blocked.
-  assert "process 1 (pid" in log and "failed with signal SIGKILL; stopping the others" in log
-  assert "FAILED: process 1 failed with signal SIGKILL" in log, log
+  assert f"failed with {how}; stopping the others" in log, log
+  assert f"FAILED: process 1 failed with {how}" in log, log
+  assert "p0: signal SIGTERM (stopped by the launcher)" in log or \
+      "p0: signal SIGKILL (stopped by the launcher)" in log, log
+  if mode == "raise":
+    assert "RuntimeError: process 1 fails on purpose" in log
+    assert "process 1 of 2: uncaught RuntimeError; exiting with code 1" in log
   assert "unreachable" not in log
 
 
@@ -239,9 +262,9 @@ def test_initialize_alone_is_a_no_op(monkeypatch):
     monkeypatch.delenv(name, raising=False)
   if distributed._detected_cluster() is not None:
     pytest.skip("running inside a cluster environment")
-  distributed.initialize()
-  distributed.initialize()  # Idempotent.
-  distributed.initialize(num_processes=1, process_id=0)
+  jaxdp.initialize()
+  jaxdp.initialize()  # Idempotent.
+  jaxdp.initialize(num_processes=1, process_id=0)
   assert not jax.distributed.is_initialized()
 
 
@@ -253,29 +276,39 @@ def test_initialize_with_a_partial_cluster_description_says_what_is_missing(monk
   monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
   with pytest.raises(ValueError, match=r"no num_processes, process_id.*set "
                                        r"JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID"):
-    distributed.initialize()
+    jaxdp.initialize()
 
 
 def test_initialize_rejects_a_malformed_env_var(monkeypatch):
   monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
   with pytest.raises(ValueError, match="JAXDP_NUM_PROCESSES='two': expected an integer"):
-    distributed.initialize()
+    jaxdp.initialize()
 
 
 def test_initialize_after_the_backend_started_cannot_change_the_device_count():
   jax.devices()  # The backend runs with conftest's 8 CPU devices.
-  distributed.initialize(local_device_count=8)  # Agrees: fine.
+  jaxdp.initialize(local_device_count=8)  # Agrees: fine.
   with pytest.raises(RuntimeError, match="already started with 8 local CPU devices"):
-    distributed.initialize(local_device_count=4)
+    jaxdp.initialize(local_device_count=4)
 
 
 def test_host_local_batch_to_global_single_process():
   mesh = jax.make_mesh((8,), ("data",))
   local = {"x": np.arange(32, dtype=np.float32).reshape(16, 2), "w": np.ones(3, np.float32)}
-  batch = distributed.host_local_batch_to_global(local, mesh, {"x": P("data"), "w": P()})
+  batch = jaxdp.host_local_batch_to_global(local, mesh, {"x": P("data"), "w": P()})
   np.testing.assert_array_equal(batch["x"], local["x"])
   assert batch["x"].sharding.spec == P("data") and batch["w"].sharding.spec == P()
   assert [s.data.shape for s in batch["x"].addressable_shards] == [(2, 2)] * 8
   with pytest.raises(ValueError, match=r"batch\['x'\]: dim 0 of the local batch is 12, not "
                                        r"divisible by the 8 devices"):
-    distributed.host_local_batch_to_global({"x": np.ones((12, 2))}, mesh)
+    jaxdp.host_local_batch_to_global({"x": np.ones((12, 2))}, mesh)
+
+
+def test_doctests_distributed():
+  result = doctest.testmod(distributed, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
+
+
+def test_doctests_launch():
+  result = doctest.testmod(launch_module, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import jax
@@ -105,6 +106,8 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_count: int | None = None,
+    *,
+    fail_fast: bool = True,
     **kwargs: Any,
 ) -> None:
   """Joins this process to the others of its job through `jax.distributed`.
@@ -128,6 +131,13 @@ def initialize(
     local_device_count: CPU devices this process exposes (`jax_num_cpu_devices`), else
       `JAXDP_LOCAL_DEVICES`, else JAX's default. Has no effect on GPU or TPU devices; pick
       those with ``local_device_ids`` or ``CUDA_VISIBLE_DEVICES``.
+    fail_fast: in a multi-process job, an uncaught exception prints its traceback and
+      ends this process at once (exit code 1; 130 for KeyboardInterrupt). Otherwise the
+      process would wait at `jax.distributed`'s shutdown barrier (up to
+      ``shutdown_timeout_seconds``, 300 s by default) for processes that may be blocked
+      in a collective waiting for it: the whole job hangs instead of failing. The
+      launcher or the cluster scheduler then stops the others. (``sys.exit(code)`` still
+      goes through the barrier.)
     **kwargs: passed on to `jax.distributed.initialize` (``local_device_ids``,
       ``initialization_timeout``, ``heartbeat_timeout_seconds``,
       ``cluster_detection_method``, ...).
@@ -198,11 +208,40 @@ def initialize(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator_address,
                              num_processes=num_processes, process_id=process_id, **kwargs)
+  if fail_fast:
+    _exit_on_uncaught_exception()
   logger.info(
       "jaxdp.initialize: process %d of %d (%s), %d local devices, %d global devices (%s)",
       jax.process_index(), jax.process_count(),
       "arguments" if explicit else "JAXDP_* environment" if from_env else cluster,
       jax.local_device_count(), jax.device_count(), jax.default_backend())
+
+
+_fail_fast_installed = False
+
+
+def _exit_on_uncaught_exception() -> None:
+  """Makes an uncaught exception end the process now, skipping the shutdown barrier."""
+  global _fail_fast_installed
+  if _fail_fast_installed:
+    return
+  previous = sys.excepthook
+
+  def hook(exc_type, exc, tb):
+    previous(exc_type, exc, tb)
+    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+    try:
+      print(f"jaxdp: process {jax.process_index()} of {jax.process_count()}: uncaught "
+            f"{exc_type.__name__}; exiting with code {code} without waiting for the other "
+            "processes (jaxdp.initialize(fail_fast=False) to wait)", file=sys.stderr)
+      logging.shutdown()
+      sys.stdout.flush()
+      sys.stderr.flush()
+    finally:
+      os._exit(code)  # pylint: disable=protected-access
+
+  sys.excepthook = hook
+  _fail_fast_installed = True
 
 
 def _check_matches_running_job(num_processes: int | None, process_id: int | None) -> None:

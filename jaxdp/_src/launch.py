@@ -37,7 +37,12 @@ def free_port() -> int:
 
 
 def describe_exit(returncode: int) -> str:
-  """`Popen.returncode` in words: ``exit code 3`` or ``signal SIGKILL``."""
+  """`Popen.returncode` in words: ``exit code 3`` or ``signal SIGKILL``.
+
+  Examples:
+    >>> describe_exit(3), describe_exit(-9)
+    ('exit code 3', 'signal SIGKILL')
+  """
   if returncode < 0:
     try:
       name = signal.Signals(-returncode).name
