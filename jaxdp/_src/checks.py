@@ -42,6 +42,20 @@ def finite_leaves(grads: PyTree) -> jax.Array:
   return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
 
 
+def sharded_shape(layout, i: int) -> tuple[tuple[int, ...], int]:
+  """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
+
+  An ordinary leaf `(n, *rest)` is stored `(rows, *rest)` (rows: n padded up to a multiple
+  of dp; a scalar is `(rows,)`), padded on axis 0; a stacked FSDP leaf `(layers, n, *rest)`
+  is stored `(layers, rows, *rest)`, padded on axis 1.
+  """
+  shape = layout.shapes[i]
+  axis = 1 if layout.layers and layout.layers[i] else 0
+  inner = shape[axis:]
+  rows = -(-(inner[0] if inner else 1) // layout.dp) * layout.dp
+  return (*shape[:axis], rows, *inner[1:]), axis
+
+
 def check_state_structure(state, leaves_of) -> None:
   """Raises if `state.params` / `state.master` no longer fit the state's layout.
 
@@ -60,16 +74,17 @@ def check_state_structure(state, leaves_of) -> None:
           "build the state again with init_state for these params (or restore a "
           "checkpoint into it)")
   sharded = state.config.data_parallel_sharding_strategy != "no_shard"
-  for path, shape, dtype, x, m in zip(layout.paths, layout.shapes, layout.dtypes,
-                                      leaves_of(state.params), leaves_of(state.master)):
-    if x is not None and (tuple(x.shape) != shape or np.dtype(x.dtype) != dtype):
+  for i, (path, shape, dtype, x, m) in enumerate(zip(
+      layout.paths, layout.shapes, layout.dtypes, leaves_of(state.params),
+      leaves_of(state.master))):
+    if x is not None and (tuple(x.shape) not in (shape, sharded_shape(layout, i)[0])
+                          or np.dtype(x.dtype) != dtype):
       raise ValueError(
           f"state.params{path}: {np.dtype(x.dtype).name}{list(x.shape)}, but init_state "
           f"made it {dtype.name}{list(shape)}: the params changed after init_state; build "
           "the state again with init_state")
     if m is not None:
-      rows = -(-(shape[0] if shape else 1) // layout.dp) * layout.dp
-      want = (rows, *shape[1:]) if sharded else shape
+      want = sharded_shape(layout, i)[0] if sharded else shape
       if tuple(m.shape) != tuple(want):
         raise ValueError(
             f"state.master{path}: shape {tuple(m.shape)}, but init_state made it "
