@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import os
 import pathlib
 import signal
@@ -79,8 +80,25 @@ def _pump(pipe: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Lock)
   pipe.close()
 
 
+class _TextSink:
+  """Lets a text stream without a binary `.buffer` (e.g. `io.StringIO`) take bytes."""
+
+  def __init__(self, stream: IO[str]):
+    self._stream = stream
+
+  def write(self, data: bytes) -> None:
+    self._stream.write(data.decode(errors="replace"))
+
+  def flush(self) -> None:
+    self._stream.flush()
+
+
 def _binary(stream: IO) -> IO[bytes]:
-  return getattr(stream, "buffer", stream)
+  if hasattr(stream, "buffer"):
+    return stream.buffer
+  if isinstance(stream, io.TextIOBase):
+    return _TextSink(stream)
+  return stream
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -139,6 +157,25 @@ def launch(
 
   Raises:
     ValueError: `num_processes` or `devices_per_process` below 1, or an empty command.
+
+  Examples:
+    >>> import io
+    >>> out, err = io.StringIO(), io.StringIO()
+    >>> launch(["-c", "import os; print(os.environ['JAXDP_PROCESS_ID'])"], 2,
+    ...        stdout=out, stderr=err)
+    0
+    >>> sorted(out.getvalue().splitlines())
+    ['[p0] 0', '[p1] 1']
+
+    Process 1 fails while process 0 still runs: process 0 is stopped.
+
+    >>> script = ("import os, sys, time; pid = os.environ['JAXDP_PROCESS_ID']; "
+    ...           "time.sleep(60) if pid == '0' else sys.exit(3)")
+    >>> launch(["-c", script], 2, stdout=out, stderr=err)
+    3
+    >>> print(err.getvalue().splitlines()[-1])  # doctest: +NORMALIZE_WHITESPACE
+    [jaxdp.launch] FAILED: process 1 failed with exit code 3;
+    others: p0: signal SIGTERM (stopped by the launcher)
   """
   if num_processes < 1:
     raise ValueError(f"num_processes={num_processes}: must be at least 1")
