@@ -10,9 +10,11 @@ Options:
   LayerNorm statistics, attention scores/softmax and the logits are computed in float32.
 * ``scan_layers``: the blocks' params are stacked along a leading layer axis
   (``params['blocks']['attn']['c_attn']['kernel'].shape == (n_layer, d, 3 * d)``) and run
-  with ``jax.lax.scan``, one iteration per layer. Unrolled, the blocks are an ``nnx.List``
-  and their params read ``params['blocks'][3]['attn'][...]``. The same seed gives the same
-  weights in both forms; :func:`stack_blocks` / :func:`unstack_blocks` convert params.
+  with ``jax.lax.scan``, one iteration per layer; the scan body passes each layer's params
+  through ``jaxdp.gather_unit`` (a no-op except under FSDP, which gathers the layer there).
+  Unrolled, the blocks are an ``nnx.List`` and their params read
+  ``params['blocks'][3]['attn'][...]``. The same seed gives the same weights in both forms;
+  :func:`stack_blocks` / :func:`unstack_blocks` convert params.
 * ``lora_rank > 0``: every projection (``c_attn``, ``c_proj``, ``c_fc``) gets a rank-r
   LoRA adapter ``y += (x @ lora_a) @ lora_b * lora_alpha / lora_rank`` with ``lora_b``
   initialised to zero, so at init the model computes exactly the base model.
@@ -39,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from jaxdp._src.fsdp import gather_unit  # jaxdp.gather_unit
 
 LORA_NAMES = ("lora_a", "lora_b")  # param names of the LoRA adapter leaves
 
@@ -193,11 +197,17 @@ class GPT(nnx.Module):
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
-        x = self.wte[...][idx] + self.wpe[...][:T]
+        # Token embedding as a one-hot matmul (cheap at vocab 256): unlike a gather it needs
+        # no out_sharding when the batch is explicitly sharded over a mesh.
+        tok = jax.nn.one_hot(idx, self.config.vocab_size, dtype=self.wte.dtype) @ self.wte[...]
+        x = tok + self.wpe[...][:T]
         if self.config.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
 
             def layer(x, layer_state):  # one scan iteration = one block
+                # FSDP (jaxdp FSDPConfig(stacked=["blocks"])): the scan runs over the layer
+                # shards and each layer is all-gathered here; elsewhere a no-op.
+                layer_state = gather_unit(layer_state)
                 return nnx.merge(graphdef, layer_state)(x), None
 
             x, _ = jax.lax.scan(layer, x, stacked)

@@ -118,6 +118,7 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
            [4., 5.]], dtype=float32)
   """
   out: list[Any] = [None] * len(layout.shapes)
+  _refuse_stacked(layout)
   if like is not None:
     for i, x in enumerate(_check_structure(like, layout)):
       out[i] = x
@@ -133,7 +134,15 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
   return jax.tree.unflatten(layout.treedef, out)
 
 
+def _refuse_stacked(layout: Layout):
+  if layout.stacked:
+    raise ValueError("the layout has stacked params (a bucket is one layer of its unit); "
+                     "ravel/unravel take layouts of ordinary params: make one without "
+                     "stacked=")
+
+
 def _check_structure(params: PyTree, layout: Layout) -> list[Any]:
+  _refuse_stacked(layout)
   leaves, treedef = jax.tree.flatten(params)
   if treedef != layout.treedef:
     raise ValueError(f"params have structure {treedef}, but the layout was made for "

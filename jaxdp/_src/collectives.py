@@ -7,18 +7,21 @@ asks it to "reduce this bucket" or "gather this bucket".
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel, shard_unravel
 from jaxdp._src.layout import Bucket
 
 DATA = "data"
 """The mesh axis jaxdp shards buckets, optimizer state and FSDP units over."""
 REPLICA = "replica"
 """Outer data-parallel axis: replicas of the sharded state (HSDP, partial distributed optimizer)."""
+GATHERED = "jaxdp_fsdp_gathered"
+"""`checkpoint_name` of every param an FSDP unit gather produces (see `unit_gather_hook`)."""
 
 
 def make_varying(tree, axes: Sequence[str]):
@@ -111,3 +114,62 @@ def sink_for(bucket: Bucket, grad_dtype, scatter: bool) -> jax.Array:
   if scatter:
     return jax.lax.pcast(jnp.zeros((bucket.shard_size,), grad_dtype), DATA, to="varying")
   return jnp.zeros((bucket.shard_size * shards,), grad_dtype)
+
+
+def unit_gather_hook(gather_buckets: Sequence[tuple[Bucket, Any]],
+                     grad_buckets: Sequence[tuple[Bucket, Any]],
+                     cotangent_dtypes: Mapping[int, Any], *, dp: int, axes: Sequence[str],
+                     average: bool):
+  """The gather/scatter pair of one FSDP unit (FSDP's pre-forward and post-backward hooks).
+
+  Returns `gather(trainable, frozen) -> full`, where `trainable` and `frozen` map leaf
+  indices to this device's row blocks `(rows / dp, ...)` of the unit's params (`trainable`
+  in the optimizer's dtype, e.g. fp32 master params) and `full` maps every leaf of the unit
+  to its whole param. Forward: per gather bucket (one per param dtype), cast the blocks to
+  the param dtype, ravel them into one shard and `all_gather` it: one collective. Backward:
+  per grad bucket, ravel the trainable params' cotangents in the grad dtype and
+  `reduce_bucket(scatter=True)` them: one reduce-scatter, whose shard is the cotangent of
+  `trainable` (cast to `cotangent_dtypes`). Frozen params get no cotangent and no
+  collective. Each gathered param is tagged `checkpoint_name(x, GATHERED)` inside the
+  primal function, so a `jax.checkpoint` policy can refuse to save the gather's outputs and
+  re-run it in the backward (`reshard_after_forward`).
+
+  Args:
+    gather_buckets: `(bucket, param dtype)` over all the unit's float params.
+    grad_buckets: `(bucket, grad dtype)` over the unit's trainable params.
+    cotangent_dtypes: leaf index -> dtype of the `trainable` block it receives.
+    dp: data-parallel size (for averaging; replicas included).
+    axes: the data-parallel mesh axes (`DATA` last).
+    average: average inside the collective instead of pre-scaling.
+  """
+  other = tuple(a for a in axes if a != DATA)
+
+  def gather_all(trainable, frozen):
+    local = {**trainable, **frozen}
+    shards = jax.lax.axis_size(DATA)
+    out = {}
+    for b, dtype in gather_buckets:
+      full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
+      for p, x in zip(b.params, full):
+        out[p.index] = checkpoint_name(make_varying(x, other) if other else x, GATHERED)
+    return out
+
+  @jax.custom_vjp
+  def gather(trainable, frozen):
+    return gather_all(trainable, frozen)
+
+  def fwd(trainable, frozen):
+    return gather_all(trainable, frozen), None
+
+  def bwd(_, cts):
+    shards = jax.lax.axis_size(DATA)
+    grads = {}
+    for b, grad_dtype in grad_buckets:
+      flat = bucket_ravel([cts[p.index] for p in b.params], b, shards, grad_dtype)
+      shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
+      for p, g in zip(b.params, shard_unravel(shard, b, shards)):
+        grads[p.index] = g.astype(cotangent_dtypes[p.index])
+    return grads, None
+
+  gather.defvjp(fwd, bwd)
+  return gather

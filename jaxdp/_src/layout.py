@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Collection, Mapping
 
 import jax
 import numpy as np
 
 PyTree = Any
 Frozen = PyTree | Callable[[str, Any], bool] | None
+Units = Mapping[str, str] | Callable[[str], str] | None
+Stacked = Collection[str] | Callable[[str], bool] | None
 
 
 def default_bucket_size(dp: int) -> int:
@@ -48,6 +50,9 @@ class ParamSpec:
   """Leading dim (1 for a scalar) padded up to a multiple of dp."""
   offset: int
   """Start of this param's rows inside every shard of its bucket."""
+  layers: int = 0
+  """Stacked (scanned-over-layers) param: the size of its leading layer axis, and `shape`,
+  `rows` and `offset` describe one layer; 0 for an ordinary param."""
 
   @property
   def size(self) -> int:
@@ -73,6 +78,8 @@ class Bucket:
   """Start of the bucket in its buffer."""
   shard_size: int
   """Elements per shard, padding included; the bucket holds `dp * shard_size`."""
+  unit: str | None = None
+  """The FSDP unit this bucket holds (layouts made with `units=`); None for size buckets."""
 
   @property
   def numel(self) -> int:
@@ -114,6 +121,16 @@ class Layout:
   buffers: tuple[BufferLayout, ...]
   static: tuple[int, ...]
   """Leaves with no gradient buffer (frozen or not floating point), in tree order."""
+  units: tuple[str, ...] | None = None
+  """Per leaf in tree order: its unit name (layouts made with `units=`), else None."""
+  layers: tuple[int, ...] | None = None
+  """Per leaf in tree order: its leading layer axis size when stacked, else 0 (layouts made
+  with `stacked=`), else None."""
+
+  @property
+  def stacked(self) -> bool:
+    """Whether some leaf is stacked (a bucket then describes one layer of its unit)."""
+    return any(self.layers or ())
 
   @property
   def params(self) -> tuple[ParamSpec, ...]:
@@ -156,7 +173,9 @@ class Layout:
         lines.append(
             f"  bucket {b.index}: [{b.offset:,}, {b.offset + size:,})  {len(b.params)} "
             f"param{'s' * (len(b.params) != 1)}, {b.numel:,} elements, "
-            f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}")
+            f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}"
+            + (f"  unit {b.unit}" if b.unit is not None else "")
+            + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else ""))
     return "\n".join(lines)
 
 
@@ -180,26 +199,80 @@ def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str]) -> list[bool]
   return [bool(m) for m in mask]
 
 
+def _unit_names(units: Units, paths: list[str]) -> list[str] | None:
+  if units is None:
+    return None
+  if callable(units):
+    names = [units(path) for path in paths]
+  else:
+    missing = [path for path in paths if path not in units]
+    if missing:
+      raise ValueError(f"units: no unit for params{missing[0]}; map every leaf path "
+                       "(jax.tree_util.keystr) to a unit name, or pass a function")
+    names = [units[path] for path in paths]
+  for path, name in zip(paths, names):
+    if not isinstance(name, str):
+      raise ValueError(f"units: params{path} has unit {name!r}; unit names must be str")
+  return names
+
+
+def _layer_counts(stacked: Stacked, paths: list[str], shapes: list[tuple[int, ...]],
+                  unit_of: list[str] | None) -> list[int] | None:
+  if stacked is None:
+    return None
+  if unit_of is None:
+    raise ValueError("stacked: needs units= (a stacked param belongs to a unit of one "
+                     "layer); pass units as well")
+  is_stacked = stacked if callable(stacked) else set(stacked).__contains__
+  layers = []
+  for path, shape in zip(paths, shapes):
+    if not is_stacked(path):
+      layers.append(0)
+    elif not shape:
+      raise ValueError(f"stacked: params{path} is a scalar, it has no leading layer axis; "
+                       "stack only params of shape (layers, ...)")
+    else:
+      layers.append(shape[0])
+  per_unit: dict[str, set[int]] = {}
+  for name, n in zip(unit_of, layers):
+    per_unit.setdefault(name, set()).add(n)
+  for name, counts in per_unit.items():
+    if len(counts) > 1:
+      found = ", ".join(f"params{p} {'has ' + str(n) + ' layers' if n else 'is not stacked'}"
+                        for p, u, n in zip(paths, unit_of, layers) if u == name)
+      raise ValueError(f"unit {name!r} mixes params with different layer axes ({found}); a "
+                       "unit is one layer: give stacked params a unit of their own")
+  return layers
+
+
 def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
-                grad_dtype=None, frozen: Frozen = None) -> Layout:
+                grad_dtype=None, frozen: Frozen = None, units: Units = None,
+                stacked: Stacked = None) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
   Args:
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
     dp: number of data-parallel shards every bucket divides into.
     bucket_size: elements after which a bucket closes (a param is never split);
-      None: Megatron's default `max(40_000_000, 1_000_000 * dp)`.
+      None: Megatron's default `max(40_000_000, 1_000_000 * dp)`. Ignored with `units`.
     grad_dtype: dtype gradients are reduced in (e.g. `jnp.float32` for fp32 main grads);
       None: each param's own dtype.
     frozen: params that get no gradient buffer: a boolean pytree (True = frozen) with
       the structure of params, or `fn(path: str, leaf) -> bool`. Leaves that are not
       floating point are always left out.
+    units: FSDP units instead of size buckets: `{path: unit name}` for every leaf, or
+      `fn(path: str) -> unit name` (paths are `jax.tree_util.keystr` of the leaf). Each
+      bucket is then one unit's params of one buffer, units in backprop order.
+    stacked: params that carry a leading layer axis (scanned layers), as a set of paths
+      or `fn(path: str) -> bool`; needs `units`. Their `ParamSpec` describes one layer
+      (`layers` = the axis size), so a bucket is one layer of its unit.
 
   Returns:
     A static `Layout`.
 
   Raises:
-    ValueError: dp or bucket_size not positive, or `frozen` does not match params.
+    ValueError: dp or bucket_size not positive, `frozen` does not match params, a leaf
+      has no unit, or a unit mixes stacked and unstacked params.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdp
@@ -209,6 +282,14 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
     ['bfloat16/float32', 'float32']
     >>> layout.buffers[1].size  # 1000 elements padded to a multiple of lcm(8, 128)
     1024
+
+    One bucket per unit, a stacked unit described per layer:
+
+    >>> params = {"blocks": {"w": jnp.zeros((4, 16, 3))}, "head": jnp.zeros((3, 2))}
+    >>> layout = jaxdp.make_layout(params, dp=8, units=lambda path: path[2:6],
+    ...                            stacked={"['blocks']['w']"})
+    >>> [(b.unit, b.params[0].layers, b.params[0].shape) for b in layout.buffers[0].buckets]
+    [('head', 0, (3, 2)), ('bloc', 4, (16, 3))]
   """
   if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
     raise ValueError(f"dp={dp!r}: must be a positive integer (the data axis size)")
@@ -222,6 +303,8 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
   shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in keyed]
   dtypes = [np.dtype(leaf.dtype) for _, leaf in keyed]
   frozen_leaves = _frozen_mask(params, frozen, paths)
+  unit_of = _unit_names(units, paths)
+  layers = _layer_counts(stacked, paths, shapes, unit_of)
 
   by_key: dict[tuple[np.dtype, np.dtype], list[int]] = {}
   static = []
@@ -235,30 +318,42 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
   align = math.lcm(dp, 128) // dp  # shard-size multiple that makes a bucket lcm(dp, 128)
   buffers = []
   for (pdtype, gdtype), leaves in sorted(by_key.items(), key=lambda kv: _buffer_name(*kv[0])):
-    groups, group, count = [], [], 0
-    for i in leaves:
-      group.append(i)
-      count += math.prod(shapes[i])
-      if count >= bucket_size:
+    groups: list[list[int]] = []
+    if unit_of is not None:
+      by_unit: dict[str, list[int]] = {}
+      for i in leaves:
+        by_unit.setdefault(unit_of[i], []).append(i)
+      groups = list(by_unit.values())
+    else:
+      group, count = [], 0
+      for i in leaves:
+        group.append(i)
+        count += math.prod(shapes[i])
+        if count >= bucket_size:
+          groups.append(group)
+          group, count = [], 0
+      if group:
         groups.append(group)
-        group, count = [], 0
-    if group:
-      groups.append(group)
     buckets, offset = [], 0
     for b, group in enumerate(groups):
       specs, shard = [], 0
       for i in group:
-        rows = -(-(shapes[i][0] if shapes[i] else 1) // dp) * dp
-        spec = ParamSpec(paths[i], i, shapes[i], rows, shard)
+        n = layers[i] if layers else 0
+        shape = shapes[i][1:] if n else shapes[i]
+        rows = -(-(shape[0] if shape else 1) // dp) * dp
+        spec = ParamSpec(paths[i], i, shape, rows, shard, n)
         specs.append(spec)
         shard += spec.shard_size(dp)
       shard = -(-shard // align) * align
-      buckets.append(Bucket(b, tuple(specs), offset, shard))
+      unit = unit_of[group[0]] if unit_of is not None else None
+      buckets.append(Bucket(b, tuple(specs), offset, shard, unit))
       offset += shard * dp
     buffers.append(BufferLayout(_buffer_name(pdtype, gdtype), pdtype, gdtype,
                                 tuple(buckets), offset))
   return Layout(treedef, tuple(shapes), tuple(dtypes), tuple(paths), dp, bucket_size,
-                tuple(buffers), tuple(sorted(static)))
+                tuple(buffers), tuple(sorted(static)),
+                tuple(unit_of) if unit_of is not None else None,
+                tuple(layers) if layers is not None else None)
 
 
 def _buffer_name(param_dtype: np.dtype, grad_dtype: np.dtype) -> str:
