@@ -2,7 +2,8 @@
 
 `schedule` / `report` read a compiled program's HLO (CPU, or a GPU program compiled for
 an H100 target on a machine without a GPU via `compile_for_gpu`); `memory_stats` reads
-`memory_analysis()`.
+`memory_analysis()`; `memory_ledger` predicts the bytes per device of each strategy and
+`measured_bytes` reads them off a `TrainState`.
 """
 
 from jaxdp._src.aot import abstract_like as abstract_like
@@ -12,6 +13,9 @@ from jaxdp._src.aot import gpu_compile_unavailable as gpu_compile_unavailable
 from jaxdp._src.aot import gpu_mesh as gpu_mesh
 from jaxdp._src.aot import gpu_topology as gpu_topology
 from jaxdp._src.aot import h100_target_config as h100_target_config
+from jaxdp._src.distributed_optimizer import MemoryLedger as MemoryLedger
+from jaxdp._src.distributed_optimizer import measured_bytes as measured_bytes
+from jaxdp._src.distributed_optimizer import memory_ledger as memory_ledger
 from jaxdp._src.inspect import Collective as Collective
 from jaxdp._src.inspect import MemoryStats as MemoryStats
 from jaxdp._src.inspect import Schedule as Schedule
