@@ -402,3 +402,13 @@ def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, uninterrupted):
   assert lines[0] == "resumed 3" and lines[-1] == "step 12"
   assert _committed(ckpt) == [3, 6, 9, 12]
   _assert_bitwise(tmp_path / "params.npz", uninterrupted)
+
+
+def test_doctests():
+  import doctest
+
+  from jaxdp._src import checkpoint
+  if not hasattr(jaxdp, "CheckpointManager"):
+    pytest.skip("jaxdp.CheckpointManager is not exported yet (jaxdp/__init__.py)")
+  result = doctest.testmod(checkpoint, optionflags=doctest.ELLIPSIS)
+  assert result.attempted and not result.failed

@@ -139,6 +139,15 @@ def test_param_reshaped(ddp8):
     step(edited, _batch())
 
 
+def test_fsdp_params_gain_a_leaf():
+  mesh, config = _mesh(8), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+  state = _state(mesh, config)
+  step = jaxdp.make_train_step(_loss, TX, mesh, config)
+  edited = dataclasses.replace(state, params={**state.params, "c": jnp.ones(2)})
+  with pytest.raises(ValueError, match="changed structure after init_state"):
+    step(edited, _batch())
+
+
 def test_sharded_master_reshaped():
   mesh, config = _mesh(8), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
   state = _state(mesh, config)
@@ -155,7 +164,7 @@ def _copy(tree):
   return jax.tree.map(lambda x: np.array(x), tree)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
 def test_nan_check_names_leaf_and_step_and_keeps_state(strategy):
   mesh = _mesh(8)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy,

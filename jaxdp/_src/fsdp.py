@@ -50,7 +50,7 @@ import optax
 from jax.extend.core import primitives as core_primitives
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import collectives
+from jaxdp._src import checks, collectives
 from jaxdp._src.buffer import pad_rows, unpad_rows
 from jaxdp._src.collectives import DATA, GATHERED
 from jaxdp._src.config import DDPConfig
@@ -470,10 +470,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                                     opt_state=opt_state)
     new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state,
                              _state_specs(new_state))
-    return new_state, {"loss": loss, "grad_norm": grad_norm}
+    metrics = {"loss": loss, "grad_norm": grad_norm}
+    if config.check_for_nan_in_grad:  # read on the host by checks.TrainStep
+      return new_state, metrics, checks.finite_leaves(grads)
+    return new_state, metrics
 
   platform = mesh.devices.flat[0].platform
-  return jax.jit(step, donate_argnums=0, compiler_options=compiler_options(platform))
+  # With the NaN check on, the state is not donated: a step that fails the check leaves the
+  # caller's state valid and unchanged (see checks.py).
+  donate = () if config.check_for_nan_in_grad else 0
+  jitted = jax.jit(step, donate_argnums=donate, compiler_options=compiler_options(platform))
+  return checks.TrainStep(jitted, mesh, config)
 
 
 def compiler_options(platform: str) -> dict[str, Any]:
@@ -509,3 +516,4 @@ def _check_state(state, mesh, config: DDPConfig, fsdp: FSDPConfig):
     raise ValueError(
         f"the state's units were made by another FSDPConfig than this step's {fsdp}; pass "
         "the same fsdp= to init_state and make_train_step")
+  checks.check_state_structure(state, _leaves)
