@@ -30,12 +30,11 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxdp._src.collectives import DATA
+
 PyTree = Any
 
 logger = logging.getLogger("jaxdp")
-
-DATA = "data"
-"""The data-parallel mesh axis (the same name as `collectives.DATA`)."""
 
 ENV_COORDINATOR = "JAXDP_COORDINATOR"
 """``host:port`` of the coordinator (process 0)."""
