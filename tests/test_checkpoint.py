@@ -174,6 +174,46 @@ def test_padding_rows_come_from_like(tmp_path):
   assert np.isfinite(np.asarray(got.master["w"])).all()
 
 
+def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
+  """A stacked FSDP leaf `(layers, n, ...)` is padded on axis 1, an `optim` one on axis 0."""
+  from jaxdp._src.fsdp import FSDPConfig, gather_unit
+
+  k1, k2 = jax.random.split(jax.random.key(1))
+  params = {"blocks": {"w": jax.random.normal(k1, (3, 5, 5)) * 0.3, "b": jnp.zeros((3, 5))},
+            "head": jax.random.normal(k2, (5, 3))}
+
+  def loss(p, batch):
+    def body(h, layer):
+      layer = gather_unit(layer)
+      return jnp.tanh(h @ layer["w"] + layer["b"]), None
+    h, _ = jax.lax.scan(body, batch["x"], p["blocks"])
+    return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
+
+  fsdp, config = FSDPConfig(stacked=("blocks",)), _config("optim_grads_params")
+  state = jaxdp.init_state(params, TX, _mesh(8), config, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss, TX, _mesh(8), config, fsdp=fsdp)
+  for i in range(2):
+    state, _ = step(state, _batch(i))
+  assert state.master["blocks"]["w"].shape == (3, 8, 5)
+  mgr = CheckpointManager(tmp_path)
+  mgr.save(2, state)
+  mgr.wait_until_finished()
+  saved, saved_params = _host(state), _host(jaxdp.get_params(state))
+  _, want = step(state, _batch(2))
+
+  for target, target_fsdp in [("optim", None), ("optim_grads_params", fsdp)]:
+    like = jaxdp.init_state(params, TX, _mesh(4), _config(target), fsdp=target_fsdp)
+    got = mgr.restore(like)
+    for a, b in zip(jax.tree.leaves(saved_params), jax.tree.leaves(jaxdp.get_params(got))):
+      np.testing.assert_array_equal(a, b)
+    mu = np.asarray(got.opt_state[0].mu["blocks"]["w"])
+    rows = mu[:3] if target == "optim" else mu[:, :5]  # (4, 5, 5) or (3, 8, 5)
+    np.testing.assert_array_equal(rows, saved.opt_state[0].mu["blocks"]["w"][:, :5])
+    _, metrics = jaxdp.make_train_step(loss, TX, _mesh(4), _config(target),
+                                       fsdp=target_fsdp)(got, _batch(2))
+    np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------- mismatches
 
 @pytest.fixture(scope="module")
