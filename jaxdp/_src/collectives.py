@@ -20,6 +20,10 @@ DATA = "data"
 """The mesh axis jaxdp shards buckets, optimizer state and FSDP units over."""
 REPLICA = "replica"
 """Outer data-parallel axis: replicas of the sharded state (HSDP, partial distributed optimizer)."""
+EXPERT = "expert"
+"""Expert-parallel axis (MoE): dense params are data parallel over it like over "data"; expert
+params are sharded over it (their leading dim), so their grads are reduced over the other data
+axes only, the expert-data-parallel group (Megatron's `expert_parallel_bucket_groups`)."""
 GATHERED = "jaxdp_fsdp_gathered"
 """`checkpoint_name` of every param an FSDP unit gather produces (see `unit_gather_hook`)."""
 
@@ -108,12 +112,16 @@ def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
   return hook
 
 
-def sink_for(bucket: Bucket, grad_dtype, scatter: bool) -> jax.Array:
-  """The zero input whose cotangent receives the bucket's reduced grads."""
+def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] = ()) -> jax.Array:
+  """The zero input whose cotangent receives the bucket's reduced grads.
+
+  `varying`: the data axes the bucket is not reduced over (an expert bucket differs across
+  "expert"); with `scatter` the shard also differs across `DATA`.
+  """
   shards = jax.lax.axis_size(DATA)
-  if scatter:
-    return jax.lax.pcast(jnp.zeros((bucket.shard_size,), grad_dtype), DATA, to="varying")
-  return jnp.zeros((bucket.shard_size * shards,), grad_dtype)
+  axes = (*varying, DATA) if scatter else tuple(varying)
+  sink = jnp.zeros((bucket.shard_size * (1 if scatter else shards),), grad_dtype)
+  return jax.lax.pcast(sink, axes, to="varying") if axes else sink
 
 
 def unit_gather_hook(gather_buckets: Sequence[tuple[Bucket, Any]],
@@ -159,7 +167,9 @@ def unit_gather_hook(gather_buckets: Sequence[tuple[Bucket, Any]],
     return gather_all(trainable, frozen)
 
   def fwd(trainable, frozen):
-    return gather_all(trainable, frozen), None
+    # Calling `gather` (not `gather_all`) keeps the forward gather one `custom_vjp_call`
+    # in the differentiated program, which a checkpoint policy can recognise and recompute.
+    return gather(trainable, frozen), None
 
   def bwd(_, cts):
     shards = jax.lax.axis_size(DATA)

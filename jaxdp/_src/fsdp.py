@@ -264,8 +264,9 @@ _scope = threading.local()
 class _Scope:
   """The stacked units a loss_fn traced inside an FSDP step may gather with `gather_unit`."""
 
-  def __init__(self, units: Sequence[tuple[Unit, Callable, list]]):
+  def __init__(self, units: Sequence[tuple[Unit, Callable, list]], paths: frozenset[str]):
     self.units = units  # (unit, gather fn, [(local shape, dtype)] in tree order)
+    self.paths = paths  # the stacked leaves, which loss_fn receives as layer shards
     self.used: set[str] = set()
 
   def gather(self, leaves):
@@ -309,6 +310,19 @@ def gather_unit(layer_params: PyTree) -> PyTree:
   leaves, treedef = jax.tree.flatten(layer_params)
   full = scope.gather(leaves)
   return layer_params if full is None else jax.tree.unflatten(treedef, full)
+
+
+def sharded_paths() -> frozenset[str]:
+  """Paths (`keystr`) of the leaves that the loss_fn being traced receives as layer shards
+  `(layers, rows / dp, ...)` (the stacked units of an FSDP step); empty elsewhere. Shape
+  checks on params inside a loss_fn (e.g. `nnx_split`'s) skip these.
+
+  Examples:
+    >>> sharded_paths()
+    frozenset()
+  """
+  scope = getattr(_scope, "current", None)
+  return scope.paths if scope is not None else frozenset()
 
 
 def _reshard_policy(prim, *_, **params) -> bool:
@@ -416,7 +430,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
           for i, x in full.items():
             leaves[i] = x
       stacked = [u for u in units if u.layers]
-      scope = _Scope([(u, hooks[u.name], [local_sig(i) for i in u.leaves]) for u in stacked])
+      scope = _Scope([(u, hooks[u.name], [local_sig(i) for i in u.leaves]) for u in stacked],
+                     frozenset(layout.paths[i] for u in stacked for i in u.leaves))
       previous, _scope.current = getattr(_scope, "current", None), scope
       try:
         loss = loss_fn(_tree(layout, leaves), mb)

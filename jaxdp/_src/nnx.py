@@ -27,11 +27,17 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from jaxdp._src.fsdp import sharded_paths
+
 PyTree = Any
 
 
-def _check_like(params: PyTree, template: PyTree, what: str, check_dtype: bool = True) -> None:
-    """Raise ValueError naming the first leaf where ``params`` differs from ``template``."""
+def _check_like(params: PyTree, template: PyTree, what: str, check_dtype: bool = True,
+                skip_shape: frozenset[str] = frozenset()) -> None:
+    """Raise ValueError naming the first leaf where ``params`` differs from ``template``.
+
+    Leaves whose path is in ``skip_shape`` (FSDP layer shards) are not shape-checked.
+    """
     if jax.tree.structure(params) != jax.tree.structure(template):
         got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
         want = {jax.tree_util.keystr(p)
@@ -43,7 +49,8 @@ def _check_like(params: PyTree, template: PyTree, what: str, check_dtype: bool =
             "jaxdp.nnx_split returned (or jaxdp.get_params of their train state)")
     for (path, p), t in zip(jax.tree_util.tree_leaves_with_path(params),
                             jax.tree.leaves(template)):
-        if p.shape != t.shape or (check_dtype and p.dtype != t.dtype):
+        shape_differs = p.shape != t.shape and jax.tree_util.keystr(path) not in skip_shape
+        if shape_differs or (check_dtype and p.dtype != t.dtype):
             raise ValueError(
                 f"{what}: params{jax.tree_util.keystr(path)} is {p.dtype}{list(p.shape)}, "
                 f"the model holds {t.dtype}{list(t.shape)}; pass params of the model's "
@@ -90,7 +97,8 @@ def nnx_split(model: nnx.Module,
     rest_leaves, rest_def = jax.tree.flatten(rest)
 
     def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
-        _check_like(params, template, "loss_fn", check_dtype=False)  # trace time only
+        _check_like(params, template, "loss_fn", check_dtype=False,  # trace time only
+                    skip_shape=sharded_paths())
         # Fresh Variables on every call, so whatever model_loss writes into the rebuilt
         # model (stats, RNG counts) dies with it and never leaks out, not even tracers.
         state = jax.tree.unflatten(state_def, jax.tree.leaves(params))
