@@ -177,7 +177,7 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   if not specs:
     return
   try:
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]
   except RuntimeError:
     cpu = None
   results = None
@@ -264,6 +264,22 @@ def _nbytes(shape, dtype) -> int:
   return math.prod(shape) * np.dtype(dtype).itemsize
 
 
+def _is_sharded_state(path, x, layout: Layout) -> bool:
+  """Does a sharded strategy shard this optax state leaf over "data" (as `init_state` does)?
+
+  A per-param leaf (Adam's `mu['w']`) has its param's padded shape and a key path ending
+  with the param's path; one under a param's path with another shape (factored moments) is
+  replicated; a leaf under no param's path is sharded when it has a padded param shape.
+  """
+  name, shape = jax.tree_util.keystr(path), tuple(x.shape)
+  specs = layout.params
+  if any(name.endswith(p.path) and shape == p.padded_shape for p in specs):
+    return True
+  if any(name.endswith(p.path) for p in specs):
+    return False
+  return any(shape == p.padded_shape for p in specs)
+
+
 def memory_ledger(params: PyTree, strategy: str, dp: int,
                   tx: optax.GradientTransformation | None = None, *,
                   grad_reduce_in_fp32: bool = True, bucket_size: int | None = None,
@@ -291,8 +307,8 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
     >>> import jax, jax.numpy as jnp, jaxdp
     >>> from jaxdp._src.distributed_optimizer import memory_ledger
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}  # psi = 2**20
-    >>> [m.total / 2**20 for m in (memory_ledger(params, s, dp=8)
-    ...                            for s in ("no_shard", "optim", "optim_grads"))]
+    >>> [round(memory_ledger(params, s, dp=8).total / 2**20, 3)  # bytes per param
+    ...  for s in ("no_shard", "optim", "optim_grads")]
     [18.0, 7.5, 4.0]
   """
   if strategy not in STRATEGIES:
@@ -326,11 +342,10 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
   if tx is None:
     tx = optax.scale_by_adam()
   state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
-  padded = {p.padded_shape for p in specs.values()}
   opt = 0
-  for x in jax.tree.leaves(state):
+  for path, x in jax.tree_util.tree_leaves_with_path(state):
     n = _nbytes(x.shape, x.dtype)
-    opt += n // dp if sharded and x.ndim and tuple(x.shape) in padded else n
+    opt += n // dp if sharded and _is_sharded_state(path, x, layout) else n
 
   gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
   return MemoryLedger(params=model, grads=grads, master=master, opt_state=opt,

@@ -1,0 +1,416 @@
+"""The distributed optimizer (`optim` = ZeRO-1, `optim_grads` = ZeRO-2) against one device.
+
+Every test model here has leading dims that 8 does not divide, so every leaf the sharded
+optimizer sees is padded (rows rounded up to a multiple of dp): masks, global norms and
+schedules are exercised on padded row shards, not on the easy case.
+"""
+
+import doctest
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from jaxdp._src import distributed_optimizer
+from jaxdp._src.distributed_optimizer import check_exact, measured_bytes, memory_ledger
+from models.mlp import MLP, mlp_loss
+
+STEPS = 10
+DP = 8
+BUCKET = 200  # elements: 3 buckets for the MLP below
+ATOL_F32 = 1e-5  # f32 params; observed <= 1e-6 (the psum_scatter sums in another order)
+SHARDED = ("optim", "optim_grads")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def mlp_problem(dtype=jnp.float32):
+  """MLP 6 -> 30 -> 30 -> 5: leading dims 6, 30, 5, none divisible by 8."""
+  params, loss_fn = jaxdp.nnx_split(MLP(6, 30, 5, n_layers=3, rngs=nnx.Rngs(0),
+                                        param_dtype=dtype), mlp_loss)
+  k1, k2 = jax.random.split(jax.random.key(1))
+  batch = {"x": jax.random.normal(k1, (32, 6)), "y": jax.random.normal(k2, (32, 5))}
+  return params, loss_fn, batch
+
+
+def schedule():
+  return optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=3, decay_steps=12)
+
+
+def adamw_tx(params, mask="callable", weight_decay=1.0):
+  """clip_by_global_norm + adamw with a schedule and a weight-decay mask (kernels only).
+
+  The decay is large so that a mask applied to the wrong elements shows at ATOL_F32.
+  """
+  if mask == "pytree":
+    mask = jax.tree.map(lambda x: x.ndim > 1, params)
+  elif mask == "callable":
+    mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  return optax.chain(optax.clip_by_global_norm(0.5),
+                     optax.adamw(schedule(), weight_decay=weight_decay, mask=mask))
+
+
+def reference(params, loss_fn, batch, tx, steps=STEPS, master_dtype=None):
+  """Plain jax.grad + optax on the whole global batch, one device.
+
+  With `master_dtype` the optimizer keeps params in that dtype and the loss sees them cast
+  back to the params' dtype (single-device mixed precision).
+  """
+  dtypes = jax.tree.map(lambda x: x.dtype, params)
+  master = jax.tree.map(lambda x: x.astype(master_dtype or x.dtype), params)
+
+  @jax.jit
+  def step(master, opt_state):
+    model = jax.tree.map(lambda m, d: m.astype(d), master, dtypes)
+    loss, grads = jax.value_and_grad(loss_fn)(model, batch)
+    grads = jax.tree.map(lambda g, m: g.astype(m.dtype), grads, master)
+    updates, opt_state = tx.update(grads, opt_state, master)
+    return optax.apply_updates(master, updates), opt_state, loss, optax.tree.norm(grads)
+
+  opt_state, losses, norms = tx.init(master), [], []
+  for _ in range(steps):
+    master, opt_state, loss, norm = step(master, opt_state)
+    losses.append(float(loss))
+    norms.append(float(norm))
+  return master, losses, norms
+
+
+def train(params, loss_fn, batch, tx, config, mesh=None, steps=STEPS, **step_kw):
+  mesh = mesh or jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config, **step_kw)
+  losses, norms = [], []
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+    norms.append(float(metrics["grad_norm"]))
+  return state, step, losses, norms
+
+
+def max_diff(a, b) -> float:
+  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def assert_trees_close(a, b, atol, rtol=0.0):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                               atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
+
+
+def unpadded_master(state, like):
+  """The state's master params cut back to the params' shapes (host copies)."""
+  return jax.tree.map(lambda m, p: np.asarray(m)[: p.shape[0]].reshape(p.shape),
+                      state.master, like)
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\]\S*\s+"
+                         r"(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+_WHILE = re.compile(r"body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
+
+
+def _group_size(line: str) -> int:
+  """Devices in each replica group of a collective, in any of the forms XLA prints."""
+  if m := re.search(r"replica_groups=\{\{([\d,]+)\}", line):
+    return len(m.group(1).split(","))
+  if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
+    return int(m.group(1))
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
+  sizes = {a: int(n) for a, n in re.findall(r"'(\w+)'=(\d+)", m.group(1))}
+  return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", m.group(2)))
+
+
+def collectives(step, state, batch):
+  """`[(kind, elements, group size, trips)]` of every collective in the compiled program.
+
+  `trips` is the known trip count of the while loop holding it (1 outside loops). On CPU
+  every collective is a plain synchronous op, never a tuple (jaxdp turns XLA's combiners
+  off), so its result type is one array.
+  """
+  text = step.lower(state, batch).compile().as_text()
+  trips = {body: int(n) for body, n in _WHILE.findall(text)}
+  out, comp = [], None
+  for line in text.splitlines():
+    if m := _HEADER.match(line):
+      comp = m.group(1)
+    elif m := _COLLECTIVE.match(line):
+      _, dims, kind = m.groups()
+      n = math.prod(int(d) for d in dims.split(",") if d)
+      out.append((kind, n, _group_size(line), trips.get(comp, 1)))
+  return out
+
+
+def bucket_sizes(layout):
+  return sorted(b.shard_size * layout.dp for buf in layout.buffers for b in buf.buckets)
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("mask", ["pytree", "callable"])
+def test_sharded_equals_single_device_f32(strategy, mask):
+  params, loss_fn, batch = mlp_problem()
+  tx = adamw_tx(params, mask)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx)
+  # The mask matters at this tolerance: decaying the biases too moves them by far more.
+  decay_all, _, _ = reference(params, loss_fn, batch, adamw_tx(params, mask=None))
+  assert max_diff(decay_all, ref) > 10 * ATOL_F32
+
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
+                           overlap_param_gather=(mask == "pytree"))
+  state, step, losses, norms = train(params, loss_fn, batch, tx, config)
+  assert state.layout.num_buckets == 3
+  assert all(p.rows != (p.shape or (1,))[0] for p in state.layout.params)  # all padded
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)  # grad_norm from the shards
+  assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
+  assert step._cache_size() == 1, "the second step recompiled"
+
+
+def test_sharded_equals_single_device_bf16():
+  """bf16 params, fp32 master params and fp32 grad reduction.
+
+  Tolerance, and why: each device computes its grads in bf16 on 1/8 of the batch and
+  jaxdp averages them in fp32, while the single-device reference computes one bf16 grad
+  on the whole batch; the two differ by bf16 rounding (relative 2^-8). Adam divides by
+  sqrt(v), so on elements whose grad is near zero that rounding can move an update by a
+  fair part of the learning rate. Against the reference we allow 1e-3 on the fp32 master
+  params (the 10 learning rates sum to 2.3e-2; observed 5.5e-4), and on the bf16 model
+  params, which are those rounded to bf16, 1e-3 plus one bf16 ulp. The sharded strategies do exactly the per-device
+  arithmetic of `no_shard` and differ from it only in the collective (reduce-scatter vs
+  all-reduce), so against `no_shard` they hold to 1e-6 (observed 6e-8).
+  """
+  params, loss_fn, batch = mlp_problem(jnp.bfloat16)
+  tx = adamw_tx(params)
+  ref, ref_losses, _ = reference(params, loss_fn, batch, tx, master_dtype=jnp.float32)
+  masters = {}
+  for strategy in ("no_shard",) + SHARDED:
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET)
+    state, _, losses, _ = train(params, loss_fn, batch, tx, config)
+    got = jaxdp.get_params(state)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.master))
+    masters[strategy] = unpadded_master(state, params)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2 ** -7)
+    assert_trees_close(masters[strategy], ref, atol=1e-3)
+    assert_trees_close(got, jax.tree.map(lambda m: m.astype(jnp.bfloat16), ref),
+                       atol=1e-3, rtol=2 ** -8)
+  for strategy in SHARDED:
+    assert_trees_close(masters[strategy], masters["no_shard"], atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", ("no_shard",) + SHARDED)
+def test_grad_accumulation_equals_large_batch(strategy):
+  """k=4 micro-batches of 4 per device equal one step on the 32-example batch, and the
+  grads are reduced once per step: `no_shard` and `optim` accumulate local grads and
+  reduce each bucket once, after the loop; `optim_grads` reduce-scatters each bucket once
+  per micro-batch, inside the loop, keeping only its shard."""
+  k = 4
+  params, loss_fn, batch = mlp_problem()
+  tx = adamw_tx(params)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=3)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET)
+  state, step, losses, norms = train(params, loss_fn, batch, tx, config, steps=3,
+                                     grad_accum_steps=k)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+  assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
+
+  ops = collectives(step, state, batch)
+  sizes = bucket_sizes(state.layout)
+  if strategy == "no_shard":
+    reductions = [(n, t) for kind, n, _, t in ops if kind == "all-reduce" and n > 2]
+    assert sorted(reductions) == [(n, 1) for n in sizes]
+  else:
+    reductions = [(n * DP, t) for kind, n, _, t in ops if kind == "reduce-scatter"]
+    trips = k if strategy == "optim_grads" else 1
+    assert sorted(reductions) == [(n, trips) for n in sizes]
+    assert not [op for op in ops if op[0] == "all-reduce" and op[1] > 2]
+
+
+def test_replica_data_mesh_equals_single_device():
+  """num_distributed_optimizer_instances=2 on a (2, 4) mesh: each bucket is reduce-scattered
+  over the 4 "data" devices, then its shard all-reduced over the 2 replicas."""
+  params, loss_fn, batch = mlp_problem()
+  tx = adamw_tx(params)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx)
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  for strategy in SHARDED:
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
+                             num_distributed_optimizer_instances=2)
+    state, step, losses, norms = train(params, loss_fn, batch, tx, config, mesh=mesh)
+    assert state.layout.dp == 4
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
+  ops = collectives(step, state, batch)
+  sizes = bucket_sizes(state.layout)
+  assert sorted(n * 4 for kind, n, g, _ in ops if kind == "reduce-scatter" and g == 4) == sizes
+  assert sorted(n * 4 for kind, n, g, _ in ops if kind == "all-reduce" and g == 2) == sizes
+
+
+# ----------------------------------------------------------------------------- programs
+
+@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("overlap_param_gather", [True, False])
+def test_one_reduce_scatter_and_one_all_gather_per_bucket(strategy, overlap_param_gather):
+  params, loss_fn, batch = mlp_problem()
+  tx = adamw_tx(params)
+  mesh = jax.make_mesh((DP,), ("data",))
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
+                           overlap_param_gather=overlap_param_gather)
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  ops = collectives(step, state, batch)
+  sizes = bucket_sizes(state.layout)
+  assert len(sizes) == 3
+  assert sorted(n * DP for kind, n, _, _ in ops if kind == "reduce-scatter") == sizes
+  assert sorted(n for kind, n, _, _ in ops if kind == "all-gather") == sizes
+  # No gradient-sized all-reduce: only scalars. One f32[2] carries the loss and the grad
+  # norm (from the reduced shards, one psum); clip_by_global_norm, run in the global view,
+  # all-reduces one partial sum per leaf (6 leaves).
+  all_reduces = sorted(n for kind, n, _, _ in ops if kind == "all-reduce")
+  assert all_reduces == [1] * 6 + [2]
+
+
+# ----------------------------------------------------------------------------- memory
+
+def opt_bytes(state):
+  return measured_bytes(state)["opt_state"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_opt_state_is_one_dp_th_and_ledger_matches_arrays(dtype):
+  params, _, _ = mlp_problem(dtype)
+  tx = adamw_tx(params)
+  mesh = jax.make_mesh((DP,), ("data",))
+  states = {}
+  for strategy in ("no_shard",) + SHARDED:
+    for overlap in (True, False):
+      config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
+                               overlap_param_gather=overlap)
+      state = states[strategy, overlap] = jaxdp.init_state(params, tx, mesh, config)
+      ledger = memory_ledger(params, strategy, DP, tx, bucket_size=BUCKET,
+                             overlap_param_gather=overlap)
+      measured = measured_bytes(state)
+      assert measured["step"] == 4
+      assert {k: measured[k] for k in ledger.state} == ledger.state, (strategy, overlap)
+
+  # Optimizer state on device 0 is 1/dp of the unsharded state, up to padding: Adam's two
+  # moments per element, computed here from the padded leading dims; the step counts are
+  # scalars every device keeps.
+  unsharded = states["no_shard", True].opt_state
+  scalars = sum(x.nbytes for x in jax.tree.leaves(unsharded) if x.ndim == 0)
+  leaves = jax.tree.leaves(params)
+  padding = sum((-(-x.shape[0] // DP) * DP - x.shape[0]) * math.prod(x.shape[1:])
+                for x in leaves)
+  full = opt_bytes(states["no_shard", True]) - scalars
+  assert full == 2 * 4 * sum(x.size for x in leaves)
+  for strategy in SHARDED:
+    sharded = opt_bytes(states[strategy, True]) - scalars
+    assert sharded * DP == full + 2 * 4 * padding
+    assert sharded * DP < 1.2 * full  # the padding is small even for this tiny MLP
+
+
+def test_ledger_reproduces_the_design_table():
+  """Mixed-precision Adam, bf16 params, no padding: psi = 2^20 params, N = 8."""
+  psi, n = 2 ** 20, DP
+  params = {"w": jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
+            "v": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)}
+  expected = {"no_shard": (2, 4, 4, 8), "optim": (2, 4, 4 / n, 8 / n),
+              "optim_grads": (2, 4 / n, 4 / n, 8 / n)}
+  for strategy, (p, g, m, o) in expected.items():
+    ledger = memory_ledger(params, strategy, n)
+    assert ledger.params == p * psi and ledger.grads == g * psi
+    assert ledger.master == m * psi
+    assert ledger.opt_state == o * psi + 4  # + Adam's int32 step count
+  assert memory_ledger(params, "no_shard", n).total == 18 * psi + 4
+  assert memory_ledger(params, "optim", n).total == 6 * psi + 12 * psi // n + 4
+  assert memory_ledger(params, "optim_grads", n).total == 2 * psi + 16 * psi // n + 4
+  # fp16/bf16 grads when grad_reduce_in_fp32=False; frozen params have no grads or state.
+  assert memory_ledger(params, "optim", n, grad_reduce_in_fp32=False).grads == 2 * psi
+  frozen = memory_ledger(params, "optim", n, frozen={"w": True, "v": False})
+  assert frozen.grads == 2 * psi and frozen.opt_state == 8 * psi // 2 // n + 4
+
+
+# ----------------------------------------------------------------------------- exactness
+
+def center_each_leaf() -> optax.GradientTransformation:
+  """A shape-dependent transformation with no tell-tale state: subtracts each leaf's mean."""
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None: (
+          jax.tree.map(lambda u: u - jnp.mean(u), updates), state))
+
+
+def test_shape_dependent_transformations_are_refused_on_padded_leaves():
+  params, _, _ = mlp_problem()
+  mesh = jax.make_mesh((DP,), ("data",))
+  for strategy in SHARDED:
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+    with pytest.raises(NotImplementedError) as e:
+      jaxdp.init_state(params, optax.adafactor(1e-3), mesh, config)
+    msg = str(e.value)
+    for part in ("params['layers']", "padded to", "dp=8", "adafactor", "no_shard",
+                 "shape-independent", "divides the leading dim"):
+      assert part in msg, (part, msg)
+  with pytest.raises(NotImplementedError, match=r"depends on the leaf's shape"):
+    jaxdp.init_state(params, optax.chain(center_each_leaf(), optax.sgd(0.1)), mesh,
+                     jaxdp.DDPConfig(data_parallel_sharding_strategy="optim"))
+  # no_shard sees the true shapes: anything goes.
+  jaxdp.init_state(params, optax.adafactor(1e-3), mesh, jaxdp.DDPConfig())
+
+
+def test_shape_dependent_transformation_runs_where_nothing_is_padded():
+  """adafactor factors (256, 128) leaves: shape-dependent, but exact when dp divides every
+  leading dim (the optimizer then sees the true shapes)."""
+  k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+  params = {"w": jax.random.normal(k1, (256, 128)) * 0.05, "b": jnp.zeros((128,))}
+  batch = {"x": jax.random.normal(k2, (16, 256)), "y": jax.random.normal(k3, (16, 128))}
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
+  tx = optax.adafactor(1e-2)
+  assert distributed_optimizer._shape_dependent_state(  # really factored
+      tx, jaxdp.make_layout(params, dp=DP))
+  ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  state, _, losses, _ = train(params, loss_fn, batch, tx, config, steps=5)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
+
+
+def test_lamb_is_exact_on_padded_leaves():
+  """lamb's per-leaf trust ratio uses norms, which zero padding rows leave unchanged."""
+  params, loss_fn, batch = mlp_problem()
+  tx = optax.lamb(schedule(), weight_decay=0.1)
+  ref, ref_losses, _ = reference(params, loss_fn, batch, tx)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads", bucket_size=BUCKET)
+  state, _, losses, _ = train(params, loss_fn, batch, tx, config)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
+
+
+def test_check_exact_accepts_elementwise_and_global_norm_transformations():
+  layout = jaxdp.make_layout({"w": jnp.zeros((130, 7)), "b": jnp.zeros((3,)),
+                              "s": jnp.zeros(())}, dp=DP)
+  for tx in (optax.sgd(0.1, momentum=0.9), optax.lion(1e-3), optax.adam(1e-3),
+             optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule())),
+             optax.lars(1e-3)):
+    check_exact(tx, layout)
+  with pytest.raises(NotImplementedError) as e:
+    check_exact(center_each_leaf(), layout)
+  assert "params['w'] has shape (130, 7)" in str(e.value)
+  assert "(136, 7) (leading dim 130 padded to 136" in str(e.value)
+  assert "Also affected: params['b'], params['s']" in str(e.value)
+
+
+def test_doctests():
+  result = doctest.testmod(distributed_optimizer, optionflags=doctest.ELLIPSIS)
+  assert result.attempted > 0 and result.failed == 0
