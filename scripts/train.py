@@ -23,8 +23,8 @@ Writes to `--out`: `metrics.jsonl` (one JSON object per step: step, loss, grad_n
 tokens_per_s, time_s; plus one {"step", "val_loss"} object per evaluation) and
 `loss.png` (the loss curves). Prints the gradient-buffer layout (buffers, buckets,
 padding) at start. With `--save-every N`, `checkpoints/` holds a checkpoint every N steps
-(and at the end) with the data position (the sampler's RNG state); `--resume` continues
-from the latest one, on any device count and strategy, exactly where the data left off.
+(and at the end); `--resume` continues from the latest one, on any device count and
+strategy, exactly where the data left off (step k's batch depends on seed and k alone).
 """
 
 import argparse
@@ -189,7 +189,6 @@ if args.save_every or args.resume:
                                   save_interval_steps=max(args.save_every, 1))
     if args.resume and mgr.latest_step() is not None:
         state = mgr.restore(state)  # `state` from init_state says the target layout
-        rng.bit_generator.state = mgr.data_position()["rng"]
         first_step = int(state.step) + 1
         print(f"resumed from checkpoint {mgr.latest_step()} (step {first_step - 1})")
     elif args.resume:
@@ -264,7 +263,7 @@ for step in bar:
         record(step=step, val_loss=v)
         bar.write(f"step {step}: train loss {loss:.3f}, val loss {v:.3f}")
     if mgr is not None and args.save_every:  # async: the write overlaps the next steps
-        mgr.save(step, state, data_position={"rng": rng.bit_generator.state},
+        mgr.save(step, state, data_position={"next_step": step + 1},
                  force=step == args.steps)
 bar.close()
 log.close()
@@ -286,8 +285,8 @@ fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
 
 first = np.mean(history["loss"][:10])
 last = np.mean(history["loss"][-10:])
-print(f"done: {args.steps} steps in {elapsed:.1f}s (cpu {elapsed_cpu:.1f}s) | train loss {first:.3f} -> {last:.3f} "
-      f"(mean of first/last 10 steps) | val loss {history['val_loss'][0]:.3f} -> "
+print(f"done: {args.steps} steps in {elapsed:.1f}s (cpu {elapsed_cpu:.1f}s) | "
+      f"train loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps) | val loss {history['val_loss'][0]:.3f} -> "
       f"{history['val_loss'][-1]:.3f} | {tok_s:,.0f} tokens/s | wrote {args.out}/")
 print(f"cpu seconds: first step (compile) {first_step_cpu:.1f}, "
       f"then {(elapsed_cpu - first_step_cpu) / max(args.steps - first_step, 1):.3f} per step")
