@@ -25,7 +25,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import jaxdp  # noqa: E402
-from jaxdp._src.checkpoint import CheckpointManager  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -77,7 +76,7 @@ def main():
   tx = optax.adam(1e-2)
   state = jaxdp.init_state(params0(), tx, mesh, config)
   train_step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
-  mgr = CheckpointManager(args.dir, save_interval_steps=args.save_every)
+  mgr = jaxdp.CheckpointManager(args.dir, save_interval_steps=args.save_every)
   position = 0
   if args.resume and mgr.latest_step() is not None:
     state = mgr.restore(state)

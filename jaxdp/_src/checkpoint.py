@@ -24,7 +24,8 @@ shape and dtype of every stored leaf, the optax state structure); `restore` comp
 Atomicity is orbax's: a step is written into `<step>.orbax-checkpoint-tmp` and renamed to
 `<step>` only after every file (arrays and metadata) is written, and only renamed steps are
 ever listed or restored, so a process killed mid-save leaves the previous checkpoint as the
-latest. Leftover temporary directories are removed when a manager opens the directory.
+latest. A manager that opens the directory removes leftover temporary directories in the
+background (at the latest before its first save).
 """
 
 from __future__ import annotations
