@@ -45,6 +45,7 @@ steps = 300
 batch_size = 16         # global batch (sequences per step); must divide by the device count
 block_size = 64         # sequence length
 n_layer = 4
+scan_layers = False     # stack the blocks and run them with lax.scan (FSDP: one unit per layer)
 n_head = 4
 d_model = 128
 dtype = "float32"       # param dtype: float32 | bfloat16 (grads are reduced in fp32)
@@ -70,6 +71,7 @@ parser.add_argument("--steps", type=int, default=steps)
 parser.add_argument("--batch-size", type=int, default=batch_size)
 parser.add_argument("--block-size", type=int, default=block_size)
 parser.add_argument("--n-layer", type=int, default=n_layer)
+parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan_layers)
 parser.add_argument("--n-head", type=int, default=n_head)
 parser.add_argument("--d-model", type=int, default=d_model)
 parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
@@ -156,7 +158,8 @@ def to_mesh(batch: dict) -> dict:
 
 
 gpt_config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                       d_model=args.d_model, param_dtype=jnp.dtype(args.dtype))
+                       d_model=args.d_model, param_dtype=jnp.dtype(args.dtype),
+                       scan_layers=args.scan_layers)
 model = GPT(gpt_config, rngs=nnx.Rngs(args.seed))
 params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
 n_params = sum(x.size for x in jax.tree.leaves(params))
@@ -173,8 +176,13 @@ tx = optax.chain(optax.clip_by_global_norm(grad_clip),
 
 ddp_config = jaxdp.DDPConfig(data_parallel_sharding_strategy=args.strategy,
                              bucket_size=args.bucket_size)
-state = jaxdp.init_state(params, tx, mesh, ddp_config)
-train_step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp_config)
+# FSDP's units: by default one per block; scanned blocks are one stacked subtree whose
+# layers the scan body gathers one at a time (jaxdp.gather_unit in models/gpt.py).
+fsdp = None
+if args.strategy == "optim_grads_params" and args.scan_layers:
+    fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
+state = jaxdp.init_state(params, tx, mesh, ddp_config, fsdp=fsdp)
+train_step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp_config, fsdp=fsdp)
 eval_loss = jax.jit(loss_fn)  # params replicated, batch split over "data"
 
 print(f"devices: {n_dev} x {devices[0].platform} | strategy: {args.strategy} | "
@@ -286,7 +294,8 @@ fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
 first = np.mean(history["loss"][:10])
 last = np.mean(history["loss"][-10:])
 print(f"done: {args.steps} steps in {elapsed:.1f}s (cpu {elapsed_cpu:.1f}s) | "
-      f"train loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps) | val loss {history['val_loss'][0]:.3f} -> "
-      f"{history['val_loss'][-1]:.3f} | {tok_s:,.0f} tokens/s | wrote {args.out}/")
+      f"train loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps) | "
+      f"val loss {history['val_loss'][0]:.3f} -> {history['val_loss'][-1]:.3f} | "
+      f"{tok_s:,.0f} tokens/s | wrote {args.out}/")
 print(f"cpu seconds: first step (compile) {first_step_cpu:.1f}, "
       f"then {(elapsed_cpu - first_step_cpu) / max(args.steps - first_step, 1):.3f} per step")

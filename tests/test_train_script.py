@@ -21,16 +21,20 @@ def run_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
-def test_train_script_end_to_end(tmp_path, strategy):
+@pytest.mark.parametrize("strategy, extra", [("no_shard", []),
+                                             ("optim_grads_params", ["--scan-layers"])])
+def test_train_script_end_to_end(tmp_path, strategy, extra):
   steps = 16
   proc = run_train("--strategy", strategy, "--steps", str(steps), "--eval-every", "8",
-                   "--out", str(tmp_path), *TINY)
+                   "--out", str(tmp_path), *TINY, *extra)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-  # The layout is printed at start: 8 devices, several buckets for a 4000-element bucket size.
-  assert "devices: 8 x cpu" in proc.stdout
-  assert "bucket_size=4,000 elements" in proc.stdout and "bucket 1:" in proc.stdout
+  # The layout is printed at start: 8 devices, several buckets (DDP: of >= 4000 elements;
+  # FSDP: one per unit).
+  assert f"devices: 8 x cpu | strategy: {strategy}" in proc.stdout
+  assert "dp=8," in proc.stdout and "bucket 1:" in proc.stdout
+  if strategy == "no_shard":
+    assert "bucket_size=4,000 elements" in proc.stdout
 
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in records if "loss" in r]
