@@ -9,7 +9,7 @@ backend is split into `--cpu-devices` (default 8) simulated devices, so the coll
 and sharding are real even on a laptop.
 
 Usage:
-    python scripts/train.py                          # defaults: ~2 minutes on 2 CPU cores
+    python scripts/train.py                          # defaults: < 3 min on 2 CPU cores (~140 cpu-s)
     python scripts/train.py --strategy optim         # ZeRO-1: optimizer state sharded
     python scripts/train.py --strategy optim_grads_params --dtype bfloat16  # FSDP, bf16
     python scripts/train.py --steps 2000 --n-layer 6 --d-model 256 --block-size 128
