@@ -406,9 +406,9 @@ def test_check_exact_accepts_elementwise_and_global_norm_transformations():
     check_exact(tx, layout)
   with pytest.raises(NotImplementedError) as e:
     check_exact(center_each_leaf(), layout)
-  assert "params['w'] has shape (130, 7)" in str(e.value)
-  assert "(136, 7) (leading dim 130 padded to 136" in str(e.value)
-  assert "Also affected: params['b'], params['s']" in str(e.value)
+  assert "params['b'] has shape (3,)" in str(e.value)
+  assert "sees it as (8,) (leading dim 3 padded to 8, a multiple of dp=8)" in str(e.value)
+  assert "Also affected: params['s'], params['w']" in str(e.value)
 
 
 def test_doctests():

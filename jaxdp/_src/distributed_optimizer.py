@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxdp._src.checks import sharded_shape
 from jaxdp._src.config import STRATEGIES
-from jaxdp._src.layout import Frozen, Layout, ParamSpec, default_bucket_size, make_layout
+from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout
 
 PyTree = Any
 
@@ -48,8 +49,35 @@ def _master_dtype(dtype) -> np.dtype:
   return np.promote_types(dtype, np.float32)
 
 
-def _is_padded(p: ParamSpec) -> bool:
-  return p.padded_shape != p.shape
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+  """A trainable leaf as a single device has it and as the sharded optimizer sees it."""
+
+  index: int
+  path: str
+  shape: tuple[int, ...]
+  """The param's own shape."""
+  seen: tuple[int, ...]
+  """The shape the optimizer sees: rows on `axis` padded to a multiple of dp."""
+  axis: int
+
+  @property
+  def padded(self) -> bool:
+    return self.seen != self.shape
+
+  @property
+  def base(self) -> tuple[int, ...]:
+    """`shape` with a scalar as `(1,)`: `seen` differs from it on `axis` only."""
+    return self.shape or (1,)
+
+
+def _trainable_leaves(layout: Layout) -> list[_Leaf]:
+  out = []
+  for i, t in enumerate(layout.trainable):
+    if t:
+      seen, axis = sharded_shape(layout, i)
+      out.append(_Leaf(i, layout.paths[i], layout.shapes[i], tuple(seen), axis))
+  return out
 
 
 def _probe_values(rng: np.random.Generator, shape, scale: float) -> np.ndarray:
@@ -89,58 +117,62 @@ def _run_both(tx, runs, layout: Layout):
 def _probe(tx, layout: Layout, shrink: bool, x64: bool):
   """Runs `tx` on the true shapes and on the padded shapes with the same values.
 
-  Returns `[(step, spec, rel_err, padding_nonzero)]` for every trainable leaf.
+  Returns `[(step, leaf, rel_err, padding_nonzero)]` for every trainable leaf.
   """
-  specs = {p.index: p for p in layout.params}
+  leaves_ = {x.index: x for x in _trainable_leaves(layout)}
   rng = np.random.default_rng(0)
   shapes = {}  # the shape values are drawn in
-  for i, p in specs.items():
-    if _is_padded(p):
-      shapes[i] = p.shape or (1,)
+  for i, x in leaves_.items():
+    if x.padded:
+      shapes[i] = x.base
     else:
-      shapes[i] = tuple(min(d, _SHRINK) for d in p.shape) if shrink else p.shape
-  n = len(layout.shapes)
-  dtype = {i: np.float64 if x64 else _master_dtype(layout.dtypes[i]) for i in specs}
+      shapes[i] = tuple(min(d, _SHRINK) for d in x.shape) if shrink else x.shape
+  dtype = {i: np.float64 if x64 else _master_dtype(layout.dtypes[i]) for i in leaves_}
 
-  def leaves(values, pad):
-    out = [None] * n
-    for i, x in values.items():
-      p = specs[i]
-      if _is_padded(p):
-        x = np.pad(x, [(0, p.rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) if pad \
-            else x.reshape(p.shape)
-      out[i] = np.asarray(x, dtype[i])
+  def tree(values, pad):
+    out = [None] * len(layout.shapes)
+    for i, v in values.items():
+      x = leaves_[i]
+      if x.padded and pad:
+        widths = [(0, 0)] * v.ndim
+        widths[x.axis] = (0, x.seen[x.axis] - v.shape[x.axis])
+        v = np.pad(v, widths)
+      elif x.padded:
+        v = v.reshape(x.shape)
+      out[i] = np.asarray(v, dtype[i])
     return out
 
-  params = {i: _probe_values(rng, shapes[i], 1 / 16) for i in specs}
-  grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in specs} for _ in range(_PROBE_STEPS)]
+  params = {i: _probe_values(rng, shapes[i], 1 / 16) for i in leaves_}
+  grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in leaves_}
+           for _ in range(_PROBE_STEPS)]
 
-  true, pad = _run_both(tx, [(leaves(params, pad), [leaves(g, pad) for g in grads])
+  true, pad = _run_both(tx, [(tree(params, pad), [tree(g, pad) for g in grads])
                              for pad in (False, True)], layout)
   results = []
   for step, (ut, up) in enumerate(zip(true, pad)):
-    for i, p in specs.items():
+    for i, x in leaves_.items():
       a = np.asarray(ut[i], np.float64).reshape(shapes[i])
-      b = np.asarray(up[i], np.float64)
+      b = np.moveaxis(np.asarray(up[i], np.float64), x.axis, 0)
+      a = np.moveaxis(a, x.axis, 0)
       real, rest = b[: a.shape[0]], b[a.shape[0]:]
       scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
       err = float(np.max(np.abs(real - a), initial=0.0)) / scale
       if not np.all(np.isfinite(real)) or not np.all(np.isfinite(a)):
         err = 0.0 if np.array_equal(np.isnan(real), np.isnan(a)) and np.array_equal(
             np.nan_to_num(real), np.nan_to_num(a)) else math.inf
-      results.append((step, p, err, bool(np.any(rest != 0))))
+      results.append((step, x, err, bool(np.any(rest != 0))))
   return results
 
 
 def _shape_dependent_state(tx, layout: Layout) -> list[str]:
-  """State leaves that are neither scalars nor shaped like a (padded) param."""
-  specs = {p.index: p for p in layout.params}
+  """State leaves that are neither scalars nor shaped like a param as the optimizer sees it."""
+  leaves_ = _trainable_leaves(layout)
   tree = [None] * len(layout.shapes)
-  for i, p in specs.items():
-    tree[i] = jax.ShapeDtypeStruct(p.padded_shape, _master_dtype(layout.dtypes[i]))
+  for x in leaves_:
+    tree[x.index] = jax.ShapeDtypeStruct(x.seen, _master_dtype(layout.dtypes[x.index]))
   state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, tree))
-  shapes = {p.padded_shape for p in specs.values()}
-  return [f"opt_state{jax.tree_util.keystr(path)}: {tuple(x.shape)}"
+  shapes = {x.seen for x in leaves_}
+  return [("opt_state" + jax.tree_util.keystr(path), tuple(x.shape))
           for path, x in jax.tree_util.tree_leaves_with_path(state)
           if x.ndim and tuple(x.shape) not in shapes]
 
@@ -148,12 +180,13 @@ def _shape_dependent_state(tx, layout: Layout) -> list[str]:
 def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   """Refuses an optax transformation that the sharded optimizer would run inexactly.
 
-  The sharded strategies feed `tx` each trainable leaf with its leading dim padded to a
-  multiple of dp (zero rows). Leaves that need no padding see exactly what a single
-  device sees, whatever `tx` does with shapes. For the padded ones this runs `tx` for a
-  few steps on one host device twice, on the true and on the padded shapes with the
-  same values (non-padded leaves shrunk to keep it cheap), in float64 where it can, and
-  requires the same updates on the real rows and zero updates on the padding rows.
+  The sharded strategies feed `tx` each trainable leaf with its rows (leading dim; the
+  dim after the layer axis of a stacked FSDP leaf) padded to a multiple of dp with zeros.
+  Leaves that need no padding see exactly what a single device sees, whatever `tx` does
+  with shapes. When some leaf is padded this runs `tx` for a few steps on one host device
+  twice, on the true and on the padded shapes with the same values (leaves that need no
+  padding shrunk to keep it cheap), in float64 where it can, and requires the same
+  updates on the real rows and zero updates on the padding rows.
 
   Args:
     tx: the optax transformation.
@@ -173,14 +206,13 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
     ...
     NotImplementedError: optax transformation is not exact on padded leaves ...
   """
-  specs = [p for p in layout.params if _is_padded(p)]
-  if not specs:
+  if not any(x.padded for x in _trainable_leaves(layout)):
     return
   try:
     cpu = jax.local_devices(backend="cpu")[0]
   except RuntimeError:
     cpu = None
-  results = None
+  results = error = None
   for shrink in (True, False):
     for x64 in (True, False):
       try:
@@ -194,13 +226,15 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   if results is None:
     raise error
   rtol = _PROBE_RTOL if x64 else _PROBE_RTOL_NATIVE
-  bad = [(s, p, err, pad) for s, p, err, pad in results if err > rtol or pad]
+  bad = [(s, x, err, pad) for s, x, err, pad in results if err > rtol or pad]
   if not bad:
     return
-  step, p, err, pad = bad[0]
-  n = p.shape[0] if p.shape else 1
+  step, x, err, pad = bad[0]
+  n = x.base[x.axis]
+  dim = "leading dim" if x.axis == 0 else f"dim {x.axis}"
   if err > rtol:
-    state = [x for x in _shape_dependent_state(tx, layout) if p.path in x]
+    state = [f"{name}: {shape}" for name, shape in _shape_dependent_state(tx, layout)
+             if name.endswith(x.path)]
     what = (f"its update differs by {err:.2g} (relative) at step {step + 1} when the leaf "
             "carries zero padding rows: ")
     if state:
@@ -213,17 +247,17 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   else:
     what = ("it gives zero params with zero grads non-zero updates (e.g. added noise), so "
             "the padding rows drift and would enter later per-leaf statistics")
-  others = sorted({q.path for _, q, _, _ in bad} - {p.path})
+  others = sorted({q.path for _, q, _, _ in bad} - {x.path})
   raise NotImplementedError(
       f"optax transformation is not exact on padded leaves under a sharded "
-      f"data_parallel_sharding_strategy: params{p.path} has shape {p.shape}; the "
-      f"distributed optimizer sees it as {p.padded_shape} (leading dim {n} padded to "
-      f"{p.rows}, a multiple of dp={layout.dp}), and {what}."
+      f"data_parallel_sharding_strategy: params{x.path} has shape {x.shape}; the "
+      f"distributed optimizer sees it as {x.seen} ({dim} {n} padded to "
+      f"{x.seen[x.axis]}, a multiple of dp={layout.dp}), and {what}."
       + (f" Also affected: {', '.join('params' + q for q in others[:4])}"
          f"{' ...' if len(others) > 4 else ''}." if others else "")
       + " Use a shape-independent transformation for these leaves (elementwise ones such "
       "as adamw, lion, sgd; global-norm clipping; lamb), "
-      + (f"or a data-parallel size that divides the leading dim ({n}), " if p.shape else "")
+      + (f"or a data-parallel size that divides the {dim} ({n}), " if x.shape else "")
       + "or data_parallel_sharding_strategy='no_shard'.")
 
 
@@ -272,12 +306,12 @@ def _is_sharded_state(path, x, layout: Layout) -> bool:
   replicated; a leaf under no param's path is sharded when it has a padded param shape.
   """
   name, shape = jax.tree_util.keystr(path), tuple(x.shape)
-  specs = layout.params
-  if any(name.endswith(p.path) and shape == p.padded_shape for p in specs):
+  leaves_ = _trainable_leaves(layout)
+  if any(name.endswith(p.path) and shape == p.seen for p in leaves_):
     return True
-  if any(name.endswith(p.path) for p in specs):
+  if any(name.endswith(p.path) for p in leaves_):
     return False
-  return any(shape == p.padded_shape for p in specs)
+  return any(shape == p.seen for p in leaves_)
 
 
 def memory_ledger(params: PyTree, strategy: str, dp: int,
@@ -318,10 +352,10 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
                        grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None)
   sharded = strategy != "no_shard"
   fsdp = strategy == "optim_grads_params"
-  specs = {p.index: p for p in layout.params}
+  leaves_ = _trainable_leaves(layout)
 
   model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
-  trainable_model = sum(_nbytes(p.shape, layout.dtypes[p.index]) for p in specs.values())
+  trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) for x in leaves_)
   if fsdp:
     model -= trainable_model
     model += sum(buf.size // dp * buf.param_dtype.itemsize for buf in layout.buffers)
@@ -331,9 +365,9 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
 
   opt_tree = [None] * len(layout.shapes)
   master = 0
-  for i, p in specs.items():
-    dtype = _master_dtype(layout.dtypes[i])
-    shape = p.padded_shape if sharded else p.shape
+  for x in leaves_:
+    i, dtype = x.index, _master_dtype(layout.dtypes[x.index])
+    shape = x.seen if sharded else x.shape
     opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
     if sharded:
       master += _nbytes(shape, dtype) // dp
