@@ -159,13 +159,23 @@ def _state_specs(state: TrainState) -> TrainState:
   layout, config = state.layout, state.config
   sharded = _sharded(config)
   padded = {p.padded_shape for p in layout.params}
+  by_path = [(p.path, p.padded_shape) for p in layout.params]
+
+  def opt_sharded(path, x) -> bool:
+    """A per-param leaf (path ending with the param's) is sharded when it has the param's
+    padded shape, else replicated (adafactor's factored moments); any other leaf is sharded
+    when it has some param's padded shape."""
+    name, shape = jax.tree_util.keystr(path), tuple(x.shape)
+    under = [s for p, s in by_path if name.endswith(p)]
+    return shape in under if under else shape in padded
+
   return dataclasses.replace(
       state,
       step=P(),
       params=jax.tree.map(lambda x: _spec(x, False), state.params),
       master=jax.tree.map(lambda x: _spec(x, sharded), state.master),
-      opt_state=jax.tree.map(
-          lambda x: _spec(x, sharded and tuple(x.shape) in padded), state.opt_state))
+      opt_state=jax.tree_util.tree_map_with_path(
+          lambda path, x: _spec(x, sharded and opt_sharded(path, x)), state.opt_state))
 
 
 def _opt_params(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
