@@ -65,8 +65,9 @@ def _axes(ax, figsize):
 def _colors(labels: Sequence[str]) -> dict[str, Any]:
   import matplotlib  # noqa: PLC0415
 
-  cmap = matplotlib.colormaps["tab20"]
-  return {label: cmap(i % cmap.N) for i, label in enumerate(dict.fromkeys(labels))}
+  labels = list(dict.fromkeys(labels))
+  cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
+  return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
 
 
 def _fmt(n: float) -> str:
