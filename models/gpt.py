@@ -10,8 +10,8 @@ Options:
   LayerNorm statistics, attention scores/softmax and the logits are computed in float32.
 * ``scan_layers``: the blocks' params are stacked along a leading layer axis
   (``params['blocks']['attn']['c_attn']['kernel'].shape == (n_layer, d, 3 * d)``) and run
-  with ``jax.lax.scan``, one iteration per layer; the scan body passes each layer's params
-  through ``jaxdp.gather_unit`` (a no-op except under FSDP, which gathers the layer there).
+  with ``jax.lax.scan``, one iteration per layer; the scan body is a ``jaxdp.scan_unit``
+  (a no-op except under FSDP, which gathers each layer in its iteration).
   Unrolled, the blocks are an ``nnx.List`` and their params read
   ``params['blocks'][3]['attn'][...]``. The same seed gives the same weights in both forms;
   :func:`stack_blocks` / :func:`unstack_blocks` convert params.
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxdp._src.fsdp import gather_unit  # jaxdp.gather_unit
+from jaxdp._src.fsdp import scan_unit  # jaxdp.scan_unit
 
 LORA_NAMES = ("lora_a", "lora_b")  # param names of the LoRA adapter leaves
 
@@ -204,10 +204,11 @@ class GPT(nnx.Module):
         if self.config.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
 
-            def layer(x, layer_state):  # one scan iteration = one block
-                # FSDP (jaxdp FSDPConfig(stacked=["blocks"])): the scan runs over the layer
-                # shards and each layer is all-gathered here; elsewhere a no-op.
-                layer_state = gather_unit(layer_state)
+            # One scan iteration = one block = one FSDP unit: under jaxdp FSDP with
+            # FSDPConfig(stacked=["blocks"]) the scan runs over the layer shards and
+            # scan_unit gathers each layer in its iteration; elsewhere it changes nothing.
+            @scan_unit
+            def layer(x, layer_state):
                 return nnx.merge(graphdef, layer_state)(x), None
 
             x, _ = jax.lax.scan(layer, x, stacked)

@@ -264,9 +264,11 @@ _scope = threading.local()
 class _Scope:
   """The stacked units a loss_fn traced inside an FSDP step may gather with `gather_unit`."""
 
-  def __init__(self, units: Sequence[tuple[Unit, Callable, list]], paths: frozenset[str]):
+  def __init__(self, units: Sequence[tuple[Unit, Callable, list]], paths: frozenset[str],
+               reshard: bool):
     self.units = units  # (unit, gather fn, [(local shape, dtype)] in tree order)
     self.paths = paths  # the stacked leaves, which loss_fn receives as layer shards
+    self.reshard = reshard
     self.used: set[str] = set()
 
   def gather(self, leaves):
@@ -310,6 +312,47 @@ def gather_unit(layer_params: PyTree) -> PyTree:
   leaves, treedef = jax.tree.flatten(layer_params)
   full = scope.gather(leaves)
   return layer_params if full is None else jax.tree.unflatten(treedef, full)
+
+
+def scan_unit(body: Callable) -> Callable:
+  """Makes `body(carry, layer_params)`, the body of a scan over stacked layers, one FSDP unit.
+
+  The decorated body passes `layer_params` (one layer's params: the scan's `xs`) through
+  `gather_unit` before calling `body`, and under an FSDP step with `reshard_after_forward`
+  runs each iteration under `jax.checkpoint` (saving everything but the gathered params), so
+  that the backward loop gathers each layer again inside its own iteration instead of
+  keeping every layer's params from the forward. Outside an FSDP step it calls `body`
+  unchanged.
+
+  Args:
+    body: `body(carry, layer_params) -> (carry, y)`, as `jax.lax.scan` takes it.
+
+  Returns:
+    The body to give `jax.lax.scan`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> @scan_unit
+    ... def layer(x, p):
+    ...   return jnp.tanh(x @ p["w"]), None
+    >>> stacked = {"w": jnp.stack([jnp.eye(2)] * 3)}
+    >>> jax.lax.scan(layer, jnp.ones(2), stacked)[0].shape
+    (2,)
+  """
+  @functools.wraps(body)
+  def wrapped(carry, layer_params):
+    scope = getattr(_scope, "current", None)
+    if scope is None:
+      return body(carry, layer_params)
+
+    def unit(carry, layer_params):
+      return body(carry, gather_unit(layer_params))
+
+    if scope.reshard:
+      unit = jax.checkpoint(unit, policy=_reshard_policy)
+    return unit(carry, layer_params)
+
+  return wrapped
 
 
 def sharded_paths() -> frozenset[str]:
@@ -394,15 +437,16 @@ def get_params(state: TrainState) -> PyTree:
 
 # ----------------------------------------------------------------------------- step
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1,
-                    fsdp: FSDPConfig | None = None):
-  """`jaxdp.make_train_step` for `optim_grads_params` (see the module docstring)."""
+def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: int = 1,
+                 fsdp: FSDPConfig | None = None):
+  """`grad_fn(state, batch) -> (grads, loss)`: what an FSDP step hands the optimizer.
+
+  `grads` is a tree like `state.master`: each trainable param's reduced (mean over the
+  global batch) gradient, padded like the master and sharded over "data" like it, so every
+  device holds 1/dp of it; `loss` is the global mean. Traceable; `make_train_step` calls it
+  inside its jitted step.
+  """
   fsdp = fsdp or FSDPConfig()
-  _check_mesh(mesh, config)
-  if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
-      or grad_accum_steps < 1:
-    raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
   axes, dp, k = _data_axes(mesh), _dp(mesh), grad_accum_steps
 
   def local_grads(master, params, batch, layout: Layout):
@@ -414,6 +458,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         u.gather, u.grad, {i: _master_dtype(layout.dtypes[i]) for i in u.trainable},
         dp=dp, axes=axes, average=config.average_in_collective) for u in units}
     specs = param_specs(layout)
+    stacked = [u for u in units if u.layers]
 
     def local_sig(i):
       dtype = _master_dtype(layout.dtypes[i]) if trainable[i] else layout.dtypes[i]
@@ -423,15 +468,15 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
       leaves = list(stored)
       for i, x in tmaster.items():
         leaves[i] = x
-      for u in units:
+      for u in units:  # stacked units are gathered by gather_unit inside the model's scan
         if not u.layers:
           full = hooks[u.name]({i: leaves[i] for i in u.trainable},
                                {i: leaves[i] for i in u.frozen})
           for i, x in full.items():
             leaves[i] = x
-      stacked = [u for u in units if u.layers]
       scope = _Scope([(u, hooks[u.name], [local_sig(i) for i in u.leaves]) for u in stacked],
-                     frozenset(layout.paths[i] for u in stacked for i in u.leaves))
+                     frozenset(layout.paths[i] for u in stacked for i in u.leaves),
+                     fsdp.reshard_after_forward)
       previous, _scope.current = getattr(_scope, "current", None), scope
       try:
         loss = loss_fn(_tree(layout, leaves), mb)
@@ -441,10 +486,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         if u.name not in scope.used:
           raise ValueError(
               f"FSDPConfig(stacked=...) names params{u.name}, but loss_fn never passed a "
-              "layer of it through jaxdp.gather_unit: call "
-              "`layer_params = jaxdp.gather_unit(layer_params)` in the body of the scan "
-              "over its layers (jaxdp then scans over the shards and gathers each layer "
-              "there), or leave it out of stacked=")
+              "layer of it through jaxdp.gather_unit: decorate the body of the scan over "
+              "its layers with @jaxdp.scan_unit (jaxdp then scans over the shards and "
+              "gathers each layer in its iteration), or leave it out of stacked=")
       return loss / k
 
     if fsdp.reshard_after_forward:
@@ -453,30 +497,47 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     tmaster = {i: m for i, m in enumerate(_leaves(master)) if m is not None}
     if k == 1:
       loss, grads = grad_fn(tmaster, batch)
-    else:
+    else:  # every micro-batch gathers and reduce-scatters; the shards add up
       micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
       def body(carry, mb):
-        loss, grads = grad_fn(tmaster, mb)
-        return jax.tree.map(jnp.add, carry, (loss, grads)), None
+        return jax.tree.map(jnp.add, carry, grad_fn(tmaster, mb)), None
 
-      zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, tmaster))
+      zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
+              jax.tree.map(jnp.zeros_like, tmaster))
       (loss, grads), _ = jax.lax.scan(body, zero, micro)
     loss = jax.lax.pmean(loss, axes)
     return _tree(layout, [grads.get(i) for i in range(len(trainable))]), loss
 
-  def step(state: TrainState, batch):
-    layout = state.layout
-    _check_state(state, mesh, config, fsdp)
-    _check_batch(batch, dp * k)
+  def grad_fn(state: TrainState, batch):
     specs = _state_specs(state)
     batch_spec = P(axes)
     batch = jax.tree.map(lambda x: _constrain(x, mesh, batch_spec), batch)
-    grads, loss = jax.shard_map(
-        functools.partial(local_grads, layout=layout), mesh=mesh,
+    return jax.shard_map(
+        functools.partial(local_grads, layout=state.layout), mesh=mesh,
         in_specs=(specs.master, specs.params, batch_spec),
         out_specs=(specs.master, P()), axis_names=set(axes))(state.master, state.params, batch)
 
+  return grad_fn
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
+                    config: DDPConfig, *, grad_accum_steps: int = 1,
+                    fsdp: FSDPConfig | None = None):
+  """`jaxdp.make_train_step` for `optim_grads_params` (see the module docstring)."""
+  fsdp = fsdp or FSDPConfig()
+  _check_mesh(mesh, config)
+  if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
+      or grad_accum_steps < 1:
+    raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
+  k = grad_accum_steps
+  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp)
+
+  def step(state: TrainState, batch):
+    layout = state.layout
+    _check_state(state, mesh, config, fsdp)
+    _check_batch(batch, _dp(mesh) * k)
+    grads, loss = grad_fn(state, batch)
     opt_params = _opt_params(layout, state.params, state.master)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, opt_params)

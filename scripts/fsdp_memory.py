@@ -1,0 +1,122 @@
+"""Peak GPU memory of one train step per strategy, compiled for 8 H100s without a GPU.
+
+For a GPT with 4, 8, 12 and 16 layers, the train step of each strategy is compiled for an
+8×H100 target (deviceless: `jax-cuda12-plugin` + the H100 target description; nothing
+runs) and `compiled.memory_analysis()` gives the per-device peak (arguments + outputs +
+temporaries − donated aliases). The table shows, per strategy and layer count, the peak
+and the resident train state; then, per strategy, how much the peak grows per added layer
+next to one unit (one layer's params, gathered, in the param dtype).
+
+What it shows: FSDP (optim_grads_params) < ZeRO-1 (optim) < DDP (no_shard), and FSDP's
+peak grows per layer by its 1/dp share of the layer's state plus the layer's activations —
+about one unit — while DDP's grows by the layer's whole params + grads + Adam state.
+
+Usage:
+    python scripts/fsdp_memory.py                      # GPT-2 small width, seq 256
+    python scripts/fsdp_memory.py --layers 2 4 --d-model 256 --seq 128   # quicker
+    python scripts/fsdp_memory.py --scan               # scanned layers (FSDPConfig stacked)
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxdp  # noqa: E402
+from jaxdp._src import aot  # noqa: E402
+from jaxdp._src.fsdp import FSDPConfig  # noqa: E402
+from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+
+STRATEGIES = ("no_shard", "optim", "optim_grads_params")
+LAYERS = (4, 8, 12, 16)
+MiB = 2**20
+
+
+def compile_step(n_layer, strategy, *, d_model, n_head, seq, batch, vocab, scan, dtype):
+  """The train step of `strategy` for an n_layer GPT, compiled for 8 H100s."""
+  mesh = aot.gpu_mesh((8,), ("data",))
+  config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head,
+                     d_model=d_model, scan_layers=scan, param_dtype=dtype)
+  model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
+  params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
+  tx = optax.adamw(1e-4)
+  ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  fsdp = FSDPConfig(stacked=["blocks"] if scan else []) \
+      if strategy == "optim_grads_params" else None
+  state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx, mesh, ddp, fsdp=fsdp), params)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp, fsdp=fsdp)
+  compiled = step.lower(state, {"x": tokens, "y": tokens}).compile()
+  unit = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["blocks"])) // n_layer
+  return compiled, unit
+
+
+def measure(layers=LAYERS, strategies=STRATEGIES, **kw):
+  """`{(strategy, n_layer): memory stats}` and one unit's bytes."""
+  out, unit = {}, None
+  for strategy in strategies:
+    for n in layers:
+      compiled, unit = compile_step(n, strategy, **kw)
+      m = compiled.memory_analysis()
+      out[strategy, n] = {
+          "peak": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                  - m.alias_size_in_bytes,
+          "state": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes}
+      print(f"  compiled {strategy:<19} {n:>2} layers: peak "
+            f"{out[strategy, n]['peak'] / MiB:9.1f} MiB", file=sys.stderr, flush=True)
+  return out, unit
+
+
+def growth(stats, strategy, layers):
+  """Peak bytes added per added layer (least squares over the layer counts)."""
+  xs = list(layers)
+  ys = [stats[strategy, n]["peak"] for n in xs]
+  mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+  return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def table(stats, unit, layers=LAYERS, strategies=STRATEGIES) -> str:
+  lines = ["peak bytes per device (MiB), 8x H100, one train step (state = resident "
+           "params, master, optimizer state)",
+           f"{'strategy':<20}" + "".join(f"{f'{n} layers':>22}" for n in layers)]
+  for s in strategies:
+    lines.append(f"{s:<20}" + "".join(
+        f"{stats[s, n]['peak'] / MiB:>11.1f} (st {stats[s, n]['state'] / MiB:>6.1f})"
+        for n in layers))
+  lines.append(f"one unit (a layer's params, gathered): {unit / MiB:.1f} MiB")
+  for s in strategies:
+    g = growth(stats, s, layers)
+    lines.append(f"  {s:<19} peak grows {g / MiB:7.1f} MiB per layer = {g / unit:5.2f} units")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
+  parser.add_argument("--d-model", type=int, default=768)
+  parser.add_argument("--n-head", type=int, default=12)
+  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--batch", type=int, default=8, help="global batch (1 per GPU)")
+  parser.add_argument("--vocab", type=int, default=50304)
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--scan", action="store_true", help="scanned (stacked) layers")
+  args = parser.parse_args()
+  reason = aot.gpu_compile_unavailable()
+  if reason:
+    sys.exit(f"cannot compile for GPU here: {reason}")
+  kw = dict(d_model=args.d_model, n_head=args.n_head, seq=args.seq, batch=args.batch,
+            vocab=args.vocab, scan=args.scan, dtype=jnp.dtype(args.dtype))
+  stats, unit = measure(tuple(args.layers), **kw)
+  print(table(stats, unit, tuple(args.layers)))
+
+
+if __name__ == "__main__":
+  main()

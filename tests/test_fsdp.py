@@ -1,0 +1,394 @@
+"""FSDP (`optim_grads_params`) against the plain single-device program; what each device
+holds; the collectives the program issues per unit; GPU-target schedule and memory."""
+
+import math
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxdp
+from jaxdp._src import aot, fsdp as fsdp_lib
+from jaxdp._src.fsdp import FSDPConfig
+from models.gpt import GPT, GPTConfig, gpt_loss, lora_trainable
+from models.mlp import MLP, mlp_loss
+
+STEPS = 5
+ATOL_F32 = 1e-5  # f32 params after 5 AdamW steps; observed <= 3e-7 (reduce-scatter order)
+DP = 8
+FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+N_LAYER = 3
+GPT_KW = dict(vocab_size=64, block_size=16, n_layer=N_LAYER, n_head=2, d_model=32)
+
+
+def mlp_problem():
+  params, loss_fn = jaxdp.nnx_split(MLP(6, 32, 3, n_layers=4, rngs=nnx.Rngs(0)), mlp_loss)
+  k1, k2 = jax.random.split(jax.random.key(1))
+  batch = {"x": jax.random.normal(k1, (32, 6)), "y": jax.random.normal(k2, (32, 3))}
+  return params, loss_fn, batch
+
+
+def gpt_problem(**kw):
+  config = GPTConfig(**{**GPT_KW, **kw})
+  params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(0)), gpt_loss)
+  tokens = jax.random.randint(jax.random.key(2), (16, 17), 0, GPT_KW["vocab_size"])
+  return params, loss_fn, {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+PROBLEMS = {
+    "mlp": (mlp_problem, {}, None),
+    "gpt": (gpt_problem, {}, None),
+    "gpt_scan": (gpt_problem, {"scan_layers": True}, None),
+    "gpt_lora": (gpt_problem, {"lora_rank": 2}, "lora"),
+    "gpt_lora_scan": (gpt_problem, {"lora_rank": 2, "scan_layers": True}, "lora"),
+}
+
+
+def problem(name):
+  make, kw, frozen = PROBLEMS[name]
+  params, loss_fn, batch = make(**kw)
+  if frozen == "lora":  # the base is frozen, only the adapters train
+    frozen = jax.tree.map(lambda t: not t, lora_trainable(params))
+  fsdp = FSDPConfig(stacked=["blocks"] if kw.get("scan_layers") else [])
+  return params, loss_fn, batch, frozen, fsdp
+
+
+def adamw_clip():
+  return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(3e-3, weight_decay=0.1))
+
+
+def reference(params, loss_fn, batch, tx, frozen=None, steps=STEPS):
+  """Plain jax.grad + optax on the whole global batch, one device; frozen leaves untouched
+  (the optimizer sees None there, as under jaxdp)."""
+  keep = (lambda t: t) if frozen is None else (
+      lambda t: jax.tree.map(lambda x, f: None if f else x, t, frozen))
+  opt_state, losses, norms = tx.init(keep(params)), [], []
+  for _ in range(steps):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(keep(grads), opt_state, keep(params))
+    new = optax.apply_updates(keep(params), updates)
+    params = new if frozen is None else jax.tree.map(
+        lambda n, p, f: p if f else n, new, params, frozen, is_leaf=lambda x: x is None)
+    losses.append(float(loss))
+    norms.append(float(optax.tree.norm(keep(grads))))
+  return params, losses, norms
+
+
+def train(params, loss_fn, batch, tx, fsdp, frozen=None, steps=STEPS, config=FSDP, **kw):
+  mesh = jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config, fsdp=fsdp, **kw)
+  losses, norms = [], []
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+    norms.append(float(metrics["grad_norm"]))
+  return state, step, losses, norms
+
+
+def max_diff(a, b):
+  return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+# ----------------------------------------------------------------------------- training
+
+@pytest.mark.parametrize("name,reshard", [
+    ("mlp", True), ("gpt", True), ("gpt_scan", True), ("gpt_scan", False),
+    ("gpt_lora_scan", True)])
+def test_fsdp_equals_single_device(name, reshard):
+  params, loss_fn, batch, frozen, fsdp = problem(name)
+  fsdp = FSDPConfig(stacked=fsdp.stacked, reshard_after_forward=reshard)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, adamw_clip(), frozen)
+  state, step, losses, norms = train(params, loss_fn, batch, adamw_clip(), fsdp, frozen)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+  got = jaxdp.get_params(state)
+  assert jax.tree.structure(got) == jax.tree.structure(params)
+  assert max_diff(got, ref) <= ATOL_F32
+  if frozen is not None:  # the frozen base comes back bit for bit
+    for x, y, f in zip(jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(frozen)):
+      if f:
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  assert step._cache_size() == 1, "the second step recompiled"
+
+
+def test_fsdp_grad_accumulation_and_average_in_collective():
+  params, loss_fn, batch, frozen, fsdp = problem("gpt_scan")
+  ref, ref_losses, _ = reference(params, loss_fn, batch, adamw_clip())
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params",
+                           average_in_collective=True)
+  state, _, losses, _ = train(params, loss_fn, batch, adamw_clip(), fsdp, config=config,
+                              grad_accum_steps=2)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert max_diff(jaxdp.get_params(state), ref) <= ATOL_F32
+
+
+def test_fsdp_bf16_gathers_bf16_reduces_fp32_keeps_fp32_master():
+  params, loss_fn, batch, _, fsdp = problem("gpt")
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  tx, mesh = adamw_clip(), jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=fsdp)
+  assert {m.dtype for m in jax.tree.leaves(state.master)} == {jnp.dtype(jnp.float32)}
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
+  hlo = step.lower(state, batch).as_text(dialect="hlo")  # before XLA:CPU promotes bf16
+  gathers = re.findall(r"= (\w+)\[\d+\]\{0\} all-gather\(", hlo)
+  scatters = re.findall(r"= (\w+)\[\d+\]\{0\} reduce-scatter\(", hlo)
+  assert gathers and set(gathers) == {"bf16"}, gathers
+  assert scatters and set(scatters) == {"f32"}, scatters
+  # Same arithmetic as ZeRO-1 (fp32 master, bf16 compute, fp32 reduce-scatter).
+  zero1 = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  ref_state, _, ref_losses, _ = train(params, loss_fn, batch, tx, None, config=zero1)
+  state, _, losses, _ = train(params, loss_fn, batch, tx, fsdp)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  # Masters in one (padded) form: ZeRO-1 keeps (rows, ...), FSDP the same per leaf.
+  assert max_diff(state.master, ref_state.master) <= 1e-6
+  assert jax.tree.leaves(jaxdp.get_params(state))[0].dtype == jnp.bfloat16
+
+
+# ----------------------------------------------------------------------------- at rest
+
+def device0_bytes(tree):
+  """Bytes of `tree`'s arrays that device 0 holds (its addressable shards)."""
+  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
+             if s.device == jax.devices()[0])
+
+
+def sharded(tree):
+  """The leaves sharded over "data" (Adam's step count and the like are replicated)."""
+  return [x for x in jax.tree.leaves(tree) if "data" in tuple(x.sharding.spec)]
+
+
+def padding_bound(params, leaves, stacked):
+  """Most padding elements: every param's leading dim (per layer when stacked) rounds up
+  to a multiple of dp, so at most dp - 1 rows of it are padding."""
+  total = 0
+  for (path, x), keep in zip(jax.tree_util.tree_leaves_with_path(params), leaves):
+    layers = x.shape[0] if stacked and "['blocks']" in jax.tree_util.keystr(path) else 0
+    shape = x.shape[1:] if layers else x.shape
+    total += keep * (DP - 1) * math.prod(shape[1:]) * max(layers, 1)
+  return total
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt_scan", "gpt_lora_scan"])
+def test_fsdp_at_rest_device0_holds_one_dpth(name):
+  params, loss_fn, batch, frozen, fsdp = problem(name)
+  tx, mesh = optax.adam(1e-3), jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, tx, mesh, FSDP, frozen=frozen, fsdp=fsdp)
+  is_frozen = jax.tree.leaves(frozen) if frozen else [False] * len(jax.tree.leaves(params))
+  sizes = [x.size for x in jax.tree.leaves(params)]
+  n_train = sum(n for n, f in zip(sizes, is_frozen) if not f)
+  n_frozen = sum(n for n, f in zip(sizes, is_frozen) if f)
+  stacked = bool(fsdp.stacked)
+  pad_train = padding_bound(params, [not f for f in is_frozen], stacked)
+  pad_frozen = padding_bound(params, is_frozen, stacked)
+
+  def one_dpth(tree, elements, pad, copies=1):
+    leaves = sharded(tree)
+    total = sum(x.nbytes for x in leaves)
+    assert device0_bytes(leaves) * DP == total  # exactly 1/dp of every sharded leaf
+    assert copies * elements * 4 <= total <= copies * (elements + pad) * 4  # fp32
+
+  # Trainable params are not held as params at all (None); frozen ones 1/dp, own dtype.
+  assert len(jax.tree.leaves(state.params)) == sum(is_frozen)
+  assert sharded(state.params) == jax.tree.leaves(state.params)
+  one_dpth(state.params, n_frozen, pad_frozen)
+  # The fp32 master (what the optimizer updates) and Adam's two moments: 1/dp each.
+  assert sharded(state.master) == jax.tree.leaves(state.master)
+  one_dpth(state.master, n_train, pad_train)
+  one_dpth(state.opt_state, n_train, pad_train, copies=2)
+  assert device0_bytes(state.opt_state) - device0_bytes(sharded(state.opt_state)) <= 8
+  # Grads: the reduce-scattered shards the optimizer receives.
+  grads, _ = jax.jit(fsdp_lib.make_grad_fn(loss_fn, mesh, FSDP, fsdp=fsdp))(state, batch)
+  assert sharded(grads) == jax.tree.leaves(grads)
+  one_dpth(grads, n_train, pad_train)
+  if frozen is not None:  # LoRA: optimizer state is the adapters' alone (/dp)
+    assert sum(x.nbytes for x in sharded(state.opt_state)) == \
+        2 * sum(x.nbytes for x in jax.tree.leaves(state.master))
+    assert 20 * n_train < n_frozen
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def hlo_computations(text):
+  """{name: body} of an HLO module text, and {name: names it calls}."""
+  comps, calls, name = {}, {}, None
+  for line in text.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if head:
+      name, comps[head.group(1)] = head.group(1), []
+    elif name is not None:
+      comps[name].append(line)
+  for n, lines in comps.items():
+    body = "\n".join(lines)
+    calls[n] = set(re.findall(r"(?:to_apply|body|condition|calls)=%?([\w.\-]+)", body))
+  return comps, calls
+
+
+def collectives_by_scope(text):
+  """Collectives ("kind", result dtype[size]) outside any loop, and per while-loop body:
+  an all-gather's result is the whole unit, a reduce-scatter's the shard."""
+  comps, calls = hlo_computations(text)
+
+  def reach(n, seen):
+    if n in seen:
+      return seen
+    seen.add(n)
+    for m in calls.get(n, ()):
+      reach(m, seen)
+    return seen
+
+  def count(names):
+    out = Counter()
+    for n in names:
+      for line in comps[n]:
+        m = re.search(r"= (\w+\[\d+\])\{0\} (all-gather|reduce-scatter)\(", line)
+        if m:
+          out[m.group(2), m.group(1)] += 1
+    return out
+
+  bodies = {b for lines in comps.values() for line in lines
+            for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)}
+  in_loops = {n for b in bodies for n in reach(b, set())}
+  loops = [count(reach(b, set())) for b in sorted(bodies)]
+  return count(set(comps) - in_loops), [c for c in loops if c]
+
+
+def unit_shard(state, unit):
+  """Elements of a unit's shard (its gather/reduce-scatter moves dp of these)."""
+  (u,) = [u for u in fsdp_lib.units_of(state.layout) if u.name == unit]
+  return sum(b.shard_size for b, _ in u.gather)
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_collectives_per_unit_unrolled(reshard):
+  params, loss_fn, batch, _, _ = problem("gpt")
+  fsdp = FSDPConfig(reshard_after_forward=reshard)
+  tx, mesh = optax.sgd(0.1), jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
+  outside, loops = collectives_by_scope(step.lower(state, batch).as_text(dialect="hlo"))
+  assert loops == []
+  units = ["['wte']", "['wpe']", "['ln_f']"] + [f"['blocks'][{i}]" for i in range(N_LAYER)]
+  assert sorted(u.name for u in fsdp_lib.units_of(state.layout)) == sorted(units)
+  size = {u: DP * unit_shard(state, u) for u in units}
+  assert len(set(size.values())) == 4  # the blocks are alike; wte, wpe, ln_f differ
+  block = size["['blocks'][0]"]
+  # One reduce-scatter per unit, in fp32.
+  assert outside["reduce-scatter", f"f32[{block // DP}]"] == N_LAYER
+  assert sum(n for (k, _), n in outside.items() if k == "reduce-scatter") == len(units)
+  # One all-gather per unit in the forward; with resharding one more for each unit whose
+  # backward needs its params (every block, and the tied wte; wpe's grad does not).
+  assert outside["all-gather", f"f32[{block}]"] == N_LAYER * (2 if reshard else 1)
+  wte, wpe = size["['wte']"], size["['wpe']"]
+  assert outside["all-gather", f"f32[{wte}]"] == (2 if reshard else 1)
+  assert outside["all-gather", f"f32[{wpe}]"] == 1
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp_collectives_inside_scan_body(reshard):
+  params, loss_fn, batch, _, fsdp = problem("gpt_scan")
+  fsdp = FSDPConfig(stacked=["blocks"], reshard_after_forward=reshard)
+  tx, mesh = optax.sgd(0.1), jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
+  outside, loops = collectives_by_scope(step.lower(state, batch).as_text(dialect="hlo"))
+  shard = unit_shard(state, "['blocks']")
+  layer = f"f32[{DP * shard}]"
+  # Forward loop: one all-gather per iteration (= per layer). Backward loop: one
+  # reduce-scatter per layer, after one more all-gather when resharding.
+  forward = Counter({("all-gather", layer): 1})
+  backward = Counter({("reduce-scatter", f"f32[{shard}]"): 1})
+  if reshard:
+    backward["all-gather", layer] = 1
+  assert sorted(loops, key=len) == sorted([forward, backward], key=len)
+  assert not any(size in (layer, f"f32[{shard}]") for _, size in outside)  # none outside
+
+
+# ----------------------------------------------------------------------------- units, errors
+
+def test_units_from_prefixes_and_function():
+  params, _, _, _, _ = problem("gpt")
+  mesh = jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP,
+                           fsdp=FSDPConfig(units=["blocks"]))
+  assert sorted(u.name for u in fsdp_lib.units_of(state.layout)) == ["<root>", "['blocks']"]
+  two = FSDPConfig(units=lambda path: "even" if "[0]" in path or "[2]" in path else "odd")
+  state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP, fsdp=two)
+  assert sorted(b.unit for b in state.layout.buffers[0].buckets) == ["even", "odd"]
+
+
+def test_fsdp_errors_name_the_fix():
+  params, loss_fn, batch, _, _ = problem("gpt_scan")
+  tx, mesh = optax.sgd(0.1), jax.make_mesh((DP,), ("data",))
+  with pytest.raises(ValueError, match="optim_grads_params"):
+    jaxdp.init_state(params, tx, mesh, jaxdp.DDPConfig(), fsdp=FSDPConfig())
+  state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=FSDPConfig(stacked=["blocks"]))
+  with pytest.raises(ValueError, match="same fsdp="):
+    jaxdp.make_train_step(loss_fn, tx, mesh, FSDP)(state, batch)
+  # A model that scans its stacked layers without scan_unit / gather_unit.
+  def no_hook(p, b):
+    _, per_layer = jax.lax.scan(lambda c, w: (c, jnp.sum(w)), None, p["w"])
+    return jnp.sum(per_layer) * jnp.mean(b["x"])
+  toy, cfg = {"w": jnp.ones((3, 16, 4))}, FSDPConfig(stacked=["w"])
+  state = jaxdp.init_state(toy, tx, mesh, FSDP, fsdp=cfg)
+  with pytest.raises(ValueError, match="scan_unit"):
+    jaxdp.make_train_step(no_hook, tx, mesh, FSDP, fsdp=cfg)(state, {"x": jnp.ones((8,))})
+  with pytest.raises(ValueError, match="layer axes"):
+    jaxdp.make_layout({"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}, dp=2,
+                      units=lambda p: "u", stacked={"['a']"})
+
+
+# ----------------------------------------------------------------------------- GPU target
+
+needs_gpu_compile = pytest.mark.skipif(aot.gpu_compile_unavailable() is not None,
+                                       reason=str(aot.gpu_compile_unavailable()))
+
+
+def gpu_step(name, reshard=True):
+  params, loss_fn, batch, frozen, fsdp = problem(name)
+  fsdp = FSDPConfig(stacked=fsdp.stacked, reshard_after_forward=reshard)
+  tx = optax.adamw(1e-3)
+  mesh = aot.gpu_mesh((DP,), ("data",))
+  state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx, mesh, FSDP, fsdp=fsdp), params)
+  batch = aot.abstract_like(jax.device_put(batch), mesh)
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.NamedSharding(mesh, jax.P("data"))), batch)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
+  return state, step.lower(state, batch).compile()
+
+
+@needs_gpu_compile
+def test_fsdp_gpu_schedule_prefetches_next_unit():
+  from jaxdp._src import inspect as jinspect  # noqa: PLC0415
+  state, compiled = gpu_step("gpt")
+  s = jinspect.schedule(compiled)
+  block = 4 * unit_shard(state, "['blocks'][0]")  # f32 bytes of a block's shard
+  gathers = [c for c in s.collectives if c.kind == "all-gather" and c.operand_bytes == block]
+  scatters = [c for c in s.collectives if c.kind == "reduce-scatter"]
+  assert len(gathers) == 2 * N_LAYER  # forward + backward re-gather, kept apart by XLA
+  assert len(scatters) == 6 and all(c.is_async for c in gathers + scatters)
+  # Prefetch: every block's all-gather but the first runs while GEMMs compute.
+  assert all(c.overlaps_gemm for c in gathers[1:]), [c.overlapped for c in gathers]
+  assert sum(c.overlaps_gemm for c in scatters) >= N_LAYER
+
+
+@needs_gpu_compile
+def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
+  from jaxdp._src import inspect as jinspect  # noqa: PLC0415
+  state, compiled = gpu_step("gpt_scan")
+  s = jinspect.schedule(compiled)
+  layer = 4 * unit_shard(state, "['blocks']")
+  in_loop = [c for c in s.collectives if c.operand_bytes == layer and c.trip_count > 1]
+  kinds = Counter(c.kind for c in in_loop)
+  assert kinds["all-gather"] >= 2 and kinds["reduce-scatter"] >= 1, kinds
+  # The collective pipeliner issues the next layer's gather inside the current iteration.
+  assert any(c.kind == "all-gather" and c.overlaps_gemm for c in in_loop)
+  total = sum(c.trip_count for c in s.collectives
+              if c.kind == "all-gather" and c.operand_bytes == layer)
+  assert total == 2 * N_LAYER  # one per layer forward, one per layer backward
