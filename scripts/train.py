@@ -15,6 +15,7 @@ Usage:
     python scripts/train.py --steps 2000 --n-layer 6 --d-model 256 --block-size 128
     python scripts/train.py --save-every 100         # checkpoint to <out>/checkpoints
     python scripts/train.py --save-every 100 --resume  # continue after a crash, any strategy
+    python -m jaxdp.launch -n 2 -d 4 -- scripts/train.py  # 2 processes x 4 CPU devices
 
 Strategies (Megatron's `data_parallel_sharding_strategy`): no_shard (DDP), optim
 (ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (FSDP).
@@ -94,6 +95,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+import jaxdp  # noqa: E402
+
+# Under `python -m jaxdp.launch` (or SLURM, Open MPI, ...) this joins the other processes and
+# takes the launcher's devices per process; alone it does nothing.
+jaxdp.initialize()
+is_main = jax.process_index() == 0  # the process that writes metrics and the plot
 
 import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
@@ -102,11 +109,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-import jaxdp  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 # ----------------------------------------------------------------------------- data
@@ -150,11 +155,14 @@ if args.batch_size % n_dev:
     sys.exit(f"--batch-size {args.batch_size} does not divide by the {n_dev} devices; "
              f"use a multiple of {n_dev}")
 mesh = jax.make_mesh((n_dev,), ("data",))
-on_mesh = NamedSharding(mesh, P("data"))  # batches: leading dim split over "data"
 
 
 def to_mesh(batch: dict) -> dict:
-    return {k: jax.device_put(v, on_mesh) for k, v in batch.items()}
+    """The global batch as arrays split over "data"; each process puts only its own rows."""
+    rows = args.batch_size // jax.process_count()
+    first = jax.process_index() * rows
+    local = {k: v[first:first + rows] for k, v in batch.items()}
+    return jaxdp.host_local_batch_to_global(local, mesh)
 
 
 gpt_config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
@@ -227,7 +235,7 @@ if first_step > 1 and os.path.exists(os.path.join(args.out, "metrics.jsonl")):
         else:
             history["step"].append(e["step"])
             history["loss"].append(e["loss"])
-log = open(os.path.join(args.out, "metrics.jsonl"), "w")
+log = open(os.path.join(args.out, "metrics.jsonl") if is_main else os.devnull, "w")
 log.writelines(json.dumps(e) + "\n" for e in kept)
 
 
@@ -245,7 +253,8 @@ if first_step == 1:
 start, start_cpu = time.perf_counter(), time.process_time()
 tok_s = 0.0
 first_step_cpu = 0.0
-bar = tqdm(range(first_step, args.steps + 1), desc=args.strategy, dynamic_ncols=True)
+bar = tqdm(range(first_step, args.steps + 1), desc=args.strategy, dynamic_ncols=True,
+           disable=not is_main)
 for step in bar:
     batch = to_mesh(get_batch(train_data, np.random.default_rng([args.seed, step])))
     t0 = time.perf_counter()
@@ -289,7 +298,8 @@ ax.set(xlabel="step", ylabel="cross entropy (nats/byte)",
        title=f"GPT {n_params / 1e6:.2f}M, {args.strategy}, {n_dev} devices, {args.dtype}")
 ax.legend()
 fig.tight_layout()
-fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
+if is_main:
+    fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
 
 first = np.mean(history["loss"][:10])
 last = np.mean(history["loss"][-10:])

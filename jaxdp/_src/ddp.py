@@ -33,18 +33,21 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import checks, collectives, distributed_optimizer
 from jaxdp._src.aot import compiler_options
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_rows, shard_unravel, unpad_rows
-from jaxdp._src.collectives import DATA, REPLICA
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
+from jaxdp._src.checks import sharded_shape
+from jaxdp._src.collectives import DATA, EXPERT, REPLICA
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
+ModelSpec = tuple[tuple[str, ...], ...]
+"""One leaf's own sharding: per dim, the mesh axes it is split over (() = not split)."""
 
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["step", "params", "master", "opt_state"],
-                   meta_fields=["layout", "config", "mesh_shape"])
+                   meta_fields=["layout", "config", "mesh_shape", "model_specs"])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
   """Everything a step reads and writes; a pytree whose static part is the layout.
@@ -55,8 +58,9 @@ class TrainState:
   step: jax.Array
   """Number of optimizer steps taken (int32 scalar)."""
   params: PyTree
-  """The model params, replicated. Under a sharded strategy with `overlap_param_gather`
-  the trainable leaves are None: they are gathered from `master` inside the next step."""
+  """The model params, replicated over the data axes (over other axes as the caller placed
+  them). Under a sharded strategy with `overlap_param_gather` the trainable leaves are
+  None: they are gathered from `master` inside the next step."""
   master: PyTree
   """The optimizer's copy of each trainable param ("main params"): sharded strategies
   hold each device's rows `(rows, ...)` sharded over "data", in fp32 (or wider); DDP holds
@@ -66,6 +70,9 @@ class TrainState:
   layout: Layout
   config: DDPConfig
   mesh_shape: tuple[tuple[str, int], ...]
+  model_specs: tuple[ModelSpec, ...] = ()
+  """Per leaf in tree order: the mesh axes the caller sharded each dim of the param over
+  (tensor or expert parallel; see `model_specs_of`); () = every leaf replicated."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,7 +101,12 @@ def _fsdp_branch(config: DDPConfig, fsdp) -> bool:
 
 
 def _data_axes(mesh) -> tuple[str, ...]:
-  return (REPLICA, DATA) if REPLICA in mesh.axis_names else (DATA,)
+  """The data-parallel axes present, `DATA` last: the axes the train step runs manual."""
+  return _data_axes_in(mesh.axis_names)
+
+
+def _data_axes_in(axis_names) -> tuple[str, ...]:
+  return tuple(a for a in (REPLICA, EXPERT) if a in axis_names) + (DATA,)
 
 
 def _dp(mesh) -> int:
@@ -116,17 +128,119 @@ def _constrain(x, mesh, spec):
   return jax.lax.with_sharding_constraint(x, sharding)
 
 
+# ----------------------------------------------------------------------------- placement
+#
+# jaxdp runs its step manual over the data axes (`_data_axes`) and leaves every other mesh
+# axis (e.g. "model") to the compiler. A param keeps the sharding its caller gave it over
+# those other axes (Megatron-style tensor parallel weights) and over "expert" (expert
+# params): its `ModelSpec`. jaxdp adds "data" on dim 0 where it shards (master params and
+# optimizer state of the sharded strategies): after the leaf's manual axes, because a
+# bucket holds the slice that one expert-parallel rank sees, and before its automatic ones,
+# because inside the step the compiler splits the device's block further.
+
+def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
+  """The caller's own sharding of each param (tensor/expert parallel), read from its placement.
+
+  A leaf placed with a `NamedSharding` on `mesh` keeps its spec; anything else (host arrays,
+  single-device arrays) is replicated.
+
+  Raises:
+    ValueError: a leaf sharded over a data axis ("data", "replica": jaxdp shards over those
+      itself), over "expert" on a dim other than its leading one, or with a non-trivial
+      sharding on another mesh.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
+    >>> w = jax.device_put(jnp.zeros((4, 6)), NamedSharding(mesh, P(None, "model")))
+    >>> model_specs_of({"w": w, "b": jnp.zeros(6)}, mesh)
+    (((),), ((), ('model',)))
+  """
+  keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+  out = []
+  for path, x in keyed:
+    name = "params" + jax.tree_util.keystr(path)
+    ndim = len(np.shape(x))
+    sharding = getattr(x, "sharding", None)
+    entries = sharding.spec if isinstance(sharding, NamedSharding) else P()
+    dims = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in tuple(entries) + (None,) * (ndim - len(entries)))
+    if not any(dims):
+      out.append(((),) * ndim)
+      continue
+    other = sharding.mesh
+    if (tuple(other.axis_names) != tuple(mesh.axis_names)
+        or other.devices.shape != mesh.devices.shape
+        or [d.id for d in other.devices.flat] != [d.id for d in mesh.devices.flat]):
+      raise ValueError(
+          f"{name} is sharded {sharding.spec} on another mesh ({dict(other.shape)}) than the "
+          f"train mesh ({dict(mesh.shape)}); place it on the train mesh, e.g. "
+          "jax.device_put(x, NamedSharding(mesh, spec))")
+    for d, axes in enumerate(dims):
+      if REPLICA in axes or DATA in axes:
+        raise ValueError(
+            f"{name} is sharded {sharding.spec}: over a data axis. jaxdp shards over "
+            f"{DATA!r} and {REPLICA!r} itself; place params replicated over them (e.g. "
+            "P(None, 'model') for a column-parallel weight)")
+      if EXPERT in axes and (d != 0 or axes != (EXPERT,)):
+        raise ValueError(
+            f"{name} is sharded {sharding.spec}: expert params are sharded over {EXPERT!r} "
+            f"on their leading (expert) dim alone; place them with P({EXPERT!r}, ...)")
+    out.append(dims)
+  return tuple(out)
+
+
+def _model_spec(state: TrainState, i: int, ndim: int) -> ModelSpec:
+  return state.model_specs[i] if state.model_specs else ((),) * ndim
+
+
+def _pspec(dims: ModelSpec) -> P:
+  """Full-length spec (`P(None, None)`, not `P()`): jit's cache key tells the two apart."""
+  return P(*[None if not a else a[0] if len(a) == 1 else a for a in dims]) if dims else P()
+
+
+def _with_data(dims: ModelSpec, manual: tuple[str, ...]) -> ModelSpec:
+  """A leaf's spec with `DATA` added on dim 0 (after its manual axes, before its automatic
+  ones); a scalar becomes one padded dim."""
+  dims = dims or ((),)
+  first = dims[0]
+  return (tuple(a for a in first if a in manual) + (DATA,)
+          + tuple(a for a in first if a not in manual), *dims[1:])
+
+
+def _manual(dims: ModelSpec, manual: tuple[str, ...]) -> P:
+  """The part of a spec over the step's manual axes: a `shard_map` in/out spec."""
+  return _pspec(tuple(tuple(a for a in axes if a in manual) for axes in dims))
+
+
+def _own_axes(dims: ModelSpec, manual: tuple[str, ...]) -> tuple[str, ...]:
+  """The manual axes a leaf is itself sharded over (e.g. "expert")."""
+  return tuple(a for axes in dims for a in axes if a in manual)
+
+
+def _experts(model_specs: tuple[ModelSpec, ...]) -> list[bool]:
+  return [any(EXPERT in axes for axes in dims) for dims in model_specs]
+
+
 # ----------------------------------------------------------------------------- layout
 
-def layout_for(params: PyTree, mesh, config: DDPConfig, frozen: Frozen = None) -> Layout:
-  """The layout a train step uses for `params` on `mesh` under `config`."""
+def layout_for(params: PyTree, mesh, config: DDPConfig, frozen: Frozen = None,
+               experts: list[bool] | None = None) -> Layout:
+  """The layout a train step uses for `params` on `mesh` under `config`.
+
+  `experts`: per leaf, is it an expert param (sharded over "expert"; see `model_specs_of`).
+  """
   if config.overlap_grad_reduce:
     bucket_size = config.bucket_size or default_bucket_size(_dp(mesh))
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward
+  if experts is not None:
+    experts = jax.tree.unflatten(jax.tree.structure(params), experts)
   layout = make_layout(params, dp=mesh.shape[DATA], bucket_size=bucket_size,
                        grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
-                       frozen=frozen)
+                       frozen=frozen, experts=experts,
+                       expert_parallel=mesh.shape.get(EXPERT, 1))
   if not layout.buffers:
     raise ValueError(
         "params have no trainable floating-point leaf (all are frozen or integer): there "
@@ -149,33 +263,77 @@ def _check_mesh(mesh, config: DDPConfig):
 
 # ----------------------------------------------------------------------------- state
 
-def _spec(x, sharded: bool) -> P:
-  """Full-length spec (`P(None, None)`, not `P()`): jit's cache key tells the two apart."""
-  return P(*([DATA] if sharded else [None]), *[None] * (x.ndim - 1)) if x.ndim else P()
+def _leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec | None]]:
+  """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is)."""
+  manual = _data_axes_in(dict(state.mesh_shape))
+  sharded = _sharded(state.config)
+  params = [None if x is None else _model_spec(state, i, x.ndim)
+            for i, x in enumerate(_leaves(state.params))]
+  master = [None if m is None else
+            _with_data(_model_spec(state, i, len(state.layout.shapes[i])), manual)
+            if sharded else _model_spec(state, i, m.ndim)
+            for i, m in enumerate(_leaves(state.master))]
+  return params, master
+
+
+def _opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> PyTree:
+  """Each optax state leaf sharded like the param it belongs to.
+
+  A per-param leaf (Adam's `mu['w']`) has its param's optimizer-side shape and a key path
+  ending with the param's path; the longest such path wins. A leaf under a param's path with
+  another shape (adafactor's factored moments) is replicated. Failing that, a leaf takes the
+  spec that every param of its shape shares; anything else (step counts) is replicated.
+  """
+  layout = state.layout
+  views = {}  # trainable leaf -> (the shape the optimizer sees, its spec)
+  for i, (t, x, m) in enumerate(zip(layout.trainable, _leaves(state.params),
+                                    _leaves(state.master))):
+    if t:
+      views[i] = ((m if m is not None else x).shape,
+                  master_specs[i] if m is not None else _model_spec(state, i, x.ndim))
+  by_shape: dict[tuple[int, ...], set] = {}
+  for shape, spec in views.values():
+    by_shape.setdefault(tuple(shape), set()).add(spec)
+
+  def spec_of(path, x):
+    shape, name = tuple(x.shape), jax.tree_util.keystr(path)
+    matches = [i for i, (s, _) in views.items()
+               if tuple(s) == shape and name.endswith(layout.paths[i])]
+    if matches:
+      return _pspec(views[max(matches, key=lambda i: len(layout.paths[i]))][1])
+    if any(name.endswith(layout.paths[i]) for i in views):
+      # a per-param leaf of another shape (adafactor's factored moments): replicated
+      return _pspec(((),) * len(shape))
+    specs = by_shape.get(shape, set())
+    return _pspec(next(iter(specs)) if len(specs) == 1 else ((),) * len(shape))
+
+  return jax.tree_util.tree_map_with_path(spec_of, state.opt_state)
 
 
 def _state_specs(state: TrainState) -> TrainState:
   """The PartitionSpec of every leaf of a state (a tree like `state`)."""
-  layout, config = state.layout, state.config
-  sharded = _sharded(config)
-  padded = {p.padded_shape for p in layout.params}
-  by_path = [(p.path, p.padded_shape) for p in layout.params]
-
-  def opt_sharded(path, x) -> bool:
-    """A per-param leaf (path ending with the param's) is sharded when it has the param's
-    padded shape, else replicated (adafactor's factored moments); any other leaf is sharded
-    when it has some param's padded shape."""
-    name, shape = jax.tree_util.keystr(path), tuple(x.shape)
-    under = [s for p, s in by_path if name.endswith(p)]
-    return shape in under if under else shape in padded
-
+  layout = state.layout
+  params, master = _leaf_specs(state)
   return dataclasses.replace(
       state,
       step=P(),
-      params=jax.tree.map(lambda x: _spec(x, False), state.params),
-      master=jax.tree.map(lambda x: _spec(x, sharded), state.master),
-      opt_state=jax.tree_util.tree_map_with_path(
-          lambda path, x: _spec(x, sharded and opt_sharded(path, x)), state.opt_state))
+      params=_tree(layout, [None if d is None else _pspec(d) for d in params]),
+      master=_tree(layout, [None if d is None else _pspec(d) for d in master]),
+      opt_state=_opt_state_specs(state, master))
+
+
+def _padded(x, layout: Layout, i: int):
+  """Leaf `i` (whole) as a sharded strategy stores it: `(rows, *shape[1:])`, zero rows added."""
+  x = x.reshape(layout.shapes[i] or (1,))
+  rows = sharded_shape(layout, i)[0][0]
+  return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) if rows > x.shape[0] \
+      else x
+
+
+def _unpadded(x, layout: Layout, i: int):
+  """Inverse of `_padded`."""
+  shape = layout.shapes[i]
+  return x[: (shape[0] if shape else 1)].reshape(shape)
 
 
 def _opt_params(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
@@ -197,7 +355,15 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     tx: any optax `GradientTransformation`. It sees the param tree with frozen and
       non-float leaves replaced by None (masks given as pytrees may keep any value there).
     mesh: a mesh with a "data" axis (and a "replica" axis for
-      `num_distributed_optimizer_instances > 1`).
+      `num_distributed_optimizer_instances > 1`, an "expert" axis for expert parallelism).
+      jaxdp runs its step manual over "replica", "expert" and "data" and leaves every
+      other axis (e.g. "model") to the compiler. Params placed with a `NamedSharding` on
+      this mesh keep their sharding over the other axes (tensor-parallel weights, e.g.
+      `P(None, "model")`), in `params`, master params and optimizer state alike. Params
+      sharded `P("expert", ...)` are expert params: dense params are data parallel over
+      "expert" too, expert params get buffers of their own reduced over the
+      expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees this
+      rank's experts (the model exchanges tokens over "expert" itself).
     config: the `DDPConfig`.
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
@@ -207,8 +373,11 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
 
   Raises:
-    ValueError: the mesh has no "data" axis, params have no trainable float leaf, or
-      `frozen` does not match params.
+    ValueError: the mesh has no "data" axis, params have no trainable float leaf,
+      `frozen` does not match params, a param is placed over a data axis or on another
+      mesh, or (sharded strategies) an expert param's experts per rank do not divide by
+      the "data" axis size.
+    NotImplementedError: tensor- or expert-parallel params under `optim_grads_params`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -217,37 +386,61 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     >>> int(state.step), state.layout.num_buckets
     (0, 1)
   """
+  _check_mesh(mesh, config)
+  model_specs = model_specs_of(params, mesh)
   if _fsdp_branch(config, fsdp):
+    if any(any(dims) for dims in model_specs):
+      path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][
+          next(i for i, dims in enumerate(model_specs) if any(dims))][0])
+      raise NotImplementedError(
+          f"params{path} is sharded over a non-data mesh axis (tensor or expert parallel): "
+          "optim_grads_params does not keep such shardings yet; use 'optim' (or no_shard), "
+          "or place the params replicated")
     from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - fsdp imports this module
     return fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
-  _check_mesh(mesh, config)
-  layout = layout_for(params, mesh, config, frozen)
+  layout = layout_for(params, mesh, config, frozen, _experts(model_specs))
   sharded, trainable = _sharded(config), layout.trainable
-  if sharded:  # the optimizer sees padded leaves: refuse tx that would be silently different
+  if sharded:
+    _check_expert_rows(layout, mesh)
+    # the optimizer sees padded leaves: refuse tx that would be silently different
     distributed_optimizer.check_exact(tx, layout)
   gather_in_step = sharded and config.overlap_param_gather
-  spec_of = {p.index: p for p in layout.params}
 
   def build(params):
     leaves = _leaves(params)
-    master = [
-        pad_rows(x, spec_of[i]).astype(_master_dtype(x.dtype))
-        if t and _keeps_master(config, x.dtype) else None
-        for i, (t, x) in enumerate(zip(trainable, leaves))]
-    if not sharded:
-      master = [unpad_rows(m, spec_of[i]) if m is not None else None
-                for i, m in enumerate(master)]
+    master = [(_padded(x, layout, i) if sharded else x).astype(_master_dtype(x.dtype))
+              if t and _keeps_master(config, x.dtype) else None
+              for i, (t, x) in enumerate(zip(trainable, leaves))]
     model = [None if (t and gather_in_step) else x for t, x in zip(trainable, leaves)]
     state = TrainState(jnp.zeros((), jnp.int32), _tree(layout, model), _tree(layout, master),
-                       None, layout, config, tuple(mesh.shape.items()))
+                       None, layout, config, tuple(mesh.shape.items()), model_specs)
     opt_state = tx.init(_opt_params(layout, state.params, state.master))
     return dataclasses.replace(state, opt_state=opt_state)
 
-  replicated = NamedSharding(mesh, P())
-  params = jax.device_put(params, replicated, may_alias=False)
-  abstract = jax.eval_shape(build, params)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), _state_specs(abstract))
-  return jax.jit(build, out_shardings=shardings)(params)
+  placed = [NamedSharding(mesh, _pspec(dims)) for dims in model_specs]
+  params = _tree(layout, [jax.device_put(x, s, may_alias=False)
+                          for x, s in zip(jax.tree.leaves(params), placed)])
+  specs = _state_specs(jax.eval_shape(build, params))
+
+  def build_placed(params):
+    # Placed the way the step places its output state (not by out_shardings, whose specs
+    # an Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
+    return jax.tree.map(lambda x, s: _constrain(x, mesh, s), build(params), specs)
+
+  return jax.jit(build_placed)(params)
+
+
+def _check_expert_rows(layout: Layout, mesh):
+  """Sharded strategies split each rank's experts over "data": they must divide evenly."""
+  for buf in layout.buffers:
+    for p in buf.params if buf.expert else ():
+      if p.rows != p.shape[0]:
+        raise ValueError(
+            f"params{p.path}: {p.shape[0]} experts per expert-parallel rank do not divide "
+            f"over the {mesh.shape[DATA]} devices of the {DATA!r} axis, which the sharded "
+            "optimizer splits them over; use a number of experts that is a multiple of "
+            f"{mesh.shape[EXPERT] * mesh.shape[DATA]} (expert x data axis sizes), or "
+            "data_parallel_sharding_strategy='no_shard'")
 
 
 def get_params(state: TrainState) -> PyTree:
@@ -267,11 +460,13 @@ def get_params(state: TrainState) -> PyTree:
     return fsdp_lib.get_params(state)
   if not (_sharded(state.config) and state.config.overlap_param_gather):
     return state.params
-  spec_of = {p.index: p for p in layout.params}
 
   def gather(i, m):
-    m = jax.device_put(m, NamedSharding(m.sharding.mesh, P()))
-    return unpad_rows(m, spec_of[i]).astype(layout.dtypes[i])
+    mesh = m.sharding.mesh
+    m = jax.device_put(m, NamedSharding(mesh, P()))
+    x = _unpadded(m, layout, i).astype(layout.dtypes[i])
+    dims = _model_spec(state, i, x.ndim)
+    return jax.device_put(x, NamedSharding(mesh, _pspec(dims))) if any(dims) else x
 
   leaves = [x if x is not None else gather(i, m)
             for i, (x, m) in enumerate(zip(_leaves(state.params), _leaves(state.master)))]
@@ -337,8 +532,15 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
   gather_in_step = sharded and config.overlap_param_gather
   batch_spec = P(axes)
 
-  def local_grads(params, master, batch, layout: Layout):
-    """Per device: the reduced grad of every trainable param and the local mean loss."""
+  def reduce_axes(buf) -> tuple[str, ...]:
+    """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
+    return tuple(a for a in axes if not (buf.expert and a == EXPERT))
+
+  def local_grads(params, master, batch, layout: Layout, own_axes):
+    """Per device: the reduced grad of every trainable param and the local mean loss.
+
+    `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
+    """
     trainable = layout.trainable
     full = _leaves(params)
     if gather_in_step:
@@ -349,13 +551,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
           for p, x in zip(b.params, collectives.all_gather_bucket(local, b, layout.dp,
                                                                   to="invarying")):
             full[p.index] = x
-    full = [collectives.make_varying(x, axes) if t else x for t, x in zip(trainable, full)]
+    full = [collectives.make_varying(x, [a for a in axes if a not in own_axes[i]]) if t else x
+            for i, (t, x) in enumerate(zip(trainable, full))]
 
     buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
     hooks = [collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, dp=dp, scatter=sharded,
-                                         axes=axes, average=config.average_in_collective)
+                                         axes=reduce_axes(buf),
+                                         average=config.average_in_collective)
              for buf, b in buckets]
-    sinks = [collectives.sink_for(b, buf.grad_dtype, sharded) for buf, b in buckets]
+    sinks = [collectives.sink_for(b, buf.grad_dtype, sharded,
+                                  [a for a in axes if a not in reduce_axes(buf)])
+             for buf, b in buckets]
 
     def hooked_loss(sinks, accs, mb):
       leaves = list(full)
@@ -405,15 +611,20 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         (loss, accs), _ = jax.lax.scan(body, (loss, accs), first)
       l, reduced = jax.value_and_grad(hooked_loss)(sinks, accs, last)
       loss = loss + l
-    # The metrics: global mean loss and grad norm. Sharded: the norm² of the reduced shards
-    # (zero padding; replicas hold equal shards) rides in the loss's psum; DDP: every
-    # device holds the whole reduced buckets.
-    sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) for r in reduced)
-    if sharded:
-      loss, sq = collectives.sum_over(jnp.stack([loss, sq / (dp // layout.dp)]), axes)
+    # The metrics: global mean loss and grad norm. The norm² of the reduced buckets (zero
+    # padding) rides in the loss's psum, each bucket's divided by the number of devices
+    # that hold the same copy of it (those it was psum'd over). DDP with dense buckets
+    # only: every device holds the whole reduced buckets already.
+    def copies(buf):
+      return math.prod(mesh.shape[a] for a in reduce_axes(buf)) // (
+          layout.dp if sharded else 1)
+    sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
+             for (buf, _), r in zip(buckets, reduced))
+    if sharded or any(buf.expert for buf in layout.buffers):
+      loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
       loss = loss / dp
     else:
-      loss = jax.lax.pmean(loss, axes)
+      loss, sq = jax.lax.pmean(loss, axes), sq * dp
     grad_norm = jnp.sqrt(sq)
 
     grads: list[Any] = [None] * len(trainable)
@@ -427,14 +638,19 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     layout = state.layout
     _check_state(state, mesh, config)
     _check_batch(batch, dp * grad_accum_steps)
-    specs = _state_specs(state)
     batch = jax.tree.map(lambda x: _constrain(x, mesh, batch_spec), batch)
-    grad_spec = P(DATA) if sharded else P()
+    # shard_map specs name the manual (data) axes only; the others stay automatic.
+    param_dims, master_dims = _leaf_specs(state)
+    manual = lambda dims: [None if d is None else _manual(d, axes) for d in dims]
+    model_dims = [_model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+    grad_specs = [_manual(_with_data(d, axes) if sharded else d, axes) if t else None
+                  for t, d in zip(layout.trainable, model_dims)]
+    own = tuple(_own_axes(d, axes) for d in model_dims)
     grads, loss, grad_norm = jax.shard_map(
-        functools.partial(local_grads, layout=layout), mesh=mesh,
-        in_specs=(specs.params, specs.master, batch_spec),
-        out_specs=(jax.tree.map(lambda _: grad_spec, _opt_params(layout, state.params,
-                                                                  state.master)), P(), P()),
+        functools.partial(local_grads, layout=layout, own_axes=own), mesh=mesh,
+        in_specs=(_tree(layout, manual(param_dims)), _tree(layout, manual(master_dims)),
+                  batch_spec),
+        out_specs=(_tree(layout, grad_specs), P(), P()),
         axis_names=set(axes))(state.params, state.master, batch)
 
     opt_params = _opt_params(layout, state.params, state.master)
@@ -450,7 +666,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
       if params[i] is not None and not sharded:
         params[i] = new[i].astype(layout.dtypes[i])
     if sharded and not config.overlap_param_gather:
-      params = _gather_params(master, layout, mesh, params)
+      params = _gather_params(master, layout, mesh, params, state)
     new_state = dataclasses.replace(state, step=state.step + 1, params=_tree(layout, params),
                                     master=_tree(layout, master), opt_state=opt_state)
     new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state,
@@ -468,7 +684,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
   return checks.TrainStep(jitted, mesh, config)
 
 
-def _gather_params(master, layout: Layout, mesh, params):
+def _gather_params(master, layout: Layout, mesh, params, state: TrainState):
   """All-gathers the updated params per bucket right after the update."""
   def gather(master):
     out = [None] * len(layout.shapes)
@@ -479,10 +695,13 @@ def _gather_params(master, layout: Layout, mesh, params):
                                                                 to="invarying")):
           out[p.index] = x
     return out
-  specs = [P(DATA) if m is not None else None for m in master]
-  gathered = jax.shard_map(gather, mesh=mesh, in_specs=(specs,),
-                           out_specs=[P() if m is not None else None for m in master],
-                           axis_names={DATA})(master)
+  axes = _data_axes(mesh)
+  master_dims = _leaf_specs(state)[1]
+  specs = [_manual(d, axes) if m is not None else None for m, d in zip(master, master_dims)]
+  out_specs = [_manual(_model_spec(state, i, len(layout.shapes[i])), axes)
+               if m is not None else None for i, m in enumerate(master)]
+  gathered = jax.shard_map(gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs,
+                           axis_names=set(axes))(master)
   return [g if g is not None else x for g, x in zip(gathered, params)]
 
 

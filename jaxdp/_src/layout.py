@@ -97,6 +97,10 @@ class BufferLayout:
   buckets: tuple[Bucket, ...]
   size: int
   """Elements, padding included."""
+  expert: bool = False
+  """Expert (MoE) params (layouts made with `experts=`): reduced over the expert-data-parallel
+  group only, and each `ParamSpec` describes one expert-parallel rank's slice of its param
+  (leading dim divided by `expert_parallel`)."""
 
   @property
   def params(self) -> tuple[ParamSpec, ...]:
@@ -183,7 +187,8 @@ def _is_float(dtype) -> bool:
   return jax.numpy.issubdtype(dtype, jax.numpy.floating)  # bf16 is no np.floating
 
 
-def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str]) -> list[bool]:
+def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str],
+                 name: str = "frozen") -> list[bool]:
   leaves = jax.tree.leaves(params)
   if frozen is None:
     return [False] * len(leaves)
@@ -193,10 +198,27 @@ def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str]) -> list[bool]
     mask = jax.tree.leaves(jax.tree.broadcast(frozen, params))
   except (ValueError, TypeError) as e:
     raise ValueError(
-        "frozen: must be a boolean pytree with the structure of params (or a prefix of "
+        f"{name}: must be a boolean pytree with the structure of params (or a prefix of "
         f"it), or a function (path, leaf) -> bool; got {jax.tree.structure(frozen)} for "
         f"params {jax.tree.structure(params)}") from e
   return [bool(m) for m in mask]
+
+
+def _expert_shapes(experts: list[bool], ep: int, paths: list[str],
+                   shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+  """Each leaf's shape on one expert-parallel rank: expert params' leading dim / `ep`."""
+  if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+    raise ValueError(f"expert_parallel={ep!r}: must be a positive integer (the expert axis "
+                     "size)")
+  out = []
+  for path, shape, is_expert in zip(paths, shapes, experts):
+    if is_expert and (not shape or shape[0] % ep):
+      raise ValueError(
+          f"experts: params{path} has shape {shape}, whose leading (expert) dim does not "
+          f"divide over the {ep} expert-parallel ranks; give expert params a leading dim of "
+          f"experts that is a multiple of expert_parallel={ep}")
+    out.append((shape[0] // ep, *shape[1:]) if is_expert else shape)
+  return out
 
 
 def _unit_names(units: Units, paths: list[str]) -> list[str] | None:
@@ -247,7 +269,8 @@ def _layer_counts(stacked: Stacked, paths: list[str], shapes: list[tuple[int, ..
 
 def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
                 grad_dtype=None, frozen: Frozen = None, units: Units = None,
-                stacked: Stacked = None) -> Layout:
+                stacked: Stacked = None, experts: Frozen = None,
+                expert_parallel: int = 1) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
   Args:
@@ -266,13 +289,20 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
     stacked: params that carry a leading layer axis (scanned layers), as a set of paths
       or `fn(path: str) -> bool`; needs `units`. Their `ParamSpec` describes one layer
       (`layers` = the axis size), so a bucket is one layer of its unit.
+    experts: expert (MoE) params, like `frozen`: a boolean pytree or
+      `fn(path, leaf) -> bool`. They go into buffers of their own (`BufferLayout.expert`,
+      named `expert/<dtype>`), which are reduced over the expert-data-parallel group only
+      (Megatron's `expert_parallel_bucket_groups`).
+    expert_parallel: size of the expert axis that expert params' leading dim is sharded
+      over; their `ParamSpec`s describe one rank's slice (`shape[0] // expert_parallel`).
 
   Returns:
     A static `Layout`.
 
   Raises:
     ValueError: dp or bucket_size not positive, `frozen` does not match params, a leaf
-      has no unit, or a unit mixes stacked and unstacked params.
+      has no unit, a unit mixes stacked and unstacked params, or an expert param's leading
+      dim does not divide by `expert_parallel`.
 
   Examples:
     >>> import jax.numpy as jnp, jaxdp
@@ -290,6 +320,14 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
     ...                            stacked={"['blocks']['w']"})
     >>> [(b.unit, b.params[0].layers, b.params[0].shape) for b in layout.buffers[0].buckets]
     [('head', 0, (3, 2)), ('bloc', 4, (16, 3))]
+
+    Expert params (8 experts over 2 expert-parallel ranks) in a buffer of their own:
+
+    >>> params = {"router": jnp.zeros((4, 8)), "w": jnp.zeros((8, 4, 16))}
+    >>> layout = jaxdp.make_layout(params, dp=4, experts=lambda path, _: path == "['w']",
+    ...                            expert_parallel=2)
+    >>> [(buf.name, buf.expert, buf.params[0].shape) for buf in layout.buffers]
+    [('expert/float32', True, (4, 4, 16)), ('float32', False, (4, 8))]
   """
   if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
     raise ValueError(f"dp={dp!r}: must be a positive integer (the data axis size)")
@@ -303,21 +341,24 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
   shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in keyed]
   dtypes = [np.dtype(leaf.dtype) for _, leaf in keyed]
   frozen_leaves = _frozen_mask(params, frozen, paths)
+  expert_leaves = _frozen_mask(params, experts, paths, "experts")
+  local_shapes = _expert_shapes(expert_leaves, expert_parallel, paths, shapes)
   unit_of = _unit_names(units, paths)
   layers = _layer_counts(stacked, paths, shapes, unit_of)
 
-  by_key: dict[tuple[np.dtype, np.dtype], list[int]] = {}
+  by_key: dict[tuple[np.dtype, np.dtype, bool], list[int]] = {}
   static = []
   for i in reversed(range(len(keyed))):  # backprop order
     if frozen_leaves[i] or not _is_float(dtypes[i]):
       static.append(i)
       continue
     gdtype = np.dtype(grad_dtype) if grad_dtype is not None else dtypes[i]
-    by_key.setdefault((dtypes[i], gdtype), []).append(i)
+    by_key.setdefault((dtypes[i], gdtype, expert_leaves[i]), []).append(i)
 
   align = math.lcm(dp, 128) // dp  # shard-size multiple that makes a bucket lcm(dp, 128)
   buffers = []
-  for (pdtype, gdtype), leaves in sorted(by_key.items(), key=lambda kv: _buffer_name(*kv[0])):
+  for (pdtype, gdtype, expert), leaves in sorted(by_key.items(),
+                                                 key=lambda kv: _buffer_name(*kv[0])):
     groups: list[list[int]] = []
     if unit_of is not None:
       by_unit: dict[str, list[int]] = {}
@@ -328,7 +369,7 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
       group, count = [], 0
       for i in leaves:
         group.append(i)
-        count += math.prod(shapes[i])
+        count += math.prod(local_shapes[i])
         if count >= bucket_size:
           groups.append(group)
           group, count = [], 0
@@ -339,7 +380,7 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
       specs, shard = [], 0
       for i in group:
         n = layers[i] if layers else 0
-        shape = shapes[i][1:] if n else shapes[i]
+        shape = local_shapes[i][1:] if n else local_shapes[i]
         rows = -(-(shape[0] if shape else 1) // dp) * dp
         spec = ParamSpec(paths[i], i, shape, rows, shard, n)
         specs.append(spec)
@@ -348,13 +389,15 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
       unit = unit_of[group[0]] if unit_of is not None else None
       buckets.append(Bucket(b, tuple(specs), offset, shard, unit))
       offset += shard * dp
-    buffers.append(BufferLayout(_buffer_name(pdtype, gdtype), pdtype, gdtype,
-                                tuple(buckets), offset))
+    buffers.append(BufferLayout(_buffer_name(pdtype, gdtype, expert), pdtype, gdtype,
+                                tuple(buckets), offset, expert))
   return Layout(treedef, tuple(shapes), tuple(dtypes), tuple(paths), dp, bucket_size,
                 tuple(buffers), tuple(sorted(static)),
                 tuple(unit_of) if unit_of is not None else None,
                 tuple(layers) if layers is not None else None)
 
 
-def _buffer_name(param_dtype: np.dtype, grad_dtype: np.dtype) -> str:
-  return param_dtype.name if param_dtype == grad_dtype else f"{param_dtype.name}/{grad_dtype.name}"
+def _buffer_name(param_dtype: np.dtype, grad_dtype: np.dtype, expert: bool = False) -> str:
+  name = (param_dtype.name if param_dtype == grad_dtype
+          else f"{param_dtype.name}/{grad_dtype.name}")
+  return f"expert/{name}" if expert else name
