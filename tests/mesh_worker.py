@@ -20,7 +20,8 @@ import mp_worker  # noqa: E402
 
 
 def main(directory: str) -> None:
-  logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+  # force: importing jaxdp imports orbax, whose absl logging already configured the root
+  logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
   jaxdp.initialize()
   me, n = jax.process_index(), jax.process_count()
   mesh = jax.make_mesh((jax.device_count(),), ("data",))

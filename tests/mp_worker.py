@@ -102,7 +102,8 @@ def train(strategy: str, mesh, to_global) -> tuple[dict, list[float]]:
 
 
 def main(mode: str, out_dir: str) -> None:
-  logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+  # force: importing jaxdp imports orbax, whose absl logging already configured the root
+  logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)
   jaxdp.initialize()
   me, n = jax.process_index(), jax.process_count()
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
