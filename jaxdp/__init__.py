@@ -5,6 +5,7 @@ any mesh with a "data" axis. See README.md and DESIGN.md.
 """
 
 from jaxdp import inspect as inspect
+from jaxdp import plot as plot
 from jaxdp._src.buffer import ravel as ravel
 from jaxdp._src.buffer import unravel as unravel
 from jaxdp._src.checkpoint import CheckpointManager as CheckpointManager
@@ -14,10 +15,10 @@ from jaxdp._src.ddp import TrainState as TrainState
 from jaxdp._src.ddp import get_params as get_params
 from jaxdp._src.ddp import init_state as init_state
 from jaxdp._src.ddp import make_train_step as make_train_step
-from jaxdp._src.fsdp import FSDPConfig as FSDPConfig
-from jaxdp._src.fsdp import gather_unit as gather_unit
 from jaxdp._src.distributed import host_local_batch_to_global as host_local_batch_to_global
 from jaxdp._src.distributed import initialize as initialize
+from jaxdp._src.fsdp import FSDPConfig as FSDPConfig
+from jaxdp._src.fsdp import gather_unit as gather_unit
 from jaxdp._src.layout import Bucket as Bucket
 from jaxdp._src.layout import BufferLayout as BufferLayout
 from jaxdp._src.layout import Layout as Layout
