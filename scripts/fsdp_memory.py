@@ -1,20 +1,28 @@
 """Peak GPU memory of one train step per strategy, compiled for 8 H100s without a GPU.
 
-For a GPT with 4, 8, 12 and 16 layers, the train step of each strategy is compiled for an
-8×H100 target (deviceless: `jax-cuda12-plugin` + the H100 target description; nothing
-runs) and `compiled.memory_analysis()` gives the per-device peak (arguments + outputs +
-temporaries − donated aliases). The table shows, per strategy and layer count, the peak
-and the resident train state; then, per strategy, how much the peak grows per added layer
-next to one unit (one layer's params, gathered, in the param dtype).
+For a GPT (GPT-2 small width) with 4, 8, 12 and 16 layers, the train step of each strategy
+is compiled for an 8×H100 target (deviceless: `jax-cuda12-plugin` + the H100 target
+description; nothing runs) and `compiled.memory_analysis()` gives the per-device peak
+(arguments + outputs + temporaries − donated aliases). The table shows, per strategy and
+layer count, the peak and the resident train state; then, per strategy, how much the peak
+grows per added layer, next to one unit (one layer's params, gathered, in the param dtype).
 
 What it shows: FSDP (optim_grads_params) < ZeRO-1 (optim) < DDP (no_shard), and FSDP's
-peak grows per layer by its 1/dp share of the layer's state plus the layer's activations —
-about one unit — while DDP's grows by the layer's whole params + grads + Adam state.
+peak grows per layer by the layer's 1/dp share of params, grads and Adam state plus its
+activations, about one unit, while DDP's grows by the layer's whole params + grads + Adam
+state (~4 units) and ZeRO-1's by its whole params and grads (~2 units) plus activations.
+
+The layers are scanned by default (`GPTConfig(scan_layers=True)`, `FSDPConfig(stacked=
+["blocks"])`): each layer's gather and reduce-scatter live inside its loop iteration.
+`--unrolled` compiles the unrolled model instead; there XLA's latency hiding scheduler
+(which ignores memory far below the device's 80 GB) starts every reduce-scatter after the
+whole backward, so each layer's full-size grads stay live until then and FSDP's peak grows
+by one more unit per layer.
 
 Usage:
-    python scripts/fsdp_memory.py                      # GPT-2 small width, seq 256
-    python scripts/fsdp_memory.py --layers 2 4 --d-model 256 --seq 128   # quicker
-    python scripts/fsdp_memory.py --scan               # scanned layers (FSDPConfig stacked)
+    python scripts/fsdp_memory.py                      # ~10 minutes on 2 cores
+    python scripts/fsdp_memory.py --layers 2 4 --d-model 256 --seq 32   # a minute
+    python scripts/fsdp_memory.py --unrolled           # unrolled layers
 """
 
 import argparse
@@ -40,7 +48,8 @@ LAYERS = (4, 8, 12, 16)
 MiB = 2**20
 
 
-def compile_step(n_layer, strategy, *, d_model, n_head, seq, batch, vocab, scan, dtype):
+def compile_step(n_layer, strategy, *, d_model=768, n_head=12, seq=128, batch=8,
+                 vocab=50304, scan=True, dtype=jnp.float32):
   """The train step of `strategy` for an n_layer GPT, compiled for 8 H100s."""
   mesh = aot.gpu_mesh((8,), ("data",))
   config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head,
@@ -103,17 +112,17 @@ def main():
   parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
   parser.add_argument("--d-model", type=int, default=768)
   parser.add_argument("--n-head", type=int, default=12)
-  parser.add_argument("--seq", type=int, default=256)
+  parser.add_argument("--seq", type=int, default=128)
   parser.add_argument("--batch", type=int, default=8, help="global batch (1 per GPU)")
   parser.add_argument("--vocab", type=int, default=50304)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--scan", action="store_true", help="scanned (stacked) layers")
+  parser.add_argument("--unrolled", action="store_true", help="unrolled layers (no scan)")
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()
   if reason:
     sys.exit(f"cannot compile for GPU here: {reason}")
   kw = dict(d_model=args.d_model, n_head=args.n_head, seq=args.seq, batch=args.batch,
-            vocab=args.vocab, scan=args.scan, dtype=jnp.dtype(args.dtype))
+            vocab=args.vocab, scan=not args.unrolled, dtype=jnp.dtype(args.dtype))
   stats, unit = measure(tuple(args.layers), **kw)
   print(table(stats, unit, tuple(args.layers)))
 

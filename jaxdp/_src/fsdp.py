@@ -349,7 +349,7 @@ def scan_unit(body: Callable) -> Callable:
       return body(carry, gather_unit(layer_params))
 
     if scope.reshard:
-      unit = jax.checkpoint(unit, policy=_reshard_policy)
+      unit = jax.checkpoint(unit, policy=_reshard_policy, prevent_cse=False)
     return unit(carry, layer_params)
 
   return wrapped
