@@ -344,6 +344,10 @@ def test_fsdp_errors_name_the_fix():
   state = jaxdp.init_state(toy, tx, mesh, FSDP, fsdp=cfg)
   with pytest.raises(ValueError, match="scan_unit"):
     jaxdp.make_train_step(no_hook, tx, mesh, FSDP, fsdp=cfg)(state, {"x": jnp.ones((8,))})
+  # A shape-dependent optimizer on padded leaves (the MLP's 6-row kernel pads to 8).
+  mlp_params, _, _ = mlp_problem()
+  with pytest.raises(NotImplementedError, match="adafactor|factored|shape"):
+    jaxdp.init_state(mlp_params, optax.adafactor(1e-3), mesh, FSDP)
   with pytest.raises(ValueError, match="layer axes"):
     jaxdp.make_layout({"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}, dp=2,
                       units=lambda p: "u", stacked={"['a']"})
@@ -415,8 +419,10 @@ def test_fsdp_memory_table_relations():
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
   layers = (8, 16)  # multiples of dp: ZeRO-1 pads a stacked leaf's layer axis to one
-  stats, unit = script.measure(layers, d_model=256, n_head=4, seq=32, batch=8, vocab=256)
-  print(script.table(stats, unit, layers))
+  variants = tuple((s, s, True) for s in script.STRATEGIES)  # all on the scanned GPT
+  stats, unit = script.measure(layers, variants, d_model=256, n_head=4, seq=32, batch=8,
+                               vocab=256)
+  print(script.table(stats, unit, layers, script.STRATEGIES))
   for n in layers:
     assert stats["optim_grads_params", n]["peak"] < stats["optim", n]["peak"] \
         < stats["no_shard", n]["peak"]

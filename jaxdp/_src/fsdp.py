@@ -29,17 +29,23 @@ Units. By default one per layer: the subtree at the first sequence index of a le
 list of prefixes (leaves under none of them form the root unit) or a function from a leaf's
 path to a unit name. A *stacked* subtree (`FSDPConfig(stacked=("blocks",))`: every leaf has
 a leading layer axis and the model runs it with `jax.lax.scan`) is one unit per layer: its
-shard is `(layers, rows / dp, ...)`, the model scans over the shards and calls
-`gather_unit(layer_params)` in the scan body, which is where the layer is gathered (and, in
-the backward loop, reduce-scattered). Outside an FSDP step `gather_unit` is the identity, so
-a model that calls it runs unchanged on one device and under every other strategy.
+shard is `(layers, rows / dp, ...)` and the model scans over the shards. The model marks
+its scan body with `@scan_unit`: each iteration gathers its layer (`gather_unit`) and, with
+`reshard_after_forward`, is rematerialized on its own, so that the backward loop gathers
+and reduce-scatters each layer inside its iteration. Outside an FSDP step both are the
+identity, so a model that uses them runs unchanged on one device and under every other
+strategy (see `models/gpt.py`).
+
+Not done: unrolled layers leave the placement of each unit's reduce-scatter to XLA, whose
+latency hiding scheduler (which ignores memory far below the device limit) starts them all
+after the whole backward, so every unit's full-size grads stay live until then; scanned
+layers do not have this problem (scripts/fsdp_memory.py --unrolled shows it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -56,6 +62,7 @@ from jaxdp._src.collectives import DATA, GATHERED
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.ddp import (TrainState, _check_batch, _check_mesh, _constrain, _data_axes, _dp,
                             _leaves, _master_dtype, _opt_params, _tree)
+from jaxdp._src.distributed_optimizer import check_exact
 from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout
 
 PyTree = Any
@@ -402,6 +409,7 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
   fsdp = fsdp or FSDPConfig()
   _check_mesh(mesh, config)
   layout = layout_for(params, mesh, config, fsdp, frozen)
+  check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   specs, trainable = param_specs(layout), layout.trainable
 
   def build(params):
