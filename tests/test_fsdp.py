@@ -19,7 +19,7 @@ from models.gpt import GPT, GPTConfig, gpt_loss, lora_trainable
 from models.mlp import MLP, mlp_loss
 
 STEPS = 5
-ATOL_F32 = 1e-5  # f32 params after 5 AdamW steps; observed <= 3e-7 (reduce-scatter order)
+ATOL_F32 = 1e-5  # f32 params, 5 AdamW steps (the bound); observed <= 3.5e-6 (GPT)
 DP = 8
 FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
 N_LAYER = 3
