@@ -19,6 +19,7 @@ from jaxdp._src.distributed import host_local_batch_to_global as host_local_batc
 from jaxdp._src.distributed import initialize as initialize
 from jaxdp._src.fsdp import FSDPConfig as FSDPConfig
 from jaxdp._src.fsdp import gather_unit as gather_unit
+from jaxdp._src.fsdp import scan_unit as scan_unit
 from jaxdp._src.layout import Bucket as Bucket
 from jaxdp._src.layout import BufferLayout as BufferLayout
 from jaxdp._src.layout import Layout as Layout
