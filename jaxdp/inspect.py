@@ -3,11 +3,14 @@
 `schedule` / `report` read a compiled program's HLO (CPU, or a GPU program compiled for
 an H100 target on a machine without a GPU via `compile_for_gpu`); `memory_stats` reads
 `memory_analysis()`; `memory_ledger` predicts the bytes per device of each strategy and
-`measured_bytes` reads them off a `TrainState`.
+`measured_bytes` reads them off a `TrainState`. `compile_train_step` compiles jaxdp's
+step from params alone (for 8 H100s by default, without a GPU); `ring_formula` says what
+a step should move and `memory_report` lines up predicted, measured and compiled bytes.
 """
 
 from jaxdp._src.aot import abstract_like as abstract_like
 from jaxdp._src.aot import compile_for_gpu as compile_for_gpu
+from jaxdp._src.aot import compile_train_step as compile_train_step
 from jaxdp._src.aot import compiler_options as compiler_options
 from jaxdp._src.aot import gpu_compile_unavailable as gpu_compile_unavailable
 from jaxdp._src.aot import gpu_mesh as gpu_mesh
@@ -24,3 +27,5 @@ from jaxdp._src.inspect import memory_stats as memory_stats
 from jaxdp._src.inspect import report as report
 from jaxdp._src.inspect import ring_bytes as ring_bytes
 from jaxdp._src.inspect import schedule as schedule
+from jaxdp._src.ledger import memory_report as memory_report
+from jaxdp._src.ledger import ring_formula as ring_formula

@@ -461,3 +461,14 @@ def test_abstract_like_retargets_shardings(cpu_mesh, gpu_mesh):
 def test_doctests_aot():
   result = doctest.testmod(aot, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+def test_schedule_reads_hlo_before_optimization(cpu_mesh):
+  # XLA:CPU promotes bf16 collectives to f32; the HLO before optimization (no "%"
+  # before names, no computation signatures) still says what the program asked for.
+  lowered = jax.jit(backward_like(cpu_mesh, "all-gather")).lower(
+      *abstract_args(cpu_mesh, jnp.bfloat16))
+  s = ji.schedule(lowered.as_text(dialect="hlo"))
+  assert not s.is_scheduled
+  check_buckets(s, "all-gather", jnp.bfloat16)
+  assert all(op.name and "%" not in op.name for op in s.ops)

@@ -296,8 +296,9 @@ def compile_for_gpu(
   """Lowers and compiles ``fn(*args, **kwargs)`` for GPU with jaxdp's options.
 
   Args:
-    fn: a function or a ``jax.jit``-wrapped one (its own ``compiler_options``
-      are kept; jaxdp's and then ``compiler_options`` are merged on top).
+    fn: a function, a ``jax.jit``-wrapped one or a jaxdp train step (its own
+      ``compiler_options`` are kept; jaxdp's and then ``compiler_options`` are
+      merged on top).
     *args: arguments; arrays or ``jax.ShapeDtypeStruct``s whose shardings are
       on a GPU mesh (:func:`gpu_mesh`, :func:`abstract_like`).
     compiler_options: extra or overriding XLA options, e.g. the default
@@ -323,7 +324,7 @@ def compile_for_gpu(
     >>> "all-reduce-start" in compiled.as_text()
     True
   """
-  if not isinstance(fn, jax.stages.Wrapped):
+  if not hasattr(fn, "lower"):  # a jitted function, or jaxdp's train step, lowers itself
     fn = jax.jit(fn)
   platforms = _platforms_of((args, kwargs))
   if platforms - {"gpu"}:
@@ -345,3 +346,91 @@ def compile_for_gpu(
     )
   return compiled
 
+
+
+def compile_train_step(
+    loss_fn: Callable[[PyTree, PyTree], jax.Array],
+    tx: Any,
+    config: Any,
+    params: PyTree,
+    batch: PyTree,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    dp: int = 8,
+    frozen: Any = None,
+    fsdp: Any = None,
+    grad_accum_steps: int = 1,
+    compiler_options: dict[str, Any] | None = None,
+) -> jax.stages.Compiled:
+  """Compiles jaxdp's train step for a mesh without building its state.
+
+  The state's shapes and shardings come from ``jax.eval_shape`` of
+  ``jaxdp.init_state`` (nothing is allocated), so a step can be compiled for
+  ``dp`` H100s on a machine without a GPU, or for a CPU mesh, from the params
+  alone. Read the result with :func:`jaxdp.inspect.report` /
+  :func:`~jaxdp.inspect.schedule` / :func:`~jaxdp.inspect.memory_stats`.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch) -> scalar``, as for ``make_train_step``.
+    tx: the optax transformation.
+    config: the ``jaxdp.DDPConfig``.
+    params: the model params (arrays or ``jax.ShapeDtypeStruct``s).
+    batch: one global batch (arrays or ``jax.ShapeDtypeStruct``s); its leading
+      dim is split over the data axes.
+    mesh: the mesh to compile for; None: :func:`gpu_mesh` of ``dp`` H100s with
+      one ``"data"`` axis.
+    dp: number of GPUs when ``mesh`` is None.
+    frozen: as in ``jaxdp.init_state``.
+    fsdp: the ``FSDPConfig`` of ``optim_grads_params`` (None: the default).
+    grad_accum_steps: as in ``jaxdp.make_train_step``.
+    compiler_options: extra or overriding XLA options.
+
+  Returns:
+    The compiled train step (for a compile-only GPU mesh it cannot run).
+
+  Raises:
+    RuntimeError: ``mesh`` is None and GPU programs cannot be compiled here
+      (:func:`gpu_compile_unavailable` says why).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+    >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+    >>> batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
+    >>> compiled = compile_train_step(loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(),
+    ...                               params, batch)
+    >>> "all-reduce-start" in compiled.as_text()
+    True
+  """
+  # ddp imports this module (for compiler_options): import it on use.
+  from jaxdp._src import ddp  # noqa: PLC0415
+  from jaxdp._src.collectives import DATA, REPLICA  # noqa: PLC0415
+
+  if mesh is None:
+    mesh = gpu_mesh((dp,), (DATA,))
+  fsdp_step = config.data_parallel_sharding_strategy == "optim_grads_params"
+  extra = {"fsdp": fsdp} if fsdp_step else {}
+  shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  state = jax.eval_shape(
+      lambda p: ddp.init_state(p, tx, mesh, config, frozen=frozen, **extra),
+      jax.tree.map(shape_of, params))
+  if fsdp_step:
+    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - imports ddp
+    specs = fsdp_lib._state_specs(state)  # noqa: SLF001
+  else:
+    specs = ddp._state_specs(state)  # noqa: SLF001
+  state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=NamedSharding(mesh, s)),
+      state, specs)
+  axes = tuple(a for a in (REPLICA, DATA) if a in mesh.axis_names)
+  batch_sharding = NamedSharding(mesh, PartitionSpec(axes))
+  batch = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding),
+      batch)
+  step = ddp.make_train_step(loss_fn, tx, mesh, config,
+                             grad_accum_steps=grad_accum_steps, **extra)
+  platform = mesh.devices.flat[0].platform
+  options = {**(_GPU_OPTIONS if platform in _GPU_PLATFORMS else {}),
+             **(compiler_options or {})}
+  return step.lower(state, batch).compile(compiler_options=options or None)

@@ -62,8 +62,10 @@ _CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 _GEMM_TARGET = re.compile(r"gemm|matmul|\$conv", re.IGNORECASE)
 
 _COMMENT = re.compile(r"/\*.*?\*/")
-_HEADER = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_INSTR = re.compile(r"^\s+(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+# Names print with a "%" in compiled text and without one in pre-optimization HLO
+# (`lowered.as_text(dialect="hlo")`, whose computations also have no signature).
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_INSTR = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _ARRAY = re.compile(r"\b(pred|token|[a-z]+[0-9]+[a-z0-9]*)\[([^\]]*)\]")
 _NAME_REF = re.compile(r"%([\w.\-]+)")
 
@@ -423,6 +425,24 @@ def _balanced(text: str, start: int) -> int:
   return len(text)
 
 
+def _names(text: str) -> list[str]:
+  """Instruction names in an operand list: `%a, %b` or (pre-optimization) `a, b`."""
+  if "%" in text:
+    return _NAME_REF.findall(text)
+  names, depth, start = [], 0, 0
+  for i, ch in enumerate(text + ","):
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      depth -= 1
+    elif ch == "," and depth == 0:
+      part = text[start:i].split()
+      if part and re.fullmatch(r"[\w.\-]+", part[-1]):
+        names.append(part[-1])
+      start = i + 1
+  return names
+
+
 def _parse_instr(line: str) -> _Instr | None:
   m = _INSTR.match(line)
   if not m:
@@ -439,7 +459,7 @@ def _parse_instr(line: str) -> _Instr | None:
     return None
   opcode = m.group(1)
   close = _balanced(rest, m.end() - 1)
-  operands = _NAME_REF.findall(rest[m.end():close - 1])
+  operands = _names(rest[m.end():close - 1])
   attrs = rest[close:]
   return _Instr(name, shape, opcode, operands, attrs)
 
@@ -472,7 +492,8 @@ def _parse_module(text: str):
   if entry is None:
     raise ValueError(
         "schedule: no ENTRY computation found; pass compiled.as_text() (the "
-        "optimized HLO), not StableHLO (lowered.as_text())"
+        "optimized HLO) or lowered.as_text(dialect='hlo') (before optimization), "
+        "not StableHLO (lowered.as_text())"
     )
   return header, comps, entry
 
@@ -481,13 +502,13 @@ def _called(instr: _Instr) -> list[str]:
   names = []
   for key in ("calls", "to_apply", "body", "condition", "true_computation",
               "false_computation"):
-    m = re.search(rf"\b{key}=%([\w.\-]+)", instr.attrs)
+    m = re.search(rf"\b{key}=%?([\w.\-]+)", instr.attrs)
     if m:
       names.append(m.group(1))
   for key in ("branch_computations", "calls"):
     m = re.search(rf"\b{key}=\{{([^}}]*)\}}", instr.attrs)
     if m:
-      names += _NAME_REF.findall(m.group(1))
+      names += _names(m.group(1))
   return names
 
 
@@ -684,7 +705,8 @@ def _compiled(program: Any, args: tuple, kwargs: dict,
   if isinstance(program, jax.stages.Lowered):
     return program.compile(compiler_options=compiler_options)
   if callable(program):
-    fn = program if isinstance(program, jax.stages.Wrapped) else jax.jit(program)
+    # A jitted function, or jaxdp's train step, lowers itself with its own options.
+    fn = program if hasattr(program, "lower") else jax.jit(program)
     return fn.lower(*args, **kwargs).compile(compiler_options=compiler_options)
   raise TypeError(
       f"expected a compiled program, its as_text(), a Lowered, or a function "
@@ -701,9 +723,12 @@ def schedule(
   """Parses a compiled program's schedule and collectives.
 
   Args:
-    program: a ``jax.stages.Compiled``; its ``as_text()``; a
-      ``jax.stages.Lowered`` (compiled here); a :class:`Schedule` (returned
-      as is); or a function (jitted or not) to call with ``args``/``kwargs``.
+    program: a ``jax.stages.Compiled``; its ``as_text()``; the HLO before
+      optimization (``lowered.as_text(dialect="hlo")``: the collectives and
+      dtypes the program asked for, unscheduled); a ``jax.stages.Lowered``
+      (compiled here); a :class:`Schedule` (returned
+      as is); or a function (jitted or not, or a jaxdp train step) to call
+      with ``args``/``kwargs``, e.g. ``schedule(train_step, state, batch)``.
     *args: example arguments (arrays or ``jax.ShapeDtypeStruct``) when
       ``program`` is a function.
     compiler_options: XLA options for the compile done here (a jitted
@@ -742,18 +767,24 @@ def _fmt_bytes(n: float) -> str:
   return f"{n:.0f} B"
 
 
-def report(program: Any, *args: Any, **kwargs: Any) -> str:
+def report(program: Any, *args: Any,
+           expected: dict[str, float] | None = None, **kwargs: Any) -> str:
   """A readable account of a program's collectives and their overlap.
 
   Args:
-    program: anything :func:`schedule` takes.
+    program: anything :func:`schedule` takes, e.g. a compiled program, or
+      ``train_step, state, batch``.
     *args: passed to :func:`schedule`.
+    expected: ring bytes per device per run by kind that the program should
+      move, e.g. ``jaxdp.inspect.ring_formula(state)`` (DESIGN.md's table);
+      each kind's total is then printed next to it, with the ratio.
     **kwargs: passed to :func:`schedule`.
 
   Returns:
     Lines: a summary; one row per collective in schedule order (kind, dtype,
     operand bytes, group size N, ring bytes per device, runs per step, and what
-    it overlaps, or ``EXPOSED``); totals per kind against the ring formula.
+    it overlaps, or ``EXPOSED``); totals per kind against the ring formula (and
+    against ``expected``).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -811,11 +842,18 @@ def report(program: Any, *args: Any, **kwargs: Any) -> str:
   for kind, row in volume.items():
     if kind == "total":
       continue
+    vs = ""
+    if expected and expected.get(kind):
+      vs = (f"; expected {_fmt_bytes(expected[kind])} "
+            f"(x{row['ring_bytes'] / expected[kind]:.3f})")
     lines.append(
         f"    {kind:<18} x{row['count']:<4} operands "
         f"{_fmt_bytes(row['operand_bytes']):>11}, ring "
-        f"{_fmt_bytes(row['ring_bytes']):>11}  ({formula[kind]})"
+        f"{_fmt_bytes(row['ring_bytes']):>11}  ({formula[kind]}){vs}"
     )
+  for kind in sorted(set(expected or ()) - set(volume)):
+    lines.append(f"    {kind:<18} x0    MISSING: expected "
+                 f"{_fmt_bytes(expected[kind])}")
   if len(volume) > 2:
     lines.append(f"    {'total':<18} x{volume['total']['count']:<4} operands "
                  f"{_fmt_bytes(volume['total']['operand_bytes']):>11}, ring "
