@@ -126,6 +126,11 @@ def test_hsdp_shards_within_data_and_replicates_across_replica(strategy):
                            num_distributed_optimizer_instances=2)
   state, step = train(params, loss_fn, batch, tx, mesh, config)
   assert_close(jaxdp.get_params(state), reference(params, loss_fn, batch, tx))
+  # the grad-norm metric counts each element once, though 2 replicas hold every shard
+  _, metrics = step(jaxdp.init_state(params, tx, mesh, config), batch)
+  np.testing.assert_allclose(float(metrics["grad_norm"]),
+                             float(optax.tree.norm(jax.grad(loss_fn)(params, batch))),
+                             rtol=1e-5)
 
   mu = state.opt_state[1][0].mu["l0"]["w"]  # (rows, 10) sharded 4 ways, replicated 2 ways
   assert mu.sharding.spec[0] == "data"

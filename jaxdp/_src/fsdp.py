@@ -447,12 +447,13 @@ def get_params(state: TrainState) -> PyTree:
 
 def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: int = 1,
                  fsdp: FSDPConfig | None = None):
-  """`grad_fn(state, batch) -> (grads, loss)`: what an FSDP step hands the optimizer.
+  """`grad_fn(state, batch) -> (grads, loss, grad_norm)`: what an FSDP step hands the optimizer.
 
   `grads` is a tree like `state.master`: each trainable param's reduced (mean over the
   global batch) gradient, padded like the master and sharded over "data" like it, so every
-  device holds 1/dp of it; `loss` is the global mean. Traceable; `make_train_step` calls it
-  inside its jitted step.
+  device holds 1/dp of it; `loss` is the global mean and `grad_norm` the global norm of
+  `grads`, both from one scalar all-reduce. Traceable; `make_train_step` calls it inside
+  its jitted step.
   """
   fsdp = fsdp or FSDPConfig()
   axes, dp, k = _data_axes(mesh), _dp(mesh), grad_accum_steps
@@ -514,8 +515,16 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
       zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
               jax.tree.map(jnp.zeros_like, tmaster))
       (loss, grads), _ = jax.lax.scan(body, zero, micro)
-    loss = jax.lax.pmean(loss, axes)
-    return _tree(layout, [grads.get(i) for i in range(len(trainable))]), loss
+    # The global mean loss and grad norm in one collective: every device holds a distinct
+    # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards, so the
+    # norm² of the local shards summed over all devices counts each element `replicas` times.
+    replicas = dp // mesh.shape[DATA]
+    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+    if replicas > 1:
+      sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
+    loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
+    return (_tree(layout, [grads.get(i) for i in range(len(trainable))]), loss / dp,
+            jnp.sqrt(sq / replicas))
 
   def grad_fn(state: TrainState, batch):
     specs = _state_specs(state)
@@ -524,7 +533,7 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     return jax.shard_map(
         functools.partial(local_grads, layout=state.layout), mesh=mesh,
         in_specs=(specs.master, specs.params, batch_spec),
-        out_specs=(specs.master, P()), axis_names=set(axes))(state.master, state.params, batch)
+        out_specs=(specs.master, P(), P()), axis_names=set(axes))(state.master, state.params, batch)
 
   return grad_fn
 
@@ -545,9 +554,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     layout = state.layout
     _check_state(state, mesh, config, fsdp)
     _check_batch(batch, _dp(mesh) * k)
-    grads, loss = grad_fn(state, batch)
+    grads, loss, grad_norm = grad_fn(state, batch)
     opt_params = _opt_params(layout, state.params, state.master)
-    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, opt_params)
     master = optax.apply_updates(opt_params, updates)
     new_state = dataclasses.replace(state, step=state.step + 1, master=master,
