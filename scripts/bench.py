@@ -88,7 +88,10 @@ if args.quick:
         if getattr(args, name) == parser.get_default(name):
             setattr(args, name, value)
 
-# JAX reads the CPU device count when it initialises, so set it before importing jax.
+# JAX reads the CPU device count when it initialises, so set it before importing jax; CPU
+# unless told otherwise (JAX_PLATFORMS=cuda for the one-GPU row), which also lets
+# jaxdp.inspect compile for the H100 target without CUDA libraries.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={args.cpu_devices}")
 import jax  # noqa: E402

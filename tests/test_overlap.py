@@ -148,6 +148,18 @@ def test_fsdp_all_gathers_overlap_compute():
   assert sum(c.overlaps_gemm for c in scatters) >= GPT_CONFIG.n_layer - 1, report(s)
 
 
+@needs_gpu_compile
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_sharded_steps_reduce_norms_in_at_most_two_small_all_reduces(strategy):
+  # optax's clip_by_global_norm on grads sharded over "data" sums one partial norm per
+  # leaf (one scalar all-reduce each in the SPMD program, ~50 on this GPT); the GPU
+  # compile merges them into one, and the step's metrics (loss, grad norm) take one more.
+  s, _ = gpu_step(strategy, True)
+  small = [c for c in s.collectives if c.kind == "all-reduce"
+           and c.operand_bytes <= METRIC_BYTES]
+  assert 1 <= len(small) <= 2, report(s)
+
+
 # ----------------------------------------------------------------------------- CPU: bytes
 
 MLP_SIZES = (12, 100, 5)  # rows 12, 100, 5 pad to 16, 104, 8 on 8 devices

@@ -143,8 +143,10 @@ def gpu_compile_unavailable() -> str | None:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     return (
         f"jax-cuda12-plugin is installed but no cuda topology can be built "
-        f"({type(e).__name__}: {first}); check that jax-cuda12-plugin, "
-        f"jax-cuda12-pjrt and jaxlib are all version {jax.__version__}"
+        f"({type(e).__name__}: {first}); without a GPU and its CUDA libraries, "
+        f"set JAX_PLATFORMS=cpu before JAX starts (the plugin then skips its "
+        f"CUDA checks), and check that jax-cuda12-plugin, jax-cuda12-pjrt and "
+        f"jaxlib are all version {jax.__version__}"
     )
   return None
 
