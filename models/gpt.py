@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxdp._src.fsdp import scan_unit  # jaxdp.scan_unit
+import jaxdp
 
 LORA_NAMES = ("lora_a", "lora_b")  # param names of the LoRA adapter leaves
 
@@ -207,7 +207,7 @@ class GPT(nnx.Module):
             # One scan iteration = one block = one FSDP unit: under jaxdp FSDP with
             # FSDPConfig(stacked=["blocks"]) the scan runs over the layer shards and
             # scan_unit gathers each layer in its iteration; elsewhere it changes nothing.
-            @scan_unit
+            @jaxdp.scan_unit
             def layer(x, layer_state):
                 return nnx.merge(graphdef, layer_state)(x), None
 

@@ -55,7 +55,7 @@ dps = "1,2,4,8"
 batch_size = 16        # global batch (sequences per step), the same for every dp
 block_size = 64        # sequence length
 steps = 3              # timed steps per variant per round
-rounds = 5             # round-robin rounds (samples per variant = steps * rounds)
+rounds = 8             # round-robin rounds (samples per variant = steps * rounds)
 warmup = 2             # untimed steps per variant after compiling
 lr = 3e-4
 grad_clip = 1.0

@@ -46,7 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxdp  # noqa: E402
 from jaxdp._src import aot  # noqa: E402
-from jaxdp._src.fsdp import FSDPConfig  # noqa: E402
+from jaxdp import FSDPConfig  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 STRATEGIES = ("no_shard", "optim", "optim_grads_params")

@@ -53,3 +53,30 @@ def test_bench_writes_table_plot_and_samples(bench):
   assert results["no_shard"]["state_bytes"] == pytest.approx(full, abs=4)  # + step count
   for sharded in ("optim", "optim_grads_params"):
     assert results[sharded]["state_bytes"] == pytest.approx(full / 8, rel=0.25)
+
+
+def table_rows(text):
+  """The cells of the markdown table rows in `text` that start with a model size."""
+  rows = []
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    if len(cells) > 3 and cells[0].split(" ")[0] in ("tiny", "small", "medium"):
+      rows.append(cells)
+  return rows
+
+
+def test_readme_table_is_the_dp8_rows_of_docs_bench():
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  docs = open(os.path.join(ROOT, "docs", "bench.md")).read()
+  section = readme[readme.index("<!-- BEGIN benchmarks"):readme.index("<!-- END benchmarks")]
+  command = docs[docs.index("Command: `") + 10:].split("`")[0]
+  assert f"\n{command}\n" in section  # the README names the command that made the table
+  # README: size (params) | variant | step ms | ratio | collectives | comm | state
+  ours = {(r[0].split(" ")[0], r[1]): r for r in table_rows(section)}
+  # docs: size | params | dp | variant | step ms | ratio | compile s | collectives | comm | state
+  dp8 = {(r[0], r[3]): r for r in table_rows(docs) if r[2] == "8"}
+  assert ours.keys() == dp8.keys() and len(ours) >= 12
+  for key, row in ours.items():
+    want = dp8[key]
+    assert float(row[2]) == pytest.approx(float(want[4]), abs=0.5), key  # step ms
+    assert row[3:] == [want[5], want[7], want[8], want[9]], key  # ratio, coll, comm, state

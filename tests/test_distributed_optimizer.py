@@ -325,8 +325,10 @@ def test_ledger_reproduces_the_design_table():
   psi, n = 2 ** 20, DP
   params = {"w": jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
             "v": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)}
+  # FSDP keeps no bf16 params between steps: it gathers (and casts) the fp32 master shards.
   expected = {"no_shard": (2, 4, 4, 8), "optim": (2, 4, 4 / n, 8 / n),
-              "optim_grads": (2, 4 / n, 4 / n, 8 / n)}
+              "optim_grads": (2, 4 / n, 4 / n, 8 / n),
+              "optim_grads_params": (0, 4 / n, 4 / n, 8 / n)}
   for strategy, (p, g, m, o) in expected.items():
     ledger = memory_ledger(params, strategy, n)
     assert ledger.params == p * psi and ledger.grads == g * psi

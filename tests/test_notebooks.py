@@ -25,6 +25,10 @@ pytest.importorskip("ipykernel")
 from jaxdp import inspect  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PRINTS = {  # lines a notebook must print: the ledger equals the built state, per strategy
+    "03_memory_ledger": [f"{s:20s} equal" for s in ("no_shard", "optim", "optim_grads",
+                                                    "optim_grads_params")],
+}
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IMAGES = {  # figures each notebook draws (at least)
     "01_buffers_and_buckets": 6,
@@ -95,6 +99,9 @@ def test_runs_and_draws(path):
   images = sum("image/png" in o.get("data", {}) for o in outputs(nb))
   assert images >= IMAGES[path.stem], (
       f"{path.name} drew {images} figures, expected at least {IMAGES[path.stem]}")
+  text = text_of(nb)
+  for line in PRINTS.get(path.stem, ()):
+    assert line in text, f"{path.name} did not print {line!r}:\n{text[:3000]}"
 
 
 @pytest.mark.skipif(GPU_REASON is not None,
@@ -105,3 +112,4 @@ def test_runs_and_draws(path):
 def test_gpu_parts_compiled_for_h100(path):
   text = text_of(executed(path))
   assert GPU_MARKER in text and "NO GPU TARGET" not in text, text[:2000]
+

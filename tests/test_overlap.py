@@ -264,7 +264,7 @@ def test_fsdp_bytes_per_step_are_one_and_a_half_ddp():
 
 # ----------------------------------------------------------------------------- memory
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_memory_report_predicted_equals_measured(strategy):
   params, loss_fn, batch = mlp(jnp.bfloat16)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=3000)

@@ -25,6 +25,22 @@ class NonFiniteGradError(FloatingPointError):
   Attributes:
     step: the state's step counter when the step was attempted.
     paths: key paths of the params whose reduced gradient is not finite.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config, tx = jaxdp.DDPConfig(check_for_nan_in_grad=True), optax.sgd(0.1)
+    >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+    >>> state = jaxdp.init_state(params, tx, mesh, config)
+    >>> step = jaxdp.make_train_step(lambda p, x: jnp.sum(jnp.log(p["a"] * x) + p["b"]),
+    ...                              tx, mesh, config)
+    >>> try:
+    ...   step(state, jnp.zeros((8, 2)))
+    ... except jaxdp.NonFiniteGradError as e:
+    ...   print(e.step, e.paths)
+    0 ("['a']",)
+    >>> float(state.params["b"][0])  # the state passed in is kept
+    1.0
   """
 
   def __init__(self, step: int, paths: Sequence[str]):

@@ -53,6 +53,18 @@ class TrainState:
   """Everything a step reads and writes; a pytree whose static part is the layout.
 
   Leaves that a field does not hold are None (e.g. `master` of an f32 param under DDP).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
+    >>> int(state.step), state.params["w"]  # gathered inside the next step
+    (0, None)
+    >>> state.master["w"].shape, state.master["w"].sharding.spec  # rows padded to 16
+    ((16, 4), PartitionSpec('data', None))
+    >>> state.layout.num_buckets
+    1
   """
 
   step: jax.Array
@@ -516,14 +528,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     >>> float(metrics["loss"])
     1.0
   """
-  if _fsdp_branch(config, fsdp):
-    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
-    return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
-                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp)
   _check_mesh(mesh, config)
   if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
       or grad_accum_steps < 1:
     raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
+  if _fsdp_branch(config, fsdp):
+    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
+    return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
+                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp)
   axes = _data_axes(mesh)
   dp = _dp(mesh)
   strategy = config.data_parallel_sharding_strategy
@@ -669,19 +681,33 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
       params = _gather_params(master, layout, mesh, params, state)
     new_state = dataclasses.replace(state, step=state.step + 1, params=_tree(layout, params),
                                     master=_tree(layout, master), opt_state=opt_state)
-    new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state,
-                             _state_specs(new_state))
-    metrics = {"loss": loss, "grad_norm": grad_norm}
-    if config.check_for_nan_in_grad:  # read on the host by checks.TrainStep
-      return new_state, metrics, checks.finite_leaves(grads)
-    return new_state, metrics
+    return finish_step(new_state, _state_specs(new_state), mesh, config, loss, grad_norm,
+                       grads)
 
-  platform = mesh.devices.flat[0].platform
-  # With the NaN check on, the state is not donated: a step that fails the check leaves the
-  # caller's state valid and unchanged (at the cost of holding two states during the step).
+  return jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
+
+
+def finish_step(new_state: TrainState, specs: TrainState, mesh, config: DDPConfig, loss,
+                grad_norm, grads):
+  """The end of every strategy's step: the new state placed as `specs` say (as
+  `init_state` placed it), the metrics, and with the NaN check on one "finite" flag per
+  grad leaf (read on the host by `checks.TrainStep`)."""
+  new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state, specs)
+  metrics = {"loss": loss, "grad_norm": grad_norm}
+  if config.check_for_nan_in_grad:
+    return new_state, metrics, checks.finite_leaves(grads)
+  return new_state, metrics
+
+
+def jit_step(step, mesh, config: DDPConfig, options) -> checks.TrainStep:
+  """`step` jitted with `options`, the state donated, wrapped in the host-side checks.
+
+  With the NaN check on, the state is not donated: a step that fails the check leaves the
+  caller's state valid and unchanged (at the cost of holding two states during the step).
+  """
   donate = () if config.check_for_nan_in_grad else 0
-  jitted = jax.jit(step, donate_argnums=donate, compiler_options=compiler_options(platform))
-  return checks.TrainStep(jitted, mesh, config)
+  return checks.TrainStep(jax.jit(step, donate_argnums=donate, compiler_options=options),
+                          mesh, config)
 
 
 def _gather_params(master, layout: Layout, mesh, params, state: TrainState):

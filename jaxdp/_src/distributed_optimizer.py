@@ -268,12 +268,23 @@ class MemoryLedger:
   """Bytes one device holds, by kind (DESIGN.md's table with the layout's padding).
 
   `params` are the model params in their own dtypes as a step uses them (all of them for
-  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the resident shards,
-  not the gathered units). Of those, `gathered_in_step` bytes are not kept between steps
+  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the frozen params'
+  shards and integer leaves: its trainable params live only in `master`, and the gathered
+  units are not counted). Of those, `gathered_in_step` bytes are not kept between steps
   (`overlap_param_gather`: the trainable params are gathered from `master` at the start of
   each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
   reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
   live only inside the step. `master` and `opt_state` are what `TrainState` holds.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxdp.inspect import memory_ledger
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}
+    >>> ledger = memory_ledger(params, "optim", dp=8)  # bf16 params, fp32 grads and Adam
+    >>> ledger.params // 2**20, ledger.grads // 2**20, ledger.master // 2**19
+    (2, 4, 1)
+    >>> ledger.state["params"]  # gathered from master inside each step
+    0
   """
 
   params: int
@@ -356,9 +367,13 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
 
   model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
   trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) for x in leaves_)
-  if fsdp:
-    model -= trainable_model
-    model += sum(buf.size // dp * buf.param_dtype.itemsize for buf in layout.buffers)
+  if fsdp:  # trainable params live only in `master`; frozen float params are sharded too
+    model = 0
+    for i in layout.static:
+      shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
+      if jnp.issubdtype(dtype, jnp.floating):
+        shape = (-(-shape[0] // dp), *shape[1:])  # this device's rows, padding included
+      model += _nbytes(shape, dtype)
   grads = sum(buf.size * buf.grad_dtype.itemsize for buf in layout.buffers)
   if strategy in ("optim_grads", "optim_grads_params"):
     grads //= dp
@@ -393,6 +408,17 @@ def measured_bytes(state, device=None) -> dict[str, int]:
 
   Returns:
     `{"step": .., "params": .., "master": .., "opt_state": ..}`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> from jaxdp.inspect import measured_bytes, memory_ledger
+    >>> params, tx = {"w": jnp.zeros((64, 32))}, optax.adam(1e-3)
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state(params, tx, jax.make_mesh((8,), ("data",)), config)
+    >>> measured_bytes(state)  # 1/8 of w, of mu and of nu; Adam's step count whole
+    {'step': 4, 'params': 0, 'master': 1024, 'opt_state': 2052}
+    >>> memory_ledger(params, "optim", dp=8, tx=tx).state
+    {'params': 0, 'master': 1024, 'opt_state': 2052}
   """
   leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
             if isinstance(x, jax.Array)]

@@ -61,7 +61,7 @@ from jaxdp._src.buffer import pad_rows, unpad_rows
 from jaxdp._src.collectives import DATA, GATHERED
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.ddp import (TrainState, _check_batch, _check_mesh, _constrain, _data_axes, _dp,
-                            _leaves, _master_dtype, _opt_params, _tree)
+                            _leaves, _master_dtype, _opt_params, _tree, finish_step, jit_step)
 from jaxdp._src.distributed_optimizer import check_exact
 from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout
 
@@ -541,12 +541,9 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                     config: DDPConfig, *, grad_accum_steps: int = 1,
                     fsdp: FSDPConfig | None = None):
-  """`jaxdp.make_train_step` for `optim_grads_params` (see the module docstring)."""
+  """`jaxdp.make_train_step` for `optim_grads_params`, after its argument checks (see the
+  module docstring)."""
   fsdp = fsdp or FSDPConfig()
-  _check_mesh(mesh, config)
-  if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
-      or grad_accum_steps < 1:
-    raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
   k = grad_accum_steps
   grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp)
 
@@ -560,19 +557,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     master = optax.apply_updates(opt_params, updates)
     new_state = dataclasses.replace(state, step=state.step + 1, master=master,
                                     opt_state=opt_state)
-    new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state,
-                             _state_specs(new_state))
-    metrics = {"loss": loss, "grad_norm": grad_norm}
-    if config.check_for_nan_in_grad:  # read on the host by checks.TrainStep
-      return new_state, metrics, checks.finite_leaves(grads)
-    return new_state, metrics
+    return finish_step(new_state, _state_specs(new_state), mesh, config, loss, grad_norm,
+                       grads)
 
-  platform = mesh.devices.flat[0].platform
-  # With the NaN check on, the state is not donated: a step that fails the check leaves the
-  # caller's state valid and unchanged (see checks.py).
-  donate = () if config.check_for_nan_in_grad else 0
-  jitted = jax.jit(step, donate_argnums=donate, compiler_options=compiler_options(platform))
-  return checks.TrainStep(jitted, mesh, config)
+  return jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
 
 
 def compiler_options(platform: str) -> dict[str, Any]:

@@ -185,6 +185,19 @@ class Schedule:
     num_partitions: devices the SPMD program runs on.
     ops: every op in schedule order, loop and call bodies inlined.
     collectives: every collective in schedule order.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> f = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
+    ...                   in_specs=P(), out_specs=P())
+    >>> s = schedule(f, jnp.zeros((256,), jnp.float32))
+    >>> (c,) = s.collectives  # an all-reduce of 1 KiB sends 2 (N-1)/N KiB per device
+    >>> c.kind, c.group_size, c.ring_bytes, s.ops[c.start_index].category, c.exposed
+    ('all-reduce', 8, 1792.0, 'collective', True)
+    >>> s.comm_bytes()["all-reduce"]["count"]
+    1
   """
 
   module: str

@@ -39,7 +39,16 @@ def default_bucket_size(dp: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
-  """One param's place in its bucket (Megatron's `param_index_map` entry)."""
+  """One param's place in its bucket (Megatron's `param_index_map` entry).
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
+    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> w = layout.buffers[0].buckets[0].params[0]  # 300 rows pad to 304 = 8 x 38
+    >>> w.path, w.index, w.rows, w.offset, w.shard_size(8), w.padded_shape
+    ("['w']", 1, 304, 0, 152, (304, 4))
+  """
 
   path: str
   """`jax.tree_util.keystr` of the leaf."""
@@ -70,7 +79,16 @@ class ParamSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Bucket:
-  """A run of params reduced by one collective."""
+  """A run of params reduced by one collective.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
+    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> (bucket,) = layout.buffers[0].buckets  # 8 shards of 160, 77 of them padding
+    >>> [p.path for p in bucket.params], bucket.numel, bucket.shard_size
+    (["['w']", "['b']"], 1203, 160)
+  """
 
   index: int
   params: tuple[ParamSpec, ...]
@@ -89,7 +107,16 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True)
 class BufferLayout:
-  """One flat buffer: all params with one (param dtype, grad dtype) key."""
+  """One flat buffer: all params with one (param dtype, grad dtype) key.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
+    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> (buf,) = layout.buffers
+    >>> buf.name, buf.param_dtype, buf.grad_dtype, buf.size, buf.numel
+    ('float32', dtype('float32'), dtype('float32'), 1280, 1203)
+  """
 
   name: str
   param_dtype: np.dtype
@@ -113,7 +140,15 @@ class BufferLayout:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Buffers and buckets of a param tree for a data-parallel size `dp`."""
+  """Buffers and buckets of a param tree for a data-parallel size `dp`.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
+    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout.paths, layout.shapes, layout.num_buckets, layout.trainable
+    (("['b']", "['w']"), ((3,), (300, 4)), 1, (True, True))
+  """
 
   treedef: jax.tree_util.PyTreeDef
   shapes: tuple[tuple[int, ...], ...]
