@@ -1,8 +1,9 @@
 """The distributed optimizer (`optim` = ZeRO-1, `optim_grads` = ZeRO-2) against one device.
 
-Every test model here has leading dims that 8 does not divide, so every leaf the sharded
-optimizer sees is padded (rows rounded up to a multiple of dp): masks, global norms and
-schedules are exercised on padded row shards, not on the easy case.
+Every test model here has leaves no dim of which 8 divides, so every leaf the sharded
+optimizer sees is padded (its shard dim rounded up to a multiple of dp; the first kernel
+on its columns): masks, global norms and schedules are exercised on padded shards, not on
+the easy case.
 """
 
 import doctest
@@ -19,6 +20,7 @@ from flax import nnx
 import jaxdp
 from jaxdp._src import distributed_optimizer
 from jaxdp._src.distributed_optimizer import check_exact, measured_bytes, memory_ledger
+from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
 
 STEPS = 10
@@ -106,9 +108,12 @@ def assert_trees_close(a, b, atol, rtol=0.0):
 
 
 def unpadded_master(state, like):
-  """The state's master params cut back to the params' shapes (host copies)."""
-  return jax.tree.map(lambda m, p: np.asarray(m)[: p.shape[0]].reshape(p.shape),
-                      state.master, like)
+  """The state's master params cut back to the params' shapes (host copies): the padding
+  is at the end of the one dim that is longer than the param's."""
+  def cut(m, p):
+    m, shape = np.asarray(m), tuple(p.shape) or (1,)
+    return m[tuple(slice(0, n) for n in shape)].reshape(p.shape)
+  return jax.tree.map(cut, state.master, like)
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
@@ -168,7 +173,7 @@ def test_sharded_equals_single_device_f32(strategy, mask):
                            overlap_param_gather=(mask == "pytree"))
   state, step, losses, norms = train(params, loss_fn, batch, tx, config)
   assert state.layout.num_buckets == 3
-  assert all(p.rows != (p.shape or (1,))[0] for p in state.layout.params)  # all padded
+  assert all(p.rows != (p.shape or (1,))[p.axis] for p in state.layout.params)  # all padded
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)  # grad_norm from the shards
   assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
@@ -205,6 +210,36 @@ def test_sharded_equals_single_device_bf16():
                        atol=1e-3, rtol=2 ** -8)
   for strategy in SHARDED:
     assert_trees_close(masters[strategy], masters["no_shard"], atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strategy):
+  """A scanned GPT with 2 layers on 8 devices: each stacked `(2, ...)` weight is sharded on
+  a dim that 8 divides, not padded from 2 layers to 8; training equals one device."""
+  gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16,
+                  scan_layers=True)
+  params, loss_fn = jaxdp.nnx_split(GPT(gpt, rngs=nnx.Rngs(0)), gpt_loss)
+  tokens = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
+  batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+  tx = adamw_tx(params)
+  ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state, _, losses, _ = train(params, loss_fn, batch, tx, config, steps=5)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
+
+  stacked = [(jax.tree_util.keystr(k), x) for k, x in
+             jax.tree_util.tree_leaves_with_path(params) if "blocks" in jax.tree_util.keystr(k)]
+  assert stacked and all(x.shape[0] == 2 for _, x in stacked)
+  masters = dict((jax.tree_util.keystr(k), m) for k, m in
+                 jax.tree_util.tree_leaves_with_path(state.master))
+  device = jax.devices()[0]
+  for path, x in stacked:
+    m = masters[path]
+    assert m.shape == x.shape, path  # nothing padded
+    assert m.sharding.spec[0] is None and m.sharding.spec[1] == "data", path
+    (block,) = [s.data for s in m.addressable_shards if s.device == device]
+    assert block.nbytes * DP == x.nbytes, path
 
 
 @pytest.mark.parametrize("strategy", ("no_shard",) + SHARDED)
@@ -310,8 +345,8 @@ def test_opt_state_is_one_dp_th_and_ledger_matches_arrays(dtype):
   unsharded = states["no_shard", True].opt_state
   scalars = sum(x.nbytes for x in jax.tree.leaves(unsharded) if x.ndim == 0)
   leaves = jax.tree.leaves(params)
-  padding = sum((-(-x.shape[0] // DP) * DP - x.shape[0]) * math.prod(x.shape[1:])
-                for x in leaves)
+  # Each leaf is padded on the dim that needs the least padding to a multiple of DP.
+  padding = sum(min((-(-n // DP) * DP - n) * x.size // n for n in x.shape) for x in leaves)
   full = opt_bytes(states["no_shard", True]) - scalars
   assert full == 2 * 4 * sum(x.size for x in leaves)
   for strategy in SHARDED:

@@ -20,15 +20,39 @@ def test_buckets_offsets_and_padding_by_hand():
   b0, b1 = buf.buckets
   assert [p.path for p in b0.params] == ["['w2']", "['w1']"]
   assert [p.path for p in b1.params] == ["['b1']"]
-  # Rows padded to a multiple of dp: w2 4 -> 8 rows of 5 (5 per shard), w1 300 -> 304 rows
-  # of 4 (152 per shard), b1 3 -> 8 rows of 1 (1 per shard).
+  # Each param is sharded on the dim that pads least to a multiple of dp. w2 (4, 5): dim 0
+  # would double (4 -> 8), dim 1 grows 5 -> 8, so 8 columns of 4 (4 per shard); w1
+  # (300, 4): 300 -> 304 rows of 4 (152 per shard); b1: 3 -> 8 rows of 1 (1 per shard).
+  assert [p.axis for p in b0.params + b1.params] == [1, 0, 0]
   assert [p.rows for p in b0.params + b1.params] == [8, 304, 8]
-  assert [p.offset for p in b0.params] == [0, 5]
-  # Shards padded so that a bucket is a multiple of lcm(8, 128) = 128: 157 -> 160, 1 -> 16.
+  assert [p.shard_size(8) for p in b0.params + b1.params] == [4, 152, 1]
+  assert [p.offset for p in b0.params] == [0, 4]
+  assert layout.shard_axes == (0, 0, 1)  # tree order b1, w1, w2
+  # Shards padded so that a bucket is a multiple of lcm(8, 128) = 128: 156 -> 160, 1 -> 16.
   assert (b0.offset, b0.shard_size, b1.offset, b1.shard_size) == (0, 160, 1280, 16)
   assert buf.size == 1280 + 128
   assert buf.numel == 1223
   assert layout.num_buckets == 2 and layout.static == ()
+
+
+def test_shard_dim_is_the_one_that_pads_least():
+  dp = 8
+  params = {"stacked": jnp.zeros((4, 24, 5)),  # 4 layers < 8 devices: shard the 24 rows
+            "emb": jnp.zeros((50, 16)),        # 50 -> 56 rows vs 16 columns: no padding
+            "w": jnp.zeros((12, 100)),         # 12 -> 16 (33%) vs 100 -> 104 (4%)
+            "tie": jnp.zeros((16, 8)),         # both divide: the leading dim
+            "odd": jnp.zeros((3, 5)),          # 3 -> 8 vs 5 -> 8: dim 1 pads less
+            "scalar": jnp.zeros(())}
+  layout = jaxdp.make_layout(params, dp=dp)
+  axes = {p.path: (p.axis, p.rows, p.local_shape(dp)) for p in layout.params}
+  assert axes == {"['stacked']": (1, 24, (4, 3, 5)), "['emb']": (1, 16, (50, 2)),
+                  "['w']": (1, 104, (12, 13)), "['tie']": (0, 16, (2, 8)),
+                  "['odd']": (1, 8, (3, 1)), "['scalar']": (0, 8, (1,))}
+  # `leading` pins the leading dim (jaxdp passes tensor-parallel weights); so do FSDP units.
+  pinned = jaxdp.make_layout(params, dp=dp, leading=lambda path, leaf: path != "['w']")
+  assert {p.path: p.axis for p in pinned.params if p.axis} == {"['w']": 1}
+  units = jaxdp.make_layout(params, dp=dp, units=lambda path: "all")
+  assert all(p.axis == 0 for p in units.params)
 
 
 def test_dtype_buffers_and_odd_dp():
@@ -118,6 +142,22 @@ def test_ravel_places_each_shard_rows_where_the_layout_says():
       np.testing.assert_array_equal(flat[start: start + n], padded[d * r:(d + 1) * r].ravel())
   # Everything that is not a param is zero padding.
   assert np.count_nonzero(flat) == 10 * 3 + 6 - 1  # a[0, 0] is 0.0
+
+
+def test_ravel_places_column_blocks_of_a_param_sharded_on_dim_1():
+  dp = 4
+  params = {"s": jnp.arange(2.0 * 6 * 3).reshape(2, 6, 3) + 1}  # 2 layers < 4: dim 1
+  layout = jaxdp.make_layout(params, dp=dp)
+  (p,) = layout.params
+  assert (p.axis, p.rows) == (1, 8)  # 6 -> 8 rows per layer, 2 per shard
+  (bucket,) = layout.buffers[0].buckets
+  flat = np.asarray(jaxdp.ravel(params, layout)["float32"])
+  padded = np.zeros((2, 8, 3), np.float32)
+  padded[:, :6] = np.asarray(params["s"])
+  for d in range(dp):
+    start = bucket.offset + d * bucket.shard_size + p.offset
+    np.testing.assert_array_equal(flat[start: start + 2 * 2 * 3],
+                                  padded[:, 2 * d: 2 * d + 2].ravel())
 
 
 def test_bad_arguments():

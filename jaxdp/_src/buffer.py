@@ -17,14 +17,31 @@ PyTree = Any
 
 
 def pad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
-  """A param in its padded shape `(rows, *shape[1:])` (a scalar becomes `(rows,)`)."""
+  """A param in its padded shape: its shard dim padded to `spec.rows` (a scalar becomes
+  `(rows,)`)."""
   x = x.reshape(spec.shape or (1,))
-  return jnp.pad(x, [(0, spec.rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+  pad = [(0, 0)] * x.ndim
+  pad[spec.axis] = (0, spec.rows - x.shape[spec.axis])
+  return jnp.pad(x, pad)
 
 
 def unpad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
   """Inverse of `pad_rows`."""
-  return x[: (spec.shape[0] if spec.shape else 1)].reshape(spec.shape)
+  n = (spec.shape or (1,))[spec.axis]
+  return jax.lax.slice_in_dim(x, 0, n, axis=spec.axis).reshape(spec.shape)
+
+
+def _split(padded: jax.Array, spec: ParamSpec, dp: int) -> jax.Array:
+  """`(dp, shard elements)`: row `d` is block `d` of the shard dim, flattened."""
+  a, shape = spec.axis, padded.shape
+  blocks = padded.reshape(*shape[:a], dp, shape[a] // dp, *shape[a + 1:])
+  return jnp.moveaxis(blocks, a, 0).reshape(dp, -1)
+
+
+def _merge(rows: jax.Array, spec: ParamSpec, dp: int) -> jax.Array:
+  """Inverse of `_split`: the padded param from its `dp` blocks."""
+  blocks = rows.reshape(dp, *spec.local_shape(dp))
+  return jnp.moveaxis(blocks, 0, spec.axis).reshape(spec.padded_shape)
 
 
 def bucket_ravel(leaves: Sequence[jax.Array], bucket: Bucket, dp: int, dtype=None) -> jax.Array:
@@ -33,7 +50,7 @@ def bucket_ravel(leaves: Sequence[jax.Array], bucket: Bucket, dp: int, dtype=Non
   `leaves` are the bucket's params in `bucket.params` order, full shapes.
   """
   dtype = dtype or leaves[0].dtype
-  cols = [pad_rows(x.astype(dtype), p).reshape(dp, -1) for x, p in zip(leaves, bucket.params)]
+  cols = [_split(pad_rows(x.astype(dtype), p), p, dp) for x, p in zip(leaves, bucket.params)]
   used = sum(c.shape[1] for c in cols)
   cols.append(jnp.zeros((dp, bucket.shard_size - used), dtype))
   return jnp.concatenate(cols, axis=1).reshape(-1)
@@ -45,13 +62,12 @@ def bucket_unravel(flat: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
   out = []
   for p in bucket.params:
     n = p.shard_size(dp)
-    rows = shards[:, p.offset: p.offset + n].reshape(p.padded_shape)
-    out.append(unpad_rows(rows, p))
+    out.append(unpad_rows(_merge(shards[:, p.offset: p.offset + n], p, dp), p))
   return out
 
 
 def shard_ravel(local: Sequence[jax.Array], bucket: Bucket, dtype=None) -> jax.Array:
-  """One device's shard of the bucket from its row blocks `(rows / dp, *shape[1:])`."""
+  """One device's shard of the bucket from its blocks (`ParamSpec.local_shape`)."""
   dtype = dtype or local[0].dtype
   parts = [x.astype(dtype).reshape(-1) for x in local]
   used = sum(x.shape[0] for x in parts)
@@ -60,11 +76,11 @@ def shard_ravel(local: Sequence[jax.Array], bucket: Bucket, dtype=None) -> jax.A
 
 
 def shard_unravel(shard: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
-  """Inverse of `shard_ravel`: the device's row block of every param in the bucket."""
+  """Inverse of `shard_ravel`: the device's block of every param in the bucket."""
   out = []
   for p in bucket.params:
     n = p.shard_size(dp)
-    out.append(shard[p.offset: p.offset + n].reshape(p.rows // dp, *p.padded_shape[1:]))
+    out.append(shard[p.offset: p.offset + n].reshape(p.local_shape(dp)))
   return out
 
 

@@ -1,7 +1,7 @@
 """Checkpoints that restore onto any mesh and any strategy, on orbax.
 
 A `TrainState` is laid out for one mesh and one strategy: sharded strategies hold master
-params and per-param optimizer state as padded row shards `(rows, *shape[1:])`, `no_shard`
+params and per-param optimizer state as row shards padded on their shard dim, `no_shard`
 holds full trees. What a checkpoint stores is none of that. It stores the *canonical form*,
 which depends only on the model and the optimizer:
 

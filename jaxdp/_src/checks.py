@@ -61,15 +61,14 @@ def finite_leaves(grads: PyTree) -> jax.Array:
 def sharded_shape(layout, i: int) -> tuple[tuple[int, ...], int]:
   """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
 
-  An ordinary leaf `(n, *rest)` is stored `(rows, *rest)` (rows: n padded up to a multiple
-  of dp; a scalar is `(rows,)`), padded on axis 0; a stacked FSDP leaf `(layers, n, *rest)`
-  is stored `(layers, rows, *rest)`, padded on axis 1.
+  The leaf's shard dim (`layout.shard_axes[i]`: its leading dim, or one that needs less
+  padding; for a stacked FSDP leaf `(layers, n, *rest)` the dim after the layers) is padded
+  up to a multiple of dp; a scalar is stored `(rows,)`.
   """
-  shape = layout.shapes[i]
-  axis = 1 if layout.layers and layout.layers[i] else 0
-  inner = shape[axis:]
-  rows = -(-(inner[0] if inner else 1) // layout.dp) * layout.dp
-  return (*shape[:axis], rows, *inner[1:]), axis
+  shape = layout.shapes[i] or (1,)
+  axis = layout.shard_axes[i]
+  rows = -(-shape[axis] // layout.dp) * layout.dp
+  return (*shape[:axis], rows, *shape[axis + 1:]), axis
 
 
 def check_state_structure(state, leaves_of) -> None:

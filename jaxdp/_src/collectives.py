@@ -43,7 +43,7 @@ def all_gather_bucket(local: Sequence[jax.Array], bucket: Bucket, dp: int,
   """All-gathers a bucket from every device's row blocks: one collective per bucket.
 
   Args:
-    local: this device's row block `(rows / dp, ...)` of each param in the bucket.
+    local: this device's block (`ParamSpec.local_shape`) of each param in the bucket.
     bucket: the bucket.
     dp: size of the data axis.
     to: "varying" to feed a forward pass, "invarying" to return replicated params.

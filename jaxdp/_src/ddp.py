@@ -11,8 +11,8 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
    every micro-batch and keeps only its shard.
 2. Outside, in the global view, the optax transformation updates the optimizer's copy of
    the params: the whole tree replicated (`no_shard`), or each device's 1/dp rows
-   (`optim*`: leaves of shape `(rows, ...)` sharded on dim 0, so global norms and masks
-   are exact).
+   (`optim*`: each leaf padded on its shard dim and sharded on it, so global norms and
+   masks are exact).
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
 """
@@ -75,7 +75,8 @@ class TrainState:
   None: they are gathered from `master` inside the next step."""
   master: PyTree
   """The optimizer's copy of each trainable param ("main params"): sharded strategies
-  hold each device's rows `(rows, ...)` sharded over "data", in fp32 (or wider); DDP holds
+  hold each device's rows of the leaf's shard dim (`Layout.shard_axes`) sharded over
+  "data", in fp32 (or wider); DDP holds
   fp32 copies of low-precision params only."""
   opt_state: PyTree
   """The optax state, built on `master`'s shapes and sharded like it."""
@@ -212,13 +213,13 @@ def _pspec(dims: ModelSpec) -> P:
   return P(*[None if not a else a[0] if len(a) == 1 else a for a in dims]) if dims else P()
 
 
-def _with_data(dims: ModelSpec, manual: tuple[str, ...]) -> ModelSpec:
-  """A leaf's spec with `DATA` added on dim 0 (after its manual axes, before its automatic
-  ones); a scalar becomes one padded dim."""
+def _with_data(dims: ModelSpec, manual: tuple[str, ...], axis: int = 0) -> ModelSpec:
+  """A leaf's spec with `DATA` added on its shard dim `axis` (after its manual axes, before
+  its automatic ones); a scalar becomes one padded dim."""
   dims = dims or ((),)
-  first = dims[0]
-  return (tuple(a for a in first if a in manual) + (DATA,)
-          + tuple(a for a in first if a not in manual), *dims[1:])
+  on = dims[axis]
+  return (*dims[:axis], tuple(a for a in on if a in manual) + (DATA,)
+          + tuple(a for a in on if a not in manual), *dims[axis + 1:])
 
 
 def _manual(dims: ModelSpec, manual: tuple[str, ...]) -> P:
@@ -238,20 +239,25 @@ def _experts(model_specs: tuple[ModelSpec, ...]) -> list[bool]:
 # ----------------------------------------------------------------------------- layout
 
 def layout_for(params: PyTree, mesh, config: DDPConfig, frozen: Frozen = None,
-               experts: list[bool] | None = None) -> Layout:
+               model_specs: tuple[ModelSpec, ...] = ()) -> Layout:
   """The layout a train step uses for `params` on `mesh` under `config`.
 
-  `experts`: per leaf, is it an expert param (sharded over "expert"; see `model_specs_of`).
+  `model_specs`: the caller's own sharding of each leaf (`model_specs_of`): expert params
+  (sharded over "expert") get buffers of their own, and a leaf sharded over any other axis
+  (tensor parallel) is sharded over "data" on its leading dim.
   """
+  treedef = jax.tree.structure(params)
+  experts = leading = None
+  if model_specs:
+    experts = jax.tree.unflatten(treedef, _experts(model_specs))
+    leading = jax.tree.unflatten(treedef, [any(dims) for dims in model_specs])
   if config.overlap_grad_reduce:
     bucket_size = config.bucket_size or default_bucket_size(_dp(mesh))
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward
-  if experts is not None:
-    experts = jax.tree.unflatten(jax.tree.structure(params), experts)
   layout = make_layout(params, dp=mesh.shape[DATA], bucket_size=bucket_size,
                        grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
-                       frozen=frozen, experts=experts,
+                       frozen=frozen, experts=experts, leading=leading,
                        expert_parallel=mesh.shape.get(EXPERT, 1))
   if not layout.buffers:
     raise ValueError(
@@ -282,7 +288,8 @@ def _leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSp
   params = [None if x is None else _model_spec(state, i, x.ndim)
             for i, x in enumerate(_leaves(state.params))]
   master = [None if m is None else
-            _with_data(_model_spec(state, i, len(state.layout.shapes[i])), manual)
+            _with_data(_model_spec(state, i, len(state.layout.shapes[i])), manual,
+                       state.layout.shard_axes[i])
             if sharded else _model_spec(state, i, m.ndim)
             for i, m in enumerate(_leaves(state.master))]
   return params, master
@@ -335,17 +342,18 @@ def _state_specs(state: TrainState) -> TrainState:
 
 
 def _padded(x, layout: Layout, i: int):
-  """Leaf `i` (whole) as a sharded strategy stores it: `(rows, *shape[1:])`, zero rows added."""
+  """Leaf `i` (whole) as a sharded strategy stores it: zero rows added on its shard dim."""
   x = x.reshape(layout.shapes[i] or (1,))
-  rows = sharded_shape(layout, i)[0][0]
-  return jnp.pad(x, [(0, rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) if rows > x.shape[0] \
-      else x
+  shape, axis = sharded_shape(layout, i)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, shape[axis] - x.shape[axis])
+  return jnp.pad(x, pad) if shape != x.shape else x
 
 
 def _unpadded(x, layout: Layout, i: int):
   """Inverse of `_padded`."""
-  shape = layout.shapes[i]
-  return x[: (shape[0] if shape else 1)].reshape(shape)
+  shape, axis = layout.shapes[i], layout.shard_axes[i]
+  return jax.lax.slice_in_dim(x, 0, (shape or (1,))[axis], axis=axis).reshape(shape)
 
 
 def _opt_params(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
@@ -410,7 +418,7 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
           "or place the params replicated")
     from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - fsdp imports this module
     return fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
-  layout = layout_for(params, mesh, config, frozen, _experts(model_specs))
+  layout = layout_for(params, mesh, config, frozen, model_specs)
   sharded, trainable = _sharded(config), layout.trainable
   if sharded:
     _check_expert_rows(layout, mesh)
@@ -655,8 +663,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     param_dims, master_dims = _leaf_specs(state)
     manual = lambda dims: [None if d is None else _manual(d, axes) for d in dims]
     model_dims = [_model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-    grad_specs = [_manual(_with_data(d, axes) if sharded else d, axes) if t else None
-                  for t, d in zip(layout.trainable, model_dims)]
+    grad_specs = [_manual(_with_data(d, axes, layout.shard_axes[i]) if sharded else d, axes)
+                  if t else None for i, (t, d) in enumerate(zip(layout.trainable, model_dims))]
     own = tuple(_own_axes(d, axes) for d in model_dims)
     grads, loss, grad_norm = jax.shard_map(
         functools.partial(local_grads, layout=layout, own_axes=own), mesh=mesh,

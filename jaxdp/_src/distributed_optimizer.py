@@ -359,7 +359,9 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
   size = (bucket_size or default_bucket_size(dp)) if overlap_grad_reduce else sys.maxsize
-  layout = make_layout(params, dp=dp, bucket_size=size, frozen=frozen,
+  # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
+  leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
+  layout = make_layout(params, dp=dp, bucket_size=size, frozen=frozen, leading=leading,
                        grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None)
   sharded = strategy != "no_shard"
   fsdp = strategy == "optim_grads_params"

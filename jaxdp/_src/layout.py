@@ -7,9 +7,11 @@ order, so the last layers' bucket fills first) and cut into buckets of at least
 
 A bucket is stored *shard-major*: its buffer is `dp` equal shards, and shard `d` holds rows
 `[d * r, (d + 1) * r)` of every param in the bucket, where `r = rows / dp` and `rows` is the
-param's leading dim padded to a multiple of `dp`. A `psum_scatter(tiled=True)` of the bucket
+size of the param's *shard dim* padded to a multiple of `dp`. The shard dim is the leading
+one, unless another dim needs less padding (a stacked `(layers, d, 4d)` weight with fewer
+layers than devices is sharded on `d`). A `psum_scatter(tiled=True)` of the bucket
 therefore hands device `d` the same 1/dp of every param, so a sharded optimizer sees an
-ordinary param tree (leaf shapes `(rows, *shape[1:])`, sharded on dim 0) and every optax
+ordinary param tree (each leaf padded on its shard dim and sharded on it) and every optax
 transformation (masks, global norms) stays exact. Each shard is padded at its end so that
 the bucket is a multiple of `lcm(dp, 128)` elements (Megatron's bucket-end padding).
 
@@ -20,6 +22,7 @@ be static arguments of `jax.jit`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Collection, Mapping
 
@@ -62,6 +65,9 @@ class ParamSpec:
   layers: int = 0
   """Stacked (scanned-over-layers) param: the size of its leading layer axis, and `shape`,
   `rows` and `offset` describe one layer; 0 for an ordinary param."""
+  axis: int = 0
+  """The shard dim: `rows` is its size padded to a multiple of dp (a scalar has dim 0 of
+  size 1)."""
 
   @property
   def size(self) -> int:
@@ -69,12 +75,32 @@ class ParamSpec:
 
   @property
   def padded_shape(self) -> tuple[int, ...]:
-    """The param as the sharded optimizer sees it: leading dim padded to `rows`."""
-    return (self.rows, *self.shape[1:])
+    """The param as the sharded optimizer sees it: its shard dim padded to `rows`."""
+    return _with_dim(self.shape or (1,), self.axis, self.rows)
+
+  def local_shape(self, dp: int) -> tuple[int, ...]:
+    """One device's block of the padded param: `rows / dp` of its shard dim."""
+    return _with_dim(self.shape or (1,), self.axis, self.rows // dp)
 
   def shard_size(self, dp: int) -> int:
     """Elements of this param in one shard."""
-    return self.rows // dp * math.prod(self.shape[1:])
+    return math.prod(self.local_shape(dp))
+
+
+def _with_dim(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
+  return (*shape[:axis], n, *shape[axis + 1:])
+
+
+def shard_axis(shape: tuple[int, ...], dp: int) -> int:
+  """The dim to shard a param over dp devices: the one that needs the least padding to a
+  multiple of dp, the leading one on ties (0 for a scalar).
+
+  Examples:
+    >>> shard_axis((50257, 768), 8), shard_axis((4, 768, 3072), 8), shard_axis((300, 4), 8)
+    (1, 1, 0)
+  """
+  padded = [-(-n // dp) * dp / n if n else math.inf for n in shape]
+  return min(range(len(shape)), key=lambda k: (padded[k], k)) if shape else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +211,16 @@ class Layout:
   @property
   def num_buckets(self) -> int:
     return sum(len(b.buckets) for b in self.buffers)
+
+  @functools.cached_property
+  def shard_axes(self) -> tuple[int, ...]:
+    """Per leaf in tree order: the dim of the whole leaf a sharded strategy shards and pads
+    (`ParamSpec.axis`; for a stacked leaf, whose layers lead, that of a layer + 1; for a
+    leaf without a gradient buffer the leading dim, of a layer if stacked)."""
+    axes = [1 if self.layers and self.layers[i] else 0 for i in range(len(self.shapes))]
+    for p in self.params:
+      axes[p.index] = p.axis + (1 if p.layers else 0)
+    return tuple(axes)
 
   def summary(self) -> str:
     """A table of buffers and buckets: params, elements, padding.
@@ -305,7 +341,7 @@ def _layer_counts(stacked: Stacked, paths: list[str], shapes: list[tuple[int, ..
 def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
                 grad_dtype=None, frozen: Frozen = None, units: Units = None,
                 stacked: Stacked = None, experts: Frozen = None,
-                expert_parallel: int = 1) -> Layout:
+                expert_parallel: int = 1, leading: Frozen = None) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
   Args:
@@ -330,6 +366,11 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
       (Megatron's `expert_parallel_bucket_groups`).
     expert_parallel: size of the expert axis that expert params' leading dim is sharded
       over; their `ParamSpec`s describe one rank's slice (`shape[0] // expert_parallel`).
+    leading: params whose shard dim is their leading one whatever its padding, like
+      `frozen` (jaxdp passes the weights a caller sharded for tensor parallelism). Every
+      other param of a size-bucket layout is sharded on the dim `shard_axis` picks; with
+      `units`, and for expert and stacked params, the shard dim is the leading one (of a
+      layer).
 
   Returns:
     A static `Layout`.
@@ -377,6 +418,7 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
   dtypes = [np.dtype(leaf.dtype) for _, leaf in keyed]
   frozen_leaves = _frozen_mask(params, frozen, paths)
   expert_leaves = _frozen_mask(params, experts, paths, "experts")
+  leading_leaves = _frozen_mask(params, leading, paths, "leading")
   local_shapes = _expert_shapes(expert_leaves, expert_parallel, paths, shapes)
   unit_of = _unit_names(units, paths)
   layers = _layer_counts(stacked, paths, shapes, unit_of)
@@ -416,8 +458,10 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
       for i in group:
         n = layers[i] if layers else 0
         shape = local_shapes[i][1:] if n else local_shapes[i]
-        rows = -(-(shape[0] if shape else 1) // dp) * dp
-        spec = ParamSpec(paths[i], i, shape, rows, shard, n)
+        free = unit_of is None and not (expert_leaves[i] or leading_leaves[i])
+        axis = shard_axis(shape, dp) if free else 0
+        rows = -(-(shape[axis] if shape else 1) // dp) * dp
+        spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
         shard += spec.shard_size(dp)
       shard = -(-shard // align) * align

@@ -87,7 +87,7 @@ def _fmt_bytes(n: float) -> str:
 def _real_elements(spec, dp: int, d: int) -> int:
   """Elements of `spec`'s shard `d` that are real rows (the rest is row padding)."""
   rows_per_shard = spec.rows // dp
-  n = spec.shape[0] if spec.shape else 1
+  n = (spec.shape or (1,))[spec.axis]
   real_rows = min(max(n - d * rows_per_shard, 0), rows_per_shard)
   return spec.shard_size(dp) // rows_per_shard * real_rows if rows_per_shard else 0
 
