@@ -62,7 +62,7 @@ class TrainState:
     >>> int(state.step), state.params["w"]  # gathered inside the next step
     (0, None)
     >>> state.master["w"].shape, state.master["w"].sharding.spec  # rows padded to 16
-    ((16, 4), PartitionSpec('data', None))
+    ((16, 4), P('data', None))
     >>> state.layout.num_buckets
     1
   """
