@@ -60,13 +60,17 @@ def _host(tree):
 
 
 def _assert_same_rows(a, b, what):
-  """Bitwise equal on the rows both hold; rows only one holds (padding) are zero there."""
+  """Bitwise equal on the elements both hold; those only the padded one holds (its shard
+  dim rounded up to a multiple of dp) are zero there."""
   a, b = np.asarray(a), np.asarray(b)
   if a.shape != b.shape:
-    n = min(a.shape[0], b.shape[0])
-    longer = a if a.shape[0] > n else b
-    np.testing.assert_array_equal(longer[n:], 0, err_msg=f"{what}: padding")
-    a, b = a[:n].reshape(-1), b[:n].reshape(-1)
+    a, b = (x.reshape(1) if x.ndim == 0 else x for x in (a, b))  # a scalar's padded form
+    common = tuple(slice(0, min(m, n)) for m, n in zip(a.shape, b.shape))
+    longer = a if a.size > b.size else b
+    padding = np.ones(longer.shape, bool)
+    padding[common] = False
+    np.testing.assert_array_equal(longer[padding], 0, err_msg=f"{what}: padding")
+    a, b = a[common], b[common]
   np.testing.assert_array_equal(a, b, err_msg=what)
 
 
