@@ -9,8 +9,7 @@ outputs stripped.
 The GPU-target parts (02, 03, 04: train steps compiled for 8 H100s without a GPU) need
 jax-cuda12-plugin/-pjrt (`pip install 'jaxdp[aot]'`, which `.ci/run` installs). Without
 them the notebooks compile for the CPU mesh instead and say so; they still run and draw,
-and only the check that they really compiled for the H100 target is skipped, with the
-reason.
+and only the check that they really compiled for the H100 target is left out.
 """
 
 import os
@@ -102,14 +101,7 @@ def test_runs_and_draws(path):
   text = text_of(nb)
   for line in PRINTS.get(path.stem, ()):
     assert line in text, f"{path.name} did not print {line!r}:\n{text[:3000]}"
-
-
-@pytest.mark.skipif(GPU_REASON is not None,
-                    reason=f"no deviceless GPU compile ({GPU_REASON}); the notebooks ran "
-                           "their GPU-target parts on the CPU mesh instead")
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem in GPU_TARGET],
-                         ids=lambda p: p.stem)
-def test_gpu_parts_compiled_for_h100(path):
-  text = text_of(executed(path))
-  assert GPU_MARKER in text and "NO GPU TARGET" not in text, text[:2000]
+  # Checked here, not in a test of its own: another xdist worker would run the notebook again.
+  if path.stem in GPU_TARGET and GPU_REASON is None:
+    assert GPU_MARKER in text and "NO GPU TARGET" not in text, text[:2000]
 

@@ -26,8 +26,14 @@ from models.mlp import MLP, mlp_loss
 
 N = 8
 GPU_REASON = gpu_compile_unavailable()
-needs_gpu_compile = pytest.mark.skipif(
+_skip_without_gpu_compile = pytest.mark.skipif(
     GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}")
+
+
+def needs_gpu_compile(test):
+  """Skipped without the GPU target; run on one xdist worker, which compiles each GPT
+  program once (`gpu_step` is cached per process)."""
+  return _skip_without_gpu_compile(pytest.mark.xdist_group("h100_gpt")(test))
 METRIC_BYTES = 64
 """Collectives this small carry the step's metrics (loss, norms), not buckets."""
 
