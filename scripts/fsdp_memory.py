@@ -25,10 +25,8 @@ Usage:
     python scripts/fsdp_memory.py --layers 8 16 --d-model 256 --seq 32 --scan   # minutes
     python scripts/fsdp_memory.py --scan            # every strategy on the scanned GPT
 
-With `--scan`, ZeRO-1 shards the stacked leaves' layer axis and pads it to a multiple of
-dp (so 4 and 12 layers cost what 8 and 16 do), and its exactness probe then runs the
-optimizer on those padded leaves at full size on the host (tens of GB at 12 layers): use
-layer counts that are multiples of 8 there.
+With `--scan`, ZeRO-1 shards each stacked leaf on the dim after its layer axis (the one
+that needs no padding), so any layer count works.
 """
 
 import argparse

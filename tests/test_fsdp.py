@@ -418,7 +418,7 @@ def test_fsdp_memory_table_relations():
   spec = importlib.util.spec_from_file_location("fsdp_memory", path)
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
-  layers = (8, 16)  # multiples of dp: ZeRO-1 pads a stacked leaf's layer axis to one
+  layers = (8, 16)
   variants = tuple((s, s, True) for s in script.STRATEGIES)  # all on the scanned GPT
   stats, unit = script.measure(layers, variants, d_model=256, n_head=4, seq=32, batch=8,
                                vocab=256)
