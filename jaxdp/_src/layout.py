@@ -232,6 +232,11 @@ class Layout:
       dp=8, bucket_size=2,000 elements; 1 buffer, 1 bucket, 1,203 param elements
       buffer float32: 1,280 elements (77 padding)
         bucket 0: [0, 1,280)  2 params, 1,203 elements, 77 padding  ['w'] .. ['b']
+      >>> print(jaxdp.make_layout({"stack": jnp.zeros((4, 64, 8))}, dp=8).summary())
+      dp=8, bucket_size=40,000,000 elements; 1 buffer, 1 bucket, 2,048 param elements
+      buffer float32: 2,048 elements (0 padding)
+        bucket 0: [0, 2,048)  1 param, 2,048 elements, 0 padding  ['stack'] .. ['stack']
+      1 param sharded on a dim that pads less than the leading one: ['stack'] dim 1
     """
     n = sum(b.numel for b in self.buffers)
     lines = [f"dp={self.dp}, bucket_size={self.bucket_size:,} elements; "
@@ -251,6 +256,11 @@ class Layout:
             f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}"
             + (f"  unit {b.unit}" if b.unit is not None else "")
             + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else ""))
+    moved = [f"{p.path} dim {p.axis}" for p in self.params if p.axis and not p.layers]
+    if moved:
+      lines.append(f"{len(moved)} param{'s' * (len(moved) != 1)} sharded on a dim that pads "
+                   "less than the leading one: " + ", ".join(moved[:4])
+                   + (" .." if len(moved) > 4 else ""))
     return "\n".join(lines)
 
 
