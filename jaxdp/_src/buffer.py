@@ -16,19 +16,28 @@ from jaxdp._src.layout import Bucket, Layout, ParamSpec
 PyTree = Any
 
 
-def pad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
-  """A param in its padded shape: its shard dim padded to `spec.rows` (a scalar becomes
+def pad_dim(x: jax.Array, shape: tuple[int, ...], axis: int, rows: int) -> jax.Array:
+  """`x` (of `shape`) with zeros appended to dim `axis` up to `rows` (a scalar becomes
   `(rows,)`)."""
-  x = x.reshape(spec.shape or (1,))
+  x = x.reshape(shape or (1,))
   pad = [(0, 0)] * x.ndim
-  pad[spec.axis] = (0, spec.rows - x.shape[spec.axis])
-  return jnp.pad(x, pad)
+  pad[axis] = (0, rows - x.shape[axis])
+  return jnp.pad(x, pad) if rows > x.shape[axis] else x
+
+
+def unpad_dim(x: jax.Array, shape: tuple[int, ...], axis: int) -> jax.Array:
+  """Inverse of `pad_dim`: `x` cut back to `shape` on dim `axis`."""
+  return jax.lax.slice_in_dim(x, 0, (shape or (1,))[axis], axis=axis).reshape(shape)
+
+
+def pad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
+  """A param in its padded shape: its shard dim padded to `spec.rows`."""
+  return pad_dim(x, spec.shape, spec.axis, spec.rows)
 
 
 def unpad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
   """Inverse of `pad_rows`."""
-  n = (spec.shape or (1,))[spec.axis]
-  return jax.lax.slice_in_dim(x, 0, n, axis=spec.axis).reshape(spec.shape)
+  return unpad_dim(x, spec.shape, spec.axis)
 
 
 def _split(padded: jax.Array, spec: ParamSpec, dp: int) -> jax.Array:

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import checks, collectives, distributed_optimizer
 from jaxdp._src.aot import compiler_options
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, shard_unravel, unpad_dim
 from jaxdp._src.checks import sharded_shape
 from jaxdp._src.collectives import DATA, EXPERT, REPLICA
 from jaxdp._src.config import DDPConfig
@@ -343,17 +343,13 @@ def _state_specs(state: TrainState) -> TrainState:
 
 def _padded(x, layout: Layout, i: int):
   """Leaf `i` (whole) as a sharded strategy stores it: zero rows added on its shard dim."""
-  x = x.reshape(layout.shapes[i] or (1,))
   shape, axis = sharded_shape(layout, i)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, shape[axis] - x.shape[axis])
-  return jnp.pad(x, pad) if shape != x.shape else x
+  return pad_dim(x, layout.shapes[i], axis, shape[axis])
 
 
 def _unpadded(x, layout: Layout, i: int):
   """Inverse of `_padded`."""
-  shape, axis = layout.shapes[i], layout.shard_axes[i]
-  return jax.lax.slice_in_dim(x, 0, (shape or (1,))[axis], axis=axis).reshape(shape)
+  return unpad_dim(x, layout.shapes[i], layout.shard_axes[i])
 
 
 def _opt_params(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
