@@ -11,7 +11,6 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel, shard_unravel
 from jaxdp._src.layout import Bucket
@@ -24,8 +23,6 @@ EXPERT = "expert"
 """Expert-parallel axis (MoE): dense params are data parallel over it like over "data"; expert
 params are sharded over it (their leading dim), so their grads are reduced over the other data
 axes only, the expert-data-parallel group (Megatron's `expert_parallel_bucket_groups`)."""
-GATHERED = "jaxdp_fsdp_gathered"
-"""`checkpoint_name` of every param an FSDP unit gather produces (see `unit_gather_hook`)."""
 
 
 def make_varying(tree, axes: Sequence[str]):
@@ -124,23 +121,26 @@ def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] =
   return jax.lax.pcast(sink, axes, to="varying") if axes else sink
 
 
-def unit_gather_hook(gather_buckets: Sequence[tuple[Bucket, Any]],
+def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
                      grad_buckets: Sequence[tuple[Bucket, Any]],
                      cotangent_dtypes: Mapping[int, Any], *, dp: int, axes: Sequence[str],
                      average: bool):
-  """The gather/scatter pair of one FSDP unit (FSDP's pre-forward and post-backward hooks).
+  """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
+  collectives), as two plain functions; `fsdp_program` calls them inside each unit's
+  `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
+  the end of its backward).
 
-  Returns `gather(trainable, frozen) -> full`, where `trainable` and `frozen` map leaf
-  indices to this device's row blocks `(rows / dp, ...)` of the unit's params (`trainable`
-  in the optimizer's dtype, e.g. fp32 master params) and `full` maps every leaf of the unit
-  to its whole param. Forward: per gather bucket (one per param dtype), cast the blocks to
-  the param dtype, ravel them into one shard and `all_gather` it: one collective. Backward:
-  per grad bucket, ravel the trainable params' cotangents in the grad dtype and
-  `reduce_bucket(scatter=True)` them: one reduce-scatter, whose shard is the cotangent of
-  `trainable` (cast to `cotangent_dtypes`). Frozen params get no cotangent and no
-  collective. Each gathered param is tagged `checkpoint_name(x, GATHERED)` inside the
-  primal function, so a `jax.checkpoint` policy can refuse to save the gather's outputs and
-  re-run it in the backward (`reshard_after_forward`).
+  Returns `(gather, scatter)`:
+
+  * `gather(trainable, frozen) -> full`: `trainable` and `frozen` map leaf indices to this
+    device's row blocks `(rows / dp, ...)` of the unit's params (`trainable` in the
+    optimizer's dtype, e.g. fp32 masters); `full` maps every leaf of the unit to its whole
+    param. Per gather bucket (one per param dtype): cast the blocks to the param dtype, ravel
+    them into one shard, `all_gather` it: one collective.
+  * `scatter(cts) -> grads`: `cts` maps the unit's trainable leaves to their whole-param
+    cotangents; per grad bucket, ravel them in the grad dtype and `reduce_bucket(scatter=True)`
+    them: one reduce-scatter, whose shard (cast to `cotangent_dtypes`) is this device's block
+    of each leaf's reduced gradient. A missing cotangent counts as zeros.
 
   Args:
     gather_buckets: `(bucket, param dtype)` over all the unit's float params.
@@ -152,34 +152,26 @@ def unit_gather_hook(gather_buckets: Sequence[tuple[Bucket, Any]],
   """
   other = tuple(a for a in axes if a != DATA)
 
-  def gather_all(trainable, frozen):
+  def gather(trainable, frozen):
     local = {**trainable, **frozen}
     shards = jax.lax.axis_size(DATA)
     out = {}
     for b, dtype in gather_buckets:
       full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
       for p, x in zip(b.params, full):
-        out[p.index] = checkpoint_name(make_varying(x, other) if other else x, GATHERED)
+        out[p.index] = make_varying(x, other) if other else x
     return out
 
-  @jax.custom_vjp
-  def gather(trainable, frozen):
-    return gather_all(trainable, frozen)
-
-  def fwd(trainable, frozen):
-    # Calling `gather` (not `gather_all`) keeps the forward gather one `custom_vjp_call`
-    # in the differentiated program, which a checkpoint policy can recognise and recompute.
-    return gather(trainable, frozen), None
-
-  def bwd(_, cts):
+  def scatter(cts):
     shards = jax.lax.axis_size(DATA)
     grads = {}
     for b, grad_dtype in grad_buckets:
-      flat = bucket_ravel([cts[p.index] for p in b.params], b, shards, grad_dtype)
+      flat = bucket_ravel([cts[p.index] if cts.get(p.index) is not None
+                           else jnp.zeros(p.shape, grad_dtype) for p in b.params],
+                          b, shards, grad_dtype)
       shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
-    return grads, None
+    return grads
 
-  gather.defvjp(fwd, bwd)
-  return gather
+  return gather, scatter

@@ -46,19 +46,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.extend.core import primitives as core_primitives
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives
+from jaxdp._src import checks, collectives, fsdp_program
 from jaxdp._src.buffer import pad_rows, unpad_rows
-from jaxdp._src.collectives import DATA, GATHERED
+from jaxdp._src.collectives import DATA
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.ddp import (TrainState, _check_batch, _check_mesh, _constrain, _data_axes, _dp,
                             _leaves, _master_dtype, _opt_params, _tree, finish_step, jit_step)
@@ -99,6 +97,13 @@ class FSDPConfig:
   reshard_after_forward: bool = True
   """Free each unit's gathered params after its forward and gather again for its backward
   (torch FSDP2's default); False keeps them from forward to backward (no second gather)."""
+  prefetch: int = 1
+  """How many units ahead an all-gather may start (torch FSDP2's
+  `set_modules_to_forward_prefetch` depth, Megatron-FSDP's double buffer): with 1, unit i+1's
+  gather may run while unit i computes, in the forward and (reversed) in the backward, and no
+  earlier; so at most prefetch + 1 unrolled units are gathered at once. Enforced by data
+  dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned stack
+  prefetches one layer (XLA's collective pipeliner) whatever this says."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):
@@ -118,6 +123,10 @@ class FSDPConfig:
     if not isinstance(self.reshard_after_forward, bool):
       raise ValueError(f"FSDPConfig: reshard_after_forward={self.reshard_after_forward!r}: "
                        "must be True or False")
+    if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or \
+        self.prefetch < 0:
+      raise ValueError(f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "
+                       "many units ahead an all-gather may start; 1 is the default)")
 
 
 def _prefix(p: Prefix) -> str:
@@ -263,79 +272,46 @@ def _spec(ndim: int, dim: int | None) -> P:
   return P(*[DATA if d == dim else None for d in range(ndim)]) if ndim else P()
 
 
-# ----------------------------------------------------------------------------- gather_unit
-
-_scope = threading.local()
-
-
-class _Scope:
-  """The stacked units a loss_fn traced inside an FSDP step may gather with `gather_unit`."""
-
-  def __init__(self, units: Sequence[tuple[Unit, Callable, list]], paths: frozenset[str],
-               reshard: bool):
-    self.units = units  # (unit, gather fn, [(local shape, dtype)] in tree order)
-    self.paths = paths  # the stacked leaves, which loss_fn receives as layer shards
-    self.reshard = reshard
-    self.used: set[str] = set()
-
-  def gather(self, leaves):
-    sig = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
-    for unit, fn, want in self.units:
-      if sig == want:
-        self.used.add(unit.name)
-        order = unit.leaves
-        local = dict(zip(order, leaves))
-        full = fn({i: local[i] for i in unit.trainable}, {i: local[i] for i in unit.frozen})
-        return [full[i] for i in order]
-    return None
-
+# ----------------------------------------------------------------------------- markers
 
 def gather_unit(layer_params: PyTree) -> PyTree:
-  """All-gathers one layer of a stacked FSDP unit, where the model calls it.
+  """Returns `layer_params`: kept for models written for jaxdp's earlier FSDP, which needed it.
 
-  A model whose layers are stacked on a leading axis and run by `jax.lax.scan` (or
-  `nnx.scan`) calls this on each layer's params inside the scan body. Under an
-  `optim_grads_params` train step whose `FSDPConfig(stacked=...)` names that subtree, the
-  scan runs over the layer shards and this is where a layer's shard is all-gathered (its
-  grads are reduce-scattered at the same point of the backward loop). Everywhere else
-  (one device, other strategies, unstacked layers) it returns `layer_params` unchanged.
+  jaxdp's FSDP now finds a stacked unit's layers itself: it traces the loss with whole params
+  and runs every `lax.scan` whose `xs` are the leaves of a `FSDPConfig(stacked=...)` subtree
+  over their shards, gathering one layer per iteration (see `jaxdp._src.fsdp_program`). A
+  model needs no marker, and this function, like `scan_unit`, changes nothing.
 
   Args:
-    layer_params: one layer's params: a pytree (dict, `nnx.State`) with the leaves of the
-      stacked subtree in tree order, each without the layer axis.
+    layer_params: one layer's params.
 
   Returns:
-    The layer's params, whole.
+    `layer_params`, unchanged.
 
   Examples:
     >>> import jax.numpy as jnp
     >>> layer = {"w": jnp.ones((2, 3))}
-    >>> gather_unit(layer)["w"].shape  # not inside an FSDP step: unchanged
+    >>> gather_unit(layer)["w"].shape
     (2, 3)
   """
-  scope = getattr(_scope, "current", None)
-  if scope is None:
-    return layer_params
-  leaves, treedef = jax.tree.flatten(layer_params)
-  full = scope.gather(leaves)
-  return layer_params if full is None else jax.tree.unflatten(treedef, full)
+  return layer_params
 
 
 def scan_unit(body: Callable) -> Callable:
-  """Makes `body(carry, layer_params)`, the body of a scan over stacked layers, one FSDP unit.
+  """Returns `body`: kept for models written for jaxdp's earlier FSDP, which needed it.
 
-  The decorated body passes `layer_params` (one layer's params: the scan's `xs`) through
-  `gather_unit` before calling `body`, and under an FSDP step with `reshard_after_forward`
-  runs each iteration under `jax.checkpoint` (saving everything but the gathered params), so
-  that the backward loop gathers each layer again inside its own iteration instead of
-  keeping every layer's params from the forward. Outside an FSDP step it calls `body`
-  unchanged.
+  Under an `optim_grads_params` step with `FSDPConfig(stacked=[...])`, jaxdp finds the
+  `lax.scan` (or `nnx.scan`) over the stacked layers in the traced loss and runs it over the
+  layer shards, one layer gathered per iteration, whatever the body is decorated with; the
+  user's `jax.checkpoint` in or around the body decides which activations are saved. Reading
+  state at trace time (as this decorator once did) is unsafe: `lax.scan` caches its body's
+  trace and replays it on the next build without running the Python body.
 
   Args:
     body: `body(carry, layer_params) -> (carry, y)`, as `jax.lax.scan` takes it.
 
   Returns:
-    The body to give `jax.lax.scan`.
+    `body` itself.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -346,41 +322,19 @@ def scan_unit(body: Callable) -> Callable:
     >>> jax.lax.scan(layer, jnp.ones(2), stacked)[0].shape
     (2,)
   """
-  @functools.wraps(body)
-  def wrapped(carry, layer_params):
-    scope = getattr(_scope, "current", None)
-    if scope is None:
-      return body(carry, layer_params)
-
-    def unit(carry, layer_params):
-      return body(carry, gather_unit(layer_params))
-
-    if scope.reshard:
-      unit = jax.checkpoint(unit, policy=_reshard_policy, prevent_cse=False)
-    return unit(carry, layer_params)
-
-  return wrapped
+  return body
 
 
 def sharded_paths() -> frozenset[str]:
-  """Paths (`keystr`) of the leaves that the loss_fn being traced receives as layer shards
-  `(layers, rows / dp, ...)` (the stacked units of an FSDP step); empty elsewhere. Shape
-  checks on params inside a loss_fn (e.g. `nnx_split`'s) skip these.
+  """Paths of leaves a loss_fn receives with other than their whole shapes: none (an FSDP
+  step traces the loss with whole params), so shape checks inside a loss_fn need no
+  exception.
 
   Examples:
     >>> sharded_paths()
     frozenset()
   """
-  scope = getattr(_scope, "current", None)
-  return scope.paths if scope is not None else frozenset()
-
-
-def _reshard_policy(prim, *_, **params) -> bool:
-  """`jax.checkpoint` policy: save everything except the outputs of a unit gather."""
-  if prim is core_primitives.custom_vjp_call_p:
-    return not any(e.primitive.name == "name" and e.params["name"] == GATHERED
-                   for e in params["call_jaxpr"].jaxpr.eqns)
-  return True
+  return frozenset()
 
 
 # ----------------------------------------------------------------------------- state
@@ -460,48 +414,23 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
 
   def local_grads(master, params, batch, layout: Layout):
     """Per device: this device's rows of every trainable param's grad, and the loss."""
-    shards = layout.dp
     stored, trainable = _leaves(params), layout.trainable
-    units = units_of(layout)
-    hooks = {u.name: collectives.unit_gather_hook(
-        u.gather, u.grad, {i: _master_dtype(layout.dtypes[i]) for i in u.trainable},
-        dp=dp, axes=axes, average=config.average_in_collective) for u in units}
-    specs = param_specs(layout)
-    stacked = [u for u in units if u.layers]
-
-    def local_sig(i):
-      dtype = _master_dtype(layout.dtypes[i]) if trainable[i] else layout.dtypes[i]
-      return _local_shape(specs[i], shards), np.dtype(dtype)
+    units = [fsdp_program.UnitIO(u.name, u.trainable, u.frozen, bool(u.layers),
+                                 *collectives.unit_collectives(
+                                     u.gather, u.grad,
+                                     {i: _master_dtype(layout.dtypes[i]) for i in u.trainable},
+                                     dp=dp, axes=axes, average=config.average_in_collective))
+             for u in units_of(layout)]
+    leaf_avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
 
     def loss_of(tmaster, mb):
-      leaves = list(stored)
-      for i, x in tmaster.items():
-        leaves[i] = x
-      for u in units:  # stacked units are gathered by gather_unit inside the model's scan
-        if not u.layers:
-          full = hooks[u.name]({i: leaves[i] for i in u.trainable},
-                               {i: leaves[i] for i in u.frozen})
-          for i, x in full.items():
-            leaves[i] = x
-      scope = _Scope([(u, hooks[u.name], [local_sig(i) for i in u.leaves]) for u in stacked],
-                     frozenset(layout.paths[i] for u in stacked for i in u.leaves),
-                     fsdp.reshard_after_forward)
-      previous, _scope.current = getattr(_scope, "current", None), scope
-      try:
-        loss = loss_fn(_tree(layout, leaves), mb)
-      finally:
-        _scope.current = previous
-      for u in stacked:
-        if u.name not in scope.used:
-          raise ValueError(
-              f"FSDPConfig(stacked=...) names params{u.name}, but loss_fn never passed a "
-              "layer of it through jaxdp.gather_unit: decorate the body of the scan over "
-              "its layers with @jaxdp.scan_unit (jaxdp then scans over the shards and "
-              "gathers each layer in its iteration), or leave it out of stacked=")
+      values = dict(enumerate(stored))
+      values.update(tmaster)
+      loss = fsdp_program.run_loss(loss_fn, layout.treedef, leaf_avals, values, units, mb,
+                                   axes, reshard=fsdp.reshard_after_forward,
+                                   prefetch=fsdp.prefetch)
       return loss / k
 
-    if fsdp.reshard_after_forward:
-      loss_of = jax.checkpoint(loss_of, policy=_reshard_policy)
     grad_fn = jax.value_and_grad(loss_of)
     tmaster = {i: m for i, m in enumerate(_leaves(master)) if m is not None}
     if k == 1:

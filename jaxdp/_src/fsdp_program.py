@@ -1,0 +1,518 @@
+"""How an FSDP step runs the user's loss: traced once, cut into units, one `custom_vjp` each.
+
+`run_loss` traces `loss_fn` on whole-shape params (what plain `jax.grad` would trace: a shape
+check in the model, `nnx_split`'s included, sees the shapes it expects), then replays the
+traced program (its jaxpr) in pieces:
+
+* A *segment*: consecutive equations that use the params of one unit (one unrolled layer; the
+  equations that use no param join the segment they fall in). It runs as one `custom_vjp`
+  (`_unit_call`) whose inputs are the activations it reads and its unit's *shards*. Forward:
+  all-gather the unit, run the equations, keep as residuals what `jax.vjp` of the segment
+  keeps, except the values computed from the params alone (the gathered params themselves,
+  `W.T`, a bf16 cast of `W`, ...). Backward: all-gather the unit again, recompute those from
+  the re-gathered params (everything else the backward reads is a saved residual), run the
+  segment's vjp and reduce-scatter the unit's weight gradients right there, so their
+  full-size buffers die inside the unit's backward. Which activations are saved is therefore
+  the user's decision: a `jax.checkpoint` (or `nnx.remat`) in the model saves its inputs
+  only, exactly as under `jax.grad`; without one, the segment saves what `jax.grad` saves,
+  less the gathered params. A unit that two segments use (a tied embedding) is gathered and
+  reduce-scattered in each.
+* A *scanned unit*: a `lax.scan` whose `xs` are the leaves of a stacked unit
+  (`FSDPConfig(stacked=...)`), whatever made it (`jax.lax.scan`, `nnx.scan`, with or without
+  `jaxdp.scan_unit`, with the user's remat inside its body or around it). It runs as one
+  `custom_vjp` (`_scan_unit`) over the layer shards `(layers, rows / dp, ...)`: the forward
+  loop gathers one layer per iteration and stacks that iteration's residuals (chosen as
+  above); the backward loop gathers each layer again, runs its vjp and reduce-scatters its
+  gradients in its own iteration. The consts and the shards are saved once, not per layer.
+* Live units are bounded by data dependencies, not left to the scheduler
+  (`FSDPConfig(prefetch=k)`): before segment i runs, the shards of the op k places later go
+  through one `optimization_barrier` with segment i's inputs, so their all-gather cannot start
+  before segment i does; in the backward each segment passes a token (a zero that leaves its
+  backward through an `optimization_barrier` with its incoming cotangents) k segments back,
+  and a segment's backward all-gather waits for its token, i.e. for the backward of the
+  segment k later to start. Inside a scan XLA's collective pipeliner prefetches one layer.
+
+Why trace and replay, rather than the thread-local scope that `gather_unit` / `scan_unit`
+used to read at trace time: nothing JAX caches may depend on state outside the values it
+traces. `lax.scan` caches the trace of its body per (function, avals); a body that asked a
+thread-local "am I under FSDP, which unit is this" was replayed from the cache on the next
+build without asking, and skipped its gather (issue 13). Here the user's function is traced
+with whole params exactly as plain `jax.grad` traces it (so a cached trace is the right
+trace), and everything FSDP adds is built by jaxdp from that jaxpr, per step build, from the
+layout alone. It also needs nothing from the model: unrolled and scanned models, `nnx.scan`
+ones included, are cut into units as they are.
+
+What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
+anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
+them, a `jax.checkpoint` around the whole scan) is gathered whole, all layers, in the segment
+that uses it; a param passed into a scan as a const is gathered once before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+from jax.extend.core import primitives as prims
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitIO:
+  """One unit's collectives as `run_loss` needs them."""
+
+  name: str
+  trainable: tuple[int, ...]
+  frozen: tuple[int, ...]
+  stacked: bool
+  gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param} (one layer)
+  scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
+
+  @property
+  def leaves(self) -> tuple[int, ...]:
+    return tuple(sorted(self.trainable + self.frozen))
+
+
+# ----------------------------------------------------------------------------- jaxpr helpers
+
+def _read(env, v):
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _bind(eqn, invals):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _eval(eqns, env):
+  for eqn in eqns:
+    for v, x in zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])):
+      env[v] = x
+
+
+def _inline_jits(jaxpr, consts, args):
+  """Evaluates `jaxpr`, inlining `jit` calls (so a jitted block, or a scan inside one, is
+  seen equation by equation)."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [_read(env, v) for v in eqn.invars]
+    if eqn.primitive is prims.jit_p:
+      inner = eqn.params["jaxpr"]
+      outs = _inline_jits(inner.jaxpr, inner.consts, invals)
+    else:
+      outs = _bind(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _residual_mask(f, args, tainted: Sequence[bool]) -> list[bool]:
+  """Which leaves of `jax.vjp(f, *args)`'s residuals depend on the `tainted` args.
+
+  The others are computed from the untainted args (params, consts) alone: a unit's backward
+  recomputes them instead of saving them.
+  """
+  closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*args)
+  jaxpr = closed.jaxpr
+  marked = set()
+  flat_taint = []
+  for a, t in zip(args, tainted):
+    flat_taint += [t] * len(jax.tree.leaves(a))
+  marked.update(v for v, t in zip(jaxpr.invars, flat_taint) if t)
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
+      marked.update(eqn.outvars)
+  return [isinstance(v, jcore.Var) and v in marked for v in jaxpr.outvars]
+
+
+def _ct_or_none(x, ct):
+  """A custom_vjp cotangent for input `x`: None (zero) for integer inputs."""
+  return ct if _is_float(x) else None
+
+
+def _floats(tree) -> list:
+  return [x for x in jax.tree.leaves(tree) if _is_float(x)]
+
+
+def _tie(tree, after):
+  """`tree` through one `optimization_barrier` with the float leaves of `after`: XLA cannot
+  compute anything from the result before all of `after` exists."""
+  deps = _floats(after)
+  if not deps:
+    return tree
+  leaves, treedef = jax.tree.flatten(tree)
+  out, _ = jax.lax.optimization_barrier((leaves, deps))
+  return jax.tree.unflatten(treedef, out)
+
+
+def _avals(tree):
+  return jax.tree.map(jax.typeof, tree)
+
+
+def _stand_in(aval):
+  """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
+  residuals are saved, so only dead code reads it."""
+  x = jnp.zeros(aval.shape, aval.dtype)
+  vma = tuple(sorted(getattr(getattr(aval, "mat", None), "varying", ()) or ()))
+  return jax.lax.pcast(x, vma, to="varying") if vma else x
+
+
+def _stand_ins(avals):
+  return jax.tree.map(_stand_in, avals)
+
+
+def _swap(vjp, saved, keep):
+  """`vjp` with the residual leaves marked in `keep` replaced by `saved`."""
+  leaves, tree = jax.tree.flatten(vjp)
+  if len(leaves) != len(keep) or sum(keep) != len(saved):
+    raise AssertionError(f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
+                         f"forward {len(keep)}; please report this with the model")
+  it = iter(saved)
+  return jax.tree.unflatten(tree, [next(it) if s else x for x, s in zip(leaves, keep)])
+
+
+# ----------------------------------------------------------------------------- units
+
+def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool) -> dict:
+  """{leaf: whole param} of `units` from their shards (stacked shards: every layer)."""
+  full = {}
+  for u in units:
+    t = {i: shards[i] for i in u.trainable}
+    f = {i: shards[i] for i in u.frozen}
+    full.update(jax.vmap(u.gather)(t, f) if layer_axis and u.stacked else u.gather(t, f))
+  return full
+
+
+def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool) -> dict:
+  grads = {}
+  for u in units:
+    if u.trainable:
+      c = {i: cts[i] for i in u.trainable}
+      grads.update(jax.vmap(u.scatter)(c) if layer_axis and u.stacked else u.scatter(c))
+  return grads
+
+
+def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: list,
+               *, reshard: bool):
+  """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
+  module docstring). `tokens` (k zeros) carry the backward prefetch order; returns
+  `(outs, tokens for the next segment)`."""
+  trainable = {i: shards[i] for u in units for i in u.trainable}
+  frozen = {i: shards[i] for u in units for i in u.frozen}
+  k = len(tokens)
+  token_avals = _avals(tokens)
+  act_avals = _avals(acts)
+
+  def full_of(t, f):
+    return _gather(units, {**t, **f}, layer_axis=True)
+
+  @jax.custom_vjp
+  def call(acts, t, f, tokens):
+    return fn(acts, full_of(t, f)), _stand_ins(token_avals)
+
+  def fwd(acts, t, f, tokens):
+    full = full_of(t, f)
+    outs, vjp = jax.vjp(fn, acts, full)
+    leaves = jax.tree.leaves(vjp)
+    keep = [True] * len(leaves) if not reshard else _residual_mask(fn, (acts, full),
+                                                                   (True, False))
+    saved = [x for x, s in zip(leaves, keep) if s]
+    zeros = _stand_ins(token_avals)
+    return (outs, zeros), (saved, t, f, None if reshard else full)
+
+  def bwd(res, cts):
+    saved, t, f, full = res
+    ct_outs, ct_tokens = cts
+    acts0 = _stand_ins(act_avals)
+    if reshard:
+      # Gather once the backward of the segment k later has started (its token), or, with
+      # k = 0, once this segment's own cotangents exist.
+      t, f = _tie((t, f), ct_tokens[k - 1] if k else ct_outs)
+      full = full_of(t, f)
+    _, vjp = jax.vjp(fn, acts0, full)
+    keep = [True] * len(jax.tree.leaves(vjp)) if not reshard else _residual_mask(
+        fn, (acts0, full), (True, False))
+    d_acts, d_full = _swap(vjp, saved, keep)(ct_outs)
+    d_t = _scatter(units, d_full, layer_axis=True)
+    d_acts = [_ct_or_none(a, d) for a, d in zip(acts0, d_acts)]
+    # This segment's backward has started: release the gather of the segment k earlier.
+    fresh = _tie(_stand_in(token_avals[0]), ct_outs) if k else None
+    d_tokens = ([fresh] + list(ct_tokens[:-1])) if k else []
+    return d_acts, d_t, None, d_tokens
+
+  call.defvjp(fwd, bwd)
+  return call(acts, trainable, frozen, tokens)
+
+
+def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards: dict,
+               tokens: list, *, reshard: bool):
+  """A `lax.scan` over the layers of stacked `units`, as one `custom_vjp` over their layer
+  shards (see the module docstring). `ops` are the scan's operands with the stacked params'
+  `xs` left out (None); `shard_pos` maps an xs position to its leaf."""
+  p = eqn.params
+  body = p["jaxpr"]
+  n_c, n_carry = p["num_consts"], p["num_carry"]
+  reverse, length = p["reverse"], p["length"]
+  consts, init, xs = ops[:n_c], ops[n_c:n_c + n_carry], ops[n_c + n_carry:]
+  other = [x for j, x in enumerate(xs) if j not in shard_pos]
+  trainable = {i: shards[i] for u in units for i in u.trainable}
+  frozen = {i: shards[i] for u in units for i in u.frozen}
+  k = len(tokens)
+  token_avals = _avals(tokens)
+  init_avals = _avals(init)
+  other_avals = [jax.typeof(x).update(shape=jax.typeof(x).shape[1:]) for x in other]
+
+  def f(consts, carry, x_other, full):
+    it = iter(x_other)
+    x = [full[shard_pos[j]] if j in shard_pos else next(it) for j in range(len(xs))]
+    outs = jcore.jaxpr_as_fun(body)(*consts, *carry, *x)
+    return outs[:n_carry], outs[n_carry:]
+
+  def layer(tree, i):
+    return jax.tree.map(lambda a: a[i], tree)
+
+  def mask(consts, carry, x_other, full):
+    if not reshard:
+      n = len(jax.tree.leaves(jax.vjp(f, consts, carry, x_other, full)[1]))
+      return [True] * n
+    return _residual_mask(f, (consts, carry, x_other, full), (False, True, True, False))
+
+  @jax.custom_vjp
+  def call(consts, init, other, t, f_, tokens):
+    def step(carry, inp):
+      x, t_i, f_i = inp
+      return f(consts, carry, x, _gather(units, {**t_i, **f_i}, layer_axis=False))
+    carry, ys = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
+    return (carry, ys), _stand_ins(token_avals)
+
+  def fwd(consts, init, other, t, f_, tokens):
+    def step(carry, inp):
+      x, t_i, f_i = inp
+      full = _gather(units, {**t_i, **f_i}, layer_axis=False)
+      keep = mask(consts, carry, x, full)
+      (carry, ys), vjp = jax.vjp(f, consts, carry, x, full)
+      saved = [r for r, s in zip(jax.tree.leaves(vjp), keep) if s]
+      return carry, (ys, saved)
+
+    carry, (ys, saved) = jax.lax.scan(step, init, (other, t, f_), length=length,
+                                      reverse=reverse)
+    zeros = _stand_ins(token_avals)
+    return ((carry, ys), zeros), (consts, saved, t, f_)
+
+  def bwd(res, cts):
+    consts, saved, t, f_ = res
+    (d_carry, d_ys), _ = cts
+    d_carry = [_ct_or_none(a, d) for a, d in zip(init_avals, d_carry)]
+    d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
+
+    def step(acc, inp):
+      d_carry, d_consts = acc
+      t_i, f_i, saved_i, d_ys_i = inp
+      init0, other0 = _stand_ins(init_avals), _stand_ins(other_avals)
+      full = _gather(units, {**t_i, **f_i}, layer_axis=False)
+      keep = mask(consts, init0, other0, full)
+      _, vjp = jax.vjp(f, consts, init0, other0, full)
+      dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep)((d_carry, d_ys_i))
+      d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
+      d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
+      d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
+      d_t = _scatter(units, d_full, layer_axis=False)
+      return (d_carry, d_consts), (d_x, d_t)
+
+    (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
+        step, (d_carry, d_consts0), (t, f_, saved, d_ys), length=length, reverse=not reverse)
+    fresh = _tie(_stand_in(token_avals[0]), d_init) if k else None
+    return d_consts, d_init, d_other, d_t, None, [fresh] * k
+
+  call.defvjp(fwd, bwd)
+  (carry, ys), tokens = call(consts, init, other, trainable, frozen, tokens)
+  return list(carry) + list(ys), tokens
+
+
+# ----------------------------------------------------------------------------- the program
+
+@dataclasses.dataclass
+class _Op:
+  kind: str  # "segment" | "scan" | "plain"
+  eqns: list
+  units: list  # unit names
+  lazy: list = dataclasses.field(default_factory=list)  # param-only eqns it recomputes
+  acts: list = dataclasses.field(default_factory=list)  # vars it reads from outside
+  outs: list = dataclasses.field(default_factory=list)  # vars it defines that others read
+  whole: set = dataclasses.field(default_factory=set)  # stacked units gathered whole
+
+
+def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStruct],
+             values: dict, units: Sequence[UnitIO], batch: PyTree, axes: Sequence[str], *,
+             reshard: bool = True, prefetch: int = 1) -> jax.Array:
+  """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring).
+
+  Args:
+    loss_fn: the user's loss.
+    treedef: the params' tree structure.
+    leaf_avals: every leaf's whole shape and param dtype.
+    values: leaf index -> this device's shard (float leaves of a unit: the trainable ones'
+      masters, the frozen ones as stored) or the whole value (integer leaves).
+    units: every unit.
+    batch: this device's batch.
+    axes: the data-parallel axes (the gathered params vary over them).
+    reshard: gather each unit again for its backward (else keep the forward's gather).
+    prefetch: how many units ahead an all-gather may start.
+  """
+  unit_of = {i: u for u in units for i in u.leaves}
+  by_name = {u.name: u for u in units}
+
+  def stand_in(aval):  # whole-shape values to trace with (dead code once traced)
+    x = jnp.zeros(aval.shape, aval.dtype)
+    return jax.lax.pcast(x, tuple(axes), to="varying") if axes else x
+
+  args = [stand_in(a) if i in unit_of else values[i] for i, a in enumerate(leaf_avals)]
+  closed = jax.make_jaxpr(lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b))(
+      args, batch)
+  flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
+      *args, *jax.tree.leaves(batch))
+  jaxpr = flat.jaxpr
+  n_leaves = len(leaf_avals)
+  param_var = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves]) if i in unit_of}
+
+  # Which vars are computed from params (and consts) alone: recomputed where used.
+  lazy_def, var_units = {}, {v: {unit_of[i].name} for v, i in param_var.items()}
+  static = set(param_var) | set(jaxpr.constvars)
+  for eqn in jaxpr.eqns:
+    ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+    us = set().union(*[var_units.get(v, set()) for v in ins]) if ins else set()
+    if us and all(v in static for v in ins) and not eqn.effects:
+      lazy_def.update((v, eqn) for v in eqn.outvars)
+      static.update(eqn.outvars)
+      for v in eqn.outvars:
+        var_units[v] = us
+
+  def stacked_xs(eqn):
+    """{xs position: leaf} of a scan whose xs carry every leaf of some stacked units."""
+    if eqn.primitive is not prims.scan_p:
+      return None
+    start = eqn.params["num_consts"] + eqn.params["num_carry"]
+    pos = {j: param_var[v] for j, v in enumerate(eqn.invars[start:])
+           if isinstance(v, jcore.Var) and v in param_var and unit_of[param_var[v]].stacked}
+    names = {unit_of[i].name for i in pos.values()}
+    if not pos or any(set(by_name[n].leaves) - set(pos.values()) for n in names) \
+        or len(set(pos.values())) != len(pos):
+      return None
+    return pos
+
+  ops: list[_Op] = []
+  cur = None
+  for eqn in jaxpr.eqns:
+    if eqn.outvars and all(v in lazy_def for v in eqn.outvars):
+      continue
+    pos = stacked_xs(eqn)
+    if pos is not None:
+      ops.append(_Op("scan", [eqn], sorted({unit_of[i].name for i in pos.values()})))
+      cur = None
+      continue
+    us = set().union(*[var_units.get(v, set()) for v in eqn.invars
+                       if isinstance(v, jcore.Var)])
+    if cur is None or (us and cur.units and not us <= set(cur.units)):
+      cur = _Op("segment", [], [])
+      ops.append(cur)
+    cur.eqns.append(eqn)
+    cur.units = sorted(set(cur.units) | us)
+
+  # Each op's lazy eqns, inputs and outputs.
+  order = {id(e): n for n, e in enumerate(jaxpr.eqns)}
+  for op in ops:
+    need, stack = {}, [v for e in op.eqns for v in e.invars if isinstance(v, jcore.Var)]
+    if op.kind == "scan":  # the scan's other operands are computed before it
+      start = op.eqns[0].params["num_consts"] + op.eqns[0].params["num_carry"]
+      skip = set(stacked_xs(op.eqns[0]))
+      stack = [v for j, v in enumerate(op.eqns[0].invars)
+               if isinstance(v, jcore.Var) and j - start not in skip]
+    while stack:
+      v = stack.pop()
+      if v in lazy_def and id(lazy_def[v]) not in need:
+        e = lazy_def[v]
+        need[id(e)] = e
+        stack.extend(w for w in e.invars if isinstance(w, jcore.Var))
+    op.lazy = sorted(need.values(), key=lambda e: order[id(e)])
+    defined = {v for e in op.lazy + op.eqns for v in e.outvars}
+    reads = [v for e in op.lazy + op.eqns for v in e.invars if isinstance(v, jcore.Var)]
+    if op.kind == "scan":
+      reads = [v for j, v in enumerate(op.eqns[0].invars)
+               if isinstance(v, jcore.Var) and j - start not in skip] + \
+              [v for e in op.lazy for v in e.invars if isinstance(v, jcore.Var)]
+    op.acts = list(dict.fromkeys(
+        v for v in reads if v not in defined and v not in param_var and v not in lazy_def))
+    # Params the op reads directly or through lazy vars.
+    used = {param_var[v] for v in reads if v in param_var}
+    if op.kind == "segment":
+      op.units = sorted({unit_of[i].name for i in used})
+      op.whole = {n for n in op.units if by_name[n].stacked}
+    else:
+      op.extra = sorted({unit_of[i].name for i in used} - set(op.units))
+  later_reads: set = set(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
+  for op in reversed(ops):
+    op.outs = [v for e in op.eqns for v in e.outvars if v in later_reads]
+    later_reads.update(op.acts)
+
+  # Run.
+  env = dict(zip(jaxpr.constvars, flat.consts))
+  env.update((v, values[i]) for i, v in enumerate(jaxpr.invars[:n_leaves]) if v not in param_var)
+  env.update(zip(jaxpr.invars[n_leaves:], jax.tree.leaves(batch)))
+  op_shards = []
+  for op in ops:
+    names = op.units + list(getattr(op, "extra", []))
+    op_shards.append({i: values[i] for n in names for i in by_name[n].leaves})
+  tokens = [stand_in(jax.ShapeDtypeStruct((), jnp.float32)) for _ in range(prefetch)]
+  for n, op in enumerate(ops):
+    acts = [env[v] for v in op.acts]
+    ahead = n + prefetch
+    if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
+      op_shards[ahead] = _tie(op_shards[ahead], acts)
+    if op.kind == "segment" and not op.units:
+      local = dict(zip(op.acts, acts))
+      _eval(op.lazy + op.eqns, local)
+      outs = [local[v] for v in op.outs]
+    elif op.kind == "segment":
+      def fn(acts, full, op=op):
+        local = dict(zip(op.acts, acts))
+        local.update((v, full[i]) for v, i in param_var.items() if i in full)
+        local.update((v, x) for v, x in zip(jaxpr.constvars, flat.consts))
+        _eval(op.lazy + op.eqns, local)
+        return [local[v] for v in op.outs]
+      outs, tokens = _unit_call(fn, [by_name[u] for u in op.units], acts, op_shards[n], tokens,
+                                reshard=reshard)
+    else:
+      eqn = op.eqns[0]
+      pos = stacked_xs(eqn)
+      local = dict(zip(op.acts, acts))
+      local.update(zip(jaxpr.constvars, flat.consts))
+      extra = [by_name[u] for u in op.extra]
+      if extra:  # params the scan reads as consts or carry: gathered whole, once
+        full = _unit_call(lambda a, full: [full[i] for u in extra for i in u.leaves], extra, [],
+                          op_shards[n], [], reshard=False)[0]
+        it = iter(full)
+        local.update((v, next(it)) for u in extra for i in u.leaves for v, j in
+                     param_var.items() if j == i)
+      _eval(op.lazy, local)
+      start = eqn.params["num_consts"] + eqn.params["num_carry"]
+      operands = [None if j - start in pos else _read(local, v)
+                  for j, v in enumerate(eqn.invars)]
+      outs_all, tokens = _scan_unit(eqn, [by_name[u] for u in op.units], operands, {
+          j: i for j, i in pos.items()}, op_shards[n], tokens, reshard=reshard)
+      defined = dict(zip(eqn.outvars, outs_all))
+      outs = [defined[v] for v in op.outs]
+    env.update(zip(op.outs, outs))
+  (loss,) = [_read(env, v) for v in jaxpr.outvars]
+  return loss
