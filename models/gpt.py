@@ -10,8 +10,8 @@ Options:
   LayerNorm statistics, attention scores/softmax and the logits are computed in float32.
 * ``scan_layers``: the blocks' params are stacked along a leading layer axis
   (``params['blocks']['attn']['c_attn']['kernel'].shape == (n_layer, d, 3 * d)``) and run
-  with ``jax.lax.scan``, one iteration per layer; the scan body is a ``jaxdp.scan_unit``
-  (a no-op except under FSDP, which gathers each layer in its iteration).
+  with ``jax.lax.scan``, one iteration per layer (under jaxdp's FSDP with
+  ``FSDPConfig(stacked=["blocks"])`` each iteration gathers its layer).
   Unrolled, the blocks are an ``nnx.List`` and their params read
   ``params['blocks'][3]['attn'][...]``. The same seed gives the same weights in both forms;
   :func:`stack_blocks` / :func:`unstack_blocks` convert params.
@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-import jaxdp
 
 LORA_NAMES = ("lora_a", "lora_b")  # param names of the LoRA adapter leaves
 
@@ -69,6 +68,9 @@ class GPTConfig:
     """Rank of the LoRA adapters on every projection; 0 means no adapters."""
     lora_alpha: float = 16.0
     """LoRA scale numerator: the adapter output is multiplied by ``lora_alpha / lora_rank``."""
+    remat: bool = False
+    """Run each block under ``jax.checkpoint``: the backward recomputes the block from its
+    input instead of keeping its activations."""
 
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -205,16 +207,21 @@ class GPT(nnx.Module):
             graphdef, stacked = nnx.split(self.blocks)
 
             # One scan iteration = one block = one FSDP unit: under jaxdp FSDP with
-            # FSDPConfig(stacked=["blocks"]) the scan runs over the layer shards and
-            # scan_unit gathers each layer in its iteration; elsewhere it changes nothing.
-            @jaxdp.scan_unit
+            # FSDPConfig(stacked=["blocks"]) jaxdp runs this scan over the layer shards and
+            # gathers each layer in its iteration; the model needs no marker for it.
             def layer(x, layer_state):
                 return nnx.merge(graphdef, layer_state)(x), None
 
+            if self.config.remat:
+                layer = jax.checkpoint(layer)
             x, _ = jax.lax.scan(layer, x, stacked)
         else:
             for block in self.blocks:
-                x = block(x)
+                if self.config.remat:
+                    graphdef, state = nnx.split(block)
+                    x = jax.checkpoint(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+                else:
+                    x = block(x)
         x = self.ln_f(x)
         # Tied output projection; logits in float32 whatever the param dtype.
         return jnp.einsum("btd,vd->btv", x, self.wte[...], preferred_element_type=jnp.float32)

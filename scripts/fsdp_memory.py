@@ -1,37 +1,36 @@
-"""Peak GPU memory of one train step per strategy, compiled for 8 H100s without a GPU.
+"""Peak GPU memory of one train step: jaxdp's strategies beside plain GSPMD, 8 x H100.
 
-For a GPT (GPT-2 small width: d 768, 12 heads, vocab 50304; seq 128, one sequence per GPU,
-fp32, AdamW) with 4, 8, 12 and 16 layers, the train step of each strategy is compiled for
-an 8×H100 target (deviceless: `jax-cuda12-plugin` + the H100 target description; nothing
-runs) and `compiled.memory_analysis()` gives the per-device peak (arguments + outputs +
-temporaries − donated aliases). The table shows, per strategy and layer count, the peak
-and the resident train state; then how much each peak grows per added layer, next to one
-unit (one layer's params, gathered, in the param dtype).
+Every program is compiled for an 8 x H100 target without a GPU (`jax-cuda12-plugin` + the
+H100 target description; nothing runs) and `memory_analysis()` gives the per-device peak
+(`jaxdp.inspect.memory_stats`). Adam, fp32 params.
 
-Rows: DDP (no_shard), ZeRO-1 (optim) and FSDP (optim_grads_params) on the unrolled GPT,
-and FSDP on the scanned GPT (`scan_layers=True`, `FSDPConfig(stacked=["blocks"])`).
+Models (`--model`):
 
-What it shows: FSDP < ZeRO-1 < DDP at every depth. DDP's peak grows per layer by the
-layer's params + grads + Adam moments (~4 units), ZeRO-1's by its params and grads
-(~2 units) plus activations. Scanned FSDP's grows by the layer's 1/dp share of its state
-plus its activations: about one unit, not the model. Unrolled FSDP grows by one unit
-more: there XLA's latency hiding scheduler (which ignores memory far below the device's
-80 GB) starts every unit's reduce-scatter after the whole backward, so each unit's
-full-size fp32 grads stay live until then; in the scan each layer's reduce-scatter runs in
-its own iteration of the backward loop.
+* `mlp`: issue 13's residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
+  layer's params = 32 MiB), loss `mean(h ** 2)`, global batch 64 x 256 tokens.
+* `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU).
+
+each unrolled (a Python loop over the blocks) or scanned (`lax.scan` over stacked blocks),
+with each block under the user's `jax.checkpoint` (`--remat`, the default) or not.
+
+Rows: GSPMD programs (`jax.jit` of `value_and_grad` + `tx.update`, `NamedSharding`s; what a
+MaxText-style user writes): DDP = everything replicated, ZeRO-1 = optimizer state sharded,
+FSDP = params and optimizer state sharded over "data" on their first non-layer dim that 8
+divides. Then jaxdp's `no_shard` (DDP), `optim` (ZeRO-1) and `optim_grads_params` (FSDP,
+`FSDPConfig(stacked=["blocks"])` when scanned). Last: each row's growth per added layer
+(least squares over the layer counts).
 
 Usage:
-    python scripts/fsdp_memory.py                   # ~1 hour on 2 busy cores (unrolled)
-    python scripts/fsdp_memory.py --layers 8 16 --d-model 256 --seq 32 --scan   # minutes
-    python scripts/fsdp_memory.py --scan            # every strategy on the scanned GPT
-
-With `--scan`, ZeRO-1 shards each stacked leaf on the dim after its layer axis (the one
-that needs no padding), so any layer count works.
+    python scripts/fsdp_memory.py --model mlp --layers 4 8              # ~10 min, 2 cores
+    python scripts/fsdp_memory.py --model gpt --layers 4 8 --scanned
+    python scripts/fsdp_memory.py --model mlp --layers 4 8 16 --both-forms --no-remat
+    python scripts/fsdp_memory.py --small ...   # d 64, ffn 256, batch 8 x 16: seconds
 """
 
 import argparse
 import os
 import sys
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -44,98 +43,190 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxdp  # noqa: E402
 from jaxdp._src import aot  # noqa: E402
+from jaxdp._src import inspect as jinspect  # noqa: E402
 from jaxdp import FSDPConfig  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
-STRATEGIES = ("no_shard", "optim", "optim_grads_params")
-LAYERS = (4, 8, 12, 16)
-VARIANTS = (  # (row label, strategy, scanned layers)
-    ("no_shard", "no_shard", False),
-    ("optim", "optim", False),
-    ("optim_grads_params", "optim_grads_params", False),
-    ("optim_grads_params scan", "optim_grads_params", True),
-)
+PROGRAMS = ("GSPMD DDP", "GSPMD ZeRO-1", "GSPMD FSDP", "jaxdp no_shard", "jaxdp optim",
+            "jaxdp FSDP")
+JAXDP = {"jaxdp no_shard": "no_shard", "jaxdp optim": "optim",
+         "jaxdp FSDP": "optim_grads_params"}
 MiB = 2**20
+DP = 8
 
 
-def compile_step(n_layer, strategy, *, scan, d_model=768, n_head=12, seq=128, batch=8,
-                 vocab=50304, dtype=jnp.float32):
-  """The train step of `strategy` for an n_layer GPT, compiled for 8 H100s."""
-  mesh = aot.gpu_mesh((8,), ("data",))
+# ----------------------------------------------------------------------------- models
+
+def mlp_block(h, w):
+  return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
+
+
+def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256):
+  """The residual MLP: abstract params, loss_fn, abstract global batch."""
+  f32 = jnp.float32
+  if scanned:
+    blocks = {"w1": jax.ShapeDtypeStruct((n_layer, d, ffn), f32),
+              "w2": jax.ShapeDtypeStruct((n_layer, ffn, d), f32)}
+  else:
+    blocks = [{"w1": jax.ShapeDtypeStruct((d, ffn), f32),
+               "w2": jax.ShapeDtypeStruct((ffn, d), f32)} for _ in range(n_layer)]
+  block = jax.checkpoint(mlp_block) if remat else mlp_block
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    if scanned:
+      h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])
+    else:
+      for w in params["blocks"]:
+        h = block(h, w)
+    return jnp.mean(h ** 2)
+
+  return {"blocks": blocks}, loss_fn, {"x": jax.ShapeDtypeStruct((batch, seq, d), f32)}
+
+
+def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=128,
+                batch=8):
   config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head,
-                     d_model=d_model, scan_layers=scan, param_dtype=dtype)
+                     d_model=d, scan_layers=scanned, remat=remat)
   model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
   params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
-  tx = optax.adamw(1e-4)
-  ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
-  fsdp = FSDPConfig(stacked=["blocks"] if scan else []) \
-      if strategy == "optim_grads_params" else None
-  state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx, mesh, ddp, fsdp=fsdp), params)
-  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-  step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp, fsdp=fsdp)
-  compiled = step.lower(state, {"x": tokens, "y": tokens}).compile()
-  unit = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params["blocks"])) // n_layer
-  return compiled, unit
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  return params, loss_fn, {"x": tokens, "y": tokens}
 
 
-def measure(layers=LAYERS, variants=VARIANTS, **kw):
-  """`{(row label, n_layer): {"peak", "state", "temp"} bytes}` and one unit's bytes."""
-  out, unit = {}, None
-  for label, strategy, scan in variants:
+SMALL = {"mlp": dict(d=64, ffn=256, batch=8, seq=16),
+         "gpt": dict(d=64, n_head=4, vocab=256, seq=16, batch=8)}
+
+
+def problem(model, n_layer, *, scanned, remat, small=False):
+  make = mlp_problem if model == "mlp" else gpt_problem
+  return make(n_layer, scanned=scanned, remat=remat, **(SMALL[model] if small else {}))
+
+
+# ----------------------------------------------------------------------------- programs
+
+def _first_dim(x, stacked):
+  """P("data") on the first non-layer dim of `x` that DP divides; replicated if none."""
+  start = 1 if stacked else 0
+  for dim in range(start, x.ndim):
+    if x.shape[dim] % DP == 0:
+      return P(*[("data" if d == dim else None) for d in range(x.ndim)])
+  return P()
+
+
+def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
+  """GSPMD DDP / ZeRO-1 / FSDP: one jitted step, shardings on its arguments."""
+  def spec(path, x):
+    stacked = scanned and "blocks" in jax.tree_util.keystr(path)
+    return _first_dim(x, stacked)
+
+  sharded = jax.tree_util.tree_map_with_path(spec, params)
+  replicated = jax.tree.map(lambda _: P(), params)
+  param_specs = sharded if program == "GSPMD FSDP" else replicated
+  opt_abstract = jax.eval_shape(tx.init, params)
+  opt_sharded = program != "GSPMD DDP"
+
+  def opt_spec(x):  # Adam's moments are shaped like the params; its count is a scalar
+    if not opt_sharded or x.ndim == 0:
+      return P()
+    for path, p in jax.tree_util.tree_leaves_with_path(params):
+      if p.shape == x.shape:
+        return spec(path, p)
+    return P()
+
+  opt_specs = jax.tree.map(opt_spec, opt_abstract)
+  named = lambda s: NamedSharding(mesh, s)  # noqa: E731
+
+  def step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  shard = lambda t, s: jax.tree.map(  # noqa: E731
+      lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(p)), t, s)
+  args = (shard(params, param_specs), shard(opt_abstract, opt_specs),
+          jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+              x.shape, x.dtype, sharding=named(P("data"))), batch))
+  jitted = jax.jit(step, out_shardings=(jax.tree.map(named, param_specs),
+                                        jax.tree.map(named, opt_specs), named(P())),
+                   donate_argnums=(0, 1))
+  return jitted.lower(*args).compile()
+
+
+def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsdp=None):
+  """One program compiled for 8 x H100."""
+  params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small)
+  tx = optax.adam(1e-4)
+  mesh = aot.gpu_mesh((DP,), ("data",))
+  if program.startswith("GSPMD"):
+    return gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned)
+  strategy = JAXDP[program]
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  if strategy == "optim_grads_params":
+    fsdp = fsdp or FSDPConfig(stacked=["blocks"] if scanned else [])
+  return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh,
+                                fsdp=fsdp)
+
+
+def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True):
+  """`{(program, n_layer): peak bytes}`."""
+  out = {}
+  for program in programs:
     for n in layers:
-      compiled, unit = compile_step(n, strategy, scan=scan, **kw)
-      m = compiled.memory_analysis()
-      out[label, n] = {
-          "peak": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                  - m.alias_size_in_bytes,
-          "state": m.argument_size_in_bytes, "temp": m.temp_size_in_bytes}
-      print(f"  compiled {label:<24} {n:>2} layers: peak "
-            f"{out[label, n]['peak'] / MiB:9.1f} MiB", file=sys.stderr, flush=True)
-  return out, unit
+      t = time.time()
+      compiled = compile_program(program, model, n, scanned=scanned, remat=remat, small=small)
+      out[program, n] = jinspect.memory_stats(compiled).peak_bytes
+      if log:
+        print(f"  {model} {'scanned' if scanned else 'unrolled'} remat={remat} {program:<15}"
+              f" L={n:>2}: {out[program, n] / MiB:8.1f} MiB ({time.time() - t:.0f} s)",
+              file=sys.stderr, flush=True)
+  return out
 
 
-def growth(stats, label, layers):
+def growth(stats, program, layers):
   """Peak bytes added per added layer (least squares over the layer counts)."""
   xs = list(layers)
-  ys = [stats[label, n]["peak"] for n in xs]
+  ys = [stats[program, n] for n in xs]
   mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
   return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def table(stats, unit, layers=LAYERS, labels=tuple(v[0] for v in VARIANTS)) -> str:
-  lines = ["peak bytes per device (MiB), 8x H100, one train step; (st: resident state = "
-           "params, master, optimizer state)",
-           f"{'strategy':<25}" + "".join(f"{f'{n} layers':>22}" for n in layers)]
-  for s in labels:
-    lines.append(f"{s:<25}" + "".join(
-        f"{stats[s, n]['peak'] / MiB:>11.1f} (st {stats[s, n]['state'] / MiB:>6.1f})"
-        for n in layers))
-  lines.append(f"one unit (a layer's params, gathered): {unit / MiB:.1f} MiB")
-  for s in labels:
-    g = growth(stats, s, layers)
-    lines.append(f"  {s:<24} peak grows {g / MiB:7.1f} MiB per layer = {g / unit:5.2f} units")
+def table(stats, layers, programs=PROGRAMS, title="") -> str:
+  digits = 0 if min(stats.values()) > 50 * MiB else 2
+  lines = [title, f"| program | " + " | ".join(f"L = {n}" for n in layers)
+           + " | MiB per added layer |", "|---|" + "---:|" * (len(layers) + 1)]
+  for p in programs:
+    lines.append(f"| {p} | " + " | ".join(f"{stats[p, n] / MiB:.{digits}f}" for n in layers)
+                 + f" | {growth(stats, p, layers) / MiB:.1f} |")
   return "\n".join(lines)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--layers", type=int, nargs="+", default=list(LAYERS))
-  parser.add_argument("--d-model", type=int, default=768)
-  parser.add_argument("--n-head", type=int, default=12)
-  parser.add_argument("--seq", type=int, default=128)
-  parser.add_argument("--batch", type=int, default=8, help="global batch (1 per GPU)")
-  parser.add_argument("--vocab", type=int, default=50304)
-  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-  parser.add_argument("--scan", action="store_true", help="every strategy on scanned layers")
+  parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+  parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
+  form = parser.add_mutually_exclusive_group()
+  form.add_argument("--scanned", action="store_true", help="scanned only")
+  form.add_argument("--both-forms", action="store_true", help="unrolled and scanned")
+  parser.add_argument("--no-remat", action="store_true", help="blocks without jax.checkpoint")
+  parser.add_argument("--both-remat", action="store_true", help="with and without remat")
+  parser.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
+  parser.add_argument("--small", action="store_true", help="a tiny model (seconds)")
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()
   if reason:
     sys.exit(f"cannot compile for GPU here: {reason}")
-  kw = dict(d_model=args.d_model, n_head=args.n_head, seq=args.seq, batch=args.batch,
-            vocab=args.vocab, dtype=jnp.dtype(args.dtype))
-  variants = tuple((s, s, True) for s in STRATEGIES) if args.scan else VARIANTS
-  stats, unit = measure(tuple(args.layers), variants, **kw)
-  print(table(stats, unit, tuple(args.layers), tuple(v[0] for v in variants)))
+  forms = [False, True] if args.both_forms else [args.scanned]
+  remats = [True, False] if args.both_remat else [not args.no_remat]
+  for scanned in forms:
+    for remat in remats:
+      stats = measure(args.model, args.layers, scanned=scanned, remat=remat,
+                      programs=args.programs, small=args.small)
+      title = (f"\n{args.model}, {'scanned' if scanned else 'unrolled'}, "
+               f"{'each block under jax.checkpoint' if remat else 'no remat'}: peak MiB per "
+               "device, 8 x H100, Adam, fp32")
+      print(table(stats, args.layers, args.programs, title), flush=True)
 
 
 if __name__ == "__main__":
