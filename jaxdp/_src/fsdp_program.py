@@ -142,19 +142,48 @@ def _ct_or_none(x, ct):
   return ct if _is_float(x) else None
 
 
-def _floats(tree) -> list:
-  return [x for x in jax.tree.leaves(tree) if _is_float(x)]
+def _together(a, b):
+  """`(a, b)` through one `optimization_barrier`: XLA computes nothing from either result
+  before both of `a` and `b` exist. The caller must use both results (XLA drops the operands
+  of a barrier whose results are unused, and with them the ordering). Integer leaves pass
+  outside the barrier.
+
+  Differentiated, it is the identity on the cotangents (JAX's own rule for the barrier would
+  put them through one too, with zeros materialized for unused results)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  ia = [n for n, x in enumerate(la) if _is_float(x)]
+  ib = [n for n, x in enumerate(lb) if _is_float(x)]
+  if not ia or not ib:
+    return a, b
+  xa, xb = _barrier_vjp([la[n] for n in ia], [lb[n] for n in ib])
+  for n, x in zip(ia, xa):
+    la[n] = x
+  for n, x in zip(ib, xb):
+    lb[n] = x
+  return jax.tree.unflatten(ta, la), jax.tree.unflatten(tb, lb)
 
 
-def _tie(tree, after):
-  """`tree` through one `optimization_barrier` with the float leaves of `after`: XLA cannot
-  compute anything from the result before all of `after` exists."""
-  deps = _floats(after)
-  if not deps:
-    return tree
-  leaves, treedef = jax.tree.flatten(tree)
-  out, _ = jax.lax.optimization_barrier((leaves, deps))
-  return jax.tree.unflatten(treedef, out)
+@jax.custom_vjp
+def _barrier_vjp(a, b):
+  return jax.lax.optimization_barrier((a, b))
+
+
+def _barrier_fwd(a, b):
+  return _barrier_vjp(a, b), None
+
+
+def _barrier_bwd(_, ct):
+  return ct
+
+
+_barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
+
+
+def _after(shards: dict, token) -> dict:
+  """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
+  shards cannot start before `token` exists."""
+  return {i: x + token.astype(x.dtype) if _is_float(x) else x for i, x in shards.items()}
 
 
 def _avals(tree):
@@ -236,19 +265,28 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
     saved, t, f, full = res
     ct_outs, ct_tokens = cts
     acts0 = _stand_ins(act_avals)
+    # This segment's backward has started: release the gather of the segment k earlier.
+    fresh, ct_outs = _together(_stand_in(token_avals[0]), ct_outs) if k else (None, ct_outs)
     if reshard:
       # Gather once the backward of the segment k later has started (its token), or, with
       # k = 0, once this segment's own cotangents exist.
-      t, f = _tie((t, f), ct_tokens[k - 1] if k else ct_outs)
-      full = full_of(t, f)
+      if k:
+        t, f = _after(t, ct_tokens[k - 1]), _after(f, ct_tokens[k - 1])
+      else:
+        (t, f), ct_outs = _together((t, f), ct_outs)
+      # ... and recompute nothing from it before this segment's cotangents exist (else XLA
+      # runs the recomputation of the segment k earlier as soon as its gather lands).
+      full, ct_outs = _together(full_of(t, f), ct_outs)
     _, vjp = jax.vjp(fn, acts0, full)
     keep = [True] * len(jax.tree.leaves(vjp)) if not reshard else _residual_mask(
         fn, (acts0, full), (True, False))
     d_acts, d_full = _swap(vjp, saved, keep)(ct_outs)
     d_t = _scatter(units, d_full, layer_axis=True)
+    # The segment before runs its backward once this one's gradients are reduce-scattered
+    # (else XLA leaves every weight-gradient matmul and reduce-scatter to the end of the
+    # backward, each unit's full-size gradient and activations live until then).
+    d_acts, d_t = _together(d_acts, d_t)
     d_acts = [_ct_or_none(a, d) for a, d in zip(acts0, d_acts)]
-    # This segment's backward has started: release the gather of the segment k earlier.
-    fresh = _tie(_stand_in(token_avals[0]), ct_outs) if k else None
     d_tokens = ([fresh] + list(ct_tokens[:-1])) if k else []
     return d_acts, d_t, None, d_tokens
 
@@ -333,7 +371,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
         step, (d_carry, d_consts0), (t, f_, saved, d_ys), length=length, reverse=not reverse)
-    fresh = _tie(_stand_in(token_avals[0]), d_init) if k else None
+    fresh, d_init = _together(_stand_in(token_avals[0]), d_init) if k else (None, d_init)
     return d_consts, d_init, d_other, d_t, None, [fresh] * k
 
   call.defvjp(fwd, bwd)
@@ -479,7 +517,7 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
     acts = [env[v] for v in op.acts]
     ahead = n + prefetch
     if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
-      op_shards[ahead] = _tie(op_shards[ahead], acts)
+      acts, op_shards[ahead] = _together(acts, op_shards[ahead])
     if op.kind == "segment" and not op.units:
       local = dict(zip(op.acts, acts))
       _eval(op.lazy + op.eqns, local)
