@@ -99,9 +99,9 @@ SMALL = {"mlp": dict(d=64, ffn=256, batch=8, seq=16),
          "gpt": dict(d=64, n_head=4, vocab=256, seq=16, batch=8)}
 
 
-def problem(model, n_layer, *, scanned, remat, small=False):
+def problem(model, n_layer, *, scanned, remat, small=False, **kw):
   make = mlp_problem if model == "mlp" else gpt_problem
-  return make(n_layer, scanned=scanned, remat=remat, **(SMALL[model] if small else {}))
+  return make(n_layer, scanned=scanned, remat=remat, **{**(SMALL[model] if small else {}), **kw})
 
 
 # ----------------------------------------------------------------------------- programs
@@ -154,9 +154,10 @@ def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
   return jitted.lower(*args).compile()
 
 
-def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsdp=None):
-  """One program compiled for 8 x H100."""
-  params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small)
+def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsdp=None, **kw):
+  """One program compiled for 8 x H100 (`kw`: the model's sizes)."""
+  params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small,
+                                   **kw)
   tx = optax.adam(1e-4)
   mesh = aot.gpu_mesh((DP,), ("data",))
   if program.startswith("GSPMD"):
@@ -169,13 +170,14 @@ def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsd
                                 fsdp=fsdp)
 
 
-def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True):
+def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True, **kw):
   """`{(program, n_layer): peak bytes}`."""
   out = {}
   for program in programs:
     for n in layers:
       t = time.time()
-      compiled = compile_program(program, model, n, scanned=scanned, remat=remat, small=small)
+      compiled = compile_program(program, model, n, scanned=scanned, remat=remat, small=small,
+                                 **kw)
       out[program, n] = jinspect.memory_stats(compiled).peak_bytes
       if log:
         print(f"  {model} {'scanned' if scanned else 'unrolled'} remat={remat} {program:<15}"
@@ -213,6 +215,7 @@ def main():
   parser.add_argument("--both-remat", action="store_true", help="with and without remat")
   parser.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
   parser.add_argument("--small", action="store_true", help="a tiny model (seconds)")
+  parser.add_argument("--vocab", type=int, default=50304, help="GPT vocabulary (256: bytes)")
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()
   if reason:
@@ -221,9 +224,11 @@ def main():
   remats = [True, False] if args.both_remat else [not args.no_remat]
   for scanned in forms:
     for remat in remats:
+      kw = {"vocab": args.vocab} if args.model == "gpt" and not args.small else {}
       stats = measure(args.model, args.layers, scanned=scanned, remat=remat,
-                      programs=args.programs, small=args.small)
-      title = (f"\n{args.model}, {'scanned' if scanned else 'unrolled'}, "
+                      programs=args.programs, small=args.small, **kw)
+      title = (f"\n{args.model}{f' (vocab {args.vocab})' if kw else ''}, "
+               f"{'scanned' if scanned else 'unrolled'}, "
                f"{'each block under jax.checkpoint' if remat else 'no remat'}: peak MiB per "
                "device, 8 x H100, Adam, fp32")
       print(table(stats, args.layers, args.programs, title), flush=True)
