@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
-from jaxdp._src.ddp import model_specs_of
+from jaxdp._src.mesh import model_specs_of
 from models.gpt import GPT, GPTConfig
 from models.moe import MoEConfig, MoEGPT, gpt_loss, is_expert, place_experts
 from tests import mp_worker
