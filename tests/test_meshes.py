@@ -213,6 +213,19 @@ def test_moe_expert_grads_reduced_over_expert_data_parallel_group(strategy, tmp_
   assert_close(jaxdp.get_params(restored), want)
 
 
+def test_compile_train_step_shards_the_batch_like_the_step():
+  """`jaxdp.inspect.compile_train_step` places the batch over the step's own data axes
+  ("expert" included), so the compiled program starts with no reshard of the batch."""
+  mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=AUTO)
+  params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+  batch = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  compiled = jaxdp.inspect.compile_train_step(loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(),
+                                              params, batch, mesh=mesh)
+  (_, batch_sharding), _ = compiled.input_shardings
+  assert batch_sharding["x"].spec == P(("expert", "data"))
+
+
 # ----------------------------------------------------------------------------- tensor parallel
 
 def megatron_specs(params):

@@ -170,7 +170,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     trainable = layout.trainable
     full = leaves_of(params)
     if gather_in_step:
-      full = collectives.allgather_params(leaves_of(master), layout, full)
+      full = collectives.all_gather_params(leaves_of(master), layout, full)
     full = [collectives.make_varying(x, [a for a in axes if a not in own_axes[i]]) if t else x
             for i, (t, x) in enumerate(zip(trainable, full))]
 
@@ -290,7 +290,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     new_state = dataclasses.replace(state, step=state.step + 1, params=tree_of(layout, params),
                                     master=tree_of(layout, master), opt_state=opt_state)
     return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
-                       grads)
+                              grads)
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
 

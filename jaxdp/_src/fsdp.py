@@ -275,7 +275,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     new_state = dataclasses.replace(state, step=state.step + 1, master=master,
                                     opt_state=opt_state)
     return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
-                       grads)
+                              grads)
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
 
