@@ -94,3 +94,64 @@ def test_scanned_step_built_twice_and_next_to_ddp():
     got, loss = train(params, make_loss(), b, tx, 2, FSDPConfig(stacked=["blocks"]))
     assert max_diff(got, ref) <= ATOL and max_diff(ddp, ref) <= ATOL
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+
+
+def one_sgd_step(params, loss_fn, b, fsdp):
+  """Params after one SGD(lr=1) step: params - grad, so equal params mean equal grads."""
+  tx = optax.sgd(1.0)
+  ref, _ = reference(params, loss_fn, b, tx, 1)
+  got, _ = train(params, loss_fn, b, tx, 1, fsdp)
+  return got, ref
+
+
+@pytest.mark.parametrize("layers,d,remat", [
+    (1, 16, "none"), (2, 12, "body"), (3, 16, "inner"), (16, 12, "none")])
+def test_scanned_any_layer_count_width_and_remat(layers, d, remat):
+  """Layer counts 1-16; d = 12 does not divide by dp = 8 (padded shards); the user's
+  jax.checkpoint around the scan body or inside it."""
+  params = mlp_params(layers, d=d)
+  got, ref = one_sgd_step(params, make_loss(remat=remat), batch(d), FSDPConfig(stacked=["blocks"]))
+  assert max_diff(got, ref) <= ATOL
+
+
+@pytest.mark.parametrize("remat", ["none", "body"])
+def test_unrolled_with_and_without_remat(remat):
+  params = mlp_params(3, d=12, scanned=False)
+  got, ref = one_sgd_step(params, make_loss(scanned=False, remat=remat), batch(12), FSDPConfig())
+  assert max_diff(got, ref) <= ATOL
+
+
+def test_nnx_scan_model_with_nnx_remat():
+  """A model built the nnx way (nnx.vmap-created stacked blocks, nnx.scan over them, nnx.remat
+  in the body): jaxdp finds the scan over the stacked params without any marker."""
+  from flax import nnx  # noqa: PLC0415
+
+  class Block(nnx.Module):
+    def __init__(self, d, rngs):
+      self.lin = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+      return x + jax.nn.gelu(self.lin(x))
+
+  class Model(nnx.Module):
+    def __init__(self, d, n, rngs):
+      @nnx.split_rngs(splits=n)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make(rngs):
+        return Block(d, rngs)
+      self.blocks = make(rngs)
+      self.head = nnx.Linear(d, 3, rngs=rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      @nnx.remat
+      def run(x, block):
+        return block(x)
+      return self.head(run(x, self.blocks))
+
+  def model_loss(model, b):
+    return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+
+  params, loss_fn = jaxdp.nnx_split(Model(16, 3, nnx.Rngs(0)), model_loss)
+  got, ref = one_sgd_step(params, loss_fn, batch(), FSDPConfig(stacked=["blocks"]))
+  assert max_diff(got, ref) <= ATOL

@@ -59,6 +59,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
 
+from jaxdp._src import collectives
+
 PyTree = Any
 
 
@@ -195,7 +197,7 @@ def _stand_in(aval):
   residuals are saved, so only dead code reads it."""
   x = jnp.zeros(aval.shape, aval.dtype)
   vma = tuple(sorted(getattr(getattr(aval, "mat", None), "varying", ()) or ()))
-  return jax.lax.pcast(x, vma, to="varying") if vma else x
+  return collectives.make_varying(x, vma) if vma else x
 
 
 def _stand_ins(avals):
@@ -414,7 +416,7 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
 
   def stand_in(aval):  # whole-shape values to trace with (dead code once traced)
     x = jnp.zeros(aval.shape, aval.dtype)
-    return jax.lax.pcast(x, tuple(axes), to="varying") if axes else x
+    return collectives.make_varying(x, tuple(axes)) if axes else x
 
   args = [stand_in(a) if i in unit_of else values[i] for i, a in enumerate(leaf_avals)]
   closed = jax.make_jaxpr(lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b))(

@@ -1,0 +1,193 @@
+"""FSDP units: which params one all-gather carries, and where the model gathers them.
+
+A *unit* (Megatron-FSDP's unit module, torch FSDP2's `fully_shard` module) is a group of
+params gathered by one collective (`collectives.unit_collectives`).
+
+By default there is one unit per layer: the subtree at the first sequence index of a leaf's path
+(`['blocks'][3]`), else the top-level entry (`['wte']`). `FSDPConfig(units=...)` takes a
+list of prefixes (leaves under none of them form the root unit) or a function from a leaf's
+path to a unit name. A *stacked* subtree (`FSDPConfig(stacked=("blocks",))`: every leaf has
+a leading layer axis and the model runs it with `jax.lax.scan`) is one unit per layer: its
+shard is `(layers, rows / dp, ...)`, and `fsdp_program` finds the scan over it in the traced
+loss and gathers one layer per iteration. `gather_unit` and `scan_unit`, which models once
+needed for that, are kept as identities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxdp._src.config import FSDPConfig
+from jaxdp._src.layout import Layout, ParamSpec, make_layout
+
+PyTree = Any
+ROOT_UNIT = "<root>"
+"""Unit of the leaves under none of the prefixes of `FSDPConfig(units=[...])`."""
+
+
+def _under(path: str, prefix: str) -> bool:
+  return path == prefix or (path.startswith(prefix) and path[len(prefix)] in "[.")
+
+
+def _default_unit(keys) -> str:
+  for n, k in enumerate(keys):
+    if isinstance(k, jax.tree_util.SequenceKey) or (
+        isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, int)):
+      return jax.tree_util.keystr(tuple(keys[: n + 1]))
+  return jax.tree_util.keystr(tuple(keys[:1]))
+
+
+def assign_units(params: PyTree, fsdp: FSDPConfig) -> tuple[dict[str, str], set[str]]:
+  """`({leaf path: unit name}, {paths of stacked leaves})` of a param tree.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"blocks": [{"w": jnp.zeros(2)}, {"w": jnp.zeros(2)}], "head": jnp.zeros(2)}
+    >>> sorted(set(assign_units(params, FSDPConfig())[0].values()))
+    ["['blocks'][0]", "['blocks'][1]", "['head']"]
+  """
+  keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+  units, stacked = {}, set()
+  for keys, _ in keyed:
+    path = jax.tree_util.keystr(keys)
+    layer_axis = [s for s in fsdp.stacked if _under(path, s)]
+    if layer_axis:
+      units[path] = max(layer_axis, key=len)
+      stacked.add(path)
+    elif callable(fsdp.units):
+      units[path] = fsdp.units(path)
+    elif fsdp.units is not None:
+      under = [u for u in fsdp.units if _under(path, u)]
+      units[path] = max(under, key=len) if under else ROOT_UNIT
+    else:
+      units[path] = _default_unit(keys)
+  return units, stacked
+
+
+# ----------------------------------------------------------------------------- units
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """One unit's static plan: what its gather and its reduce-scatter carry."""
+
+  name: str
+  layers: int
+  """Stacked unit: layers per stack (the unit is one of them); 0 otherwise."""
+  gather: tuple[tuple[Any, np.dtype], ...]
+  """`(bucket, param dtype)` over all float params of the unit (frozen included)."""
+  grad: tuple[tuple[Any, np.dtype], ...]
+  """`(bucket, grad dtype)` over the trainable params of the unit."""
+  trainable: tuple[int, ...]
+  frozen: tuple[int, ...]
+
+  @property
+  def leaves(self) -> tuple[int, ...]:
+    """The unit's leaves in tree order."""
+    return tuple(sorted(self.trainable + self.frozen))
+
+
+@functools.cache
+def gather_layout(layout: Layout) -> Layout:
+  """The layout of every float param (frozen too), unit by unit: what the gathers carry."""
+  abstract = jax.tree.unflatten(layout.treedef, [
+      jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)])
+  return make_layout(abstract, dp=layout.dp, units=dict(zip(layout.paths, layout.units)),
+                     stacked={p for p, n in zip(layout.paths, layout.layers) if n})
+
+
+@functools.cache
+def units_of(layout: Layout) -> tuple[Unit, ...]:
+  """The units of an FSDP layout, in backprop order."""
+  specs = {}
+  gathers: dict[str, list] = {}
+  grads: dict[str, list] = {}
+  for buf in gather_layout(layout).buffers:
+    for b in buf.buckets:
+      gathers.setdefault(b.unit, []).append((b, buf.param_dtype))
+      specs.update({p.index: p for p in b.params})
+  for buf in layout.buffers:
+    for b in buf.buckets:
+      grads.setdefault(b.unit, []).append((b, buf.grad_dtype))
+  trainable = layout.trainable
+  units = []
+  for name, gather in gathers.items():
+    leaves = sorted(p.index for b, _ in gather for p in b.params)
+    units.append(Unit(name, specs[leaves[0]].layers, tuple(gather), tuple(grads.get(name, ())),
+                      tuple(i for i in leaves if trainable[i]),
+                      tuple(i for i in leaves if not trainable[i])))
+  return tuple(units)
+
+
+def param_specs(layout: Layout) -> dict[int, ParamSpec]:
+  """Leaf index -> its `ParamSpec` (one layer's, for stacked leaves), frozen ones included."""
+  return {p.index: p for p in gather_layout(layout).params}
+
+
+# ----------------------------------------------------------------------------- markers
+
+def gather_unit(layer_params: PyTree) -> PyTree:
+  """Returns `layer_params`: kept for models written for jaxdp's earlier FSDP, which needed it.
+
+  jaxdp's FSDP now finds a stacked unit's layers itself: it traces the loss with whole params
+  and runs every `lax.scan` whose `xs` are the leaves of a `FSDPConfig(stacked=...)` subtree
+  over their shards, gathering one layer per iteration (see `jaxdp._src.fsdp_program`). A
+  model needs no marker, and this function, like `scan_unit`, changes nothing.
+
+  Args:
+    layer_params: one layer's params.
+
+  Returns:
+    `layer_params`, unchanged.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> layer = {"w": jnp.ones((2, 3))}
+    >>> gather_unit(layer)["w"].shape
+    (2, 3)
+  """
+  return layer_params
+
+
+def scan_unit(body: Callable) -> Callable:
+  """Returns `body`: kept for models written for jaxdp's earlier FSDP, which needed it.
+
+  Under an `optim_grads_params` step with `FSDPConfig(stacked=[...])`, jaxdp finds the
+  `lax.scan` (or `nnx.scan`) over the stacked layers in the traced loss and runs it over the
+  layer shards, one layer gathered per iteration, whatever the body is decorated with; the
+  user's `jax.checkpoint` in or around the body decides which activations are saved. Reading
+  state at trace time (as this decorator once did) is unsafe: `lax.scan` caches its body's
+  trace and replays it on the next build without running the Python body.
+
+  Args:
+    body: `body(carry, layer_params) -> (carry, y)`, as `jax.lax.scan` takes it.
+
+  Returns:
+    `body` itself.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> @scan_unit
+    ... def layer(x, p):
+    ...   return jnp.tanh(x @ p["w"]), None
+    >>> stacked = {"w": jnp.stack([jnp.eye(2)] * 3)}
+    >>> jax.lax.scan(layer, jnp.ones(2), stacked)[0].shape
+    (2,)
+  """
+  return body
+
+
+def sharded_paths() -> frozenset[str]:
+  """Paths of leaves a loss_fn receives with other than their whole shapes: none (an FSDP
+  step traces the loss with whole params), so shape checks inside a loss_fn need no
+  exception.
+
+  Examples:
+    >>> sharded_paths()
+    frozenset()
+  """
+  return frozenset()
