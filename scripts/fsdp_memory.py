@@ -61,7 +61,7 @@ def mlp_block(h, w):
   return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
 
 
-def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256):
+def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256, vocab=None):
   """The residual MLP: abstract params, loss_fn, abstract global batch."""
   f32 = jnp.float32
   if scanned:

@@ -241,15 +241,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
                               grads)
 
-  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
+  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform,
+                                                              fsdp.prefetch))
 
 
-def compiler_options(platform: str) -> dict[str, Any]:
+def compiler_options(platform: str, prefetch: int = 1) -> dict[str, Any]:
   """jaxdp's options (buckets stay separate collectives), plus, on GPU, the collective
-  pipeliner, which starts a scanned unit's all-gather one iteration ahead (prefetch)."""
+  pipeliner, which starts a scanned unit's all-gather one iteration ahead (prefetch; off with
+  `FSDPConfig(prefetch=0)`: one layer less gathered at the peak, no gather overlapped)."""
   options = base_compiler_options(platform)
   if platform in GPU_PLATFORMS:
-    options.update(xla_gpu_enable_pipelined_all_gather=True,
+    options.update(xla_gpu_enable_pipelined_all_gather=prefetch > 0,
                    xla_gpu_enable_pipelined_reduce_scatter=True)
   return options
 

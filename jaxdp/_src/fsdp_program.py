@@ -249,6 +249,11 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
   def full_of(t, f):
     return _gather(units, {**t, **f}, layer_axis=True)
 
+  # The gathered params' types (varying axes included), to trace the backward with when it
+  # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
+  closed, shape = jax.make_jaxpr(full_of, return_shape=True)(trainable, frozen)
+  full_avals = jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
+
   @jax.custom_vjp
   def call(acts, t, f, tokens):
     return fn(acts, full_of(t, f)), _stand_ins(token_avals)
@@ -270,6 +275,12 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
     # This segment's backward has started: release the gather of the segment k earlier.
     fresh, ct_outs = _together(_stand_in(token_avals[0]), ct_outs) if k else (None, ct_outs)
     if reshard:
+      keep = _residual_mask(fn, (acts0, _stand_ins(full_avals)), (True, False))
+      of_params = _residual_mask(fn, (acts0, _stand_ins(full_avals)), (False, True))
+    if reshard and not any(p and not s for p, s in zip(of_params, keep)):
+      # nothing to recompute from the params (wpe's grad needs only the cotangent): no gather
+      full = _stand_ins(full_avals)
+    elif reshard:
       # Gather once the backward of the segment k later has started (its token), or, with
       # k = 0, once this segment's own cotangents exist.
       if k:
@@ -280,8 +291,8 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
       # runs the recomputation of the segment k earlier as soon as its gather lands).
       full, ct_outs = _together(full_of(t, f), ct_outs)
     _, vjp = jax.vjp(fn, acts0, full)
-    keep = [True] * len(jax.tree.leaves(vjp)) if not reshard else _residual_mask(
-        fn, (acts0, full), (True, False))
+    if not reshard:
+      keep = [True] * len(jax.tree.leaves(vjp))
     d_acts, d_full = _swap(vjp, saved, keep)(ct_outs)
     d_t = _scatter(units, d_full, layer_axis=True)
     # The segment before runs its backward once this one's gradients are reduce-scattered
