@@ -185,7 +185,7 @@ tx = optax.chain(optax.clip_by_global_norm(grad_clip),
 ddp_config = jaxdp.DDPConfig(data_parallel_sharding_strategy=args.strategy,
                              bucket_size=args.bucket_size)
 # FSDP's units: by default one per block; scanned blocks are one stacked subtree whose
-# layers the scan body gathers one at a time (@jaxdp.scan_unit in models/gpt.py).
+# layers jaxdp gathers one per iteration of the model's scan over them.
 fsdp = None
 if args.strategy == "optim_grads_params" and args.scan_layers:
     fsdp = jaxdp.FSDPConfig(stacked=["blocks"])

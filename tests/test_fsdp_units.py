@@ -195,3 +195,24 @@ def test_memory_relations_on_the_residual_mlp():
   for stats in (unrolled, scanned):
     assert script.growth(stats, "jaxdp FSDP", (4, 8)) <= per_layer + 0.5 * MiB
   assert scanned["jaxdp FSDP", 8] <= scanned["GSPMD FSDP", 8] + layer
+
+
+@pytest.mark.parametrize("scanned", [True, False])
+def test_grad_accumulation_keeps_units_gathered(scanned):
+  """FSDPConfig(reshard_after_backward=False), 2 micro-batches: one all-gather and one
+  reduce-scatter per unit and step, the same update as the single-device program."""
+  import re  # noqa: PLC0415
+  params, d = mlp_params(3, d=12, scanned=scanned), 12
+  fsdp = FSDPConfig(stacked=["blocks"] if scanned else [], reshard_after_backward=False)
+  got, ref = None, reference(params, make_loss(scanned), batch(d), optax.sgd(1.0), 1)[0]
+  got, _ = train(params, make_loss(scanned), batch(d), optax.sgd(1.0), 1, fsdp,
+                 grad_accum_steps=2)
+  assert max_diff(got, ref) <= ATOL
+  mesh = jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  step = jaxdp.make_train_step(make_loss(scanned), optax.sgd(1.0), mesh, FSDP, fsdp=fsdp,
+                               grad_accum_steps=2)
+  hlo = step.lower(state, batch(d)).as_text(dialect="hlo")
+  units = 2 if scanned else 4  # blocks (stacked: one unit) + head
+  assert len(re.findall(r" all-gather\(", hlo)) == units
+  assert len(re.findall(r" reduce-scatter\(", hlo)) == units

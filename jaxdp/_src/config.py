@@ -102,6 +102,12 @@ class FSDPConfig:
   reshard_after_forward: bool = True
   """Free each unit's gathered params after its forward and gather again for its backward
   (torch FSDP2's default); False keeps them from forward to backward (no second gather)."""
+  reshard_after_backward: bool = True
+  """With `grad_accum_steps` > 1: False gathers every unit once per step and keeps it for all
+  micro-batches, accumulating whole-size gradients, reduce-scattered once at the end (torch
+  FSDP2's `set_reshard_after_backward(False)` with gradient sync on the last micro-batch):
+  1 all-gather + 1 reduce-scatter per unit and step instead of k + k, for the memory of the
+  whole params and their gradients during the step. No effect with one micro-batch."""
   prefetch: int = 1
   """How many units ahead an all-gather may start (torch FSDP2's
   `set_modules_to_forward_prefetch` depth, Megatron-FSDP's double buffer): with 1, unit i+1's
@@ -128,6 +134,9 @@ class FSDPConfig:
           "a unit of its own and leave stacked= out")
     if not isinstance(self.reshard_after_forward, bool):
       raise ValueError(f"FSDPConfig: reshard_after_forward={self.reshard_after_forward!r}: "
+                       "must be True or False")
+    if not isinstance(self.reshard_after_backward, bool):
+      raise ValueError(f"FSDPConfig: reshard_after_backward={self.reshard_after_backward!r}: "
                        "must be True or False")
     if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or \
         self.prefetch < 0:

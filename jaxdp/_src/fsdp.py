@@ -187,6 +187,26 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
     if k == 1:
       loss, grads = grad_fn(tmaster, batch)
+    elif not fsdp.reshard_after_backward:  # one gather and one reduce-scatter per step
+      micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+      values = dict(enumerate(stored))
+      values.update(tmaster)
+      full = {**values, **fsdp_program.gather_units(units, values)}
+
+      def micro_loss(ftrain, mb):
+        leaves = [ftrain.get(i, full[i]) for i in range(len(trainable))]
+        return loss_fn(tree_of(layout, leaves), mb) / k
+
+      def body(carry, mb):
+        loss, g = jax.value_and_grad(micro_loss)({i: full[i] for i in tmaster}, mb)
+        return jax.tree.map(jnp.add, carry, (loss, jax.tree.map(
+            lambda x: x.astype(jnp.float32), g))), None
+
+      zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
+              collectives.make_varying({i: jnp.zeros(full[i].shape, jnp.float32)
+                                        for i in tmaster}, axes))
+      (loss, whole), _ = jax.lax.scan(body, zero, micro)
+      grads = fsdp_program.scatter_units(units, whole)
     else:  # every micro-batch gathers and reduce-scatters; the shards add up
       micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 

@@ -235,6 +235,17 @@ def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool) -> dict:
   return grads
 
 
+def gather_units(units: Sequence[UnitIO], shards: dict) -> dict:
+  """{leaf: whole param} of every leaf of `units` (a stacked unit: all its layers), outside
+  any custom_vjp: for keeping units gathered across micro-batches."""
+  return _gather(units, shards, layer_axis=True)
+
+
+def scatter_units(units: Sequence[UnitIO], cts: dict) -> dict:
+  """{leaf: shard grad} of the trainable leaves of `units` from whole-size gradients."""
+  return _scatter(units, cts, layer_axis=True)
+
+
 def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: list,
                *, reshard: bool):
   """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
