@@ -185,7 +185,8 @@ _barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
 def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
   shards cannot start before `token` exists."""
-  return {i: x + token.astype(x.dtype) if _is_float(x) else x for i, x in shards.items()}
+  return {i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x
+          for i, x in shards.items()}
 
 
 def _avals(tree):
@@ -253,7 +254,7 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
   `(outs, tokens for the next segment)`."""
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  k = len(tokens)
+  k = len(tokens) - 1  # prefetch tokens, then the "reduce-scatter done" token
   token_avals = _avals(tokens)
   act_avals = _avals(acts)
 
@@ -306,12 +307,16 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
       keep = [True] * len(jax.tree.leaves(vjp))
     d_acts, d_full = _swap(vjp, saved, keep)(ct_outs)
     d_t = _scatter(units, d_full, layer_axis=True)
-    # The segment before runs its backward once this one's gradients are reduce-scattered
-    # (else XLA leaves every weight-gradient matmul and reduce-scatter to the end of the
-    # backward, each unit's full-size gradient and activations live until then).
-    d_acts, d_t = _together(d_acts, d_t)
-    d_acts = [_ct_or_none(a, d) for a, d in zip(acts0, d_acts)]
-    d_tokens = ([fresh] + list(ct_tokens[:-1])) if k else []
+    # This unit's gradients are reduce-scattered before the segment two earlier starts its
+    # backward: the segment before gets a token that exists once they are, and adds it to the
+    # cotangents it hands on (else XLA leaves every weight-gradient matmul and reduce-scatter
+    # to the end of the backward, each unit's full-size gradient and activations live until
+    # then; tying this segment's own cotangents to them would leave the reduce-scatter
+    # nothing to overlap).
+    done, d_t = _together(_stand_in(token_avals[-1]), d_t)
+    d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
+    d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
+    d_tokens = ([fresh] + list(ct_tokens[:k - 1]) if k else []) + [done]
     return d_acts, d_t, None, d_tokens
 
   call.defvjp(fwd, bwd)
@@ -331,7 +336,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
   other = [x for j, x in enumerate(xs) if j not in shard_pos]
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  k = len(tokens)
+  k = len(tokens) - 1  # prefetch tokens, then the "reduce-scatter done" token
   token_avals = _avals(tokens)
   init_avals = _avals(init)
   other_avals = [jax.typeof(x).update(shape=jax.typeof(x).shape[1:]) for x in other]
@@ -375,7 +380,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
 
   def bwd(res, cts):
     consts, saved, t, f_ = res
-    (d_carry, d_ys), _ = cts
+    (d_carry, d_ys), ct_tokens = cts
     d_carry = [_ct_or_none(a, d) for a, d in zip(init_avals, d_carry)]
     d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
 
@@ -395,8 +400,9 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
         step, (d_carry, d_consts0), (t, f_, saved, d_ys), length=length, reverse=not reverse)
-    fresh, d_init = _together(_stand_in(token_avals[0]), d_init) if k else (None, d_init)
-    return d_consts, d_init, d_other, d_t, None, [fresh] * k
+    d_init = list(_after(dict(enumerate(d_init)), ct_tokens[k]).values())
+    fresh, d_init = _together(_stand_in(token_avals[0]), d_init)
+    return d_consts, d_init, d_other, d_t, None, [fresh] * (k + 1)
 
   call.defvjp(fwd, bwd)
   (carry, ys), tokens = call(consts, init, other, trainable, frozen, tokens)
@@ -536,7 +542,7 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
   for op in ops:
     names = op.units + list(getattr(op, "extra", []))
     op_shards.append({i: values[i] for n in names for i in by_name[n].leaves})
-  tokens = [stand_in(jax.ShapeDtypeStruct((), jnp.float32)) for _ in range(prefetch)]
+  tokens = [stand_in(jax.ShapeDtypeStruct((), jnp.float32)) for _ in range(prefetch + 1)]
   for n, op in enumerate(ops):
     acts = [env[v] for v in op.acts]
     ahead = n + prefetch
@@ -563,7 +569,8 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
       extra = [by_name[u] for u in op.extra]
       if extra:  # params the scan reads as consts or carry: gathered whole, once
         full = _unit_call(lambda a, full: [full[i] for u in extra for i in u.leaves], extra, [],
-                          op_shards[n], [], reshard=False)[0]
+                          op_shards[n], [stand_in(jax.ShapeDtypeStruct((), jnp.float32))],
+                          reshard=False)[0]
         it = iter(full)
         local.update((v, next(it)) for u in extra for i in u.leaves for v, j in
                      param_var.items() if j == i)
