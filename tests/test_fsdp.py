@@ -388,9 +388,15 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
   gathers = [c for c in s.collectives if c.kind == "all-gather" and c.operand_bytes == block]
   scatters = [c for c in s.collectives if c.kind == "reduce-scatter"]
   assert len(gathers) == 2 * N_LAYER  # forward + backward re-gather, kept apart by XLA
-  assert len(scatters) == 6 and all(c.is_async for c in gathers + scatters)
-  # Prefetch: every block's all-gather but the first runs while GEMMs compute.
-  assert all(c.overlaps_gemm for c in gathers[1:]), [c.overlapped for c in gathers]
+  # One reduce-scatter per unit and segment: the tied wte has two (embedding, logits).
+  assert len(scatters) == 7 and all(c.is_async for c in gathers + scatters)
+  # Prefetch (depth 1, by data dependencies): every block's all-gather but the first runs
+  # while compute runs, and while GEMMs run except the first of the backward, which may start
+  # only once the backward of the unit after the last block (ln_f: no GEMM) has.
+  assert all(c.overlaps_compute for c in gathers[1:]), [c.overlapped for c in gathers]
+  forward, backward = gathers[:N_LAYER], gathers[N_LAYER:]
+  assert all(c.overlaps_gemm for c in forward[1:] + backward[1:]), [
+      c.overlapped for c in gathers]
   assert sum(c.overlaps_gemm for c in scatters) >= N_LAYER
 
 
