@@ -381,7 +381,7 @@ def gpu_step(name, reshard=True):
 
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_prefetches_next_unit():
-  from jaxdp._src import inspect as jinspect  # noqa: PLC0415
+  from jaxdp._src import inspect as jinspect
   state, compiled = gpu_step("gpt")
   s = jinspect.schedule(compiled)
   block = 4 * unit_shard(state, "['blocks'][0]")  # f32 bytes of a block's shard
@@ -402,7 +402,7 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
 
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
-  from jaxdp._src import inspect as jinspect  # noqa: PLC0415
+  from jaxdp._src import inspect as jinspect
   state, compiled = gpu_step("gpt_scan")
   s = jinspect.schedule(compiled)
   shard = 4 * unit_shard(state, "['blocks']")  # f32 bytes; a reduce-scatter takes dp shards
