@@ -35,17 +35,17 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxdp  # noqa: E402
-from jaxdp._src import aot  # noqa: E402
-from jaxdp._src import inspect as jinspect  # noqa: E402
-from jaxdp import FSDPConfig  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+import jaxdp
+from jaxdp._src import aot
+from jaxdp._src import inspect as jinspect
+from jaxdp import FSDPConfig
+from models.gpt import GPT, GPTConfig, gpt_loss
 
 PROGRAMS = ("GSPMD DDP", "GSPMD ZeRO-1", "GSPMD FSDP", "jaxdp no_shard", "jaxdp optim",
             "jaxdp FSDP")
@@ -136,14 +136,14 @@ def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
     return P()
 
   opt_specs = jax.tree.map(opt_spec, opt_abstract)
-  named = lambda s: NamedSharding(mesh, s)  # noqa: E731
+  named = lambda s: NamedSharding(mesh, s)
 
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  shard = lambda t, s: jax.tree.map(  # noqa: E731
+  shard = lambda t, s: jax.tree.map(
       lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(p)), t, s)
   args = (shard(params, param_specs), shard(opt_abstract, opt_specs),
           jax.tree.map(lambda x: jax.ShapeDtypeStruct(
@@ -196,7 +196,7 @@ def growth(stats, program, layers):
 
 def table(stats, layers, programs=PROGRAMS, title="") -> str:
   digits = 0 if min(stats.values()) > 50 * MiB else 2
-  lines = [title, f"| program | " + " | ".join(f"L = {n}" for n in layers)
+  lines = [title, "| program | " + " | ".join(f"L = {n}" for n in layers)
            + " | MiB per added layer |", "|---|" + "---:|" * (len(layers) + 1)]
   for p in programs:
     lines.append(f"| {p} | " + " | ".join(f"{stats[p, n] / MiB:.{digits}f}" for n in layers)

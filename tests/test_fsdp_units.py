@@ -124,7 +124,7 @@ def test_unrolled_with_and_without_remat(remat):
 def test_nnx_scan_model_with_nnx_remat():
   """A model built the nnx way (nnx.vmap-created stacked blocks, nnx.scan over them, nnx.remat
   in the body): jaxdp finds the scan over the stacked params without any marker."""
-  from flax import nnx  # noqa: PLC0415
+  from flax import nnx
 
   class Block(nnx.Module):
     def __init__(self, d, rngs):
@@ -158,8 +158,8 @@ def test_nnx_scan_model_with_nnx_remat():
 
 
 def _script():
-  import importlib.util  # noqa: PLC0415
-  from pathlib import Path  # noqa: PLC0415
+  import importlib.util
+  from pathlib import Path
   path = Path(__file__).parents[1] / "scripts" / "fsdp_memory.py"
   spec = importlib.util.spec_from_file_location("fsdp_memory", path)
   script = importlib.util.module_from_spec(spec)
@@ -201,7 +201,7 @@ def test_memory_relations_on_the_residual_mlp():
 def test_grad_accumulation_keeps_units_gathered(scanned):
   """FSDPConfig(reshard_after_backward=False), 2 micro-batches: one all-gather and one
   reduce-scatter per unit and step, the same update as the single-device program."""
-  import re  # noqa: PLC0415
+  import re
   params, d = mlp_params(3, d=12, scanned=scanned), 12
   fsdp = FSDPConfig(stacked=["blocks"] if scanned else [], reshard_after_backward=False)
   got, ref = None, reference(params, make_loss(scanned), batch(d), optax.sgd(1.0), 1)[0]

@@ -55,7 +55,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
 
