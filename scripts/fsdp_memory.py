@@ -154,7 +154,8 @@ def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
   return jitted.lower(*args).compile()
 
 
-def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsdp=None, **kw):
+def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsdp=None,
+                    prefetch=1, **kw):
   """One program compiled for 8 x H100 (`kw`: the model's sizes)."""
   params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small,
                                    **kw)
@@ -165,7 +166,7 @@ def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsd
   strategy = JAXDP[program]
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   if strategy == "optim_grads_params":
-    fsdp = fsdp or FSDPConfig(stacked=["blocks"] if scanned else [])
+    fsdp = fsdp or FSDPConfig(stacked=["blocks"] if scanned else [], prefetch=prefetch)
   return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh,
                                 fsdp=fsdp)
 
@@ -216,6 +217,7 @@ def main():
   parser.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
   parser.add_argument("--small", action="store_true", help="a tiny model (seconds)")
   parser.add_argument("--vocab", type=int, default=50304, help="GPT vocabulary (256: bytes)")
+  parser.add_argument("--prefetch", type=int, default=1, help="jaxdp FSDP's FSDPConfig(prefetch=)")
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()
   if reason:
@@ -225,6 +227,7 @@ def main():
   for scanned in forms:
     for remat in remats:
       kw = {"vocab": args.vocab} if args.model == "gpt" and not args.small else {}
+      kw["prefetch"] = args.prefetch
       stats = measure(args.model, args.layers, scanned=scanned, remat=remat,
                       programs=args.programs, small=args.small, **kw)
       title = (f"\n{args.model}{f' (vocab {args.vocab})' if kw else ''}, "
