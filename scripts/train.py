@@ -154,13 +154,14 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 with without_cuda_stub_lines():
     import jax  # noqa: E402
 
-    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    jax.devices()  # picks the backend
+jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jaxdp  # noqa: E402
 
 # Under `python -m jaxdp.launch` (or SLURM, Open MPI, ...) this joins the other processes and
 # takes the launcher's devices per process; alone it does nothing.
 jaxdp.initialize()
+with without_cuda_stub_lines():
+    jax.devices()  # starts the backend, after initialize (as jax.distributed requires)
 is_main = jax.process_index() == 0  # the process that writes metrics and the plot
 
 import jax.numpy as jnp  # noqa: E402
