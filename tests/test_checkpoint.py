@@ -448,6 +448,7 @@ def _assert_bitwise(out, uninterrupted):
     np.testing.assert_array_equal(got[key], uninterrupted[key], err_msg=key)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_is_bitwise(tmp_path, uninterrupted):
   ckpt = tmp_path / "ckpt"
 
@@ -462,6 +463,7 @@ def test_sigkill_mid_run_then_resume_is_bitwise(tmp_path, uninterrupted):
   _assert_bitwise(tmp_path / "params.npz", uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, uninterrupted):
   ckpt = tmp_path / "ckpt"
   lines = _worker(ckpt, tmp_path / "params.npz", "--hold-commit", "6",

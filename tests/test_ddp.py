@@ -78,7 +78,8 @@ def assert_trees_close(a, b, atol, rtol=0.0):
                                atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("problem", [mlp_problem, gpt_problem])
+@pytest.mark.parametrize("problem", [mlp_problem,
+                                     pytest.param(gpt_problem, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bucket_size", [None, 100])
 def test_ddp_equals_single_device(problem, bucket_size):
   params, loss_fn, batch = problem()

@@ -117,6 +117,7 @@ def _flat(params) -> dict[str, np.ndarray]:
           for k, x in jax.tree_util.tree_leaves_with_path(params)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", mp_worker.STRATEGIES)
 def test_two_processes_train_equal_to_single_process(trained_by_two_processes, strategy):
   got = trained_by_two_processes(strategy)

@@ -112,9 +112,9 @@ def max_diff(a, b):
 
 # ----------------------------------------------------------------------------- training
 
-@pytest.mark.parametrize("name,reshard", [
-    ("mlp", True), ("gpt", True), ("gpt_scan", True), ("gpt_scan", False),
-    ("gpt_lora_scan", True)])
+@pytest.mark.parametrize("name,reshard", [("mlp", True)] + [
+    pytest.param(*p, marks=pytest.mark.slow)  # a GPT: ~1 min each on 2 cores
+    for p in [("gpt", True), ("gpt_scan", True), ("gpt_scan", False), ("gpt_lora_scan", True)]])
 def test_fsdp_equals_single_device(name, reshard):
   params, loss_fn, batch, frozen, fsdp = problem(name)
   fsdp = FSDPConfig(stacked=fsdp.stacked, reshard_after_forward=reshard)
@@ -140,6 +140,7 @@ def test_fsdp_equals_single_device(name, reshard):
   assert step._cache_size() == 1, "the second step recompiled"
 
 
+@pytest.mark.slow
 def test_fsdp_grad_accumulation_and_average_in_collective():
   params, loss_fn, batch, frozen, fsdp = problem("gpt_scan")
   loss_rtol, _, bound = tolerances("gpt_scan", params)
@@ -154,6 +155,7 @@ def test_fsdp_grad_accumulation_and_average_in_collective():
   bound.check(jaxdp.get_params(state), ref)
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_gathers_bf16_reduces_fp32_keeps_fp32_master():
   params, loss_fn, batch, _, fsdp = problem("gpt")
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
@@ -397,6 +399,7 @@ def gpu_step(name, reshard=True):
   return state, step.lower(state, batch).compile()
 
 
+@pytest.mark.slow
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_prefetches_next_unit():
   from jaxdp._src import inspect as jinspect  # noqa: PLC0415
@@ -412,6 +415,7 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
   assert sum(c.overlaps_gemm for c in scatters) >= N_LAYER
 
 
+@pytest.mark.slow
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
   from jaxdp._src import inspect as jinspect  # noqa: PLC0415
@@ -432,6 +436,7 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
   assert runs == {"all-gather": 2 * N_LAYER, "reduce-scatter": N_LAYER}, runs
 
 
+@pytest.mark.slow
 @needs_gpu_compile
 def test_fsdp_memory_table_relations():
   """scripts/fsdp_memory.py on a small scanned GPT: FSDP < ZeRO-1 < DDP at every depth, and

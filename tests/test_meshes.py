@@ -321,6 +321,7 @@ def launch(*args, timeout=300):
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_two_process_checkpoint_restores_in_one_process(tmp_path):
   """2 processes x 4 devices train under `optim` and save; this one process restores onto
   its 8 devices (`optim`) and onto 4 (`no_shard`), equal to training here."""
@@ -344,6 +345,7 @@ def test_two_process_checkpoint_restores_in_one_process(tmp_path):
     bound.check(jaxdp.get_params(state), want)
 
 
+@pytest.mark.slow
 def test_train_script_runs_under_the_launcher(tmp_path):
   """scripts/train.py, unchanged, as 2 processes x 4 devices: one 8-device data-parallel
   job; process 0 alone writes the metrics; every process takes part in the checkpoint."""

@@ -90,6 +90,7 @@ def test_stored_without_outputs(path):
           "--clear-output --inplace)")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_and_draws(path):
   nb = executed(path)

@@ -31,6 +31,7 @@ def run_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, extra", [("no_shard", []),
                                              ("optim_grads_params", ["--scan-layers"])])
 def test_train_script_end_to_end(tmp_path, strategy, extra):
