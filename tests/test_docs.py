@@ -161,3 +161,10 @@ def test_multi_host_cluster_commands_use_real_flags_and_arguments():
     from jaxdp._src import distributed
     assert name in {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
                     distributed.ENV_PROCESS_ID, distributed.ENV_LOCAL_DEVICES}, name
+
+
+def test_ci_runs_the_readme_test_command_exactly():
+  ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+  assert ci in [line.strip() for block in blocks(README, "bash") for line in block.splitlines()]
+  pytest_args = ci.split("pytest", 1)[1].split()
+  assert "-m" not in pytest_args, "CI runs the whole suite, slow tests included"
