@@ -35,6 +35,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -119,7 +120,9 @@ args = parser.parse_args()
 # traceback ("Unable to load CUDA") when JAX picks a backend, and its C++ stub a "Could not
 # find cuda drivers" line: there, ask for the CPU (before jax is imported), and drop the
 # stub's lines. With a GPU, or JAX_PLATFORMS set, nothing changes.
-no_gpu = (not glob.glob("/dev/nvidia[0-9]*") and not glob.glob("/dev/accel*")
+# Any sign of a GPU (a device file, WSL's /dev/dxg, nvidia-smi) or a TPU keeps JAX's choice.
+gpu_signs = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/dxg") + glob.glob("/dev/accel*")
+no_gpu = (not gpu_signs and shutil.which("nvidia-smi") is None
           and importlib.util.find_spec("jax_cuda12_plugin") is not None)
 if no_gpu and "JAX_PLATFORMS" not in os.environ:
     os.environ["JAX_PLATFORMS"] = "cpu"
