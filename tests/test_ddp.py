@@ -39,8 +39,8 @@ def tolerances(problem, params):
   32 x 3 squared errors through 4 layers of 32; GPT's, 16 x 16 tokens, each a row of
   d_model + vocab products."""
   if problem is mlp_problem:
-    return step_tolerances(params, 32 * 3, 4 * 32, LR)
-  return step_tolerances(params, 16 * 16, 32 + 64, LR)
+    return step_tolerances(params, 32 * 3, 4 * 32, LR, clip=0.5)
+  return step_tolerances(params, 16 * 16, 32 + 64, LR, clip=0.5)
 
 
 def adamw_clip():

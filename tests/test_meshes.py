@@ -128,7 +128,7 @@ def test_hsdp_shards_within_data_and_replicates_across_replica(strategy):
                            num_distributed_optimizer_instances=2)
   state, step = train(params, loss_fn, batch, tx, mesh, config)
   # The loss averages 16 x 3 squared errors (tests/tolerances.py has the argument).
-  bound = AdamBound(1e-2, 16 * 3, params)
+  bound = AdamBound(1e-2, 16 * 3, params, clip=1.0)
   want = reference(params, loss_fn, batch, tx, bound)
   bound.check(jaxdp.get_params(state), want)
   # the grad-norm metric counts each element once, though 2 replicas hold every shard;
@@ -258,7 +258,7 @@ def gpt_problem():
             rngs=nnx.Rngs(0))
   params, loss_fn = jaxdp.nnx_split(gpt, gpt_loss)
   batch = tokens(64)
-  bound = AdamBound(1e-3, 16 * 8, params)  # 16 x 8 tokens in the batch
+  bound = AdamBound(1e-3, 16 * 8, params, clip=1.0)  # 16 x 8 tokens in the batch
   return params, loss_fn, batch, reference(params, loss_fn, batch, TP_TX, bound), bound
 
 
@@ -345,7 +345,7 @@ def test_two_process_checkpoint_restores_in_one_process(tmp_path):
   want, _ = mp_worker.train("optim", mesh8, lambda b: b)
   # 2 processes sum the partial grads in another order (gloo) than one process: the Adam
   # bound for the worker's problem (a loss over 16 x 2 outputs; tests/tolerances.py).
-  bound = AdamBound(1e-2, 16 * 2, mp_worker.init_params())
+  bound = AdamBound(1e-2, 16 * 2, mp_worker.init_params(), clip=1.0)
   mp_worker.single_device_reference(bound)
   mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
   for mesh, strategy in ((mesh8, "optim"), (mesh4, "no_shard")):

@@ -12,15 +12,13 @@ differ by rounding only. What that rounding can do:
   over n tokens (cross-entropy >= 0, so the terms are the size of the mean) and a sum of
   squares (a norm) are such sums.
 * A gradient element is a sum over the n tokens (or examples) of the global batch of
-  terms of both signs. Rounding errors of n additions grow like a random walk, about
-  sqrt(n) * eps32 of the terms' size (Higham, Accuracy and Stability, sec. 2.8), and the
-  per-token terms of a batch-mean gradient are about sqrt(n) times the mean where they
-  point in unrelated directions; so we bound a gradient's rounding by
+  terms of both signs, which are about sqrt(n) times their mean where they point in
+  unrelated directions; so we bound a gradient's rounding by
   sqrt(n) * rtol_sum(n) = 4 * n * eps32 times the largest gradient of its leaf at that
-  step. Where the
-  gradient cancels to almost nothing (an attention key bias, whose exact gradient is 0
-  because softmax ignores a constant per row; a weight two examples push in opposite
-  directions) the computed gradient is rounding noise whose sign either program may get.
+  step. Where the gradient cancels to almost nothing (an attention key bias, whose exact
+  gradient is 0 because softmax ignores a constant per row; a weight two examples push in
+  opposite directions) the computed gradient is rounding noise whose sign either program
+  may get.
 * Adam divides by the root mean square of the gradient history: its update
   u = m_hat / (sqrt(v_hat) + eps) has |u| <= c_t (`adam_ratio_bound`, about 1 for the
   first steps), and a perturbation delta of every gradient in the history moves it by at
@@ -66,19 +64,20 @@ class AdamBound:
   """Per-element bound on |p_a - p_b| for two float32 runs of Adam(W) on the same problem
   whose gradients differ by rounding only.
 
-  Feed it the reference run's gradients step by step (`add`, before clipping: clipping
-  scales the whole history by a positive factor and Adam's ratio does not see that), then
-  `check(got, want)`.
+  Feed it the reference run's gradients step by step (`add`, before clipping; with `clip`
+  it scales them as `optax.clip_by_global_norm(clip)` does), then `check(got, want)`.
 
   Args:
     lr: the learning rate, or an optax schedule (called with the step count 0, 1, ...).
     n_terms: how many terms are summed into one gradient element (tokens or examples in
       the global batch).
     params: the initial params (their magnitude sets the rounding of p - lr * u).
+    clip: the max global norm of a `clip_by_global_norm` before Adam, if any.
     b1, b2, eps: Adam's.
   """
 
-  def __init__(self, lr, n_terms, params, b1=0.9, b2=0.999, eps=1e-8):
+  def __init__(self, lr, n_terms, params, clip=None, b1=0.9, b2=0.999, eps=1e-8):
+    self.clip = clip
     self.lr = lr if callable(lr) else (lambda count: lr)
     self.rho = float(np.sqrt(n_terms)) * rtol_sum(n_terms)
     self.b1, self.b2, self.eps = b1, b2, eps
@@ -92,6 +91,9 @@ class AdamBound:
     `exact`: both runs take this step bit for bit alike (they restored the same state),
     so it adds nothing to the bound, only to Adam's history."""
     grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+    if self.clip is not None:
+      norm = float(np.sqrt(sum(np.sum(g * g) for g in jax.tree.leaves(grads))))
+      grads = jax.tree.map(lambda g: g * min(1.0, self.clip / max(norm, 1e-30)), grads)
     self.t += 1
     t, b1, b2 = self.t, self.b1, self.b2
     lr = float(self.lr(t - 1))
@@ -142,7 +144,7 @@ class AdamBound:
     return sum(int((b <= atol).sum()) for b in leaves) / sum(b.size for b in leaves)
 
 
-def step_tolerances(params, n_terms, per_term, lr, **adam):
+def step_tolerances(params, n_terms, per_term, lr, clip=None, **adam):
   """(loss rtol, grad-norm rtol, AdamBound) for a training run on `params`.
 
   Args:
@@ -151,6 +153,7 @@ def step_tolerances(params, n_terms, per_term, lr, **adam):
     per_term: products summed into one term: d_model + vocab for a GPT (a row of logits
       and its logsumexp), layers times width for an MLP.
     lr: Adam's learning rate or schedule.
+    clip: the max norm of a `clip_by_global_norm` before Adam, if any.
 
   The loss is a mean of n_terms terms of one sign, each a sum of per_term products. The
   grad norm sums the squares of every gradient, each a sum over n_terms terms: its
@@ -160,7 +163,7 @@ def step_tolerances(params, n_terms, per_term, lr, **adam):
   n_params = sum(int(np.size(x)) for x in jax.tree.leaves(params))
   loss_rtol = rtol_sum(n_terms) + rtol_sum(per_term)
   norm_rtol = rtol_sum(n_terms) + rtol_sum(n_params)
-  return loss_rtol, norm_rtol, AdamBound(lr, n_terms, params, **adam)
+  return loss_rtol, norm_rtol, AdamBound(lr, n_terms, params, clip=clip, **adam)
 
 
 def grad_atol(grads, n_terms):
