@@ -174,6 +174,7 @@ def moe_problem():
   return params, rank_loss, batch, reference(params, loss_fn, batch, MOE_TX, bound), bound
 
 
+@pytest.mark.slow  # an MoE / GPT train step, compiled per strategy
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 def test_moe_expert_grads_reduced_over_expert_data_parallel_group(strategy, tmp_path):
   """Mesh (data=4, expert=2): dense params are data parallel over all 8 devices, the 8
@@ -262,6 +263,7 @@ def gpt_problem():
   return params, loss_fn, batch, reference(params, loss_fn, batch, TP_TX, bound), bound
 
 
+@pytest.mark.slow  # an MoE / GPT train step, compiled per strategy
 @pytest.mark.parametrize("strategy", ["no_shard", "optim"])
 def test_tensor_parallel_weights_keep_their_model_sharding(strategy):
   """Mesh (data=4, model=2): jaxdp runs manual over "data" only; the model's own "model"
