@@ -93,6 +93,9 @@ def test_readme_bash_blocks_name_what_exists():
       if "-m" in args[3:]:
         expr = args[args.index("-m", 3) + 1]
         assert set(re.findall(r"\w+", expr)) - {"not", "and", "or"} <= markers, expr
+    elif args[:1] == ["ruff"]:  # the lint step: ruff is pinned in dev, and CI runs it
+      assert any(d.startswith("ruff==") for d in PYPROJECT["project"]["optional-dependencies"]["dev"])
+      assert " ".join(args) in (ROOT / ".ci" / "run").read_text(), args
     else:
       pytest.fail(f"README: a command this test does not know how to check: {args}")
     seen.add(" ".join(args[:2]))
