@@ -287,7 +287,7 @@ def collectives_by_scope(text):
     out = Counter()
     for n in names:
       for line in comps[n]:
-        m = re.search(r"= (\w+\[\d+\])\{0\} (all-gather|reduce-scatter)\(", line)
+        m = re.search(r"= (\w+\[[\d,]*\])\{[\d,]*\} (all-gather|reduce-scatter)\(", line)
         if m:
           out[m.group(2), m.group(1)] += 1
     return out
@@ -343,15 +343,23 @@ def test_fsdp_collectives_inside_scan_body(reshard):
   step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
   outside, loops = collectives_by_scope(step.lower(state, batch).as_text(dialect="hlo"))
   shard = unit_shard(state, "['blocks']")
-  layer = f"f32[{DP * shard}]"
-  # Forward loop: one all-gather per iteration (= per layer). Backward loop: one
-  # reduce-scatter per layer, after one more all-gather when resharding.
-  forward = Counter({("all-gather", layer): 1})
+  # A layer's params, whole: what its per-param all-gathers return (the GPT's dims divide 8).
+  layer = Counter(("all-gather", "f32[" + ",".join(map(str, x.shape[1:])) + "]")
+                  for x in jax.tree.leaves(params["blocks"]))
+  # Forward loop: one all-gather per param of the layer in each iteration. Backward loop:
+  # one reduce-scatter of the layer's bucket per iteration, after the same all-gathers again
+  # when resharding.
+  forward = layer
   backward = Counter({("reduce-scatter", f"f32[{shard}]"): 1})
   if reshard:
-    backward["all-gather", layer] = 1
+    backward.update(layer)
   assert sorted(loops, key=len) == sorted([forward, backward], key=len)
-  assert not any(size in (layer, f"f32[{shard}]") for _, size in outside)  # none outside
+  assert not any(kind == "reduce-scatter" and size == f"f32[{shard}]"
+                 for kind, size in outside)  # none outside
+  blocks = {size for _, size in layer}
+  assert not any(kind == "all-gather" and size in blocks and size not in
+                 {"f32[32]"}  # ln scale/bias and c_proj bias: the size of ln_f's params
+                 for kind, size in outside)
 
 
 # ----------------------------------------------------------------------------- units, errors
@@ -442,15 +450,17 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
   state, compiled = gpu_step("gpt_scan")
   s = jinspect.schedule(compiled)
   shard = 4 * unit_shard(state, "['blocks']")  # f32 bytes; a reduce-scatter takes dp shards
-  layer = [c for c in s.collectives if c.operand_bytes == (shard if c.kind == "all-gather"
-                                                           else DP * shard)]
-  in_loop = [c for c in layer if c.trip_count > 1]
-  kinds = Counter(c.kind for c in in_loop)
-  assert kinds["all-gather"] >= 2 and kinds["reduce-scatter"] >= 1, kinds
-  # The collective pipeliner issues the next layer's gather inside the current iteration.
-  assert any(c.kind == "all-gather" and c.overlaps_gemm for c in in_loop)
+  n_params = len(jax.tree.leaves(state.master["blocks"]))
+  in_loop = [c for c in s.collectives if c.trip_count > 1]
+  gathers = [c for c in in_loop if c.kind == "all-gather"]
+  scatters = [c for c in in_loop if c.kind == "reduce-scatter"]
+  assert all(c.operand_bytes == DP * shard for c in scatters), scatters
+  # Inside the loops a layer's params are gathered one by one, each while the compute of
+  # the ones before it runs: every in-loop gather overlaps compute, some of them GEMMs.
+  assert all(c.is_async and c.overlaps_compute for c in gathers), [c.overlapped for c in gathers]
+  assert any(c.overlaps_gemm for c in gathers)
   runs = Counter()
-  for c in layer:
+  for c in in_loop:
     runs[c.kind] += c.trip_count
-  # One gather per layer forward and one backward, one reduce-scatter per layer.
-  assert runs == {"all-gather": 2 * N_LAYER, "reduce-scatter": N_LAYER}, runs
+  # One gather per param and layer forward and one backward, one reduce-scatter per layer.
+  assert runs == {"all-gather": 2 * n_params * N_LAYER, "reduce-scatter": N_LAYER}, runs

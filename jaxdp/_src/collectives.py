@@ -12,7 +12,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel, shard_unravel
+from jaxdp._src.buffer import (bucket_ravel, bucket_unravel, shard_ravel, shard_unravel,
+                                unpad_rows)
 from jaxdp._src.layout import Bucket, Layout
 from jaxdp._src.mesh import DATA
 
@@ -150,7 +151,7 @@ def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
   `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
   the end of its backward).
 
-  Returns `(gather, scatter)`:
+  Returns `(gather, scatter, gather_each)`:
 
   * `gather(trainable, frozen) -> full`: `trainable` and `frozen` map leaf indices to this
     device's row blocks `(rows / dp, ...)` of the unit's params (`trainable` in the
@@ -161,6 +162,9 @@ def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
     cotangents; per grad bucket, ravel them in the grad dtype and `reduce_bucket(scatter=True)`
     them: one reduce-scatter, whose shard (cast to `cotangent_dtypes`) is this device's block
     of each leaf's reduced gradient. A missing cotangent counts as zeros.
+  * `gather_each(trainable, frozen) -> full`: as `gather`, one `all_gather` per param (on its
+    shard dim, no ravel): a scanned layer's params arrive one by one, so each param's
+    gather overlaps the compute of the ones before it inside the loop iteration.
 
   Args:
     gather_buckets: `(bucket, param dtype)` over all the unit's float params.
@@ -194,4 +198,15 @@ def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
     return grads
 
-  return gather, scatter
+  def gather_each(trainable, frozen):
+    local = {**trainable, **frozen}
+    out = {}
+    for b, dtype in gather_buckets:
+      for p in b.params:
+        x = jax.lax.all_gather(local[p.index].astype(dtype), DATA, axis=p.axis, tiled=True,
+                               to="varying")
+        x = unpad_rows(x, p)
+        out[p.index] = make_varying(x, other) if other else x
+    return out
+
+  return gather, scatter, gather_each

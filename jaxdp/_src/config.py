@@ -113,9 +113,10 @@ class FSDPConfig:
   `set_modules_to_forward_prefetch` depth, Megatron-FSDP's double buffer): with 1, unit i+1's
   gather may run while unit i computes, in the forward and (reversed) in the backward, and no
   earlier, so at most prefetch + 1 unrolled units are gathered at once. Enforced by data
-  dependencies (`optimization_barrier`), not left to XLA's scheduler. Inside a scanned stack,
-  1 or more lets XLA's collective pipeliner start the next layer's gather one iteration
-  ahead; 0 turns it off (one layer less gathered at the peak, no overlap of the gathers)."""
+  dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned layer's
+  params are gathered one by one inside its iteration (each gather overlaps the compute of
+  the params before it); with 2 or more, XLA's collective pipeliner also starts the next
+  layer's gathers one iteration ahead (one more layer gathered at the peak)."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):

@@ -267,11 +267,12 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
 
 def compiler_options(platform: str, prefetch: int = 1) -> dict[str, Any]:
   """jaxdp's options (buckets stay separate collectives), plus, on GPU, the collective
-  pipeliner, which starts a scanned unit's all-gather one iteration ahead (prefetch; off with
-  `FSDPConfig(prefetch=0)`: one layer less gathered at the peak, no gather overlapped)."""
+  pipeliner, which starts a scanned layer's all-gathers one iteration ahead, with
+  `FSDPConfig(prefetch=2)` or more (one more layer gathered at the peak; inside a layer the
+  per-param gathers already overlap the compute of the params before them)."""
   options = base_compiler_options(platform)
   if platform in GPU_PLATFORMS:
-    options.update(xla_gpu_enable_pipelined_all_gather=prefetch > 0,
+    options.update(xla_gpu_enable_pipelined_all_gather=prefetch > 1,
                    xla_gpu_enable_pipelined_reduce_scatter=True)
   return options
 

@@ -73,6 +73,7 @@ class UnitIO:
   stacked: bool
   gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param} (one layer)
   scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
+  gather_each: Callable  # as gather, one all-gather per param (inside a scan)
 
   @property
   def leaves(self) -> tuple[int, ...]:
@@ -216,13 +217,15 @@ def _swap(vjp, saved, keep):
 
 # ----------------------------------------------------------------------------- units
 
-def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool) -> dict:
-  """{leaf: whole param} of `units` from their shards (stacked shards: every layer)."""
+def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
+  """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
+  one all-gather per param)."""
   full = {}
   for u in units:
     t = {i: shards[i] for i in u.trainable}
     f = {i: shards[i] for i in u.frozen}
-    full.update(jax.vmap(u.gather)(t, f) if layer_axis and u.stacked else u.gather(t, f))
+    gather = u.gather_each if each else u.gather
+    full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
   return full
 
 
@@ -359,14 +362,14 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
   def call(consts, init, other, t, f_, tokens):
     def step(carry, inp):
       x, t_i, f_i = inp
-      return f(consts, carry, x, _gather(units, {**t_i, **f_i}, layer_axis=False))
+      return f(consts, carry, x, _gather(units, {**t_i, **f_i}, layer_axis=False, each=True))
     carry, ys = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
     return (carry, ys), _stand_ins(token_avals)
 
   def fwd(consts, init, other, t, f_, tokens):
     def step(carry, inp):
       x, t_i, f_i = inp
-      full = _gather(units, {**t_i, **f_i}, layer_axis=False)
+      full = _gather(units, {**t_i, **f_i}, layer_axis=False, each=True)
       keep = mask(consts, carry, x, full)
       (carry, ys), vjp = jax.vjp(f, consts, carry, x, full)
       saved = [r for r, s in zip(jax.tree.leaves(vjp), keep) if s]
@@ -387,7 +390,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
       d_carry, d_consts = acc
       t_i, f_i, saved_i, d_ys_i = inp
       init0, other0 = _stand_ins(init_avals), _stand_ins(other_avals)
-      full = _gather(units, {**t_i, **f_i}, layer_axis=False)
+      full = _gather(units, {**t_i, **f_i}, layer_axis=False, each=True)
       keep = mask(consts, init0, other0, full)
       _, vjp = jax.vjp(f, consts, init0, other0, full)
       dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep)((d_carry, d_ys_i))
