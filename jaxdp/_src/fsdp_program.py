@@ -9,10 +9,10 @@ traced program (its jaxpr) in pieces:
   (`_unit_call`) whose inputs are the activations it reads and its unit's *shards*. Forward:
   all-gather the unit, run the equations, keep as residuals what `jax.vjp` of the segment
   keeps, except the values computed from the params alone (the gathered params themselves,
-  `W.T`, a bf16 cast of `W`, ...). Backward: all-gather the unit again, recompute those from
-  the re-gathered params (everything else the backward reads is a saved residual), run the
-  segment's vjp and reduce-scatter the unit's weight gradients right there, so their
-  full-size buffers die inside the unit's backward. Which activations are saved is therefore
+  `W.T`, a bf16 cast of `W`, ...). Backward: all-gather the unit again (only if one of those
+  is needed: wpe's grad needs no value of wpe), recompute them from the re-gathered params
+  (everything else the backward reads is a saved residual), run the segment's vjp and
+  reduce-scatter the unit's weight gradients right there. Which activations are saved is therefore
   the user's decision: a `jax.checkpoint` (or `nnx.remat`) in the model saves its inputs
   only, exactly as under `jax.grad`; without one, the segment saves what `jax.grad` saves,
   less the gathered params. A unit that two segments use (a tied embedding) is gathered and
@@ -24,13 +24,21 @@ traced program (its jaxpr) in pieces:
   loop gathers one layer per iteration and stacks that iteration's residuals (chosen as
   above); the backward loop gathers each layer again, runs its vjp and reduce-scatters its
   gradients in its own iteration. The consts and the shards are saved once, not per layer.
+  Inside the loops a layer is gathered one all-gather per param, so each param's gather
+  overlaps the compute of those before it (as GSPMD's scanned FSDP does); the reduce-scatter
+  is one per layer.
 * Live units are bounded by data dependencies, not left to the scheduler
   (`FSDPConfig(prefetch=k)`): before segment i runs, the shards of the op k places later go
   through one `optimization_barrier` with segment i's inputs, so their all-gather cannot start
   before segment i does; in the backward each segment passes a token (a zero that leaves its
   backward through an `optimization_barrier` with its incoming cotangents) k segments back,
   and a segment's backward all-gather waits for its token, i.e. for the backward of the
-  segment k later to start. Inside a scan XLA's collective pipeliner prefetches one layer.
+  segment k later to start; its recomputation waits for its own cotangents. A unit's
+  reduce-scatter must finish before the segment two earlier gets its cotangents (a second
+  token), so it overlaps the backward of the segment before and its full-size gradient dies
+  there. Every tie uses all its barrier's results or is arithmetic (`x + zero token`): XLA
+  drops barrier operands whose results are unused. Inside a scan, `prefetch >= 2` lets XLA's
+  collective pipeliner gather the next layer one iteration ahead.
 
 Why trace and replay, rather than the thread-local scope that `gather_unit` / `scan_unit`
 used to read at trace time: nothing JAX caches may depend on state outside the values it
