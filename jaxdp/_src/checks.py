@@ -129,6 +129,8 @@ class TrainStep:
       raise TypeError("check_for_nan_in_grad=True reads the gradients' finiteness on the "
                       "host after each step, so the step cannot be called under jax.jit/"
                       "vmap/grad; call it from Python, or turn the check off")
+    # The flags (and the step counter below) are replicated: each process reads its own
+    # copy, with no program and no cross-process work of its own.
     finite = np.asarray(jax.device_get(finite))
     if not finite.all():
       layout = state.layout

@@ -462,6 +462,9 @@ def _check_expert_rows(layout: Layout, mesh):
 def get_params(state: TrainState) -> PyTree:
   """The full model param tree of a state, in the params' own dtypes.
 
+  Fresh arrays: they stay valid after the state is donated to the next train step. The
+  gather, unpadding and copy of every leaf are one compiled program.
+
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
     >>> mesh = jax.make_mesh((8,), ("data",))
@@ -470,23 +473,33 @@ def get_params(state: TrainState) -> PyTree:
     >>> jaxdp.get_params(state)["w"].shape
     (3, 2)
   """
-  layout = state.layout
+  # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
+  # processes each eager op on a global array is a program of its own, and dozens of them
+  # in flight hung 2-process jobs on a busy machine (issue 17). The copy inside it also
+  # keeps the result alive when the next step donates `state` (under `no_shard` the params
+  # *are* the state's buffers).
+  return _params_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _params_program(state: TrainState, mesh) -> PyTree:
+  return whole_params(state, mesh)
+
+
+def whole_params(state: TrainState, mesh) -> PyTree:
+  """Traced `get_params`: every leaf whole, fresh, in its own dtype and model sharding."""
   if _fsdp_branch(state.config, None):
     from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
-    return fsdp_lib.get_params(state)
-  if not (_sharded(state.config) and state.config.overlap_param_gather):
-    return state.params
+    return fsdp_lib.whole_params(state, mesh)
+  layout = state.layout
 
-  def gather(i, m):
-    mesh = m.sharding.mesh
-    m = jax.device_put(m, NamedSharding(mesh, P()))
-    x = _unpadded(m, layout, i).astype(layout.dtypes[i])
-    dims = _model_spec(state, i, x.ndim)
-    return jax.device_put(x, NamedSharding(mesh, _pspec(dims))) if any(dims) else x
+  def whole(i, x, m):
+    if x is None:  # gathered inside the next step: gather it from `master` here
+      x = _unpadded(_constrain(m, mesh, P()), layout, i).astype(layout.dtypes[i])
+    return _constrain(jnp.copy(x), mesh, _pspec(_model_spec(state, i, x.ndim)))
 
-  leaves = [x if x is not None else gather(i, m)
-            for i, (x, m) in enumerate(zip(_leaves(state.params), _leaves(state.master)))]
-  return _tree(layout, leaves)
+  return _tree(layout, [whole(i, x, m) for i, (x, m) in
+                        enumerate(zip(_leaves(state.params), _leaves(state.master)))])
 
 
 # ----------------------------------------------------------------------------- step

@@ -406,7 +406,8 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
 def measured_bytes(state, device=None) -> dict[str, int]:
   """Bytes that one device holds of each field of a `TrainState`.
 
-  Sums `addressable_shards` on `device` (default: the first device of the state's mesh).
+  Sums `addressable_shards` on `device` (default: this process's first device of the
+  state's mesh). Reads only this process's shards' sizes: no cross-process work.
 
   Returns:
     `{"step": .., "params": .., "master": .., "opt_state": ..}`.
@@ -425,7 +426,9 @@ def measured_bytes(state, device=None) -> dict[str, int]:
   leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
             if isinstance(x, jax.Array)]
   if device is None:
-    device = min((d for x in leaves for d in x.sharding.device_set), key=lambda d: d.id)
+    me = jax.process_index()
+    device = min((d for x in leaves for d in x.sharding.device_set if d.process_index == me),
+                 key=lambda d: d.id)
 
   def field(tree):
     total = 0

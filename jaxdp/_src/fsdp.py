@@ -429,18 +429,21 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
   return jax.jit(build, out_shardings=shardings)(params)
 
 
-def get_params(state: TrainState) -> PyTree:
-  """The whole param tree of an FSDP state, in the params' own dtypes."""
+def whole_params(state: TrainState, mesh) -> PyTree:
+  """Traced `jaxdp.get_params` of an FSDP state: every leaf whole, fresh, in its own dtype.
+
+  Inside the one program `get_params` compiles, never eager per-leaf ops (issue 17).
+  """
   layout = state.layout
   specs = param_specs(layout)
 
-  def whole(i, x):
-    x = jax.device_put(x, NamedSharding(x.sharding.mesh, P()))
-    return _unpad(x, specs[i]).astype(layout.dtypes[i])
+  def whole(i, x, m):
+    if m is not None or i in specs:  # stored padded and sharded: gather and unpad
+      x = _unpad(_constrain(m if m is not None else x, mesh, P()), specs[i])
+    return _constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, P())
 
-  return _tree(layout, [
-      whole(i, m) if m is not None else whole(i, x) if i in specs else x
-      for i, (x, m) in enumerate(zip(_leaves(state.params), _leaves(state.master)))])
+  return _tree(layout, [whole(i, x, m) for i, (x, m) in
+                        enumerate(zip(_leaves(state.params), _leaves(state.master)))])
 
 
 # ----------------------------------------------------------------------------- step

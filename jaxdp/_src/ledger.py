@@ -105,7 +105,7 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
 
   - *predicted*: `jaxdp.inspect.memory_ledger` for `config`'s strategy and `dp`.
   - *measured*: `jaxdp.inspect.measured_bytes` of `jaxdp.init_state` on the first `dp`
-    CPU devices (None when there are fewer).
+    CPU devices of this process (None when it has fewer).
   - *compiled*: the train step compiled for `dp` H100s without a GPU
     (`compile_train_step`, `memory_analysis()`), when `loss_fn` and `batch` are given and
     the `aot` extra is installed (else None). `state` is the program's arguments less the
@@ -146,7 +146,9 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
   predicted_state = {**ledger.state, "step": 4}
 
   measured = None
-  cpus = jax.devices("cpu")
+  # This process's own devices: the measured state never spans processes, so building it
+  # needs no other process (in a multi-process job each measures on its own).
+  cpus = jax.local_devices(backend="cpu")
   if len(cpus) >= dp and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
     from jaxdp._src import ddp  # noqa: PLC0415
 
