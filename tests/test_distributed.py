@@ -312,3 +312,70 @@ def test_doctests_distributed():
 def test_doctests_launch():
   result = doctest.testmod(launch_module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0
+
+
+# --- the launcher's hang guard ----------------------------------------------------------
+
+
+def test_launcher_ends_a_hung_job_and_names_where_each_process_is():
+  """Silent processes that never finish: after `hang_timeout_s` the launcher collects each
+  one's Python stack, stops the job with 124 and says where each process was."""
+  script = ("import time\n"
+            "def wait_forever():\n"
+            "  time.sleep(600)\n"
+            "print('up', flush=True)\n"
+            "wait_forever()\n")
+  start = time.monotonic()
+  code, out, err = launch_quiet(["-c", script], 2, hang_timeout_s=2.0, grace_period_s=1.0)
+  assert code == 124, err
+  assert time.monotonic() - start < 30, err
+  assert "[p0] up" in out and "[p1] up" in out
+  assert "no output and no train step from any process for 2 s" in err
+  assert "FAILED: the job hung" in err
+  for p in (0, 1):
+    assert f"[p{p}]   File \"<string>\", line 3 in wait_forever" in err, err  # The dump.
+    assert re.search(rf"  p{p} \(pid \d+\): wait_forever \(<string>:3\) <- "
+                     rf"<module> \(<string>:5\)", err), err
+
+
+def test_launcher_counts_output_and_train_steps_as_progress():
+  """A process that keeps writing, or keeps touching its `JAXDP_HEARTBEAT` file (each train
+  step does) while silent, is not hung; with the guard off nothing is ended either."""
+  chatty = "import time\nfor _ in range(12):\n  print('.', end='', flush=True); time.sleep(0.25)"
+  stepping = ("import os, time\nfor _ in range(12):\n"
+              "  open(os.environ['JAXDP_HEARTBEAT'], 'a').close()\n"
+              "  os.utime(os.environ['JAXDP_HEARTBEAT']); time.sleep(0.25)")
+  for script in (chatty, stepping):  # 3 s each, against a 1.5 s guard
+    code, _, err = launch_quiet(["-c", script], 2, hang_timeout_s=1.5, grace_period_s=1.0)
+    assert code == 0, err
+  code, _, err = launch_quiet(["-c", "import time; time.sleep(2)"], 2, hang_timeout_s=0)
+  assert code == 0, err
+
+
+def test_train_step_touches_the_heartbeat_file(tmp_path, monkeypatch):
+  beat = tmp_path / "beat"
+  monkeypatch.setenv(distributed.ENV_HEARTBEAT, str(beat))
+  monkeypatch.setattr(distributed, "_last_heartbeat", [-1e9])
+  mesh = jax.make_mesh((8,), ("data",))
+  config, tx = jaxdp.DDPConfig(), mp_worker.make_tx()
+  state = jaxdp.init_state(mp_worker.init_params(), tx, mesh, config)
+  step = jaxdp.make_train_step(mp_worker.loss_fn, tx, mesh, config)
+  step(state, jaxdp.host_local_batch_to_global(mp_worker.global_batch(), mesh))
+  assert beat.exists()
+
+
+def test_launcher_names_the_collective_a_hung_jax_job_waits_in(tmp_path):
+  """A real 2-process hang: process 1 never reaches a collective that process 0 waits in.
+  The launcher's default guard (here 8 s) ends it and names both places."""
+  with launcher_process("-n", "2", "-d", "4", "--hang-timeout", "8", "--grace-period", "2",
+                        "--", WORKER, "hang", str(tmp_path), stderr=subprocess.STDOUT,
+                        deadline_s=180) as proc:
+    log = proc.stdout.read()
+    proc.wait(timeout=60)
+  assert proc.returncode == 124, log
+  assert "process 0: entering a collective that cannot finish" in log, log
+  assert re.search(r"  p0 \(pid \d+\): .*sync_global_devices \(jax/experimental/"
+                   r"multihost_utils.py:\d+\) <- main \(tests/mp_worker.py:\d+\)", log), log
+  assert re.search(r"  p1 \(pid \d+\): wait_forever \(tests/mp_worker.py:\d+\) <- "
+                   r"main \(tests/mp_worker.py:\d+\)", log), log
+  assert "unreachable" not in log

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdp._src import distributed
+
 PyTree = Any
 
 
@@ -122,6 +124,7 @@ class TrainStep:
 
   def __call__(self, state, batch):
     self._check_devices(state)
+    distributed.heartbeat()  # Progress, for the launcher's hang guard.
     if not self._config.check_for_nan_in_grad:
       return self._jitted(state, batch)
     new_state, metrics, finite = self._jitted(state, batch)
