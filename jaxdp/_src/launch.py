@@ -23,10 +23,10 @@ import dataclasses
 import io
 import os
 import pathlib
-import signal
-import socket
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -323,13 +323,13 @@ def launch(
   finally:
     _stop(workers, signal.SIGINT if signal.SIGINT in received else signal.SIGTERM,
           grace_period_s, say, received)
+    shutil.rmtree(heartbeats, ignore_errors=True)
     for sig, handler in previous_handlers.items():
       signal.signal(sig, handler)
 
   for w in workers:
     for t in w.threads:
       t.join(timeout=2.0)  # A grandchild that escaped the group may hold the pipe open.
-  shutil.rmtree(heartbeats, ignore_errors=True)
   if hung:
     say(f"FAILED: the job hung: no output and no train step for {hang_timeout_s:g} s. "
         "Where each process was (innermost frame first; full stacks above, prefixed [pI]):\n"
