@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp._src import ddp, distributed
+from jaxdp._src import checks, ddp, distributed, fsdp
 from jaxdp._src import launch as launch_module
 from jaxdp._src.launch import launch, main
 from tests import mp_worker
@@ -328,7 +328,8 @@ def test_get_params_is_one_program_and_outlives_the_next_step(strategy, caplog):
   config, tx = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy), mp_worker.make_tx()
   state = jaxdp.init_state(mp_worker.init_params(), tx, mesh, config)
   step = jaxdp.make_train_step(mp_worker.loss_fn, tx, mesh, config)
-  ddp._params_program.clear_cache()  # Compiled by another test with the same state: again.
+  for module in (ddp, fsdp):  # Compiled by another test with the same state: again.
+    module._params_program.clear_cache()
   with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
     params = jaxdp.get_params(state)
   compiled = [r.getMessage().split(" ")[4] for r in caplog.records
@@ -381,8 +382,8 @@ def test_launcher_counts_output_and_train_steps_as_progress():
 
 def test_train_step_touches_the_heartbeat_file(tmp_path, monkeypatch):
   beat = tmp_path / "beat"
-  monkeypatch.setenv(distributed.ENV_HEARTBEAT, str(beat))
-  monkeypatch.setattr(distributed, "_last_heartbeat", [-1e9])
+  monkeypatch.setenv(checks.ENV_HEARTBEAT, str(beat))
+  monkeypatch.setattr(checks, "_last_heartbeat", [-1e9])
   mesh = jax.make_mesh((8,), ("data",))
   config, tx = jaxdp.DDPConfig(), mp_worker.make_tx()
   state = jaxdp.init_state(mp_worker.init_params(), tx, mesh, config)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 import jax
@@ -31,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp._src.collectives import DATA
+from jaxdp._src.mesh import DATA
 
 PyTree = Any
 
@@ -45,30 +44,6 @@ ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
 """Index of this process, in ``[0, num_processes)``."""
 ENV_LOCAL_DEVICES = "JAXDP_LOCAL_DEVICES"
 """Number of CPU devices this process exposes (`jax_num_cpu_devices`)."""
-ENV_HEARTBEAT = "JAXDP_HEARTBEAT"
-"""A file each train step touches (`heartbeat`): the launcher's sign of progress."""
-
-_HEARTBEAT_EVERY_S = 1.0
-_last_heartbeat = [-_HEARTBEAT_EVERY_S]
-
-
-def heartbeat() -> None:
-  """Tells ``python -m jaxdp.launch`` this process is making progress.
-
-  Touches the file `JAXDP_HEARTBEAT` names (at most once a second); does nothing when it is
-  unset. Each train step calls it, so that a long silent run is not taken for a hang.
-  """
-  path = os.environ.get(ENV_HEARTBEAT)
-  now = time.monotonic()
-  if not path or now - _last_heartbeat[0] < _HEARTBEAT_EVERY_S:
-    return
-  _last_heartbeat[0] = now
-  try:
-    with open(path, "a"):
-      pass
-    os.utime(path)
-  except OSError:
-    pass  # The launcher's directory is gone (it is exiting): nothing to tell.
 
 
 def _env_int(name: str) -> int | None:

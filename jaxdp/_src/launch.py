@@ -34,7 +34,7 @@ import threading
 import time
 from typing import IO, Callable, Sequence
 
-from jaxdp._src import distributed
+from jaxdp._src import checks, distributed
 
 _POLL_S = 0.05
 PROG = "python -m jaxdp.launch"
@@ -267,7 +267,7 @@ def launch(
   try:
     for i in range(num_processes):
       env = dict(base_env, **{distributed.ENV_PROCESS_ID: str(i),
-                              distributed.ENV_HEARTBEAT: str(heartbeats / f"p{i}")})
+                              checks.ENV_HEARTBEAT: str(heartbeats / f"p{i}")})
       # Own process group: a signal to the group reaches the worker and its children.
       argv = [sys.executable, *command]
       if sys.platform == "linux":

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from jaxdp._src.fsdp import sharded_paths
+from jaxdp._src.units import sharded_paths
 
 PyTree = Any
 
