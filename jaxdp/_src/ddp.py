@@ -1,4 +1,5 @@
-"""The train step: forward, backward with bucket reductions, optimizer update.
+"""The bucketed step (`no_shard`, `optim`, `optim_grads`): forward, backward with bucket
+reductions, optimizer update.
 
 One step (Megatron's DDP + DistributedOptimizer timeline):
 
@@ -15,6 +16,9 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
    masks are exact).
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
+
+Step 1 is a sequence of named phases (`start_param_sync`, `register_grad_ready_hooks`,
+`forward_backward`, `grad_metrics`, `finish_grad_sync`), composed by `local_grads`.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
 
   placed = [NamedSharding(mesh, pspec(dims)) for dims in model_specs]
   params = tree_of(layout, [jax.device_put(x, s, may_alias=False)
-                          for x, s in zip(jax.tree.leaves(params), placed)])
+                            for x, s in zip(jax.tree.leaves(params), placed)])
   specs = state_specs(jax.eval_shape(build, params))
 
   def build_placed(params):
@@ -154,6 +158,176 @@ def whole_params(state: TrainState, mesh) -> PyTree:
                           enumerate(zip(leaves_of(state.params), leaves_of(state.master)))])
 
 
+# ----------------------------------------------------------------------------- step phases
+#
+# What one device does inside the step's `shard_map`, in order, each phase a function (the
+# names follow Megatron's DDP and DistributedOptimizer):
+#
+#   start_param_sync        optim* with overlap_param_gather: all-gather the params from
+#                           their master rows; every trainable param made varying
+#   register_grad_ready_hooks   one hook and one sink per bucket
+#   forward_backward        the micro-batches: local accumulation (`no_sync`) or a
+#                           reduction per micro-batch (optim_grads), the hooks reducing
+#                           each bucket as its grads complete (`start_grad_sync`)
+#   finish_grad_sync        the reduced buckets back into per-param grads
+#   grad_metrics            the global mean loss and grad norm, in one small collective
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What `make_train_step` fixes for every step: the strategy's choices and the mesh."""
+
+  axes: tuple[str, ...]
+  """The data axes the step runs manual over (`DATA` last)."""
+  axis_sizes: tuple[tuple[str, int], ...]
+  dp: int
+  sharded: bool
+  """optim, optim_grads: grads reduce-scattered, master rows sharded."""
+  scatter_each_microbatch: bool
+  """optim_grads: every micro-batch is reduce-scattered (no local accumulation)."""
+  gather_in_step: bool
+  """optim* with overlap_param_gather: the params are gathered at the start of the step."""
+  grad_accum_steps: int
+  average: bool
+
+  def reduce_axes(self, buf) -> tuple[str, ...]:
+    """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
+    return tuple(a for a in self.axes if not (buf.expert and a == EXPERT))
+
+
+def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> list[Any]:
+  """The params the forward sees (tree order): gathered from the master rows when the step
+  gathers them, each trainable one varying over the data axes it is not itself sharded
+  over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
+  full = leaves_of(params)
+  if plan.gather_in_step:
+    full = collectives.all_gather_params(leaves_of(master), layout, full)
+  return [collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
+          for i, (t, x) in enumerate(zip(layout.trainable, full))]
+
+
+def register_grad_ready_hooks(layout: Layout, plan: _Plan):
+  """`(buckets, hooks, sinks)`: per bucket, its grad-ready hook and the zero sink whose
+  cotangent receives its reduced grads."""
+  buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
+  hooks = [collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, dp=plan.dp,
+                                       scatter=plan.sharded, axes=plan.reduce_axes(buf),
+                                       average=plan.average)
+           for buf, b in buckets]
+  sinks = [collectives.sink_for(b, buf.grad_dtype, plan.sharded,
+                                [a for a in plan.axes if a not in plan.reduce_axes(buf)])
+           for buf, b in buckets]
+  return buckets, hooks, sinks
+
+
+def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, plan: _Plan,
+                     buckets, hooks, sinks):
+  """`(local loss, reduced buckets)` of the step's micro-batches.
+
+  Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
+  accumulated grads sum to the grad of the mean loss over the k× batch. `optim_grads`
+  reduces every micro-batch through the hooks and sums the shards; the others accumulate
+  the local grads of the first k-1 (`no_sync`) and carry them into the hooks with the last.
+  """
+  k = plan.grad_accum_steps
+
+  def hooked_loss(sinks, accs, mb):
+    """The loss with every bucket's params passed through its hook: its grad w.r.t. the
+    sinks is the reduced buckets (plus `accs`)."""
+    leaves = list(full)
+    for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
+      out = hook([leaves[p.index] for p in b.params], sink, acc)
+      for p, x in zip(b.params, out):
+        leaves[p.index] = x
+    return loss_fn(tree_of(layout, leaves), mb) / k
+
+  def local_accum(mb):
+    """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
+    def loss_of_trainable(tleaves):
+      leaves = list(full)
+      for p, x in zip(layout.params, tleaves):
+        leaves[p.index] = x
+      return loss_fn(tree_of(layout, leaves), mb) / k
+    loss, g = jax.value_and_grad(loss_of_trainable)([full[p.index] for p in layout.params])
+    g = dict(zip((p.index for p in layout.params), g))
+    return loss, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
+                  for buf, b in buckets]
+
+  micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+  zeros = [jnp.zeros_like(s) for s in sinks]
+  acc_zero = [jnp.zeros((b.shard_size * layout.dp,), buf.grad_dtype) for buf, b in buckets]
+  acc_zero = [collectives.make_varying(a, plan.axes) for a in acc_zero]
+  last = jax.tree.map(lambda x: x[-1], micro)
+  loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), plan.axes)  # a scan carry
+  if plan.scatter_each_microbatch:
+    def body(carry, mb):
+      loss_sum, red_sum = carry
+      loss, red = jax.value_and_grad(hooked_loss)(sinks, acc_zero, mb)
+      return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)]), None
+    init = (loss_zero, zeros)
+    (loss, reduced), _ = jax.lax.scan(body, init, micro) if k > 1 else \
+        (body(init, last)[0], None)
+    return loss, reduced
+  loss, accs = loss_zero, acc_zero
+  if k > 1:
+    def body(carry, mb):
+      loss_sum, acc = carry
+      mb_loss, g = local_accum(mb)
+      return (loss_sum + mb_loss, [a + x for a, x in zip(acc, g)]), None
+    first = jax.tree.map(lambda x: x[:-1], micro)
+    (loss, accs), _ = jax.lax.scan(body, (loss, accs), first)
+  mb_loss, reduced = jax.value_and_grad(hooked_loss)(sinks, accs, last)
+  return loss + mb_loss, reduced
+
+
+def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
+  """The reduced buckets as a grad tree: whole grads (`no_shard`), or this device's rows of
+  each (the sharded strategies); None for leaves that are not trained."""
+  grads: list[Any] = [None] * len(layout.trainable)
+  for (_, b), red in zip(buckets, reduced):
+    parts = shard_unravel(red, b, layout.dp) if plan.sharded else \
+        bucket_unravel(red, b, layout.dp)
+    for p, g in zip(b.params, parts):
+      grads[p.index] = g
+  return tree_of(layout, grads)
+
+
+def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
+  """`(loss, grad_norm)`: the global mean loss and the global norm of the reduced grads.
+
+  The norm² of the reduced buckets (zero padding) rides in the loss's psum, each bucket's
+  divided by the number of devices that hold the same copy of it (those it was psum'd
+  over). DDP with dense buckets only: every device holds the whole reduced buckets already.
+  """
+  sizes = dict(plan.axis_sizes)
+
+  def copies(buf):
+    return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (
+        layout.dp if plan.sharded else 1)
+  sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
+           for (buf, _), r in zip(buckets, reduced))
+  if plan.sharded or any(buf.expert for buf in layout.buffers):
+    loss, sq = collectives.sum_over(jnp.stack([loss, sq]), plan.axes)
+    loss = loss / plan.dp
+  else:
+    loss, sq = collectives.mean_over(loss, plan.axes), sq * plan.dp
+  return loss, jnp.sqrt(sq)
+
+
+def local_grads(loss_fn: LossFn, plan: _Plan, params, master, batch, layout: Layout,
+                own_axes):
+  """Per device, inside the step's `shard_map`: the reduced grad of every trainable param
+  (`finish_grad_sync`), the global mean loss and the global grad norm.
+
+  `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
+  """
+  full = start_param_sync(params, master, layout, plan, own_axes)
+  buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
+  loss, reduced = forward_backward(loss_fn, full, batch, layout, plan, buckets, hooks, sinks)
+  loss, grad_norm = grad_metrics(loss, reduced, layout, plan, buckets)
+  return finish_grad_sync(reduced, layout, plan, buckets), loss, grad_norm
+
+
 # ----------------------------------------------------------------------------- step
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
@@ -162,107 +336,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
   checks (see the module docstring)."""
   axes = data_axes(mesh)
   dp = dp_size(mesh)
-  strategy = config.data_parallel_sharding_strategy
   sharded = _sharded(config)
-  scatter_each_microbatch = strategy in ("optim_grads", "optim_grads_params")
-  gather_in_step = sharded and config.overlap_param_gather
+  plan = _Plan(
+      axes=axes, axis_sizes=tuple(mesh.shape.items()), dp=dp, sharded=sharded,
+      scatter_each_microbatch=config.data_parallel_sharding_strategy == "optim_grads",
+      gather_in_step=sharded and config.overlap_param_gather,
+      grad_accum_steps=grad_accum_steps, average=config.average_in_collective)
   batch_spec = P(axes)
-
-  def reduce_axes(buf) -> tuple[str, ...]:
-    """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
-    return tuple(a for a in axes if not (buf.expert and a == EXPERT))
-
-  def local_grads(params, master, batch, layout: Layout, own_axes):
-    """Per device: the reduced grad of every trainable param and the local mean loss.
-
-    `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
-    """
-    trainable = layout.trainable
-    full = leaves_of(params)
-    if gather_in_step:
-      full = collectives.all_gather_params(leaves_of(master), layout, full)
-    full = [collectives.make_varying(x, [a for a in axes if a not in own_axes[i]]) if t else x
-            for i, (t, x) in enumerate(zip(trainable, full))]
-
-    buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
-    hooks = [collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, dp=dp, scatter=sharded,
-                                         axes=reduce_axes(buf),
-                                         average=config.average_in_collective)
-             for buf, b in buckets]
-    sinks = [collectives.sink_for(b, buf.grad_dtype, sharded,
-                                  [a for a in axes if a not in reduce_axes(buf)])
-             for buf, b in buckets]
-
-    def hooked_loss(sinks, accs, mb):
-      leaves = list(full)
-      for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
-        out = hook([leaves[p.index] for p in b.params], sink, acc)
-        for p, x in zip(b.params, out):
-          leaves[p.index] = x
-      # Each micro-batch's loss is divided by k (Megatron's schedule does the same), so
-      # the k accumulated grads sum to the grad of the mean loss over the k× batch.
-      return loss_fn(tree_of(layout, leaves), mb) / grad_accum_steps
-
-    def local_accum(mb):
-      """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
-      def loss_of_trainable(tleaves):
-        leaves = list(full)
-        for p, x in zip(layout.params, tleaves):
-          leaves[p.index] = x
-        return loss_fn(tree_of(layout, leaves), mb) / grad_accum_steps
-      loss, g = jax.value_and_grad(loss_of_trainable)([full[p.index] for p in layout.params])
-      g = dict(zip((p.index for p in layout.params), g))
-      return loss, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
-                    for buf, b in buckets]
-
-    k = grad_accum_steps
-    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-    zeros = [jnp.zeros_like(s) for s in sinks]
-    acc_zero = [jnp.zeros((b.shard_size * layout.dp,), buf.grad_dtype) for buf, b in buckets]
-    acc_zero = [collectives.make_varying(a, axes) for a in acc_zero]
-    last = jax.tree.map(lambda x: x[-1], micro)
-    loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), axes)  # a scan carry
-    if scatter_each_microbatch:
-      def body(carry, mb):
-        loss_sum, red_sum = carry
-        loss, red = jax.value_and_grad(hooked_loss)(sinks, acc_zero, mb)
-        return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)]), None
-      init = (loss_zero, zeros)
-      (loss, reduced), _ = jax.lax.scan(body, init, micro) if k > 1 else \
-          (body(init, last)[0], None)
-    else:
-      loss, accs = loss_zero, acc_zero
-      if k > 1:
-        def body(carry, mb):
-          loss_sum, acc = carry
-          l, g = local_accum(mb)
-          return (loss_sum + l, [a + x for a, x in zip(acc, g)]), None
-        first = jax.tree.map(lambda x: x[:-1], micro)
-        (loss, accs), _ = jax.lax.scan(body, (loss, accs), first)
-      l, reduced = jax.value_and_grad(hooked_loss)(sinks, accs, last)
-      loss = loss + l
-    # The metrics: global mean loss and grad norm. The norm² of the reduced buckets (zero
-    # padding) rides in the loss's psum, each bucket's divided by the number of devices
-    # that hold the same copy of it (those it was psum'd over). DDP with dense buckets
-    # only: every device holds the whole reduced buckets already.
-    def copies(buf):
-      return math.prod(mesh.shape[a] for a in reduce_axes(buf)) // (
-          layout.dp if sharded else 1)
-    sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
-             for (buf, _), r in zip(buckets, reduced))
-    if sharded or any(buf.expert for buf in layout.buffers):
-      loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
-      loss = loss / dp
-    else:
-      loss, sq = collectives.mean_over(loss, axes), sq * dp
-    grad_norm = jnp.sqrt(sq)
-
-    grads: list[Any] = [None] * len(trainable)
-    for (_, b), red in zip(buckets, reduced):
-      parts = shard_unravel(red, b, layout.dp) if sharded else bucket_unravel(red, b, layout.dp)
-      for p, g in zip(b.params, parts):
-        grads[p.index] = g
-    return tree_of(layout, grads), loss, grad_norm
 
   def step(state: TrainState, batch):
     layout = state.layout
@@ -277,7 +357,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                   if t else None for i, (t, d) in enumerate(zip(layout.trainable, model_dims))]
     own = tuple(own_axes(d, axes) for d in model_dims)
     grads, loss, grad_norm = jax.shard_map(
-        functools.partial(local_grads, layout=layout, own_axes=own), mesh=mesh,
+        functools.partial(local_grads, loss_fn, plan, layout=layout, own_axes=own), mesh=mesh,
         in_specs=(tree_of(layout, manual(param_dims)), tree_of(layout, manual(master_dims)),
                   batch_spec),
         out_specs=(tree_of(layout, grad_specs), P(), P()),
@@ -303,5 +383,3 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                               grads)
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
-
-

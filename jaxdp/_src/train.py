@@ -109,7 +109,8 @@ def whole_params(state: TrainState, mesh) -> PyTree:
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1, fsdp: FSDPConfig | None = None) -> checks.TrainStep:
+                    config: DDPConfig, *, grad_accum_steps: int = 1,
+                    fsdp: FSDPConfig | None = None) -> checks.TrainStep:
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
