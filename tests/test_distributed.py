@@ -412,21 +412,19 @@ def test_launcher_names_the_collective_a_hung_jax_job_waits_in(tmp_path):
 # --- stress: scripts/train.py under the launcher on a busy machine -----------------------
 
 STRESS_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim")
-STRESS_RUN_TIMEOUT_S = 150  # One run took 77-84 s with the machine at load 15.
+STRESS_RUN_TIMEOUT_S = 240  # One run took 40-100 s with the machine at load 8-16.
 BUSY_LOOP = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\n  pass"
 
 
 @pytest.mark.slow
 def test_train_script_under_the_launcher_survives_a_busy_machine(tmp_path):
-  """scripts/train.py as 2 processes x 4 devices, with evaluation (steps 0 and 2) and a
+  """scripts/train.py as 2 processes x 4 devices, with evaluation (steps 0, 1 and 2) and a
   checkpoint (step 2), 5 times in a row over every strategy, while two busy loops keep both
-  cores busy. Before issue 17 was fixed, 3 of 4 such runs hung after their last step
-  (eager per-leaf gathers in get_params); each run here must finish inside its timeout,
-  and the launcher's hang guard names where the processes were if one does not."""
+  cores busy. Before issue 17 was fixed such runs hung after a train step (eager per-leaf
+  gathers in get_params): 3 of 4 in the issue, 5 of 22 here (notes/issue-17.md). Each run
+  must finish inside its timeout; if one does not, the launcher's hang guard names where
+  the processes were."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  # Cheaper compiles of the same programs (no LLVM optimization: ~20% off a run); dispatch,
-  # which is what hung, is unchanged.
-  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
   busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(2)]
   times = []
   try:
@@ -436,9 +434,9 @@ def test_train_script_under_the_launcher_survives_a_busy_machine(tmp_path):
       try:
         result = subprocess.run(
             [sys.executable, "-m", "jaxdp.launch", "-n", "2", "-d", "4",
-             "--timeout", str(STRESS_RUN_TIMEOUT_S), "--hang-timeout", "90", "--",
+             "--timeout", str(STRESS_RUN_TIMEOUT_S), "--hang-timeout", "120", "--",
              str(REPO / "scripts" / "train.py"), "--strategy", strategy, "--steps", "2",
-             "--eval-every", "2", "--save-every", "2", "--out", str(out), "--n-layer", "1",
+             "--eval-every", "1", "--save-every", "2", "--out", str(out), "--n-layer", "2",
              "--n-head", "2", "--d-model", "32", "--block-size", "16", "--batch-size", "16",
              "--bucket-size", "4000"],
             cwd=REPO, env=env, capture_output=True, text=True,
@@ -450,7 +448,7 @@ def test_train_script_under_the_launcher_survives_a_busy_machine(tmp_path):
       assert result.returncode == 0, (f"run {k} ({strategy}) failed after {times[-1]:.0f} s:\n"
                                       + result.stdout[-2000:] + result.stderr[-6000:])
       lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-      assert [e["step"] for e in lines if "val_loss" in e] == [0, 2], lines
+      assert [e["step"] for e in lines if "val_loss" in e] == [0, 1, 2], lines
       with jaxdp.CheckpointManager(out / "checkpoints") as mgr:
         assert mgr.latest_step() == 2
   finally:
