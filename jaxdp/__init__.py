@@ -26,6 +26,7 @@ from jaxdp._src.layout import Layout as Layout
 from jaxdp._src.layout import ParamSpec as ParamSpec
 from jaxdp._src.layout import make_layout as make_layout
 from jaxdp._src.nnx import nnx_merge as nnx_merge
+from jaxdp._src.nnx import nnx_model_state as nnx_model_state
 from jaxdp._src.nnx import nnx_split as nnx_split
 
 __version__ = "0.1.0"

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives, distributed_optimizer
+from jaxdp._src import checks, collectives, distributed_optimizer, loop
 from jaxdp._src.aot import compiler_options
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, shard_unravel, unpad_dim
 from jaxdp._src.checks import sharded_shape
@@ -46,7 +46,8 @@ ModelSpec = tuple[tuple[str, ...], ...]
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["step", "params", "master", "opt_state"],
+                   data_fields=["step", "params", "master", "opt_state", "rng",
+                                "model_state"],
                    meta_fields=["layout", "config", "mesh_shape", "model_specs"])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -86,6 +87,13 @@ class TrainState:
   model_specs: tuple[ModelSpec, ...] = ()
   """Per leaf in tree order: the mesh axes the caller sharded each dim of the param over
   (tensor or expert parallel; see `model_specs_of`); () = every leaf replicated."""
+  rng: jax.Array | None = None
+  """`init_state(..., rng=)`: the raw data (`uint32[2]`) of the key every step's keys are
+  derived from (with the step counter and the data shard; see `make_train_step`), replicated;
+  None: `loss_fn` gets no key."""
+  model_state: PyTree = None
+  """`init_state(..., model_state=)`: the model's mutable non-trainable state (BatchNorm
+  running statistics), replicated, updated by every step; None: the step carries none."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -338,7 +346,7 @@ def _state_specs(state: TrainState) -> TrainState:
       step=P(),
       params=_tree(layout, [None if d is None else _pspec(d) for d in params]),
       master=_tree(layout, [None if d is None else _pspec(d) for d in master]),
-      opt_state=_opt_state_specs(state, master))
+      opt_state=_opt_state_specs(state, master), **loop.extra_specs(state))
 
 
 def _padded(x, layout: Layout, i: int):
@@ -361,7 +369,8 @@ def _opt_params(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
 
 
 def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
-               *, frozen: Frozen = None, fsdp=None) -> TrainState:
+               *, frozen: Frozen = None, fsdp=None, rng=None,
+               model_state: PyTree = None) -> TrainState:
   """Places params on the mesh and builds the optimizer state for `config`'s strategy.
 
   The caller's arrays are copied, never donated.
@@ -384,6 +393,12 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
     fsdp: `optim_grads_params` only: its `FSDPConfig` (units); None for the default.
+    rng: a key (`jax.random.key(seed)`, raw `PRNGKey` data or an int seed): each step
+      derives its keys from it, the step counter and the device's data shard, and
+      `loss_fn` gets them as `rng=` (dropout; see `make_train_step`). None: no key.
+    model_state: mutable non-trainable model state (BatchNorm running statistics: Linen's
+      `variables["batch_stats"]`, `jaxdp.nnx_model_state(model)`), a pytree of arrays kept
+      replicated: `loss_fn` gets it as `model_state=` and returns the updated one.
 
   Returns:
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
@@ -413,7 +428,9 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
           "optim_grads_params does not keep such shardings yet; use 'optim' (or no_shard), "
           "or place the params replicated")
     from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - fsdp imports this module
-    return fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
+    return loop.with_extras(
+        fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp), mesh, rng,
+        model_state)
   layout = layout_for(params, mesh, config, frozen, model_specs)
   sharded, trainable = _sharded(config), layout.trainable
   if sharded:
@@ -443,7 +460,7 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     # an Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
     return jax.tree.map(lambda x, s: _constrain(x, mesh, s), build(params), specs)
 
-  return jax.jit(build_placed)(params)
+  return loop.with_extras(jax.jit(build_placed)(params), mesh, rng, model_state)
 
 
 def _check_expert_rows(layout: Layout, mesh):
@@ -492,7 +509,8 @@ def get_params(state: TrainState) -> PyTree:
 # ----------------------------------------------------------------------------- step
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1, fsdp=None):
+                    config: DDPConfig, *, grad_accum_steps: int = 1, fsdp=None,
+                    has_aux: bool = False):
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
@@ -539,7 +557,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
   if _fsdp_branch(config, fsdp):
     from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
     return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
-                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp)
+                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp,
+                                    has_aux=has_aux)
   axes = _data_axes(mesh)
   dp = _dp(mesh)
   strategy = config.data_parallel_sharding_strategy
@@ -552,11 +571,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
     return tuple(a for a in axes if not (buf.expert and a == EXPERT))
 
-  def local_grads(params, master, batch, layout: Layout, own_axes):
-    """Per device: the reduced grad of every trainable param and the local mean loss.
+  def local_grads(params, master, batch, key, model_state, layout: Layout, own_axes):
+    """Per device: the reduced grad of every trainable param, the local mean loss, the aux
+    and the new model state (see `loop`).
 
     `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
     """
+    key = loop.device_key(key, collectives.data_index(axes))
     trainable = layout.trainable
     full = _leaves(params)
     if gather_in_step:
@@ -579,27 +600,33 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                                   [a for a in axes if a not in reduce_axes(buf)])
              for buf, b in buckets]
 
-    def hooked_loss(sinks, accs, mb):
+    def scaled_loss(leaves, mb, j, ms):
+      # Each micro-batch's loss is divided by k (Megatron's schedule does the same), so
+      # the k accumulated grads sum to the grad of the mean loss over the k× batch.
+      loss, extra = loop.call_loss(loss_fn, has_aux, _tree(layout, leaves), mb,
+                                   loop.micro_key(key, j), ms)
+      return loss / grad_accum_steps, extra
+
+    def hooked_loss(sinks, accs, mb, j, ms):
       leaves = list(full)
       for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
         out = hook([leaves[p.index] for p in b.params], sink, acc)
         for p, x in zip(b.params, out):
           leaves[p.index] = x
-      # Each micro-batch's loss is divided by k (Megatron's schedule does the same), so
-      # the k accumulated grads sum to the grad of the mean loss over the k× batch.
-      return loss_fn(_tree(layout, leaves), mb) / grad_accum_steps
+      return scaled_loss(leaves, mb, j, ms)
 
-    def local_accum(mb):
+    def local_accum(mb, j, ms):
       """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
       def loss_of_trainable(tleaves):
         leaves = list(full)
         for p, x in zip(layout.params, tleaves):
           leaves[p.index] = x
-        return loss_fn(_tree(layout, leaves), mb) / grad_accum_steps
-      loss, g = jax.value_and_grad(loss_of_trainable)([full[p.index] for p in layout.params])
+        return scaled_loss(leaves, mb, j, ms)
+      (loss, extra), g = jax.value_and_grad(loss_of_trainable, has_aux=True)(
+          [full[p.index] for p in layout.params])
       g = dict(zip((p.index for p in layout.params), g))
-      return loss, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
-                    for buf, b in buckets]
+      return loss, extra, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp,
+                                        buf.grad_dtype) for buf, b in buckets]
 
     k = grad_accum_steps
     micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
@@ -608,25 +635,39 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     acc_zero = [collectives.make_varying(a, axes) for a in acc_zero]
     last = jax.tree.map(lambda x: x[-1], micro)
     loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), axes)  # a scan carry
+    sync = lambda ms: collectives.sync_model_state(ms, axes)  # noqa: E731
+    # aux of the first k-1 micro-batches (scan outputs), and of the last one
+    first_aux = None
     if scatter_each_microbatch:
-      def body(carry, mb):
-        loss_sum, red_sum = carry
-        loss, red = jax.value_and_grad(hooked_loss)(sinks, acc_zero, mb)
-        return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)]), None
-      init = (loss_zero, zeros)
-      (loss, reduced), _ = jax.lax.scan(body, init, micro) if k > 1 else \
-          (body(init, last)[0], None)
+      def body(carry, xs):
+        loss_sum, red_sum, ms = carry
+        mb, j = xs
+        (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
+            sinks, acc_zero, mb, j, ms)
+        return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)], sync(ms)), aux
+      init = (loss_zero, zeros, model_state)
+      if k > 1:  # last_aux None: first_aux holds every micro-batch's
+        (loss, reduced, model_state), first_aux = jax.lax.scan(body, init,
+                                                               (micro, jnp.arange(k)))
+        last_aux = None
+      else:
+        (loss, reduced, model_state), last_aux = body(init, (last, 0))
     else:
       loss, accs = loss_zero, acc_zero
       if k > 1:
-        def body(carry, mb):
-          loss_sum, acc = carry
-          l, g = local_accum(mb)
-          return (loss_sum + l, [a + x for a, x in zip(acc, g)]), None
+        def body(carry, xs):
+          loss_sum, acc, ms = carry
+          mb, j = xs
+          l, (aux, ms), g = local_accum(mb, j, ms)
+          return (loss_sum + l, [a + x for a, x in zip(acc, g)], sync(ms)), aux
         first = jax.tree.map(lambda x: x[:-1], micro)
-        (loss, accs), _ = jax.lax.scan(body, (loss, accs), first)
-      l, reduced = jax.value_and_grad(hooked_loss)(sinks, accs, last)
+        (loss, accs, model_state), first_aux = jax.lax.scan(
+            body, (loss, accs, model_state), (first, jnp.arange(k - 1)))
+      (l, (last_aux, model_state)), reduced = jax.value_and_grad(hooked_loss, has_aux=True)(
+          sinks, accs, last, k - 1, model_state)
+      model_state = sync(model_state)
       loss = loss + l
+    aux = collectives.mean_over(loop.mean_micro(first_aux, last_aux, k), axes)
     # The metrics: global mean loss and grad norm. The norm² of the reduced buckets (zero
     # padding) rides in the loss's psum, each bucket's divided by the number of devices
     # that hold the same copy of it (those it was psum'd over). DDP with dense buckets
@@ -648,7 +689,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
       parts = shard_unravel(red, b, layout.dp) if sharded else bucket_unravel(red, b, layout.dp)
       for p, g in zip(b.params, parts):
         grads[p.index] = g
-    return _tree(layout, grads), loss, grad_norm
+    return _tree(layout, grads), loss, grad_norm, aux, model_state
 
   def step(state: TrainState, batch):
     layout = state.layout
@@ -662,15 +703,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     grad_specs = [_manual(_with_data(d, axes, layout.shard_axes[i]) if sharded else d, axes)
                   if t else None for i, (t, d) in enumerate(zip(layout.trainable, model_dims))]
     own = tuple(_own_axes(d, axes) for d in model_dims)
-    grads, loss, grad_norm = jax.shard_map(
+    extras = loop.extra_specs(state)
+    grads, loss, grad_norm, aux, model_state = jax.shard_map(
         functools.partial(local_grads, layout=layout, own_axes=own), mesh=mesh,
         in_specs=(_tree(layout, manual(param_dims)), _tree(layout, manual(master_dims)),
-                  batch_spec),
-        out_specs=(_tree(layout, grad_specs), P(), P()),
-        axis_names=set(axes))(state.params, state.master, batch)
+                  batch_spec, extras["rng"], extras["model_state"]),
+        out_specs=(_tree(layout, grad_specs), P(), P(), P(), extras["model_state"]),
+        axis_names=set(axes))(state.params, state.master, batch,
+                              loop.step_key(state.rng, state.step), state.model_state)
 
     opt_params = _opt_params(layout, state.params, state.master)
-    updates, opt_state = tx.update(grads, state.opt_state, opt_params)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
     new = _leaves(optax.apply_updates(opt_params, updates))
 
     params, master = _leaves(state.params), _leaves(state.master)
@@ -684,20 +727,24 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     if sharded and not config.overlap_param_gather:
       params = _gather_params(master, layout, mesh, params, state)
     new_state = dataclasses.replace(state, step=state.step + 1, params=_tree(layout, params),
-                                    master=_tree(layout, master), opt_state=opt_state)
+                                    master=_tree(layout, master), opt_state=opt_state,
+                                    model_state=model_state)
     return finish_step(new_state, _state_specs(new_state), mesh, config, loss, grad_norm,
-                       grads)
+                       grads, aux if has_aux else None)
 
   return jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
 
 
 def finish_step(new_state: TrainState, specs: TrainState, mesh, config: DDPConfig, loss,
-                grad_norm, grads):
+                grad_norm, grads, aux=None):
   """The end of every strategy's step: the new state placed as `specs` say (as
-  `init_state` placed it), the metrics, and with the NaN check on one "finite" flag per
-  grad leaf (read on the host by `checks.TrainStep`)."""
+  `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
+  the NaN check on one "finite" flag per grad leaf (read on the host by
+  `checks.TrainStep`)."""
   new_state = jax.tree.map(lambda x, s: _constrain(x, mesh, s), new_state, specs)
   metrics = {"loss": loss, "grad_norm": grad_norm}
+  if aux is not None:
+    metrics["aux"] = aux
   if config.check_for_nan_in_grad:
     return new_state, metrics, checks.finite_leaves(grads)
   return new_state, metrics

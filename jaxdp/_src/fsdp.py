@@ -56,7 +56,7 @@ import optax
 from jax.extend.core import primitives as core_primitives
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives
+from jaxdp._src import checks, collectives, loop
 from jaxdp._src.buffer import pad_rows, unpad_rows
 from jaxdp._src.collectives import DATA, GATHERED
 from jaxdp._src.config import DDPConfig
@@ -400,7 +400,7 @@ def _state_specs(state: TrainState) -> TrainState:
   return dataclasses.replace(
       state, step=P(), params=_tree(layout, params), master=_tree(layout, master),
       opt_state=jax.tree.map(lambda x: _spec(x.ndim, by_shape.get(tuple(x.shape))),
-                             state.opt_state))
+                             state.opt_state), **loop.extra_specs(state))
 
 
 def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
@@ -446,20 +446,24 @@ def get_params(state: TrainState) -> PyTree:
 # ----------------------------------------------------------------------------- step
 
 def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: int = 1,
-                 fsdp: FSDPConfig | None = None):
-  """`grad_fn(state, batch) -> (grads, loss, grad_norm)`: what an FSDP step hands the optimizer.
+                 fsdp: FSDPConfig | None = None, has_aux: bool = False):
+  """`grad_fn(state, batch) -> (grads, loss, grad_norm, aux, model_state)`: what an FSDP step
+  hands the optimizer.
 
   `grads` is a tree like `state.master`: each trainable param's reduced (mean over the
   global batch) gradient, padded like the master and sharded over "data" like it, so every
   device holds 1/dp of it; `loss` is the global mean and `grad_norm` the global norm of
-  `grads`, both from one scalar all-reduce. Traceable; `make_train_step` calls it inside
-  its jitted step.
+  `grads`, both from one scalar all-reduce; `aux` (None without `has_aux`) and the new
+  `model_state` (None when the state holds none) are as `jaxdp.make_train_step` describes.
+  Traceable; `make_train_step` calls it inside its jitted step.
   """
   fsdp = fsdp or FSDPConfig()
   axes, dp, k = _data_axes(mesh), _dp(mesh), grad_accum_steps
 
-  def local_grads(master, params, batch, layout: Layout):
-    """Per device: this device's rows of every trainable param's grad, and the loss."""
+  def local_grads(master, params, batch, key, model_state, layout: Layout):
+    """Per device: this device's rows of every trainable param's grad, the loss, the aux and
+    the new model state."""
+    key = loop.device_key(key, collectives.data_index(axes))
     shards = layout.dp
     stored, trainable = _leaves(params), layout.trainable
     units = units_of(layout)
@@ -473,7 +477,7 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
       dtype = _master_dtype(layout.dtypes[i]) if trainable[i] else layout.dtypes[i]
       return _local_shape(specs[i], shards), np.dtype(dtype)
 
-    def loss_of(tmaster, mb):
+    def loss_of(tmaster, mb, j, ms):
       leaves = list(stored)
       for i, x in tmaster.items():
         leaves[i] = x
@@ -488,7 +492,8 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
                      fsdp.reshard_after_forward)
       previous, _scope.current = getattr(_scope, "current", None), scope
       try:
-        loss = loss_fn(_tree(layout, leaves), mb)
+        loss, extra = loop.call_loss(loss_fn, has_aux, _tree(layout, leaves), mb,
+                                     loop.micro_key(key, j), ms)
       finally:
         _scope.current = previous
       for u in stacked:
@@ -498,23 +503,29 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
               "layer of it through jaxdp.gather_unit: decorate the body of the scan over "
               "its layers with @jaxdp.scan_unit (jaxdp then scans over the shards and "
               "gathers each layer in its iteration), or leave it out of stacked=")
-      return loss / k
+      return loss / k, extra
 
     if fsdp.reshard_after_forward:
       loss_of = jax.checkpoint(loss_of, policy=_reshard_policy)
-    grad_fn = jax.value_and_grad(loss_of)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    sync = lambda ms: collectives.sync_model_state(ms, axes)  # noqa: E731
     tmaster = {i: m for i, m in enumerate(_leaves(master)) if m is not None}
     if k == 1:
-      loss, grads = grad_fn(tmaster, batch)
+      (loss, (aux, model_state)), grads = grad_fn(tmaster, batch, 0, model_state)
+      model_state, aux = sync(model_state), loop.mean_micro(None, aux, 1)
     else:  # every micro-batch gathers and reduce-scatters; the shards add up
       micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
-      def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(tmaster, mb)), None
+      def body(carry, xs):
+        loss_sum, grad_sum, ms = carry
+        (loss, (aux, ms)), grads = grad_fn(tmaster, *xs, ms)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sync(ms)), aux
 
       zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
-              jax.tree.map(jnp.zeros_like, tmaster))
-      (loss, grads), _ = jax.lax.scan(body, zero, micro)
+              jax.tree.map(jnp.zeros_like, tmaster), model_state)
+      (loss, grads, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
+      aux = loop.mean_micro(auxs, None, k)
+    aux = collectives.mean_over(aux, axes)
     # The global mean loss and grad norm in one collective: every device holds a distinct
     # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards, so the
     # norm² of the local shards summed over all devices counts each element `replicas` times.
@@ -524,7 +535,7 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
     return (_tree(layout, [grads.get(i) for i in range(len(trainable))]), loss / dp,
-            jnp.sqrt(sq / replicas))
+            jnp.sqrt(sq / replicas), aux, model_state)
 
   def grad_fn(state: TrainState, batch):
     specs = _state_specs(state)
@@ -532,33 +543,36 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     batch = jax.tree.map(lambda x: _constrain(x, mesh, batch_spec), batch)
     return jax.shard_map(
         functools.partial(local_grads, layout=state.layout), mesh=mesh,
-        in_specs=(specs.master, specs.params, batch_spec),
-        out_specs=(specs.master, P(), P()), axis_names=set(axes))(state.master, state.params, batch)
+        in_specs=(specs.master, specs.params, batch_spec, specs.rng, specs.model_state),
+        out_specs=(specs.master, P(), P(), P(), specs.model_state),
+        axis_names=set(axes))(state.master, state.params, batch,
+                              loop.step_key(state.rng, state.step), state.model_state)
 
   return grad_fn
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                     config: DDPConfig, *, grad_accum_steps: int = 1,
-                    fsdp: FSDPConfig | None = None):
+                    fsdp: FSDPConfig | None = None, has_aux: bool = False):
   """`jaxdp.make_train_step` for `optim_grads_params`, after its argument checks (see the
   module docstring)."""
   fsdp = fsdp or FSDPConfig()
   k = grad_accum_steps
-  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp)
+  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp,
+                         has_aux=has_aux)
 
   def step(state: TrainState, batch):
     layout = state.layout
     _check_state(state, mesh, config, fsdp)
     _check_batch(batch, _dp(mesh) * k)
-    grads, loss, grad_norm = grad_fn(state, batch)
+    grads, loss, grad_norm, aux, model_state = grad_fn(state, batch)
     opt_params = _opt_params(layout, state.params, state.master)
-    updates, opt_state = tx.update(grads, state.opt_state, opt_params)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
     master = optax.apply_updates(opt_params, updates)
     new_state = dataclasses.replace(state, step=state.step + 1, master=master,
-                                    opt_state=opt_state)
+                                    opt_state=opt_state, model_state=model_state)
     return finish_step(new_state, _state_specs(new_state), mesh, config, loss, grad_norm,
-                       grads)
+                       grads, aux if has_aux else None)
 
   return jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
 
