@@ -11,8 +11,8 @@ Every strategy's step calls `loss_fn` through `call_loss`, which is where the th
   the uninterrupted run.
 * **Mutable model state** (`init_state(..., model_state=tree)`: BatchNorm running
   statistics, Linen's `batch_stats`, NNX `BatchStat`s): `loss_fn` gets it as
-  `model_state=` and returns `(out, new_model_state)`, Linen's `apply(..., mutable=...)`
-  convention. After each micro-batch's forward the new state is made equal on every
+  `model_state=` and returns `(loss, new_model_state)`, as Flax's examples write it for
+  `jax.value_and_grad(..., has_aux=True)`. After each micro-batch's forward the new state is made equal on every
   device by `collectives.sync_model_state`: a float leaf that differs across devices is
   averaged over them (what Flax's examples do with `pmean(batch_stats)`); a leaf the model
   already reduced itself (SyncBatchNorm: `nnx.BatchNorm(axis_name="data")`) is not varying
@@ -27,7 +27,8 @@ Every strategy's step calls `loss_fn` through `call_loss`, which is where the th
   float32), and returned as `metrics["aux"]`. Per-example outputs do not fit this (they
   would be averaged across shards): return them from `make_eval_step` instead.
 
-With both, `loss_fn` returns `((loss, aux), new_model_state)`.
+With both, `loss_fn` returns `(loss, (aux, new_model_state))`: whatever the step carries,
+`jax.value_and_grad(loss_fn, has_aux=True)` takes `loss_fn` as it is.
 """
 
 from __future__ import annotations
@@ -100,21 +101,26 @@ def call_loss(loss_fn: Callable, has_aux: bool, params: PyTree, batch: PyTree, r
   if model_state is not None:
     kwargs["model_state"] = model_state
   out = loss_fn(params, batch, **kwargs)
-  new_state = None
+  aux = new_state = None
   if model_state is not None:
-    out, new_state = _pair(out, "(out, new_model_state) when the state holds model_state "
+    what = "(loss, (aux, new_model_state)) with has_aux=True" if has_aux else \
+        "(loss, new_model_state)"
+    out, new_state = _pair(out, what + " when the state holds model_state "
                            "(init_state(..., model_state=))")
+    if has_aux:
+      aux, new_state = _pair(new_state, what)
     if jax.tree.structure(new_state) != jax.tree.structure(model_state):
       raise ValueError(
           f"loss_fn returned a new model_state with the structure "
           f"{jax.tree.structure(new_state)}, but the state holds "
           f"{jax.tree.structure(model_state)}; return the whole model state, updated")
     new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
-  aux = None
-  if has_aux:
+  elif has_aux:
     out, aux = _pair(out, "(loss, aux) with has_aux=True")
-  if jnp.shape(out) != ():
-    raise TypeError(f"loss_fn must return a scalar loss, got shape {jnp.shape(out)}"
+  if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
+    got = f"a {type(out).__name__}" if isinstance(out, (tuple, list)) else \
+        f"shape {jnp.shape(out)}"
+    raise TypeError(f"loss_fn must return a scalar loss, got {got}"
                     + ("; with has_aux=True return (loss, aux)" if not has_aux else ""))
   return out, (aux, new_state)
 
@@ -157,10 +163,13 @@ def with_extras(state, mesh, rng, model_state):
         raise ValueError(f"model_state{jax.tree_util.keystr(path)} is a PRNG key: keys go "
                          "in init_state(..., rng=), which derives one per step and device")
   replicated = NamedSharding(mesh, P())
-  place = lambda x: jax.device_put(x, replicated, may_alias=False)  # noqa: E731
-  return dataclasses.replace(
-      state, rng=None if data is None else place(data),
-      model_state=None if model_state is None else jax.tree.map(place, model_state))
+  extras = jax.device_put((data, model_state), replicated, may_alias=False)
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  # placed the way the step places its output state, so step 2 reuses step 1's program
+  constrain = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+  data, model_state = jax.jit(lambda t: jax.tree.map(lambda x: constrain(x, replicated), t))(
+      extras)
+  return dataclasses.replace(state, rng=data, model_state=model_state)
 
 
 # ----------------------------------------------------------------------------- the update

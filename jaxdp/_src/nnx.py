@@ -23,7 +23,7 @@ Non-param state takes one of two routes, depending on what the train state holds
 * Everything else (`nnx.BatchStat` running statistics, any other non-`Param`
   `nnx.Variable`): with `init_state(..., model_state=jaxdp.nnx_model_state(model))` it is
   the train state's `model_state`: `loss_fn` gets it (`model_state=`), returns what the
-  forward wrote (`(out, new_model_state)`), and the step averages it over the data axes
+  forward wrote (`(loss, new_model_state)`), and the step averages it over the data axes
   (see `make_train_step`); `nnx_merge(model, state)` writes it back. Without it, it is frozen
   at split time (exact for BatchNorm in eval mode, and for models without such state).
 
@@ -91,8 +91,9 @@ def nnx_split(model: nnx.Module,
     `loss_fn(params, batch, *, rng=None, model_state=None)` rebuilds the model from
     `params` and returns `model_loss(model, batch)`: with `rng` its RNG streams restart
     from that key, with `model_state` (in `nnx_model_state` form) its other non-param
-    variables are set from it and `loss_fn` returns `(model_loss(...), new_model_state)`
-    (see the module docstring; `make_train_step` passes both when the state holds them).
+    variables are set from it and `loss_fn` returns `(loss, new_model_state)`, or
+    `(loss, (aux, new_model_state))` when `model_loss` returns `(loss, aux)` (see the
+    module docstring; `make_train_step` passes both when the state holds them).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -134,7 +135,10 @@ def nnx_split(model: nnx.Module,
     if model_state is None:
       return out
     written = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]
-    return out, jax.tree.unflatten(jax.tree.structure(model_state), jax.tree.leaves(written))
+    new = jax.tree.unflatten(jax.tree.structure(model_state), jax.tree.leaves(written))
+    if isinstance(out, (tuple, list)) and len(out) == 2:  # (loss, aux)
+      return out[0], (out[1], new)
+    return out, new
 
   return params, loss_fn
 
