@@ -9,6 +9,7 @@ from jaxdp import plot as plot
 from jaxdp._src.buffer import ravel as ravel
 from jaxdp._src.buffer import unravel as unravel
 from jaxdp._src.checkpoint import CheckpointManager as CheckpointManager
+from jaxdp._src.checkpoint import get_opt_state as get_opt_state
 from jaxdp._src.checks import NonFiniteGradError as NonFiniteGradError
 from jaxdp._src.config import DDPConfig as DDPConfig
 from jaxdp._src.ddp import TrainState as TrainState

@@ -148,3 +148,182 @@ def test_has_aux_errors_name_the_fix():
                                mesh, config)
   with pytest.raises(TypeError, match="with has_aux=True return"):
     step(state, batch)
+
+
+# ----------------------------------------------------------------------------- dropout RNG
+
+def dropout_loss(model, batch):
+  """The loss through dropout, and the dropout mask of this device's shard as aux."""
+  logits = model(batch["x"])
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+  return loss, {"mask": model.drop(jnp.ones((batch["x"].shape[0], 16))) * 0.5}
+
+
+def dropout_run(strategy, steps, mesh=None, state=None, key=7):
+  """`steps` steps of the dropout net; the per-step mean over shards of the masks."""
+  mesh = mesh or mesh8()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  model = Net(nnx.Rngs(0), rate=0.5)
+  params, loss_fn = jaxdp.nnx_split(model, dropout_loss)
+  tx = optax.adam(1e-2)
+  if state is None:
+    state = jaxdp.init_state(params, tx, mesh, config, rng=jax.random.key(key),
+                             model_state=jaxdp.nnx_model_state(model))
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config, has_aux=True)
+  masks = []
+  for _ in range(steps):
+    state, metrics = step(state, net_batch())
+    masks.append(np.asarray(metrics["aux"]["mask"]))
+  return state, masks
+
+
+def test_dropout_masks_differ_per_step_and_per_shard():
+  _, masks = dropout_run("optim", 2)
+  for m in masks:
+    # the mean over the 8 shards of 0/1 masks: all-equal masks would leave only 0 and 1
+    assert m.shape == (4, 16) and 0.3 < m.mean() < 0.7
+    assert np.mean((m > 0) & (m < 1)) > 0.5, "the shards drew the same mask"
+  assert not np.array_equal(masks[0], masks[1]), "two steps drew the same masks"
+  # another key, other masks; the same key, the same masks, under another strategy
+  assert not np.array_equal(dropout_run("optim", 1, key=8)[1][0], masks[0])
+  np.testing.assert_array_equal(dropout_run("optim_grads_params", 1)[1][0], masks[0])
+
+
+def test_resumed_run_draws_the_masks_of_the_uninterrupted_run(tmp_path):
+  state, masks = dropout_run("optim", 3)
+  half, first = dropout_run("optim", 1)
+  with jaxdp.CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, half)
+    mgr.wait_until_finished()
+    like, _ = dropout_run("optim", 0, key=123)  # its key and statistics are overwritten
+    resumed, rest = dropout_run("optim", 2, state=mgr.restore(like))
+  for a, b in zip(first + rest, masks):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves((jaxdp.get_params(resumed), resumed.model_state)),
+                  jax.tree.leaves((jaxdp.get_params(state), state.model_state))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_model_state_and_key_restore_across_dp_and_strategy(tmp_path):
+  state, _ = dropout_run("no_shard", 2)
+  with jaxdp.CheckpointManager(tmp_path) as mgr:
+    mgr.save(2, state)
+    mgr.wait_until_finished()
+    mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    like, _ = dropout_run("optim_grads_params", 0, mesh=mesh4, key=5)
+    restored = mgr.restore(like)
+    assert restored.model_state["bn"]["mean"].sharding.mesh.shape["data"] == 4
+    for a, b in zip(jax.tree.leaves((restored.model_state, restored.rng)),
+                    jax.tree.leaves((state.model_state, state.rng))):
+      np.testing.assert_array_equal(a, b)
+    no_key, _ = dropout_run("no_shard", 0)
+    no_key = no_key.__class__(**{**no_key.__dict__, "rng": None})
+    with pytest.raises(ValueError, match="holds a key"):
+      mgr.restore(no_key)
+
+
+def test_nnx_split_without_a_key_keeps_the_streams_frozen():
+  """The old contract, kept: no key in the state, the same masks every step."""
+  model = Net(nnx.Rngs(0), rate=0.5)
+  params, loss_fn = jaxdp.nnx_split(model, dropout_loss)
+  _, (a, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
+  _, (b, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
+  np.testing.assert_array_equal(a["mask"], b["mask"])
+  _, (c, _) = loss_fn(params, net_batch(), rng=jax.random.key(1),
+                      model_state=jaxdp.nnx_model_state(model))
+  assert not np.array_equal(a["mask"], c["mask"])
+
+
+# ----------------------------------------------------------------------------- Linen
+
+class LinenNet(nn.Module):
+  sync: bool = False
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(16, use_bias=False)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.5,
+                     axis_name="data" if self.sync else None)(x)
+    x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
+    return nn.Dense(3)(x)
+
+
+def linen_loss(model):
+  def loss_fn(params, batch, *, rng, model_state):
+    logits, updates = model.apply({"params": params, **model_state}, batch["x"], train=True,
+                                  mutable=["batch_stats"], rngs={"dropout": rng})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return loss, updates
+  return loss_fn
+
+
+def test_linen_dropout_and_sync_batchnorm():
+  """Linen's idiom (`mutable=["batch_stats"]`, `rngs={"dropout": rng}`) under `optim`: the
+  running statistics of SyncBatchNorm equal a single-device run that draws, on the whole
+  batch, the masks the 8 devices drew on their shards."""
+  variables = LinenNet().init(jax.random.key(0), net_batch()["x"], train=False)
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  tx = optax.sgd(0.0)  # params stay: the statistics of one forward are compared
+  state = jaxdp.init_state(variables["params"], tx, mesh, config, rng=11,
+                           model_state={"batch_stats": variables["batch_stats"]})
+  step = jaxdp.make_train_step(linen_loss(LinenNet(sync=True)), tx, mesh, config)
+  state, metrics = step(state, net_batch())
+  _, ref = linen_loss(LinenNet())(variables["params"], net_batch(), rng=jax.random.key(0),
+                                  model_state={"batch_stats": variables["batch_stats"]})
+  # BatchNorm precedes dropout: its statistics do not depend on the masks
+  assert_trees_close(state.model_state, ref, 1e-6)
+  assert np.isfinite(metrics["loss"])
+
+
+# ----------------------------------------------------------------------------- optax
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_muon_on_explicit_and_auto_meshes(strategy, axis_type):
+  """muon's Newton-Schulz iteration multiplies a leaf by its transpose; on a leaf sharded on
+  its rows over an Explicit mesh that crashed at step 1 (ShardingTypeError)."""
+  params = {"w": jax.random.normal(jax.random.key(0), (64, 64)) / 8, "b": jnp.zeros(64)}
+  batch = {"x": jax.random.normal(jax.random.key(1), (16, 64)), "y": jnp.ones((16, 64))}
+  def loss_fn(p, b):
+    return jnp.mean((jnp.tanh(b["x"] @ p["w"] + p["b"]) - b["y"]) ** 2)
+  tx = optax.contrib.muon(1e-2)
+  ref, opt_state = params, tx.init(params)
+  for _ in range(2):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(ref, batch), opt_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  mesh, config = mesh8(axis_type), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  for _ in range(2):
+    state, _ = step(state, batch)
+  # 2 steps of unit-scale orthogonalized updates (lr 1e-2): observed ~6e-8
+  assert_trees_close(jaxdp.get_params(state), ref, 1e-6)
+
+
+# ----------------------------------------------------------------------------- views
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_schedule_free_eval_params_and_hyperparams_from_the_unpadded_view(strategy):
+  """30 rows pad to 32 under dp=8: optax helpers read the state through `get_opt_state`."""
+  params = {"w": jax.random.normal(jax.random.key(0), (30,)), "b": jnp.zeros(())}
+  batch = {"x": jax.random.normal(jax.random.key(1), (16, 30))}
+  def loss_fn(p, b):
+    return jnp.mean((b["x"] @ p["w"] + p["b"] - 1.0) ** 2)
+  tx = optax.inject_hyperparams(optax.contrib.schedule_free_adamw)(learning_rate=1e-2)
+  ref, opt_state = params, tx.init(params)
+  for _ in range(3):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(ref, batch), opt_state, ref)
+    ref = optax.apply_updates(ref, updates)
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  for _ in range(3):
+    state, _ = step(state, batch)
+  view = jaxdp.get_opt_state(state)
+  assert float(view.hyperparams["learning_rate"]) == pytest.approx(1e-2)
+  assert view.inner_state.z["w"].shape == (30,)
+  # 3 Adam-like steps on f32: the bound of the other equality tests
+  assert_trees_close(optax.contrib.schedule_free_eval_params(view.inner_state,
+                                                             jaxdp.get_params(state)),
+                     optax.contrib.schedule_free_eval_params(opt_state.inner_state, ref),
+                     ATOL)

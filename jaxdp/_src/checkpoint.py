@@ -207,6 +207,29 @@ def _canonical(state: TrainState) -> dict[str, jax.Array]:
   return out
 
 
+def get_opt_state(state: TrainState) -> PyTree:
+  """The optax state of `state` as one device would hold it: per-param leaves in their
+  param's shape (the sharded strategies' padding rows dropped), the rest as they are.
+
+  What optax helpers that read the state need, on every strategy: `schedule_free`'s
+  `optax.contrib.schedule_free_eval_params(jaxdp.get_opt_state(state),
+  jaxdp.get_params(state))`, `inject_hyperparams`' `.hyperparams`. The unpadded leaves are
+  replicated copies (gathered for the view); the state itself is not changed.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((30,))}, optax.adam(1e-3), mesh, config)
+    >>> state.opt_state[0].mu["w"].shape, jaxdp.get_opt_state(state)[0].mu["w"].shape
+    ((32,), (30,))
+  """
+  leaves, treedef = jax.tree.flatten(state.opt_state)
+  return jax.tree.unflatten(treedef, [
+      x if tuple(x.shape) == tuple(shape) else _unpad(x, shape, axis)
+      for x, (shape, axis) in zip(leaves, _opt_forms(state))])
+
+
 def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding,
               axis: int) -> jax.Array:
   """Traced: `full` in `like`'s padded shape (rows padded on `axis`), on `sharding`.
