@@ -16,6 +16,7 @@ from jaxdp._src.ddp import TrainState as TrainState
 from jaxdp._src.ddp import get_params as get_params
 from jaxdp._src.ddp import init_state as init_state
 from jaxdp._src.ddp import make_train_step as make_train_step
+from jaxdp._src.eval import make_eval_step as make_eval_step
 from jaxdp._src.distributed import host_local_batch_to_global as host_local_batch_to_global
 from jaxdp._src.distributed import initialize as initialize
 from jaxdp._src.fsdp import FSDPConfig as FSDPConfig

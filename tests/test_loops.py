@@ -1,6 +1,8 @@
 """Real Flax training loops: aux metrics, dropout RNG, BatchNorm state, eval, any optax on any
 mesh; each against the plain single-device program where one exists."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -327,3 +329,53 @@ def test_schedule_free_eval_params_and_hyperparams_from_the_unpadded_view(strate
                                                              jaxdp.get_params(state)),
                      optax.contrib.schedule_free_eval_params(opt_state.inner_state, ref),
                      ATOL)
+
+
+# ----------------------------------------------------------------------------- eval
+
+def eval_fns(model):
+  """The eval-mode forward of `model` (running averages, no dropout): metrics and logits."""
+  model.eval()
+  def metrics(m, batch):
+    logits = m(batch["x"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+  return jaxdp.nnx_split(model, metrics)[1], jaxdp.nnx_split(model, lambda m, b: m(b["x"]))[1]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_eval_step_equals_the_single_device_eval(strategy):
+  state, _ = dropout_run(strategy, 2)
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  metrics_fn, logits_fn = eval_fns(Net(nnx.Rngs(0), rate=0.5))
+  batch = net_batch(64)
+  metrics = jaxdp.make_eval_step(metrics_fn, mesh, config)(state, batch)
+  logits = jaxdp.make_eval_step(logits_fn, mesh, config, per_example=True)(state, batch)
+  assert logits.shape == (64, 3) and logits.sharding.spec[0] == "data"
+
+  model = jaxdp.nnx_merge(Net(nnx.Rngs(1), rate=0.5), state)
+  model.eval()
+  ref_logits = model(batch["x"])
+  ref_loss = optax.softmax_cross_entropy_with_integer_labels(ref_logits, batch["y"]).mean()
+  # one forward of f32 (the per-shard means averaged: a sum order apart)
+  np.testing.assert_allclose(logits, ref_logits, atol=1e-6)
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-6)
+  np.testing.assert_allclose(metrics["accuracy"],
+                             jnp.mean(jnp.argmax(ref_logits, -1) == batch["y"]), rtol=1e-6)
+  assert not jax.tree.leaves((state.params, state.master))[0].is_deleted()  # not donated
+
+
+def test_fsdp_eval_gathers_unit_by_unit():
+  """Under FSDP the eval gathers each unit with its own all-gather (here l1, bn, l2: one
+  each), never the whole model in one."""
+  state, _ = dropout_run("optim_grads_params", 0)
+  mesh = mesh8()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+  hlo = jaxdp.make_eval_step(eval_fns(Net(nnx.Rngs(0)))[0], mesh, config).lower(
+      state, net_batch()).as_text(dialect="hlo")
+  sizes = sorted(int(n) for n in re.findall(r"= \w+\[(\d+)\]\{0\} all-gather\(", hlo))
+  # l1: 6x16 kernel -> 96; bn: scale+bias 2x16 -> 32; l2: 16x3 kernel + 3 bias, rows
+  # padded to a multiple of 8 (16 + 8) x 3 -> 72 (bucket sizes, padded to dp)
+  assert len(sizes) == 3, sizes
+  total = sum(x.size for x in jax.tree.leaves(jaxdp.get_params(state)))
+  assert max(sizes) < total

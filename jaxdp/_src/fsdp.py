@@ -445,6 +445,52 @@ def get_params(state: TrainState) -> PyTree:
 
 # ----------------------------------------------------------------------------- step
 
+def call_with_units(call: Callable, layout: Layout, stored: list, tmaster: dict, hooks: dict,
+                    fsdp: FSDPConfig):
+  """Inside the step: `call(params)` on the param tree whose units are gathered by `hooks`
+  (unstacked units here, stacked ones by `gather_unit` inside the model's scan)."""
+  units, specs, trainable = units_of(layout), param_specs(layout), layout.trainable
+  stacked = [u for u in units if u.layers]
+
+  def local_sig(i):
+    dtype = _master_dtype(layout.dtypes[i]) if trainable[i] else layout.dtypes[i]
+    return _local_shape(specs[i], layout.dp), np.dtype(dtype)
+
+  leaves = list(stored)
+  for i, x in tmaster.items():
+    leaves[i] = x
+  for u in units:  # stacked units are gathered by gather_unit inside the model's scan
+    if not u.layers:
+      full = hooks[u.name]({i: leaves[i] for i in u.trainable},
+                           {i: leaves[i] for i in u.frozen})
+      for i, x in full.items():
+        leaves[i] = x
+  scope = _Scope([(u, hooks[u.name], [local_sig(i) for i in u.leaves]) for u in stacked],
+                 frozenset(layout.paths[i] for u in stacked for i in u.leaves),
+                 fsdp.reshard_after_forward)
+  previous, _scope.current = getattr(_scope, "current", None), scope
+  try:
+    out = call(_tree(layout, leaves))
+  finally:
+    _scope.current = previous
+  for u in stacked:
+    if u.name not in scope.used:
+      raise ValueError(
+          f"FSDPConfig(stacked=...) names params{u.name}, but loss_fn never passed a "
+          "layer of it through jaxdp.gather_unit: decorate the body of the scan over "
+          "its layers with @jaxdp.scan_unit (jaxdp then scans over the shards and "
+          "gathers each layer in its iteration), or leave it out of stacked=")
+  return out
+
+
+def unit_hooks(layout: Layout, mesh, config: DDPConfig) -> dict:
+  """Inside the step: each unit's gather hook (forward all-gather, backward reduce-scatter)."""
+  return {u.name: collectives.unit_gather_hook(
+      u.gather, u.grad, {i: _master_dtype(layout.dtypes[i]) for i in u.trainable},
+      dp=_dp(mesh), axes=_data_axes(mesh), average=config.average_in_collective)
+      for u in units_of(layout)}
+
+
 def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: int = 1,
                  fsdp: FSDPConfig | None = None, has_aux: bool = False):
   """`grad_fn(state, batch) -> (grads, loss, grad_norm, aux, model_state)`: what an FSDP step
@@ -464,45 +510,12 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     """Per device: this device's rows of every trainable param's grad, the loss, the aux and
     the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
-    shards = layout.dp
     stored, trainable = _leaves(params), layout.trainable
-    units = units_of(layout)
-    hooks = {u.name: collectives.unit_gather_hook(
-        u.gather, u.grad, {i: _master_dtype(layout.dtypes[i]) for i in u.trainable},
-        dp=dp, axes=axes, average=config.average_in_collective) for u in units}
-    specs = param_specs(layout)
-    stacked = [u for u in units if u.layers]
-
-    def local_sig(i):
-      dtype = _master_dtype(layout.dtypes[i]) if trainable[i] else layout.dtypes[i]
-      return _local_shape(specs[i], shards), np.dtype(dtype)
-
+    hooks = unit_hooks(layout, mesh, config)
     def loss_of(tmaster, mb, j, ms):
-      leaves = list(stored)
-      for i, x in tmaster.items():
-        leaves[i] = x
-      for u in units:  # stacked units are gathered by gather_unit inside the model's scan
-        if not u.layers:
-          full = hooks[u.name]({i: leaves[i] for i in u.trainable},
-                               {i: leaves[i] for i in u.frozen})
-          for i, x in full.items():
-            leaves[i] = x
-      scope = _Scope([(u, hooks[u.name], [local_sig(i) for i in u.leaves]) for u in stacked],
-                     frozenset(layout.paths[i] for u in stacked for i in u.leaves),
-                     fsdp.reshard_after_forward)
-      previous, _scope.current = getattr(_scope, "current", None), scope
-      try:
-        loss, extra = loop.call_loss(loss_fn, has_aux, _tree(layout, leaves), mb,
-                                     loop.micro_key(key, j), ms)
-      finally:
-        _scope.current = previous
-      for u in stacked:
-        if u.name not in scope.used:
-          raise ValueError(
-              f"FSDPConfig(stacked=...) names params{u.name}, but loss_fn never passed a "
-              "layer of it through jaxdp.gather_unit: decorate the body of the scan over "
-              "its layers with @jaxdp.scan_unit (jaxdp then scans over the shards and "
-              "gathers each layer in its iteration), or leave it out of stacked=")
+      loss, extra = call_with_units(
+          lambda tree: loop.call_loss(loss_fn, has_aux, tree, mb, loop.micro_key(key, j), ms),
+          layout, stored, tmaster, hooks, fsdp)
       return loss / k, extra
 
     if fsdp.reshard_after_forward:
