@@ -27,7 +27,9 @@ from jaxdp._src.layout import BufferLayout as BufferLayout
 from jaxdp._src.layout import Layout as Layout
 from jaxdp._src.layout import ParamSpec as ParamSpec
 from jaxdp._src.layout import make_layout as make_layout
+from jaxdp._src.nnx import NNXOptimizer as NNXOptimizer
 from jaxdp._src.nnx import nnx_merge as nnx_merge
+from jaxdp._src.nnx import nnx_train_step as nnx_train_step
 from jaxdp._src.nnx import nnx_model_state as nnx_model_state
 from jaxdp._src.nnx import nnx_split as nnx_split
 

@@ -379,3 +379,39 @@ def test_fsdp_eval_gathers_unit_by_unit():
   assert len(sizes) == 3, sizes
   total = sum(x.size for x in jax.tree.leaves(jaxdp.get_params(state)))
   assert max(sizes) < total
+
+
+# ----------------------------------------------------------------------------- the NNX loop
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_nnx_loop_equals_nnx_optimizer_on_one_device(strategy):
+  """The README's before/after: `nnx.Optimizer` + `@nnx.jit` on one device, and the same
+  loop with `jaxdp.NNXOptimizer` + `jaxdp.nnx_train_step`, give the same model (params and
+  SyncBatchNorm statistics) after 3 steps."""
+  tx, batch = optax.adam(1e-2), net_batch()
+
+  model = Net(nnx.Rngs(0))  # before: one device
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    (loss, aux), grads = nnx.value_and_grad(net_loss, has_aux=True)(model, batch)
+    optimizer.update(model, grads)
+    return loss, aux
+
+  for _ in range(3):
+    ref_loss, ref_aux = train_step(model, optimizer, batch)
+
+  dp_model = Net(nnx.Rngs(0), sync=True)  # after: the mesh
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  dp_optimizer = jaxdp.NNXOptimizer(dp_model, tx, mesh8(), config)
+  dp_step = jaxdp.nnx_train_step(net_loss, has_aux=True)
+  for _ in range(3):
+    metrics = dp_step(dp_model, dp_optimizer, batch)
+
+  np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics["aux"]["accuracy"], ref_aux["accuracy"], rtol=1e-5)
+  assert_trees_close(nnx.to_pure_dict(nnx.state(dp_model, nnx.Param)),
+                     nnx.to_pure_dict(nnx.state(model, nnx.Param)), ATOL)
+  assert_trees_close(jaxdp.nnx_model_state(dp_model), jaxdp.nnx_model_state(model), ATOL)
+  assert int(dp_optimizer.step) == 3

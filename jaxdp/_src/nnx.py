@@ -220,3 +220,111 @@ def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> 
     nnx.update(model, jax.tree.unflatten(jax.tree.structure(rest),
                                          jax.tree.leaves(model_state)))
   return model
+
+
+# ----------------------------------------------------------------------------- the NNX loop
+
+def _model_key(model: nnx.Module):
+  """The key of the model's first RNG stream (None without streams): the default train key."""
+  keys = [x for x in jax.tree.leaves(nnx.state(model, nnx.RngKey))
+          if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  return keys[0] if keys and not keys[0].shape else None
+
+
+class NNXOptimizer:
+  """`nnx.Optimizer` for jaxdp: holds the `TrainState` of an NNX model on a mesh.
+
+  Built like `nnx.Optimizer(model, tx)` plus the mesh and config; `nnx_train_step` makes
+  the step that trains the model with it and writes the result back into the model
+  (model in, model out), so an NNX loop changes a few lines (README, "The NNX loop").
+
+  The state holds the model's `nnx.Param`s (trained), its other non-RNG variables as
+  `model_state` (BatchNorm statistics: averaged over the data axes each step, see
+  `make_train_step`) and a key (`rng`; default: the key of the model's first RNG stream),
+  from which every step's dropout keys are derived per step and per data shard.
+
+  Args:
+    model: the `nnx.Module` to train. Its arrays are copied, not donated.
+    tx: the optax transformation.
+    mesh, config: as `init_state` takes them.
+    rng: the key of the train state (see `init_state`); None: the model's first stream's.
+    frozen, fsdp: as `init_state` takes them.
+
+  Attributes:
+    state: the `TrainState` (checkpoint it with `CheckpointManager`).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> mesh, config = jax.make_mesh((8,), ("data",)), jaxdp.DDPConfig()
+    >>> optimizer = jaxdp.NNXOptimizer(model, optax.sgd(0.1), mesh, config)
+    >>> def loss_fn(model, batch):
+    ...   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    >>> train_step = jaxdp.nnx_train_step(loss_fn)
+    >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.zeros((16, 1))}
+    >>> metrics = train_step(model, optimizer, batch)  # model now holds the new params
+    >>> int(optimizer.step), bool(metrics["loss"] > loss_fn(model, batch))
+    (1, True)
+  """
+
+  def __init__(self, model: nnx.Module, tx, mesh, config, *, rng=None, frozen=None,
+               fsdp=None):
+    from jaxdp._src.ddp import init_state  # noqa: PLC0415
+    self.tx, self.mesh, self.config, self.fsdp = tx, mesh, config, fsdp
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    self.state = init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp,
+                            rng=_model_key(model) if rng is None else rng,
+                            model_state=nnx_model_state(model))
+
+  @property
+  def step(self) -> jax.Array:
+    """Number of steps taken."""
+    return self.state.step
+
+  def update_model(self, model: nnx.Module) -> nnx.Module:
+    """Writes the state's params and model state into `model` (copies: they outlive the
+    next step, which donates the state)."""
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+    return nnx_merge(model, copy(get_params(self.state)), copy(self.state.model_state))
+
+
+def nnx_train_step(model_loss: Callable, *, has_aux: bool = False, grad_accum_steps: int = 1,
+                   update_model: bool = True) -> Callable:
+  """The NNX train step: `train_step(model, optimizer, batch) -> metrics`.
+
+  Replaces an `@nnx.jit` function that calls `nnx.value_and_grad(loss_fn)(model)` and
+  `optimizer.update(model, grads)`: it runs the jaxdp step of `optimizer`'s strategy
+  (`make_train_step`, built at the first call from the model's structure) and, with
+  `update_model`, writes the new params and BatchNorm statistics back into `model` so that
+  it is current after every step (under the sharded strategies that gathers the params:
+  pass False and call `optimizer.update_model(model)` when you need it).
+
+  Args:
+    model_loss: `model_loss(model, batch) -> loss`, or `(loss, aux)` with `has_aux`
+      (`aux` averaged over the data axes into `metrics["aux"]`). The model it gets is in
+      the mode the model passed in was (`model.train()`): dropout draws from keys the step
+      derives per step and per data shard.
+    has_aux, grad_accum_steps: as `make_train_step` takes them.
+    update_model: write the trained state back into the model after each step.
+
+  Returns:
+    `train_step(model, optimizer, batch) -> metrics` (see `make_train_step`).
+  """
+  cache: dict[Any, Any] = {}
+
+  def train_step(model: nnx.Module, optimizer: NNXOptimizer, batch: PyTree):
+    from jaxdp._src.ddp import make_train_step  # noqa: PLC0415
+    graphdef = nnx.graphdef(model)
+    key = (graphdef, id(optimizer))
+    if key not in cache:
+      _, loss_fn = nnx_split(model, model_loss)
+      cache[key] = make_train_step(loss_fn, optimizer.tx, optimizer.mesh, optimizer.config,
+                                   grad_accum_steps=grad_accum_steps, fsdp=optimizer.fsdp,
+                                   has_aux=has_aux)
+    optimizer.state, metrics = cache[key](optimizer.state, batch)
+    if update_model:
+      optimizer.update_model(model)
+    return metrics
+
+  return train_step
