@@ -515,12 +515,28 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, the mean loss over the batch it gets.
-    tx: the optax transformation `init_state` was given.
+      What the state carries adds arguments and outputs (`jaxdp._src.loop`): with
+      `init_state(..., rng=)` it is called with `rng=` (a typed key: the state's key
+      folded with the step counter, the device's data shard and the micro-batch index:
+      other dropout masks every step and on every shard, the same ones in a resumed run);
+      with `init_state(..., model_state=)` with `model_state=`, and it returns
+      `(loss, new_model_state)`. The new model state is averaged over the data axes after
+      each micro-batch where it differs across devices (Flax's `pmean(batch_stats)`; a
+      model that syncs it itself, such as SyncBatchNorm, is left as it computed it; torch
+      DDP broadcasts rank 0's buffers instead, keeping one shard's statistics: the mean
+      keeps all of them). Integer leaves take the first shard's value.
+    tx: the optax transformation `init_state` was given. Its update runs in the global view
+      with the mesh's Explicit axes made automatic, so shape-dependent transformations
+      (`optax.contrib.muon`) run on sharded leaves as on an Auto mesh.
     mesh: the mesh `init_state` was given.
     config: the `DDPConfig` `init_state` was given.
     grad_accum_steps: micro-batches per step; gradients are communicated once per step
       (every micro-batch under `optim_grads`, which keeps only its shard).
     fsdp: `optim_grads_params` only: the `FSDPConfig` given to `init_state`.
+    has_aux: `loss_fn` returns `(loss, aux)` (`(loss, (aux, new_model_state))` with model
+      state); every leaf of `aux` is averaged over the micro-batches and the data axes
+      (a per-shard mean becomes the global mean; non-float leaves in float32) and returned
+      as `metrics["aux"]`. Per-example outputs belong in `make_eval_step(per_example=True)`.
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`: a `jax.jit` function that donates
@@ -528,7 +544,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     `batch` is a pytree of global arrays whose leading dim (the same for every leaf,
     divisible by data-parallel size × `grad_accum_steps`) is split over the data axes.
     `metrics` holds the global mean `loss` and the global `grad_norm` (before any
-    clipping). With `config.check_for_nan_in_grad` the state is not donated, each step
+    clipping), and `aux` with `has_aux`. With `config.check_for_nan_in_grad` the state is not donated, each step
     waits for its grads to be checked, and a NaN/Inf raises `NonFiniteGradError` naming the
     params and the step, the state passed in left as it was (the jitted function then also
     returns one "finite" flag per trainable leaf).
