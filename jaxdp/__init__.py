@@ -12,16 +12,10 @@ from jaxdp._src.checkpoint import CheckpointManager as CheckpointManager
 from jaxdp._src.checkpoint import get_opt_state as get_opt_state
 from jaxdp._src.checks import NonFiniteGradError as NonFiniteGradError
 from jaxdp._src.config import DDPConfig as DDPConfig
-from jaxdp._src.ddp import TrainState as TrainState
-from jaxdp._src.ddp import get_params as get_params
-from jaxdp._src.ddp import init_state as init_state
-from jaxdp._src.ddp import make_train_step as make_train_step
-from jaxdp._src.eval import make_eval_step as make_eval_step
+from jaxdp._src.config import FSDPConfig as FSDPConfig
 from jaxdp._src.distributed import host_local_batch_to_global as host_local_batch_to_global
 from jaxdp._src.distributed import initialize as initialize
-from jaxdp._src.fsdp import FSDPConfig as FSDPConfig
-from jaxdp._src.fsdp import gather_unit as gather_unit
-from jaxdp._src.fsdp import scan_unit as scan_unit
+from jaxdp._src.eval import make_eval_step as make_eval_step
 from jaxdp._src.layout import Bucket as Bucket
 from jaxdp._src.layout import BufferLayout as BufferLayout
 from jaxdp._src.layout import Layout as Layout
@@ -29,8 +23,14 @@ from jaxdp._src.layout import ParamSpec as ParamSpec
 from jaxdp._src.layout import make_layout as make_layout
 from jaxdp._src.nnx import NNXOptimizer as NNXOptimizer
 from jaxdp._src.nnx import nnx_merge as nnx_merge
-from jaxdp._src.nnx import nnx_train_step as nnx_train_step
 from jaxdp._src.nnx import nnx_model_state as nnx_model_state
+from jaxdp._src.nnx import nnx_train_step as nnx_train_step
 from jaxdp._src.nnx import nnx_split as nnx_split
+from jaxdp._src.state import TrainState as TrainState
+from jaxdp._src.train import get_params as get_params
+from jaxdp._src.train import init_state as init_state
+from jaxdp._src.train import make_train_step as make_train_step
+from jaxdp._src.units import gather_unit as gather_unit
+from jaxdp._src.units import scan_unit as scan_unit
 
 __version__ = "0.1.0"

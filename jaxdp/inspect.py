@@ -11,14 +11,11 @@ a step should move and `memory_report` lines up predicted, measured and compiled
 from jaxdp._src.aot import abstract_like as abstract_like
 from jaxdp._src.aot import compile_for_gpu as compile_for_gpu
 from jaxdp._src.aot import compile_train_step as compile_train_step
-from jaxdp._src.aot import compiler_options as compiler_options
 from jaxdp._src.aot import gpu_compile_unavailable as gpu_compile_unavailable
 from jaxdp._src.aot import gpu_mesh as gpu_mesh
 from jaxdp._src.aot import gpu_topology as gpu_topology
 from jaxdp._src.aot import h100_target_config as h100_target_config
-from jaxdp._src.distributed_optimizer import MemoryLedger as MemoryLedger
-from jaxdp._src.distributed_optimizer import measured_bytes as measured_bytes
-from jaxdp._src.distributed_optimizer import memory_ledger as memory_ledger
+from jaxdp._src.compiler import compiler_options as compiler_options
 from jaxdp._src.inspect import Collective as Collective
 from jaxdp._src.inspect import MemoryStats as MemoryStats
 from jaxdp._src.inspect import Schedule as Schedule
@@ -27,5 +24,8 @@ from jaxdp._src.inspect import memory_stats as memory_stats
 from jaxdp._src.inspect import report as report
 from jaxdp._src.inspect import ring_bytes as ring_bytes
 from jaxdp._src.inspect import schedule as schedule
+from jaxdp._src.ledger import MemoryLedger as MemoryLedger
+from jaxdp._src.ledger import measured_bytes as measured_bytes
+from jaxdp._src.ledger import memory_ledger as memory_ledger
 from jaxdp._src.ledger import memory_report as memory_report
 from jaxdp._src.ledger import ring_formula as ring_formula

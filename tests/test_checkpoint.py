@@ -179,7 +179,8 @@ def test_padding_rows_come_from_like(tmp_path):
 
 def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
   """A stacked FSDP leaf `(layers, n, ...)` is padded on axis 1, an `optim` one on axis 0."""
-  from jaxdp._src.fsdp import FSDPConfig, gather_unit
+  from jaxdp._src.config import FSDPConfig
+  from jaxdp._src.units import gather_unit
 
   k1, k2 = jax.random.split(jax.random.key(1))
   params = {"blocks": {"w": jax.random.normal(k1, (3, 5, 5)) * 0.3, "b": jnp.zeros((3, 5))},

@@ -19,7 +19,8 @@ from flax import nnx
 
 import jaxdp
 from jaxdp._src import distributed_optimizer
-from jaxdp._src.distributed_optimizer import check_exact, measured_bytes, memory_ledger
+from jaxdp._src.distributed_optimizer import check_exact
+from jaxdp._src.ledger import measured_bytes, memory_ledger
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
 

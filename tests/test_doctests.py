@@ -50,8 +50,9 @@ def test_doctests(name):
                              f"{name}:\n{out.getvalue()}"
 
 
-@pytest.mark.parametrize("name", ["jaxdp._src.layout", "jaxdp._src.buffer", "jaxdp._src.ddp",
-                                  "jaxdp._src.config", "jaxdp._src.nnx", "jaxdp._src.plot"])
+@pytest.mark.parametrize("name", ["jaxdp._src.layout", "jaxdp._src.buffer", "jaxdp._src.train",
+                                  "jaxdp._src.config", "jaxdp._src.mesh", "jaxdp._src.state",
+                                  "jaxdp._src.units", "jaxdp._src.nnx", "jaxdp._src.plot"])
 def test_public_api_has_examples(name):
   module = importlib.import_module(name)
   tests = doctest.DocTestFinder().find(module, name)

@@ -14,7 +14,8 @@ from flax import nnx
 
 import jaxdp
 from jaxdp._src import aot, fsdp as fsdp_lib
-from jaxdp._src.fsdp import FSDPConfig
+from jaxdp._src.config import FSDPConfig
+from jaxdp._src.units import units_of
 from models.gpt import GPT, GPTConfig, gpt_loss, lora_trainable
 from models.mlp import MLP, mlp_loss
 
@@ -266,7 +267,7 @@ def collectives_by_scope(text):
 
 def unit_shard(state, unit):
   """Elements of a unit's shard (its gather/reduce-scatter moves dp of these)."""
-  (u,) = [u for u in fsdp_lib.units_of(state.layout) if u.name == unit]
+  (u,) = [u for u in units_of(state.layout) if u.name == unit]
   return sum(b.shard_size for b, _ in u.gather)
 
 
@@ -280,7 +281,7 @@ def test_fsdp_collectives_per_unit_unrolled(reshard):
   outside, loops = collectives_by_scope(step.lower(state, batch).as_text(dialect="hlo"))
   assert loops == []
   units = ["['wte']", "['wpe']", "['ln_f']"] + [f"['blocks'][{i}]" for i in range(N_LAYER)]
-  assert sorted(u.name for u in fsdp_lib.units_of(state.layout)) == sorted(units)
+  assert sorted(u.name for u in units_of(state.layout)) == sorted(units)
   size = {u: DP * unit_shard(state, u) for u in units}
   assert len(set(size.values())) == 4  # the blocks are alike; wte, wpe, ln_f differ
   block = size["['blocks'][0]"]
@@ -322,7 +323,7 @@ def test_units_from_prefixes_and_function():
   mesh = jax.make_mesh((DP,), ("data",))
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP,
                            fsdp=FSDPConfig(units=["blocks"]))
-  assert sorted(u.name for u in fsdp_lib.units_of(state.layout)) == ["<root>", "['blocks']"]
+  assert sorted(u.name for u in units_of(state.layout)) == ["<root>", "['blocks']"]
   two = FSDPConfig(units=lambda path: "even" if "[0]" in path or "[2]" in path else "odd")
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP, fsdp=two)
   assert sorted(b.unit for b in state.layout.buffers[0].buckets) == ["even", "odd"]

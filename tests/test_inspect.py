@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._src import aot
+from jaxdp._src import aot, compiler
 from jaxdp._src import inspect as ji
 
 N = 8  # devices on the "data" axis
@@ -126,14 +126,14 @@ def check_buckets(s, kind, dtype=jnp.float32):
 
 
 def test_compiler_options():
-  assert aot.compiler_options("cpu") == {
+  assert compiler.compiler_options("cpu") == {
       "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-  gpu = aot.compiler_options("cuda")
+  gpu = compiler.compiler_options("cuda")
   for kind in ("all_reduce", "reduce_scatter", "all_gather"):
     assert gpu[f"xla_gpu_{kind}_combine_threshold_bytes"] == 0
   assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True
-  assert aot.compiler_options("gpu") == gpu
-  assert aot.compiler_options("tpu") == {}  # not verified there: XLA's defaults
+  assert compiler.compiler_options("gpu") == gpu
+  assert compiler.compiler_options("tpu") == {}  # not verified there: XLA's defaults
 
 
 def test_target_config_is_package_data():
@@ -149,7 +149,7 @@ def test_target_config_is_package_data():
 def test_cpu_all_reduce_buckets_stay_separate_only_with_options(cpu_mesh):
   f = jax.jit(backward_like(cpu_mesh, "all-reduce"))
   args = abstract_args(cpu_mesh)
-  kept = ji.schedule(f, *args, compiler_options=aot.compiler_options("cpu"))
+  kept = ji.schedule(f, *args, compiler_options=compiler.compiler_options("cpu"))
   check_buckets(kept, "all-reduce")
   assert not any(c.is_async for c in kept.collectives)  # CPU: all synchronous
   assert all(c.exposed for c in kept.collectives)
@@ -171,7 +171,7 @@ def test_cpu_has_no_reduce_scatter_or_all_gather_combiner(cpu_mesh, kind):
 def test_schedule_accepts_every_form(cpu_mesh):
   f = backward_like(cpu_mesh, "all-reduce")
   args = abstract_args(cpu_mesh)
-  opts = aot.compiler_options("cpu")
+  opts = compiler.compiler_options("cpu")
   lowered = jax.jit(f).lower(*args)
   compiled = lowered.compile(compiler_options=opts)
   forms = [
@@ -313,7 +313,7 @@ def test_ring_bytes_formula():
 
 def test_report_and_plain_data(cpu_mesh):
   f = jax.jit(backward_like(cpu_mesh, "all-reduce"),
-              compiler_options=aot.compiler_options("cpu"))
+              compiler_options=compiler.compiler_options("cpu"))
   s = ji.schedule(f, *abstract_args(cpu_mesh))
   text = ji.report(s)
   assert f"{LAYERS} collectives (0 async" in text

@@ -1,6 +1,7 @@
 """Real Flax training loops: aux metrics, dropout RNG, BatchNorm state, eval, any optax on any
 mesh; each against the plain single-device program where one exists."""
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -219,7 +220,7 @@ def test_model_state_and_key_restore_across_dp_and_strategy(tmp_path):
                     jax.tree.leaves((state.model_state, state.rng))):
       np.testing.assert_array_equal(a, b)
     no_key, _ = dropout_run("no_shard", 0)
-    no_key = no_key.__class__(**{**no_key.__dict__, "rng": None})
+    no_key = dataclasses.replace(no_key, rng=None)
     with pytest.raises(ValueError, match="holds a key"):
       mgr.restore(no_key)
 

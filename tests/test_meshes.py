@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
-from jaxdp._src.ddp import model_specs_of
+from jaxdp._src.mesh import model_specs_of
 from models.gpt import GPT, GPTConfig
 from models.moe import MoEConfig, MoEGPT, gpt_loss, is_expert, place_experts
 from tests import mp_worker
@@ -211,6 +211,19 @@ def test_moe_expert_grads_reduced_over_expert_data_parallel_group(strategy, tmp_
     dense = jax.make_mesh((8,), ("data",))
     restored = mgr.restore(jaxdp.init_state(params, MOE_TX, dense, jaxdp.DDPConfig()))
   assert_close(jaxdp.get_params(restored), want)
+
+
+def test_compile_train_step_shards_the_batch_like_the_step():
+  """`jaxdp.inspect.compile_train_step` places the batch over the step's own data axes
+  ("expert" included), so the compiled program starts with no reshard of the batch."""
+  mesh = jax.make_mesh((4, 2), ("data", "expert"), axis_types=AUTO)
+  params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+  batch = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
+  loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
+  compiled = jaxdp.inspect.compile_train_step(loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(),
+                                              params, batch, mesh=mesh)
+  (_, batch_sharding), _ = compiled.input_shardings
+  assert batch_sharding["x"].spec == P(("expert", "data"))
 
 
 # ----------------------------------------------------------------------------- tensor parallel

@@ -1,9 +1,4 @@
-"""Compile for GPU without a GPU, and the XLA options jaxdp compiles with.
-
-jaxdp decides its buckets itself, so XLA must not merge bucket collectives back
-into one (its *collective combiners* do exactly that) and must be free to run
-them asynchronously under backward compute. :func:`compiler_options` gives the
-options that say so, per platform; the train step passes them to ``jax.jit``.
+"""Compile for GPU without a GPU.
 
 With ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` installed (``pip install
 'jaxdp[aot]'``), :func:`gpu_mesh` builds a mesh of *compile-only* H100 devices
@@ -14,17 +9,6 @@ the GPU program's. This works with ``JAX_PLATFORMS=cpu``.
 
 Facts checked with jax/jaxlib 0.10.2 (see tests/test_inspect.py):
 
-- CPU has one collective combiner pass, ``cpu-all-reduce-combiner``; XLA:CPU in
-  this version has no reduce-scatter or all-gather combiner (independent
-  ``psum_scatter``/``all_gather`` stay separate without any option).
-- GPU combines all-reduce, reduce-scatter and all-gather below
-  ``xla_gpu_*_combine_threshold_bytes``; 0 turns each combiner off.
-- GPU collectives are asynchronous (``*-start``/``*-done``) unless listed in
-  ``xla_gpu_disable_async_collectives``; jaxdp sets it to ``""`` so that an
-  ``XLA_FLAGS`` setting cannot silently make bucket collectives synchronous.
-  (``xla_gpu_enable_async_collectives`` no longer exists.)
-- Options given to ``jax.jit(f, compiler_options=...)`` and to
-  ``.lower(...).compile(compiler_options=...)`` are merged.
 - Without the plugin, ``get_topology_desc(platform="cuda")`` raises
   ``NotImplementedError('topology not implemented for cuda')``.
 """
@@ -40,59 +24,13 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdp._src import train
+from jaxdp._src.compiler import GPU_OPTIONS, GPU_PLATFORMS
+from jaxdp._src.mesh import DATA, data_axes
+
 PyTree = Any
 
-#: Collective combiner passes of XLA:CPU (jaxlib 0.10.2). There is no
-#: reduce-scatter or all-gather combiner on CPU.
-CPU_COMBINER_PASSES = ("cpu-all-reduce-combiner",)
-
-_CPU_OPTIONS = {"xla_disable_hlo_passes": ",".join(CPU_COMBINER_PASSES)}
-
-_GPU_OPTIONS = {
-    # Bucket collectives stay buckets: 0 bytes turns each combiner off.
-    "xla_gpu_all_reduce_combine_threshold_bytes": 0,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-    "xla_gpu_all_gather_combine_threshold_bytes": 0,
-    # Overlap: schedule for latency hiding, and no collective kind forced
-    # synchronous (overrides a --xla_gpu_disable_async_collectives in XLA_FLAGS).
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_disable_async_collectives": "",
-}
-
 _TARGET_CONFIG_FILE = "h100_target_config.txtpb"
-_GPU_PLATFORMS = ("cuda", "gpu", "rocm")
-
-
-def compiler_options(platform: str) -> dict[str, str | int | bool]:
-  """XLA options jaxdp compiles with on ``platform``, so buckets stay buckets.
-
-  Pass them to ``jax.jit(f, compiler_options=...)`` (or to
-  ``.lower(...).compile(compiler_options=...)``). On CPU they disable the
-  all-reduce combiner; on GPU they set every combine threshold to 0 and keep
-  collectives asynchronous under the latency hiding scheduler.
-
-  Args:
-    platform: ``"cpu"``, or ``"cuda"``/``"gpu"``/``"rocm"`` (e.g.
-      ``jax.default_backend()`` or ``device.platform``).
-
-  Returns:
-    A new dict of option name to value; empty for another platform (e.g.
-    ``"tpu"``), where jaxdp has not verified which passes merge collectives
-    (there XLA may merge buckets: check with ``jaxdp.inspect``).
-
-  Examples:
-    >>> compiler_options("cpu")
-    {'xla_disable_hlo_passes': 'cpu-all-reduce-combiner'}
-    >>> compiler_options("cuda")["xla_gpu_all_reduce_combine_threshold_bytes"]
-    0
-    >>> compiler_options("tpu")
-    {}
-  """
-  if platform == "cpu":
-    return dict(_CPU_OPTIONS)
-  if platform in _GPU_PLATFORMS:
-    return dict(_GPU_OPTIONS)
-  return {}
 
 
 def h100_target_config() -> str:
@@ -335,7 +273,7 @@ def compile_for_gpu(
         f"give them shardings on a GPU mesh: "
         f"args = abstract_like(args, gpu_mesh(...))"
     )
-  options = {**_GPU_OPTIONS, **(compiler_options or {})}
+  options = {**GPU_OPTIONS, **(compiler_options or {})}
   compiled = fn.lower(*args, **kwargs).compile(compiler_options=options)
   compiled_platforms = _platforms_of(
       (compiled.input_shardings, compiled.output_shardings)
@@ -404,35 +342,27 @@ def compile_train_step(
     >>> "all-reduce-start" in compiled.as_text()
     True
   """
-  # ddp imports this module (for compiler_options): import it on use.
-  from jaxdp._src import ddp  # noqa: PLC0415
-  from jaxdp._src.collectives import DATA, REPLICA  # noqa: PLC0415
-
   if mesh is None:
     mesh = gpu_mesh((dp,), (DATA,))
   fsdp_step = config.data_parallel_sharding_strategy == "optim_grads_params"
   extra = {"fsdp": fsdp} if fsdp_step else {}
   shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   state = jax.eval_shape(
-      lambda p: ddp.init_state(p, tx, mesh, config, frozen=frozen, **extra),
+      lambda p: train.init_state(p, tx, mesh, config, frozen=frozen, **extra),
       jax.tree.map(shape_of, params))
-  if fsdp_step:
-    from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - imports ddp
-    specs = fsdp_lib._state_specs(state)  # noqa: SLF001
-  else:
-    specs = ddp._state_specs(state)  # noqa: SLF001
+  specs = train.state_specs(state)
   state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                         sharding=NamedSharding(mesh, s)),
       state, specs)
-  axes = tuple(a for a in (REPLICA, DATA) if a in mesh.axis_names)
+  axes = data_axes(mesh)  # the step's own: ("replica", "expert", "data") where present
   batch_sharding = NamedSharding(mesh, PartitionSpec(axes))
   batch = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding),
       batch)
-  step = ddp.make_train_step(loss_fn, tx, mesh, config,
-                             grad_accum_steps=grad_accum_steps, **extra)
+  step = train.make_train_step(loss_fn, tx, mesh, config,
+                               grad_accum_steps=grad_accum_steps, **extra)
   platform = mesh.devices.flat[0].platform
-  options = {**(_GPU_OPTIONS if platform in _GPU_PLATFORMS else {}),
+  options = {**(GPU_OPTIONS if platform in GPU_PLATFORMS else {}),
              **(compiler_options or {})}
   return step.lower(state, batch).compile(compiler_options=options or None)

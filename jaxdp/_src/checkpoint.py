@@ -43,8 +43,10 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src.checks import sharded_shape
-from jaxdp._src.ddp import TrainState, get_params
+from jaxdp._src.layout import master_dtype, sharded_shape
+from jaxdp._src.mesh import constrain
+from jaxdp._src.state import TrainState, leaves_of, match_opt_leaf
+from jaxdp._src.train import get_params
 
 PyTree = Any
 
@@ -56,21 +58,13 @@ _STATE, _META = "state", "meta"
 
 # ----------------------------------------------------------------------------- shapes
 
-def _master_dtype(dtype) -> np.dtype:
-  return np.promote_types(dtype, np.float32)
-
-
 def _sharded(state: TrainState) -> bool:
   return state.config.data_parallel_sharding_strategy != "no_shard"
 
 
-def _none_leaves(tree) -> list[Any]:
-  return jax.tree.flatten(tree, is_leaf=lambda x: x is None)[0]
-
-
 def _stores_master(dtype) -> bool:
   """Is a trainable param of this dtype stored with a separate master copy."""
-  return _master_dtype(dtype) != np.dtype(dtype)
+  return master_dtype(dtype) != np.dtype(dtype)
 
 
 def _stored_masters(state: TrainState) -> list[int]:
@@ -84,10 +78,10 @@ def _opt_forms(state: TrainState) -> list[tuple[tuple[int, ...], int]]:
   """`(full shape, padded axis)` of every optax state leaf, in `jax.tree.leaves` order.
 
   Under a sharded strategy a per-param leaf has the param's padded shape (`sharded_shape`).
-  It is matched to its param by key path: optax keeps per-param state in trees shaped like
-  the params, so the leaf's path ends with the param's path (`[0].mu['w']` for `['w']`); the
-  longest matching path with the right padded shape wins. A leaf that matches no param is
-  stored as it is (a dp change then shows up as a shape mismatch, never as a wrong value).
+  It is matched to its param by `match_opt_leaf` (its key path ends with the param's path,
+  `[0].mu['w']` for `['w']`, and it has the param's padded shape). A leaf that matches no
+  param is stored as it is (a dp change then shows up as a shape mismatch, never as a wrong
+  value).
   """
   keyed = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
   shapes = [tuple(int(d) for d in np.shape(x)) for _, x in keyed]
@@ -95,16 +89,11 @@ def _opt_forms(state: TrainState) -> list[tuple[tuple[int, ...], int]]:
     return [(shape, 0) for shape in shapes]
   layout = state.layout
   padded = {i: sharded_shape(layout, i) for i, t in enumerate(layout.trainable) if t}
+  seen = {i: pad for i, (pad, _) in padded.items()}
   out = []
   for (path, _), shape in zip(keyed, shapes):
-    name = jax.tree_util.keystr(path)
-    matches = [i for i, (pad, _) in padded.items()
-               if pad == shape and name.endswith(layout.paths[i])]
-    if matches:
-      i = max(matches, key=lambda i: len(layout.paths[i]))
-      out.append((layout.shapes[i], padded[i][1]))
-    else:
-      out.append((shape, 0))
+    i = match_opt_leaf(path, shape, layout.paths, seen).param
+    out.append((shape, 0) if i is None else (layout.shapes[i], padded[i][1]))
   return out
 
 
@@ -168,13 +157,6 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
 
 # ----------------------------------------------------------------------------- conversion
 
-def _reshard(x: jax.Array, sharding: NamedSharding) -> jax.Array:
-  """Places a traced value on `sharding` (a reshard on Explicit meshes, a constraint on Auto)."""
-  if any(t == jax.sharding.AxisType.Explicit for t in sharding.mesh.axis_types):
-    return jax.sharding.reshard(x, sharding)
-  return jax.lax.with_sharding_constraint(x, sharding)
-
-
 def _rows(shape: tuple[int, ...], axis: int) -> int:
   return shape[axis] if len(shape) > axis else 1
 
@@ -183,15 +165,15 @@ def _unpad(x: jax.Array, shape: tuple[int, ...], axis: int) -> jax.Array:
   """A padded row-shard leaf back in its full shape, replicated (the rows do not divide)."""
   replicated = NamedSharding(x.sharding.mesh, P())
   rows = (slice(None),) * axis + (slice(0, _rows(shape, axis)),)
-  return jax.jit(lambda x: _reshard(x, replicated)[rows].reshape(shape),
+  return jax.jit(lambda x: constrain(x, replicated.mesh, replicated.spec)[rows].reshape(shape),
                  out_shardings=replicated)(x)
 
 
 def _canonical(state: TrainState) -> dict[str, jax.Array]:
   """The arrays a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`."""
   layout = state.layout
-  out = {f"params_{i}": jnp.asarray(x) for i, x in enumerate(_none_leaves(get_params(state)))}
-  masters = _none_leaves(state.master)
+  out = {f"params_{i}": jnp.asarray(x) for i, x in enumerate(leaves_of(get_params(state)))}
+  masters = leaves_of(state.master)
   for i in _stored_masters(state):
     m, shape = masters[i], layout.shapes[i]
     out[f"master_{i}"] = m if tuple(m.shape) == shape else \
@@ -240,10 +222,9 @@ def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding,
   if tuple(full.shape) != tuple(like.shape):
     n = _rows(tuple(full.shape), axis)
     head = full.reshape(*like.shape[:axis], n, *like.shape[axis + 1:]).astype(like.dtype)
-    tail = _reshard(like, NamedSharding(sharding.mesh, P()))[(slice(None),) * axis
-                                                            + (slice(n, None),)]
+    tail = constrain(like, sharding.mesh, P())[(slice(None),) * axis + (slice(n, None),)]
     full = jnp.concatenate([head, tail], axis=axis)
-  return _reshard(full.astype(like.dtype), sharding)
+  return constrain(full.astype(like.dtype), sharding.mesh, sharding.spec)
 
 
 # ----------------------------------------------------------------------------- manager
@@ -398,7 +379,7 @@ class CheckpointManager:
           f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})")
 
     layout = like.layout
-    params, masters = _none_leaves(like.params), _none_leaves(like.master)
+    params, masters = leaves_of(like.params), leaves_of(like.master)
     opt = jax.tree.leaves(like.opt_state)
     replicated = NamedSharding(like.step.sharding.mesh, P())
 
@@ -413,7 +394,7 @@ class CheckpointManager:
       target = params[i] if params[i] is not None else masters[i]
       abstract[f"params_{i}"] = (shape, dtype, place(shape, target))
     for i in meta["master"]:
-      abstract[f"master_{i}"] = (meta["params"][i][1], _master_dtype(meta["params"][i][2]).name,
+      abstract[f"master_{i}"] = (meta["params"][i][1], master_dtype(meta["params"][i][2]).name,
                                  place(meta["params"][i][1], masters[i]))
     for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
       abstract[f"opt_{j}"] = (shape, dtype, place(shape, opt[j]))
@@ -434,7 +415,7 @@ class CheckpointManager:
 
     def build(stored, like):
       new_params, new_master = [], []
-      for i, (p, m) in enumerate(zip(_none_leaves(like.params), _none_leaves(like.master))):
+      for i, (p, m) in enumerate(zip(leaves_of(like.params), leaves_of(like.master))):
         new_params.append(None if p is None else
                           _pad_from(stored[f"params_{i}"], p, param_shardings[i], axes[i]))
         full = stored[f"master_{i}" if i in stored_master else f"params_{i}"]

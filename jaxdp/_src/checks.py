@@ -6,6 +6,9 @@ instead returns one "all finite" flag per trainable leaf and `TrainStep` reads t
 host after the step and raises `NonFiniteGradError`. The step does not donate its state
 while the check is on, so the state the caller passed in is still valid and unchanged when
 the error comes: skip the batch, lower the learning rate or restore, and go on.
+
+Also the two ends every strategy's step shares: `jit_step` (jit, donation, the host-side
+`TrainStep` wrapper) and `finish_step` (the new state placed, the metrics, the NaN flags).
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxdp._src.config import DDPConfig
+from jaxdp._src.layout import sharded_shape
+from jaxdp._src.mesh import DATA, REPLICA, constrain
+from jaxdp._src.state import TrainState, leaves_of
 
 PyTree = Any
 
@@ -58,25 +66,12 @@ def finite_leaves(grads: PyTree) -> jax.Array:
   return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
 
 
-def sharded_shape(layout, i: int) -> tuple[tuple[int, ...], int]:
-  """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
-
-  The leaf's shard dim (`layout.shard_axes[i]`: its leading dim, or one that needs less
-  padding; for a stacked FSDP leaf `(layers, n, *rest)` the dim after the layers) is padded
-  up to a multiple of dp; a scalar is stored `(rows,)`.
-  """
-  shape = layout.shapes[i] or (1,)
-  axis = layout.shard_axes[i]
-  rows = -(-shape[axis] // layout.dp) * layout.dp
-  return (*shape[:axis], rows, *shape[axis + 1:]), axis
-
-
-def check_state_structure(state, leaves_of) -> None:
+def check_state_structure(state) -> None:
   """Raises if `state.params` / `state.master` no longer fit the state's layout.
 
   A state whose trees were edited after `init_state` (a leaf added, removed, reshaped or
   recast) would otherwise meet the layout's offsets and fail deep inside the step, or not
-  at all. `leaves_of(tree)` flattens with None as a leaf.
+  at all.
   """
   layout = state.layout
   for field in ("params", "master"):
@@ -105,6 +100,89 @@ def check_state_structure(state, leaves_of) -> None:
             f"state.master{path}: shape {tuple(m.shape)}, but init_state made it "
             f"{tuple(want)}: the state changed after init_state; build it again with "
             "init_state")
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def check_mesh(mesh, config: DDPConfig):
+  """Raises unless `mesh` has a "data" axis, and a "replica" axis as big as `config` says."""
+  if DATA not in mesh.axis_names:
+    raise ValueError(f"mesh axes {mesh.axis_names} have no {DATA!r} axis: jaxdp shards "
+                     f"the batch over it; make the mesh with jax.make_mesh((n,), ({DATA!r},))")
+  replicas = mesh.shape.get(REPLICA, 1)
+  if config.use_distributed_optimizer and replicas != config.num_distributed_optimizer_instances:
+    raise ValueError(
+        f"num_distributed_optimizer_instances={config.num_distributed_optimizer_instances} "
+        f"but the mesh has {REPLICA!r} axis size {replicas}: they must agree; use a mesh "
+        f"with axes ({REPLICA!r}, {DATA!r}) of shape "
+        f"({config.num_distributed_optimizer_instances}, n)")
+
+
+def check_state(state, mesh, config: DDPConfig):
+  """Raises unless `state` is a `TrainState` built for `mesh` and `config`, its trees as
+  `init_state` made them."""
+  if not isinstance(state, TrainState):
+    raise TypeError(f"train_step expects the TrainState from jaxdp.init_state, got "
+                    f"{type(state).__name__}")
+  if state.config != config:
+    raise ValueError(f"the state was built for {state.config}, but this step is for {config}; "
+                     "build the state with init_state(params, tx, mesh, config) for the same "
+                     "config")
+  if state.mesh_shape != tuple(mesh.shape.items()):
+    raise ValueError(f"the state was built for a mesh of shape {dict(state.mesh_shape)}, but "
+                     f"this step runs on {dict(mesh.shape)}; build the state (or restore the "
+                     "checkpoint) with init_state on this mesh")
+  check_state_structure(state)
+
+
+def check_batch(batch, divisor: int):
+  """Raises unless every leaf of `batch` has the same leading dim, divisible by `divisor`."""
+  keyed = jax.tree_util.tree_flatten_with_path(batch)[0]
+  if not keyed:
+    raise ValueError("batch has no arrays; pass a pytree of arrays with a leading batch dim")
+  dims = {}
+  for path, x in keyed:
+    name = "batch" + jax.tree_util.keystr(path)
+    if not getattr(x, "shape", ()):
+      raise ValueError(f"{name}: a scalar has no batch dim to split over the data axis; "
+                       "pass arrays whose leading dim is the global batch")
+    dims.setdefault(x.shape[0], name)
+  if len(dims) > 1:
+    raise ValueError("batch leaves have different leading dims: " + ", ".join(
+        f"{name} has {d}" for d, name in dims.items()) + "; every leaf must hold the same "
+        "number of examples")
+  (n, name), = dims.items()
+  if n % divisor:
+    raise ValueError(f"{name}: batch dim {n} is not divisible by {divisor} (data-parallel "
+                     "size × grad_accum_steps); use a global batch that is a multiple of "
+                     f"{divisor}")
+
+
+# ----------------------------------------------------------------------------- the step's ends
+
+def finish_step(new_state: TrainState, specs: TrainState, mesh, config: DDPConfig, loss,
+                grad_norm, grads, aux=None):
+  """The end of every strategy's step: the new state placed as `specs` say (as
+  `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
+  the NaN check on one "finite" flag per grad leaf (read on the host by `TrainStep`)."""
+  new_state = jax.tree.map(lambda x, s: constrain(x, mesh, s), new_state, specs)
+  metrics = {"loss": loss, "grad_norm": grad_norm}
+  if aux is not None:
+    metrics["aux"] = aux
+  if config.check_for_nan_in_grad:
+    return new_state, metrics, finite_leaves(grads)
+  return new_state, metrics
+
+
+def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
+  """`step` jitted with `options`, the state donated, wrapped in the host-side checks.
+
+  With the NaN check on, the state is not donated: a step that fails the check leaves the
+  caller's state valid and unchanged (at the cost of holding two states during the step).
+  """
+  donate = () if config.check_for_nan_in_grad else 0
+  return TrainStep(jax.jit(step, donate_argnums=donate, compiler_options=options),
+                   mesh, config)
 
 
 class TrainStep:

@@ -14,16 +14,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel, shard_unravel
-from jaxdp._src.layout import Bucket
+from jaxdp._src.layout import Bucket, Layout
+from jaxdp._src.mesh import DATA
 
-DATA = "data"
-"""The mesh axis jaxdp shards buckets, optimizer state and FSDP units over."""
-REPLICA = "replica"
-"""Outer data-parallel axis: replicas of the sharded state (HSDP, partial distributed optimizer)."""
-EXPERT = "expert"
-"""Expert-parallel axis (MoE): dense params are data parallel over it like over "data"; expert
-params are sharded over it (their leading dim), so their grads are reduced over the other data
-axes only, the expert-data-parallel group (Megatron's `expert_parallel_bucket_groups`)."""
 GATHERED = "jaxdp_fsdp_gathered"
 """`checkpoint_name` of every param an FSDP unit gather produces (see `unit_gather_hook`)."""
 
@@ -36,6 +29,11 @@ def make_varying(tree, axes: Sequence[str]):
 def sum_over(x, axes: Sequence[str]):
   """Sum of a per-device scalar over `axes` (for metrics and norms)."""
   return jax.lax.psum(x, tuple(axes))
+
+
+def mean_over(x, axes: Sequence[str]):
+  """Mean of a per-device scalar over `axes` (for metrics)."""
+  return jax.lax.pmean(x, tuple(axes))
 
 
 def data_index(axes: Sequence[str]) -> jax.Array:
@@ -52,7 +50,7 @@ def _vary(x, axes: Sequence[str]):
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def mean_over(tree, axes: Sequence[str]):
+def average_aux(tree, axes: Sequence[str]):
   """The mean of every leaf over `axes` (aux metrics), in float32 for non-float leaves."""
   def mean(x):
     x = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
@@ -94,6 +92,28 @@ def all_gather_bucket(local: Sequence[jax.Array], bucket: Bucket, dp: int,
   shard = shard_ravel(local, bucket)
   full = jax.lax.all_gather(shard, DATA, tiled=True, to=to)
   return bucket_unravel(full, bucket, dp)
+
+
+def all_gather_params(masters: Sequence[Any], layout: Layout, out: Sequence[Any]) -> list[Any]:
+  """All-gathers every bucket of `layout` from each device's rows: one collective per bucket
+  (Megatron's `start_param_sync`), the params replicated ("invarying").
+
+  Args:
+    masters: per leaf in tree order, this device's rows of each trainable param (any float
+      dtype: each bucket casts them to its param dtype).
+    layout: the layout whose buckets to gather.
+    out: per leaf, what to return for the leaves no bucket holds.
+
+  Returns:
+    `out` with every bucket's params in their full shapes, in their param dtype.
+  """
+  out = list(out)
+  for buf in layout.buffers:
+    for b in buf.buckets:
+      local = [masters[p.index].astype(buf.param_dtype) for p in b.params]
+      for p, x in zip(b.params, all_gather_bucket(local, b, layout.dp, to="invarying")):
+        out[p.index] = x
+  return out
 
 
 def reduce_bucket(flat: jax.Array, *, dp: int, scatter: bool, axes: Sequence[str],

@@ -1,12 +1,14 @@
-"""`DDPConfig`: Megatron's `DistributedDataParallelConfig`, field for field."""
+"""The configs: `DDPConfig` (Megatron's `DistributedDataParallelConfig`, field for field) and
+`FSDPConfig` (the units of `optim_grads_params`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Callable, Literal, Sequence
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 Strategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
+Prefix = str | tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +73,61 @@ class DDPConfig:
   def use_distributed_optimizer(self) -> bool:
     """Megatron's flag: True for every strategy that shards the optimizer state."""
     return self.data_parallel_sharding_strategy != "no_shard"
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPConfig:
+  """What the units of `optim_grads_params` are, and whether forward keeps them gathered.
+
+  Pass the same config to `init_state(..., fsdp=)` and `make_train_step(..., fsdp=)`; the
+  other strategies take none. Prefixes are key tuples (`("blocks", 3)`), a single top-level
+  key (`"wte"`), or `jax.tree_util.keystr` strings (`"['blocks'][3]"`).
+
+  Examples:
+    >>> FSDPConfig(units=["blocks", ("head", 0)]).units
+    ("['blocks']", "['head'][0]")
+    >>> FSDPConfig(stacked=["blocks"], units=lambda path: "one")
+    Traceback (most recent call last):
+    ...
+    ValueError: FSDPConfig: stacked= needs the default units or a list of prefixes; a units function must name the unit of every leaf itself, so put each stacked subtree in a unit of its own and leave stacked= out
+  """
+
+  units: Sequence[Prefix] | Callable[[str], str] | None = None
+  """None: one unit per layer (the subtree at the first sequence index of a leaf's path,
+  else the top-level entry); a list of prefixes (one unit each, the rest is one root unit);
+  or `fn(path: str) -> unit name`."""
+  stacked: Sequence[Prefix] = ()
+  """Prefixes of subtrees whose leaves carry a leading layer axis (scanned layers): one unit
+  per layer, gathered by `gather_unit` inside the model's scan body."""
+  reshard_after_forward: bool = True
+  """Free each unit's gathered params after its forward and gather again for its backward
+  (torch FSDP2's default); False keeps them from forward to backward (no second gather)."""
+
+  def __post_init__(self):
+    if self.units is not None and not callable(self.units):
+      if isinstance(self.units, (str, bytes)):
+        raise ValueError(f"FSDPConfig: units={self.units!r} is one string; pass a list of "
+                         "prefixes, e.g. units=['blocks']")
+      object.__setattr__(self, "units", tuple(_prefix(u) for u in self.units))
+    if isinstance(self.stacked, (str, bytes)):
+      raise ValueError(f"FSDPConfig: stacked={self.stacked!r} is one string; pass a list of "
+                       f"prefixes, e.g. stacked=[{self.stacked!r}]")
+    object.__setattr__(self, "stacked", tuple(_prefix(s) for s in self.stacked))
+    if self.stacked and callable(self.units):
+      raise ValueError(
+          "FSDPConfig: stacked= needs the default units or a list of prefixes; a units "
+          "function must name the unit of every leaf itself, so put each stacked subtree in "
+          "a unit of its own and leave stacked= out")
+    if not isinstance(self.reshard_after_forward, bool):
+      raise ValueError(f"FSDPConfig: reshard_after_forward={self.reshard_after_forward!r}: "
+                       "must be True or False")
+
+
+def _prefix(p: Prefix) -> str:
+  """A prefix as a keystr string: "blocks" -> "['blocks']", ("blocks", 3) -> "['blocks'][3]"."""
+  if isinstance(p, str):
+    return p if p.startswith(("[", ".")) else f"[{p!r}]"
+  if isinstance(p, tuple) and p:
+    return "".join(f"[{k!r}]" for k in p)
+  raise ValueError(f"FSDPConfig: prefix {p!r}: use a key tuple like ('blocks', 3), a "
+                   "top-level key like 'wte', or a keystr like \"['blocks'][3]\"")

@@ -30,7 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxdp._src.collectives import DATA
+from jaxdp._src.mesh import DATA
 
 PyTree = Any
 

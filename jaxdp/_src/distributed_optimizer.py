@@ -1,4 +1,4 @@
-"""The distributed optimizer (ZeRO-1 `optim`, ZeRO-2 `optim_grads`): exactness and memory.
+"""The distributed optimizer (ZeRO-1 `optim`, ZeRO-2 `optim_grads`; FSDP's optimizer too).
 
 The sharded strategies run the user's optax transformation in the global view on the
 *row shards* of the layout (see `layout.py`): a trainable leaf of shape `(n, *rest)` is seen
@@ -9,25 +9,28 @@ depends on a leaf's *shape* (a mean over elements, factored moments, an element 
 exact on leaves that need no padding and silently different on padded ones, so
 `check_exact` probes it before training and refuses it with a message that says what to do.
 
-`memory_ledger` predicts what each device holds per strategy (DESIGN.md's table, with the
-layout's real padding) and `measured_bytes` reads what a `TrainState` does hold.
+This module holds what every sharded strategy needs of the optimizer side: the exactness
+guard, a leaf padded to the shape the optimizer sees and back (`pad_leaf`, `unpad_leaf`),
+the all-gather of the updated params after the update (`gather_params`, Megatron's
+`start_param_sync` without overlap) and the check that expert params divide over "data".
+What each device holds per strategy is `ledger.py`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxdp._src.checks import sharded_shape
-from jaxdp._src.config import STRATEGIES
-from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout
+from jaxdp._src import collectives
+from jaxdp._src.buffer import pad_dim, unpad_dim
+from jaxdp._src.layout import Layout, master_dtype, sharded_shape
+from jaxdp._src.mesh import DATA, EXPERT, data_axes, manual_spec
+from jaxdp._src.state import TrainState, leaf_specs, model_spec
 
 PyTree = Any
 
@@ -44,10 +47,6 @@ anyway; they only take part so that cross-leaf terms such as global norms exist)
 
 
 # ----------------------------------------------------------------------------- exactness
-
-def _master_dtype(dtype) -> np.dtype:
-  return np.promote_types(dtype, np.float32)
-
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
@@ -71,7 +70,8 @@ class _Leaf:
     return self.shape or (1,)
 
 
-def _trainable_leaves(layout: Layout) -> list[_Leaf]:
+def trainable_leaves(layout: Layout) -> list[_Leaf]:
+  """Every trainable leaf, with the shape the sharded optimizer sees for it."""
   out = []
   for i, t in enumerate(layout.trainable):
     if t:
@@ -119,7 +119,7 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
 
   Returns `[(step, leaf, rel_err, padding_nonzero)]` for every trainable leaf.
   """
-  leaves_ = {x.index: x for x in _trainable_leaves(layout)}
+  leaves_ = {x.index: x for x in trainable_leaves(layout)}
   rng = np.random.default_rng(0)
   shapes = {}  # the shape values are drawn in
   for i, x in leaves_.items():
@@ -127,7 +127,7 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
       shapes[i] = x.base
     else:
       shapes[i] = tuple(min(d, _SHRINK) for d in x.shape) if shrink else x.shape
-  dtype = {i: np.float64 if x64 else _master_dtype(layout.dtypes[i]) for i in leaves_}
+  dtype = {i: np.float64 if x64 else master_dtype(layout.dtypes[i]) for i in leaves_}
 
   def tree(values, pad):
     out = [None] * len(layout.shapes)
@@ -166,10 +166,10 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
 
 def _shape_dependent_state(tx, layout: Layout) -> list[str]:
   """State leaves that are neither scalars nor shaped like a param as the optimizer sees it."""
-  leaves_ = _trainable_leaves(layout)
+  leaves_ = trainable_leaves(layout)
   tree = [None] * len(layout.shapes)
   for x in leaves_:
-    tree[x.index] = jax.ShapeDtypeStruct(x.seen, _master_dtype(layout.dtypes[x.index]))
+    tree[x.index] = jax.ShapeDtypeStruct(x.seen, master_dtype(layout.dtypes[x.index]))
   state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, tree))
   shapes = {x.seen for x in leaves_}
   return [("opt_state" + jax.tree_util.keystr(path), tuple(x.shape))
@@ -206,7 +206,7 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
     ...
     NotImplementedError: optax transformation is not exact on padded leaves ...
   """
-  if not any(x.padded for x in _trainable_leaves(layout)):
+  if not any(x.padded for x in trainable_leaves(layout)):
     return
   try:
     cpu = jax.local_devices(backend="cpu")[0]
@@ -261,178 +261,41 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
       + "or data_parallel_sharding_strategy='no_shard'.")
 
 
-# ----------------------------------------------------------------------------- memory
+# ----------------------------------------------------------------------------- the sharded state
 
-@dataclasses.dataclass(frozen=True)
-class MemoryLedger:
-  """Bytes one device holds, by kind (DESIGN.md's table with the layout's padding).
-
-  `params` are the model params in their own dtypes as a step uses them (all of them for
-  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the frozen params'
-  shards and integer leaves: its trainable params live only in `master`, and the gathered
-  units are not counted). Of those, `gathered_in_step` bytes are not kept between steps
-  (`overlap_param_gather`: the trainable params are gathered from `master` at the start of
-  each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
-  reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
-  live only inside the step. `master` and `opt_state` are what `TrainState` holds.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from jaxdp.inspect import memory_ledger
-    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}
-    >>> ledger = memory_ledger(params, "optim", dp=8)  # bf16 params, fp32 grads and Adam
-    >>> ledger.params // 2**20, ledger.grads // 2**20, ledger.master // 2**19
-    (2, 4, 1)
-    >>> ledger.state["params"]  # gathered from master inside each step
-    0
-  """
-
-  params: int
-  grads: int
-  master: int
-  opt_state: int
-  gathered_in_step: int = 0
-
-  @property
-  def total(self) -> int:
-    """params + grads + master + opt_state."""
-    return self.params + self.grads + self.master + self.opt_state
-
-  @property
-  def state(self) -> dict[str, int]:
-    """What `measured_bytes` should find in the `TrainState` (all but the step counter)."""
-    return {"params": self.params - self.gathered_in_step, "master": self.master,
-            "opt_state": self.opt_state}
+def pad_leaf(x, layout: Layout, i: int):
+  """Leaf `i` (whole) as a sharded strategy stores it: zero rows added on its shard dim."""
+  shape, axis = sharded_shape(layout, i)
+  return pad_dim(x, layout.shapes[i], axis, shape[axis])
 
 
-def _nbytes(shape, dtype) -> int:
-  return math.prod(shape) * np.dtype(dtype).itemsize
+def unpad_leaf(x, layout: Layout, i: int):
+  """Inverse of `pad_leaf`."""
+  return unpad_dim(x, layout.shapes[i], layout.shard_axes[i])
 
 
-def _is_sharded_state(path, x, layout: Layout) -> bool:
-  """Does a sharded strategy shard this optax state leaf over "data" (as `init_state` does)?
-
-  A per-param leaf (Adam's `mu['w']`) has its param's padded shape and a key path ending
-  with the param's path; one under a param's path with another shape (factored moments) is
-  replicated; a leaf under no param's path is sharded when it has a padded param shape.
-  """
-  name, shape = jax.tree_util.keystr(path), tuple(x.shape)
-  leaves_ = _trainable_leaves(layout)
-  if any(name.endswith(p.path) and shape == p.seen for p in leaves_):
-    return True
-  if any(name.endswith(p.path) for p in leaves_):
-    return False
-  return any(shape == p.seen for p in leaves_)
+def check_expert_rows(layout: Layout, mesh):
+  """Sharded strategies split each rank's experts over "data": they must divide evenly."""
+  for buf in layout.buffers:
+    for p in buf.params if buf.expert else ():
+      if p.rows != p.shape[0]:
+        raise ValueError(
+            f"params{p.path}: {p.shape[0]} experts per expert-parallel rank do not divide "
+            f"over the {mesh.shape[DATA]} devices of the {DATA!r} axis, which the sharded "
+            "optimizer splits them over; use a number of experts that is a multiple of "
+            f"{mesh.shape[EXPERT] * mesh.shape[DATA]} (expert x data axis sizes), or "
+            "data_parallel_sharding_strategy='no_shard'")
 
 
-def memory_ledger(params: PyTree, strategy: str, dp: int,
-                  tx: optax.GradientTransformation | None = None, *,
-                  grad_reduce_in_fp32: bool = True, bucket_size: int | None = None,
-                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = True,
-                  frozen: Frozen = None) -> MemoryLedger:
-  """Predicts the bytes per device of params, grads, master params and optimizer state.
-
-  The numbers follow the layout `init_state` builds (leading dims padded to a multiple
-  of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
-  off the state, byte for byte.
-
-  Args:
-    params: the model params (arrays or `jax.ShapeDtypeStruct`s).
-    strategy: a `data_parallel_sharding_strategy`.
-    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies).
-    tx: the optax transformation; None: Adam (two moments in the master dtype).
-    grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather: as in
-      `DDPConfig`.
-    frozen: as in `init_state`.
-
-  Returns:
-    A `MemoryLedger`.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, jaxdp
-    >>> from jaxdp._src.distributed_optimizer import memory_ledger
-    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}  # psi = 2**20
-    >>> [round(memory_ledger(params, s, dp=8).total / 2**20, 3)  # bytes per param
-    ...  for s in ("no_shard", "optim", "optim_grads")]
-    [18.0, 7.5, 4.0]
-  """
-  if strategy not in STRATEGIES:
-    raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
-  size = (bucket_size or default_bucket_size(dp)) if overlap_grad_reduce else sys.maxsize
-  # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
-  leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
-  layout = make_layout(params, dp=dp, bucket_size=size, frozen=frozen, leading=leading,
-                       grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None)
-  sharded = strategy != "no_shard"
-  fsdp = strategy == "optim_grads_params"
-  leaves_ = _trainable_leaves(layout)
-
-  model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
-  trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) for x in leaves_)
-  if fsdp:  # trainable params live only in `master`; frozen float params are sharded too
-    model = 0
-    for i in layout.static:
-      shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
-      if jnp.issubdtype(dtype, jnp.floating):
-        shape = (-(-shape[0] // dp), *shape[1:])  # this device's rows, padding included
-      model += _nbytes(shape, dtype)
-  grads = sum(buf.size * buf.grad_dtype.itemsize for buf in layout.buffers)
-  if strategy in ("optim_grads", "optim_grads_params"):
-    grads //= dp
-
-  opt_tree = [None] * len(layout.shapes)
-  master = 0
-  for x in leaves_:
-    i, dtype = x.index, _master_dtype(layout.dtypes[x.index])
-    shape = x.seen if sharded else x.shape
-    opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
-    if sharded:
-      master += _nbytes(shape, dtype) // dp
-    elif dtype != layout.dtypes[i]:
-      master += _nbytes(shape, dtype)
-  if tx is None:
-    tx = optax.scale_by_adam()
-  state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
-  opt = 0
-  for path, x in jax.tree_util.tree_leaves_with_path(state):
-    n = _nbytes(x.shape, x.dtype)
-    opt += n // dp if sharded and _is_sharded_state(path, x, layout) else n
-
-  gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
-  return MemoryLedger(params=model, grads=grads, master=master, opt_state=opt,
-                      gathered_in_step=gathered)
-
-
-def measured_bytes(state, device=None) -> dict[str, int]:
-  """Bytes that one device holds of each field of a `TrainState`.
-
-  Sums `addressable_shards` on `device` (default: the first device of the state's mesh).
-
-  Returns:
-    `{"step": .., "params": .., "master": .., "opt_state": ..}`.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp, optax, jaxdp
-    >>> from jaxdp.inspect import measured_bytes, memory_ledger
-    >>> params, tx = {"w": jnp.zeros((64, 32))}, optax.adam(1e-3)
-    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
-    >>> state = jaxdp.init_state(params, tx, jax.make_mesh((8,), ("data",)), config)
-    >>> measured_bytes(state)  # 1/8 of w, of mu and of nu; Adam's step count whole
-    {'step': 4, 'params': 0, 'master': 1024, 'opt_state': 2052}
-    >>> memory_ledger(params, "optim", dp=8, tx=tx).state
-    {'params': 0, 'master': 1024, 'opt_state': 2052}
-  """
-  leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
-            if isinstance(x, jax.Array)]
-  if device is None:
-    device = min((d for x in leaves for d in x.sharding.device_set), key=lambda d: d.id)
-
-  def field(tree):
-    total = 0
-    for x in jax.tree.leaves(tree):
-      if isinstance(x, jax.Array):
-        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
-    return total
-
-  return {"step": field(state.step), "params": field(state.params),
-          "master": field(state.master), "opt_state": field(state.opt_state)}
+def gather_params(master, layout: Layout, mesh, params, state: TrainState):
+  """All-gathers the updated params per bucket right after the update."""
+  def gather(master):
+    return collectives.all_gather_params(master, layout, [None] * len(layout.shapes))
+  axes = data_axes(mesh)
+  master_dims = leaf_specs(state)[1]
+  specs = [manual_spec(d, axes) if m is not None else None for m, d in zip(master, master_dims)]
+  out_specs = [manual_spec(model_spec(state, i, len(layout.shapes[i])), axes)
+               if m is not None else None for i, m in enumerate(master)]
+  gathered = jax.shard_map(gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs,
+                           axis_names=set(axes))(master)
+  return [g if g is not None else x for g, x in zip(gathered, params)]

@@ -8,9 +8,11 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._src import collectives, ddp, loop
-from jaxdp._src.aot import compiler_options
-from jaxdp._src.config import DDPConfig
+from jaxdp._src import checks, collectives, fsdp as fsdp_lib, train
+from jaxdp._src.compiler import compiler_options
+from jaxdp._src.config import DDPConfig, FSDPConfig
+from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
+from jaxdp._src.state import TrainState, extra_specs, leaf_specs, leaves_of, tree_of
 
 PyTree = Any
 
@@ -57,11 +59,16 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
     >>> logits.shape, logits.sharding.spec
     ((16, 2), P('data', None))
   """
-  ddp._check_mesh(mesh, config)
-  fsdp_branch = ddp._fsdp_branch(config, fsdp)
-  axes = ddp._data_axes(mesh)
+  checks.check_mesh(mesh, config)
+  fsdp_branch = config.data_parallel_sharding_strategy == "optim_grads_params"
+  if fsdp is not None and not fsdp_branch:
+    raise ValueError(f"fsdp={fsdp} is for data_parallel_sharding_strategy="
+                     "'optim_grads_params'; leave it out for "
+                     f"{config.data_parallel_sharding_strategy!r}")
+  fsdp = fsdp or FSDPConfig()
+  axes = data_axes(mesh)
   batch_spec = P(axes)
-  gather_in_step = ddp._sharded(config) and config.overlap_param_gather
+  gather_in_step = config.use_distributed_optimizer and config.overlap_param_gather
 
   def call(tree, batch, model_state):
     if model_state is None:
@@ -74,47 +81,37 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
     return out[0]
 
   def finish(out):
-    return out if per_example else collectives.mean_over(out, axes)
+    return out if per_example else collectives.average_aux(out, axes)
 
   def local(params, master, batch, model_state, layout):
     if fsdp_branch:
-      from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
-      tmaster = {i: m for i, m in enumerate(ddp._leaves(master)) if m is not None}
-      out = fsdp_lib.call_with_units(
-          lambda tree: call(tree, batch, model_state), layout, ddp._leaves(params), tmaster,
-          fsdp_lib.unit_hooks(layout, mesh, config), fsdp or fsdp_lib.FSDPConfig())
-      return finish(out)
-    full = ddp._leaves(params)
+      tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
+      return finish(fsdp_lib.call_with_units(
+          lambda tree: call(tree, batch, model_state), layout, leaves_of(params), tmaster,
+          fsdp_lib.unit_hooks(layout, mesh, config), fsdp))
+    full = leaves_of(params)
     if gather_in_step:
-      masters = ddp._leaves(master)
-      for buf in layout.buffers:
-        for b in buf.buckets:
-          local_ = [masters[p.index].astype(buf.param_dtype) for p in b.params]
-          for p, x in zip(b.params, collectives.all_gather_bucket(local_, b, layout.dp,
-                                                                  to="invarying")):
-            full[p.index] = x
-    return finish(call(ddp._tree(layout, full), batch, model_state))
+      full = collectives.all_gather_params(leaves_of(master), layout, full)
+    return finish(call(tree_of(layout, full), batch, model_state))
 
   def step(state, batch):
-    if not isinstance(state, ddp.TrainState):
+    if not isinstance(state, TrainState):
       raise TypeError(f"eval_step expects the TrainState from jaxdp.init_state, got "
                       f"{type(state).__name__}")
-    ddp._check_batch(batch, ddp._dp(mesh))
-    batch = jax.tree.map(lambda x: ddp._constrain(x, mesh, batch_spec), batch)
+    checks.check_batch(batch, dp_size(mesh))
+    batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     if fsdp_branch:
-      from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415
-      specs = fsdp_lib._state_specs(state)
+      specs = train.state_specs(state)
       param_specs, master_specs = specs.params, specs.master
     else:
-      param_dims, master_dims = ddp._leaf_specs(state)
-      manual = lambda dims: ddp._tree(state.layout, [  # noqa: E731
-          None if d is None else ddp._manual(d, axes) for d in dims])
+      param_dims, master_dims = leaf_specs(state)
+      manual = lambda dims: tree_of(state.layout, [  # noqa: E731
+          None if d is None else manual_spec(d, axes) for d in dims])
       param_specs, master_specs = manual(param_dims), manual(master_dims)
-    out_spec = batch_spec if per_example else P()
     return jax.shard_map(
         functools.partial(local, layout=state.layout), mesh=mesh,
-        in_specs=(param_specs, master_specs, batch_spec, loop.extra_specs(state)["model_state"]),
-        out_specs=out_spec, axis_names=set(axes))(
+        in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
+        out_specs=batch_spec if per_example else P(), axis_names=set(axes))(
             state.params, state.master, batch, state.model_state)
 
   return jax.jit(step, compiler_options=compiler_options(mesh.devices.flat[0].platform))

@@ -27,6 +27,7 @@ import math
 from typing import Any, Callable, Collection, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -38,6 +39,26 @@ Stacked = Collection[str] | Callable[[str], bool] | None
 def default_bucket_size(dp: int) -> int:
   """Megatron's default bucket size in elements: `max(40_000_000, 1_000_000 * dp)`."""
   return max(40_000_000, 1_000_000 * dp)
+
+
+def round_up(n: int, k: int) -> int:
+  """`n` rounded up to a multiple of `k` (Megatron's `pad_to_divisor`).
+
+  Examples:
+    >>> round_up(10, 8), round_up(16, 8), round_up(0, 8)
+    (16, 16, 0)
+  """
+  return -(-n // k) * k
+
+
+def master_dtype(dtype) -> np.dtype:
+  """The dtype of the optimizer's copy of a param of `dtype`: fp32, or wider.
+
+  Examples:
+    >>> master_dtype(jnp.bfloat16), master_dtype(np.float64)
+    (dtype('float32'), dtype('float64'))
+  """
+  return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +120,7 @@ def shard_axis(shape: tuple[int, ...], dp: int) -> int:
     >>> shard_axis((50257, 768), 8), shard_axis((4, 768, 3072), 8), shard_axis((300, 4), 8)
     (1, 1, 0)
   """
-  padded = [-(-n // dp) * dp / n if n else math.inf for n in shape]
+  padded = [round_up(n, dp) / n if n else math.inf for n in shape]
   return min(range(len(shape)), key=lambda k: (padded[k], k)) if shape else 0
 
 
@@ -262,6 +283,19 @@ class Layout:
                    "less than the leading one: " + ", ".join(moved[:4])
                    + (" .." if len(moved) > 4 else ""))
     return "\n".join(lines)
+
+
+def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
+  """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
+
+  The leaf's shard dim (`layout.shard_axes[i]`: its leading dim, or one that needs less
+  padding; for a stacked FSDP leaf `(layers, n, *rest)` the dim after the layers) is padded
+  up to a multiple of dp; a scalar is stored `(rows,)`.
+  """
+  shape = layout.shapes[i] or (1,)
+  axis = layout.shard_axes[i]
+  rows = round_up(shape[axis], layout.dp)
+  return (*shape[:axis], rows, *shape[axis + 1:]), axis
 
 
 def _is_float(dtype) -> bool:
@@ -470,11 +504,11 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
         shape = local_shapes[i][1:] if n else local_shapes[i]
         free = unit_of is None and not (expert_leaves[i] or leading_leaves[i])
         axis = shard_axis(shape, dp) if free else 0
-        rows = -(-(shape[axis] if shape else 1) // dp) * dp
+        rows = round_up(shape[axis] if shape else 1, dp)
         spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
         shard += spec.shard_size(dp)
-      shard = -(-shard // align) * align
+      shard = round_up(shard, align)
       unit = unit_of[group[0]] if unit_of is not None else None
       buckets.append(Bucket(b, tuple(specs), offset, shard, unit))
       offset += shard * dp

@@ -1,6 +1,9 @@
 """What a train step should communicate and store, next to what it does.
 
-DESIGN.md's table, per device and per step, with the layout's real padding:
+`memory_ledger` predicts what each device holds per strategy (with the layout's real
+padding) and `measured_bytes` reads what a `TrainState` does hold.
+
+What each device sends per step, by strategy:
 
 | strategy | communication (ring algorithm) |
 |---|---|
@@ -21,18 +24,208 @@ program's `memory_analysis()` side by side, as rows a notebook can tabulate or p
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import sys
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
-from jaxdp._src import aot, distributed_optimizer
+from jaxdp._src import aot, train
+from jaxdp._src.config import STRATEGIES, FSDPConfig
+from jaxdp._src.distributed_optimizer import trainable_leaves
 from jaxdp._src.inspect import memory_stats
+from jaxdp._src.layout import (Frozen, Layout, default_bucket_size, make_layout, master_dtype,
+                               round_up)
+from jaxdp._src.state import match_opt_leaf
+from jaxdp._src.units import gather_layout
 
 PyTree = Any
 
 _SHARDED_GRADS_PER_MICROBATCH = ("optim_grads", "optim_grads_params")
 
+
+# ----------------------------------------------------------------------------- memory
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLedger:
+  """Bytes one device holds, by kind, with the layout's padding.
+
+  `params` are the model params in their own dtypes as a step uses them (all of them for
+  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the frozen params'
+  shards and integer leaves: its trainable params live only in `master`, and the gathered
+  units are not counted). Of those, `gathered_in_step` bytes are not kept between steps
+  (`overlap_param_gather`: the trainable params are gathered from `master` at the start of
+  each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
+  reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
+  live only inside the step. `master` and `opt_state` are what `TrainState` holds.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxdp.inspect import memory_ledger
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}
+    >>> ledger = memory_ledger(params, "optim", dp=8)  # bf16 params, fp32 grads and Adam
+    >>> ledger.params // 2**20, ledger.grads // 2**20, ledger.master // 2**19
+    (2, 4, 1)
+    >>> ledger.state["params"]  # gathered from master inside each step
+    0
+  """
+
+  params: int
+  grads: int
+  master: int
+  opt_state: int
+  gathered_in_step: int = 0
+
+  @property
+  def total(self) -> int:
+    """params + grads + master + opt_state."""
+    return self.params + self.grads + self.master + self.opt_state
+
+  @property
+  def state(self) -> dict[str, int]:
+    """What `measured_bytes` should find in the `TrainState` (all but the step counter)."""
+    return {"params": self.params - self.gathered_in_step, "master": self.master,
+            "opt_state": self.opt_state}
+
+
+def _nbytes(shape, dtype) -> int:
+  return math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def _is_sharded_state(path, x, layout: Layout) -> bool:
+  """Does a sharded strategy shard this optax state leaf over "data" (as `init_state` does)?
+
+  A per-param leaf (Adam's `mu['w']`, `match_opt_leaf`) is; one under a param's path with
+  another shape (factored moments) is replicated; a leaf under no param's path is sharded
+  when it has a padded param shape.
+  """
+  match = match_opt_leaf(path, x.shape, layout.paths,
+                         {p.index: p.seen for p in trainable_leaves(layout)})
+  if match.param is not None:
+    return True
+  if match.under_param:
+    return False
+  return bool(match.same_shape)
+
+
+def memory_ledger(params: PyTree, strategy: str, dp: int,
+                  tx: optax.GradientTransformation | None = None, *,
+                  grad_reduce_in_fp32: bool = True, bucket_size: int | None = None,
+                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = True,
+                  frozen: Frozen = None) -> MemoryLedger:
+  """Predicts the bytes per device of params, grads, master params and optimizer state.
+
+  The numbers follow the layout `init_state` builds (leading dims padded to a multiple
+  of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
+  off the state, byte for byte.
+
+  Args:
+    params: the model params (arrays or `jax.ShapeDtypeStruct`s).
+    strategy: a `data_parallel_sharding_strategy`.
+    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies).
+    tx: the optax transformation; None: Adam (two moments in the master dtype).
+    grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather: as in
+      `DDPConfig`.
+    frozen: as in `init_state`.
+
+  Returns:
+    A `MemoryLedger`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxdp
+    >>> from jaxdp._src.ledger import memory_ledger
+    >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}  # psi = 2**20
+    >>> [round(memory_ledger(params, s, dp=8).total / 2**20, 3)  # bytes per param
+    ...  for s in ("no_shard", "optim", "optim_grads")]
+    [18.0, 7.5, 4.0]
+  """
+  if strategy not in STRATEGIES:
+    raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+  size = (bucket_size or default_bucket_size(dp)) if overlap_grad_reduce else sys.maxsize
+  # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
+  leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
+  layout = make_layout(params, dp=dp, bucket_size=size, frozen=frozen, leading=leading,
+                       grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None)
+  sharded = strategy != "no_shard"
+  fsdp = strategy == "optim_grads_params"
+  leaves_ = trainable_leaves(layout)
+
+  model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
+  trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) for x in leaves_)
+  if fsdp:  # trainable params live only in `master`; frozen float params are sharded too
+    model = 0
+    for i in layout.static:
+      shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
+      if jnp.issubdtype(dtype, jnp.floating):
+        shape = (round_up(shape[0], dp) // dp, *shape[1:])  # this device's rows, padding included
+      model += _nbytes(shape, dtype)
+  grads = sum(buf.size * buf.grad_dtype.itemsize for buf in layout.buffers)
+  if strategy in ("optim_grads", "optim_grads_params"):
+    grads //= dp
+
+  opt_tree = [None] * len(layout.shapes)
+  master = 0
+  for x in leaves_:
+    i, dtype = x.index, master_dtype(layout.dtypes[x.index])
+    shape = x.seen if sharded else x.shape
+    opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
+    if sharded:
+      master += _nbytes(shape, dtype) // dp
+    elif dtype != layout.dtypes[i]:
+      master += _nbytes(shape, dtype)
+  if tx is None:
+    tx = optax.scale_by_adam()
+  state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
+  opt = 0
+  for path, x in jax.tree_util.tree_leaves_with_path(state):
+    n = _nbytes(x.shape, x.dtype)
+    opt += n // dp if sharded and _is_sharded_state(path, x, layout) else n
+
+  gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
+  return MemoryLedger(params=model, grads=grads, master=master, opt_state=opt,
+                      gathered_in_step=gathered)
+
+
+def measured_bytes(state, device=None) -> dict[str, int]:
+  """Bytes that one device holds of each field of a `TrainState`.
+
+  Sums `addressable_shards` on `device` (default: the first device of the state's mesh).
+
+  Returns:
+    `{"step": .., "params": .., "master": .., "opt_state": ..}`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> from jaxdp.inspect import measured_bytes, memory_ledger
+    >>> params, tx = {"w": jnp.zeros((64, 32))}, optax.adam(1e-3)
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state(params, tx, jax.make_mesh((8,), ("data",)), config)
+    >>> measured_bytes(state)  # 1/8 of w, of mu and of nu; Adam's step count whole
+    {'step': 4, 'params': 0, 'master': 1024, 'opt_state': 2052}
+    >>> memory_ledger(params, "optim", dp=8, tx=tx).state
+    {'params': 0, 'master': 1024, 'opt_state': 2052}
+  """
+  leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
+            if isinstance(x, jax.Array)]
+  if device is None:
+    device = min((d for x in leaves for d in x.sharding.device_set), key=lambda d: d.id)
+
+  def field(tree):
+    total = 0
+    for x in jax.tree.leaves(tree):
+      if isinstance(x, jax.Array):
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
+    return total
+
+  return {"step": field(state.step), "params": field(state.params),
+          "master": field(state.master), "opt_state": field(state.opt_state)}
+
+
+# ----------------------------------------------------------------------------- communication
 
 def _buffer_bytes(layout) -> tuple[int, int]:
   """(grad bytes, param bytes) of a layout's buffers, padding and stacked layers included."""
@@ -47,7 +240,7 @@ def _buffer_bytes(layout) -> tuple[int, int]:
 
 
 def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, float]:
-  """Bytes each device should send per step, by collective kind (DESIGN.md's table).
+  """Bytes each device should send per step, by collective kind (the table above).
 
   Computed from the state's layout (padding included), for the data axis; a "replica"
   axis (`num_distributed_optimizer_instances > 1`) adds an all-reduce of the shards that
@@ -86,10 +279,8 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   k = grad_accum_steps if strategy in _SHARDED_GRADS_PER_MICROBATCH else 1
   if strategy in ("optim", "optim_grads"):
     return {"reduce-scatter": k * share * grad, "all-gather": share * param}
-  from jaxdp._src import fsdp as fsdp_lib  # noqa: PLC0415 - fsdp imports ddp
-
-  fsdp = fsdp or fsdp_lib.FSDPConfig()
-  _, gathered = _buffer_bytes(fsdp_lib.gather_layout(layout))
+  fsdp = fsdp or FSDPConfig()
+  _, gathered = _buffer_bytes(gather_layout(layout))
   gathers = 2 if fsdp.reshard_after_forward else 1
   return {"all-gather": k * gathers * share * gathered, "reduce-scatter": k * share * grad}
 
@@ -139,7 +330,7 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
   """
   strategy = config.data_parallel_sharding_strategy
   fsdp_step = strategy == "optim_grads_params"
-  ledger = distributed_optimizer.memory_ledger(
+  ledger = memory_ledger(
       params, strategy, dp, tx, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
       bucket_size=config.bucket_size, overlap_grad_reduce=config.overlap_grad_reduce,
       overlap_param_gather=config.overlap_param_gather, frozen=frozen)
@@ -148,12 +339,10 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
   measured = None
   cpus = jax.devices("cpu")
   if len(cpus) >= dp and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
-    from jaxdp._src import ddp  # noqa: PLC0415
-
     mesh = jax.sharding.Mesh(np.array(cpus[:dp]), ("data",))
     extra = {"fsdp": fsdp} if fsdp_step else {}
-    state = ddp.init_state(params, tx, mesh, config, frozen=frozen, **extra)
-    measured = distributed_optimizer.measured_bytes(state)
+    state = train.init_state(params, tx, mesh, config, frozen=frozen, **extra)
+    measured = measured_bytes(state)
     del state
 
   compiled = None

@@ -140,13 +140,6 @@ def mean_micro(stacked: PyTree, last: PyTree, k: int) -> PyTree:
 
 # ----------------------------------------------------------------------------- state
 
-def extra_specs(state) -> dict[str, Any]:
-  """`TrainState` fields `rng` and `model_state` as `_state_specs` gives them: replicated."""
-  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
-  return {"rng": None if state.rng is None else P(),
-          "model_state": jax.tree.map(lambda _: P(), state.model_state)}
-
-
 def with_extras(state, mesh, rng, model_state):
   """`state` (from `init_state`) holding the key data of `rng` and a replicated copy of
   `model_state` (the caller's arrays are copied, never donated)."""

@@ -42,8 +42,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdp._src.ddp import TrainState, get_params
-from jaxdp._src.fsdp import sharded_paths
+from jaxdp._src.state import TrainState
+from jaxdp._src.train import get_params, init_state, make_train_step
+from jaxdp._src.units import sharded_paths
 
 PyTree = Any
 
@@ -270,7 +271,6 @@ class NNXOptimizer:
 
   def __init__(self, model: nnx.Module, tx, mesh, config, *, rng=None, frozen=None,
                fsdp=None):
-    from jaxdp._src.ddp import init_state  # noqa: PLC0415
     self.tx, self.mesh, self.config, self.fsdp = tx, mesh, config, fsdp
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     self.state = init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp,
@@ -314,7 +314,6 @@ def nnx_train_step(model_loss: Callable, *, has_aux: bool = False, grad_accum_st
   cache: dict[Any, Any] = {}
 
   def train_step(model: nnx.Module, optimizer: NNXOptimizer, batch: PyTree):
-    from jaxdp._src.ddp import make_train_step  # noqa: PLC0415
     graphdef = nnx.graphdef(model)
     key = (graphdef, id(optimizer))
     if key not in cache:

@@ -1,0 +1,74 @@
+"""The XLA options jaxdp compiles with, so that buckets stay buckets.
+
+jaxdp decides its buckets itself, so XLA must not merge bucket collectives back
+into one (its *collective combiners* do exactly that) and must be free to run
+them asynchronously under backward compute. `compiler_options` gives the
+options that say so, per platform; the train step passes them to `jax.jit`.
+
+Facts checked with jax/jaxlib 0.10.2 (see tests/test_inspect.py):
+
+- CPU has one collective combiner pass, `cpu-all-reduce-combiner`; XLA:CPU in
+  this version has no reduce-scatter or all-gather combiner (independent
+  `psum_scatter`/`all_gather` stay separate without any option).
+- GPU combines all-reduce, reduce-scatter and all-gather below
+  `xla_gpu_*_combine_threshold_bytes`; 0 turns each combiner off.
+- GPU collectives are asynchronous (`*-start`/`*-done`) unless listed in
+  `xla_gpu_disable_async_collectives`; jaxdp sets it to `""` so that an
+  `XLA_FLAGS` setting cannot silently make bucket collectives synchronous.
+  (`xla_gpu_enable_async_collectives` no longer exists.)
+- Options given to `jax.jit(f, compiler_options=...)` and to
+  `.lower(...).compile(compiler_options=...)` are merged.
+"""
+
+from __future__ import annotations
+
+CPU_COMBINER_PASSES = ("cpu-all-reduce-combiner",)
+"""Collective combiner passes of XLA:CPU (jaxlib 0.10.2). There is no reduce-scatter or
+all-gather combiner on CPU."""
+
+CPU_OPTIONS = {"xla_disable_hlo_passes": ",".join(CPU_COMBINER_PASSES)}
+
+GPU_OPTIONS = {
+    # Bucket collectives stay buckets: 0 bytes turns each combiner off.
+    "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+    "xla_gpu_all_gather_combine_threshold_bytes": 0,
+    # Overlap: schedule for latency hiding, and no collective kind forced
+    # synchronous (overrides a --xla_gpu_disable_async_collectives in XLA_FLAGS).
+    "xla_gpu_enable_latency_hiding_scheduler": True,
+    "xla_gpu_disable_async_collectives": "",
+}
+
+GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+
+def compiler_options(platform: str) -> dict[str, str | int | bool]:
+  """XLA options jaxdp compiles with on `platform`, so buckets stay buckets.
+
+  Pass them to `jax.jit(f, compiler_options=...)` (or to
+  `.lower(...).compile(compiler_options=...)`). On CPU they disable the
+  all-reduce combiner; on GPU they set every combine threshold to 0 and keep
+  collectives asynchronous under the latency hiding scheduler.
+
+  Args:
+    platform: `"cpu"`, or `"cuda"`/`"gpu"`/`"rocm"` (e.g.
+      `jax.default_backend()` or `device.platform`).
+
+  Returns:
+    A new dict of option name to value; empty for another platform (e.g.
+    `"tpu"`), where jaxdp has not verified which passes merge collectives
+    (there XLA may merge buckets: check with `jaxdp.inspect`).
+
+  Examples:
+    >>> compiler_options("cpu")
+    {'xla_disable_hlo_passes': 'cpu-all-reduce-combiner'}
+    >>> compiler_options("cuda")["xla_gpu_all_reduce_combine_threshold_bytes"]
+    0
+    >>> compiler_options("tpu")
+    {}
+  """
+  if platform == "cpu":
+    return dict(CPU_OPTIONS)
+  if platform in GPU_PLATFORMS:
+    return dict(GPU_OPTIONS)
+  return {}

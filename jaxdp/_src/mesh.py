@@ -1,0 +1,137 @@
+"""The mesh: jaxdp's axis names, the data axes a step runs manual over, and placement.
+
+jaxdp runs its step manual over the data axes (`data_axes`) and leaves every other mesh
+axis (e.g. "model") to the compiler. A param keeps the sharding its caller gave it over
+those other axes (Megatron-style tensor parallel weights) and over "expert" (expert
+params): its `ModelSpec`. jaxdp adds "data" on dim 0 where it shards (master params and
+optimizer state of the sharded strategies): after the leaf's manual axes, because a
+bucket holds the slice that one expert-parallel rank sees, and before its automatic ones,
+because inside the step the compiler splits the device's block further.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+PyTree = Any
+ModelSpec = tuple[tuple[str, ...], ...]
+"""One leaf's own sharding: per dim, the mesh axes it is split over (() = not split)."""
+
+DATA = "data"
+"""The mesh axis jaxdp shards buckets, optimizer state and FSDP units over."""
+REPLICA = "replica"
+"""Outer data-parallel axis: replicas of the sharded state (HSDP, partial distributed optimizer)."""
+EXPERT = "expert"
+"""Expert-parallel axis (MoE): dense params are data parallel over it like over "data"; expert
+params are sharded over it (their leading dim), so their grads are reduced over the other data
+axes only, the expert-data-parallel group (Megatron's `expert_parallel_bucket_groups`)."""
+
+
+def data_axes(mesh) -> tuple[str, ...]:
+  """The data-parallel axes present, `DATA` last: the axes the train step runs manual."""
+  return data_axes_in(mesh.axis_names)
+
+
+def data_axes_in(axis_names) -> tuple[str, ...]:
+  """`data_axes` of a mesh with these axis names."""
+  return tuple(a for a in (REPLICA, EXPERT) if a in axis_names) + (DATA,)
+
+
+def dp_size(mesh) -> int:
+  """The data-parallel size: the product of the data axes' sizes."""
+  return math.prod(mesh.shape[a] for a in data_axes(mesh))
+
+
+def constrain(x, mesh, spec):
+  """Places a traced value on `spec` (a reshard on Explicit meshes, a constraint on Auto)."""
+  sharding = NamedSharding(mesh, spec)
+  if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
+  """The caller's own sharding of each param (tensor/expert parallel), read from its placement.
+
+  A leaf placed with a `NamedSharding` on `mesh` keeps its spec; anything else (host arrays,
+  single-device arrays) is replicated.
+
+  Raises:
+    ValueError: a leaf sharded over a data axis ("data", "replica": jaxdp shards over those
+      itself), over "expert" on a dim other than its leading one, or with a non-trivial
+      sharding on another mesh.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
+    >>> w = jax.device_put(jnp.zeros((4, 6)), NamedSharding(mesh, P(None, "model")))
+    >>> model_specs_of({"w": w, "b": jnp.zeros(6)}, mesh)
+    (((),), ((), ('model',)))
+  """
+  keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+  out = []
+  for path, x in keyed:
+    name = "params" + jax.tree_util.keystr(path)
+    ndim = len(np.shape(x))
+    sharding = getattr(x, "sharding", None)
+    entries = sharding.spec if isinstance(sharding, NamedSharding) else P()
+    dims = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in tuple(entries) + (None,) * (ndim - len(entries)))
+    if not any(dims):
+      out.append(((),) * ndim)
+      continue
+    other = sharding.mesh
+    if (tuple(other.axis_names) != tuple(mesh.axis_names)
+        or other.devices.shape != mesh.devices.shape
+        or [d.id for d in other.devices.flat] != [d.id for d in mesh.devices.flat]):
+      raise ValueError(
+          f"{name} is sharded {sharding.spec} on another mesh ({dict(other.shape)}) than the "
+          f"train mesh ({dict(mesh.shape)}); place it on the train mesh, e.g. "
+          "jax.device_put(x, NamedSharding(mesh, spec))")
+    for d, axes in enumerate(dims):
+      if REPLICA in axes or DATA in axes:
+        raise ValueError(
+            f"{name} is sharded {sharding.spec}: over a data axis. jaxdp shards over "
+            f"{DATA!r} and {REPLICA!r} itself; place params replicated over them (e.g. "
+            "P(None, 'model') for a column-parallel weight)")
+      if EXPERT in axes and (d != 0 or axes != (EXPERT,)):
+        raise ValueError(
+            f"{name} is sharded {sharding.spec}: expert params are sharded over {EXPERT!r} "
+            f"on their leading (expert) dim alone; place them with P({EXPERT!r}, ...)")
+    out.append(dims)
+  return tuple(out)
+
+
+def pspec(dims: ModelSpec) -> P:
+  """Full-length spec (`P(None, None)`, not `P()`): jit's cache key tells the two apart."""
+  return P(*[None if not a else a[0] if len(a) == 1 else a for a in dims]) if dims else P()
+
+
+def with_data(dims: ModelSpec, manual: tuple[str, ...], axis: int = 0) -> ModelSpec:
+  """A leaf's spec with `DATA` added on its shard dim `axis` (after its manual axes, before
+  its automatic ones); a scalar becomes one padded dim."""
+  dims = dims or ((),)
+  on = dims[axis]
+  return (*dims[:axis], tuple(a for a in on if a in manual) + (DATA,)
+          + tuple(a for a in on if a not in manual), *dims[axis + 1:])
+
+
+def manual_spec(dims: ModelSpec, manual: tuple[str, ...]) -> P:
+  """The part of a spec over the step's manual axes: a `shard_map` in/out spec."""
+  return pspec(tuple(tuple(a for a in axes if a in manual) for axes in dims))
+
+
+def own_axes(dims: ModelSpec, manual: tuple[str, ...]) -> tuple[str, ...]:
+  """The manual axes a leaf is itself sharded over (e.g. "expert")."""
+  return tuple(a for axes in dims for a in axes if a in manual)
+
+
+def experts_of(model_specs: tuple[ModelSpec, ...]) -> list[bool]:
+  """Per leaf: is it an expert param (sharded over "expert")?"""
+  return [any(EXPERT in axes for axes in dims) for dims in model_specs]

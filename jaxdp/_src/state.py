@@ -1,0 +1,204 @@
+"""`TrainState`, what each of its leaves is, and where the bucketed strategies place it.
+
+The state is one pytree for every strategy; its static part (layout, config, mesh shape,
+the caller's own shardings) says how to read the arrays. `match_opt_leaf` is the one rule
+that ties an optax state leaf to its param: placement, the memory ledger and checkpoints
+all use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Mapping, Sequence
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxdp._src.config import DDPConfig
+from jaxdp._src.layout import Layout
+from jaxdp._src.mesh import ModelSpec, data_axes_in, pspec, with_data
+
+PyTree = Any
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["step", "params", "master", "opt_state", "rng",
+                                "model_state"],
+                   meta_fields=["layout", "config", "mesh_shape", "model_specs"])
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """Everything a step reads and writes; a pytree whose static part is the layout.
+
+  Leaves that a field does not hold are None (e.g. `master` of an f32 param under DDP).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
+    >>> int(state.step), state.params["w"]  # gathered inside the next step
+    (0, None)
+    >>> state.master["w"].shape, state.master["w"].sharding.spec  # rows padded to 16
+    ((16, 4), P('data', None))
+    >>> state.layout.num_buckets
+    1
+  """
+
+  step: jax.Array
+  """Number of optimizer steps taken (int32 scalar)."""
+  params: PyTree
+  """The model params, replicated over the data axes (over other axes as the caller placed
+  them). Under a sharded strategy with `overlap_param_gather` the trainable leaves are
+  None: they are gathered from `master` inside the next step."""
+  master: PyTree
+  """The optimizer's copy of each trainable param ("main params"): sharded strategies
+  hold each device's rows of the leaf's shard dim (`Layout.shard_axes`) sharded over
+  "data", in fp32 (or wider); DDP holds
+  fp32 copies of low-precision params only."""
+  opt_state: PyTree
+  """The optax state, built on `master`'s shapes and sharded like it."""
+  layout: Layout
+  config: DDPConfig
+  mesh_shape: tuple[tuple[str, int], ...]
+  model_specs: tuple[ModelSpec, ...] = ()
+  """Per leaf in tree order: the mesh axes the caller sharded each dim of the param over
+  (tensor or expert parallel; see `model_specs_of`); () = every leaf replicated."""
+  rng: jax.Array | None = None
+  """`init_state(..., rng=)`: the raw data (`uint32[2]`) of the key every step's keys are
+  derived from (with the step counter and the data shard; see `make_train_step`), replicated;
+  None: `loss_fn` gets no key."""
+  model_state: PyTree = None
+  """`init_state(..., model_state=)`: the model's mutable non-trainable state (BatchNorm
+  running statistics), replicated, updated by every step; None: the step carries none."""
+
+
+def leaves_of(tree) -> list[Any]:
+  """The leaves of `tree` in order, None included (a field's missing leaves are None)."""
+  return jax.tree.flatten(tree, is_leaf=lambda x: x is None)[0]
+
+
+def tree_of(layout: Layout, leaves) -> PyTree:
+  """The param tree of `layout` holding `leaves` (tree order)."""
+  return jax.tree.unflatten(layout.treedef, list(leaves))
+
+
+def opt_params_of(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
+  """The tree the optax transformation sees: trainable leaves, None for the rest."""
+  trainable = layout.trainable
+  return tree_of(layout, [
+      (m if m is not None else p) if t else None
+      for t, p, m in zip(trainable, leaves_of(params), leaves_of(master))])
+
+
+def model_spec(state: TrainState, i: int, ndim: int) -> ModelSpec:
+  """Leaf `i`'s own (tensor/expert parallel) sharding; all () for a state without any."""
+  return state.model_specs[i] if state.model_specs else ((),) * ndim
+
+
+# ----------------------------------------------------------------------------- placement
+
+@dataclasses.dataclass(frozen=True)
+class OptLeafMatch:
+  """What `match_opt_leaf` found for one optax state leaf."""
+
+  param: int | None
+  """The param whose per-param state the leaf is (Adam's `mu['w']` for `['w']`), or None."""
+  under_param: bool
+  """The leaf's key path ends with some param's path, whatever its shape (adafactor's
+  factored moments of that param when `param` is None)."""
+  same_shape: tuple[int, ...]
+  """The params whose shape the leaf has (the fallback for state that is not keyed by
+  param path)."""
+
+
+def match_opt_leaf(path, shape, paths: Sequence[str],
+                   shapes: Mapping[int, tuple[int, ...]]) -> OptLeafMatch:
+  """The one rule that matches an optax state leaf to the param it belongs to.
+
+  optax keeps per-param state in trees shaped like the params, so a per-param leaf's key
+  path ends with its param's path (`[0].mu['w']` for `['w']`) and it has the shape the
+  optimizer sees for that param; of several such params the longest path wins. Placement
+  (`opt_state_specs`), the memory ledger and checkpoints all ask this function.
+
+  Args:
+    path: the leaf's key path (from `jax.tree_util.tree_flatten_with_path`).
+    shape: the leaf's shape.
+    paths: every param's path (`Layout.paths`).
+    shapes: the candidate params: leaf index -> the shape the optimizer sees for it.
+
+  Examples:
+    >>> import jax
+    >>> path = jax.tree_util.tree_flatten_with_path({"mu": {"w": 0}})[0][0][0]
+    >>> match_opt_leaf(path, (16, 4), ["['b']", "['w']"], {0: (16, 4), 1: (16, 4)}).param
+    1
+  """
+  name, shape = jax.tree_util.keystr(path), tuple(shape)
+  under = [i for i in shapes if name.endswith(paths[i])]
+  matches = [i for i in under if tuple(shapes[i]) == shape]
+  return OptLeafMatch(max(matches, key=lambda i: len(paths[i])) if matches else None,
+                      bool(under), tuple(i for i, s in shapes.items() if tuple(s) == shape))
+
+
+def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec | None]]:
+  """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is)."""
+  manual = data_axes_in(dict(state.mesh_shape))
+  sharded = state.config.use_distributed_optimizer
+  params = [None if x is None else model_spec(state, i, x.ndim)
+            for i, x in enumerate(leaves_of(state.params))]
+  master = [None if m is None else
+            with_data(model_spec(state, i, len(state.layout.shapes[i])), manual,
+                       state.layout.shard_axes[i])
+            if sharded else model_spec(state, i, m.ndim)
+            for i, m in enumerate(leaves_of(state.master))]
+  return params, master
+
+
+def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> PyTree:
+  """Each optax state leaf sharded like the param it belongs to.
+
+  A per-param leaf (Adam's `mu['w']`) has its param's optimizer-side shape and a key path
+  ending with the param's path; the longest such path wins. A leaf under a param's path with
+  another shape (adafactor's factored moments) is replicated. Failing that, a leaf takes the
+  spec that every param of its shape shares; anything else (step counts) is replicated.
+  """
+  layout = state.layout
+  views = {}  # trainable leaf -> (the shape the optimizer sees, its spec)
+  for i, (t, x, m) in enumerate(zip(layout.trainable, leaves_of(state.params),
+                                    leaves_of(state.master))):
+    if t:
+      views[i] = ((m if m is not None else x).shape,
+                  master_specs[i] if m is not None else model_spec(state, i, x.ndim))
+
+  def spec_of(path, x):
+    shape = tuple(x.shape)
+    match = match_opt_leaf(path, shape, layout.paths, {i: s for i, (s, _) in views.items()})
+    if match.param is not None:
+      return pspec(views[match.param][1])
+    if match.under_param:
+      # a per-param leaf of another shape (adafactor's factored moments): replicated
+      return pspec(((),) * len(shape))
+    specs = {views[i][1] for i in match.same_shape}
+    return pspec(next(iter(specs)) if len(specs) == 1 else ((),) * len(shape))
+
+  return jax.tree_util.tree_map_with_path(spec_of, state.opt_state)
+
+
+def extra_specs(state: TrainState) -> dict[str, Any]:
+  """The specs of the fields every strategy places alike: `rng` and `model_state`,
+  replicated."""
+  return {"rng": None if state.rng is None else P(),
+          "model_state": jax.tree.map(lambda _: P(), state.model_state)}
+
+
+def state_specs(state: TrainState) -> TrainState:
+  """The PartitionSpec of every leaf of a bucketed (`no_shard`, `optim`, `optim_grads`) state
+  (a tree like `state`)."""
+  layout = state.layout
+  params, master = leaf_specs(state)
+  return dataclasses.replace(
+      state,
+      step=P(),
+      params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
+      master=tree_of(layout, [None if d is None else pspec(d) for d in master]),
+      opt_state=opt_state_specs(state, master), **extra_specs(state))

@@ -1,0 +1,192 @@
+"""The front door: `init_state`, `make_train_step` and `get_params`, dispatched by strategy.
+
+Each strategy is a module of its own that knows nothing of the others: `ddp.py` runs the
+bucketed step (`no_shard`, and the distributed optimizer's `optim`, `optim_grads`),
+`fsdp.py` runs `optim_grads_params`. This module checks what every strategy needs and hands
+the call to the one `config` names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import optax
+
+from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
+from jaxdp._src.config import DDPConfig, FSDPConfig
+from jaxdp._src.layout import Frozen
+from jaxdp._src.state import TrainState
+
+PyTree = Any
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+def _fsdp_branch(config: DDPConfig, fsdp) -> bool:
+  """True for `optim_grads_params` (implemented in fsdp.py); refuses `fsdp=` elsewhere."""
+  if config.data_parallel_sharding_strategy == "optim_grads_params":
+    return True
+  if fsdp is not None:
+    raise ValueError(f"fsdp={fsdp} is for data_parallel_sharding_strategy="
+                     "'optim_grads_params'; leave it out for "
+                     f"{config.data_parallel_sharding_strategy!r}")
+  return False
+
+
+def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
+               *, frozen: Frozen = None, fsdp: FSDPConfig | None = None, rng=None,
+               model_state: PyTree = None) -> TrainState:
+  """Places params on the mesh and builds the optimizer state for `config`'s strategy.
+
+  The caller's arrays are copied, never donated.
+
+  Args:
+    params: the model params (a pytree of arrays).
+    tx: any optax `GradientTransformation`. It sees the param tree with frozen and
+      non-float leaves replaced by None (masks given as pytrees may keep any value there).
+    mesh: a mesh with a "data" axis (and a "replica" axis for
+      `num_distributed_optimizer_instances > 1`, an "expert" axis for expert parallelism).
+      jaxdp runs its step manual over "replica", "expert" and "data" and leaves every
+      other axis (e.g. "model") to the compiler. Params placed with a `NamedSharding` on
+      this mesh keep their sharding over the other axes (tensor-parallel weights, e.g.
+      `P(None, "model")`), in `params`, master params and optimizer state alike. Params
+      sharded `P("expert", ...)` are expert params: dense params are data parallel over
+      "expert" too, expert params get buffers of their own reduced over the
+      expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees this
+      rank's experts (the model exchanges tokens over "expert" itself).
+    config: the `DDPConfig`.
+    frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
+      `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
+    fsdp: `optim_grads_params` only: its `FSDPConfig` (units); None for the default.
+    rng: a key (`jax.random.key(seed)`, raw `PRNGKey` data or an int seed): each step
+      derives its keys from it, the step counter and the device's data shard, and
+      `loss_fn` gets them as `rng=` (dropout; see `make_train_step`). None: no key.
+    model_state: mutable non-trainable model state (BatchNorm running statistics: Linen's
+      `variables["batch_stats"]`, `jaxdp.nnx_model_state(model)`), a pytree of arrays kept
+      replicated: `loss_fn` gets it as `model_state=` and returns the updated one.
+
+  Returns:
+    A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
+
+  Raises:
+    ValueError: the mesh has no "data" axis, params have no trainable float leaf,
+      `frozen` does not match params, a param is placed over a data axis or on another
+      mesh, or (sharded strategies) an expert param's experts per rank do not divide by
+      the "data" axis size.
+    NotImplementedError: tensor- or expert-parallel params under `optim_grads_params`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> state = jaxdp.init_state({"w": jnp.ones((4, 2))}, optax.sgd(0.1), mesh, jaxdp.DDPConfig())
+    >>> int(state.step), state.layout.num_buckets
+    (0, 1)
+  """
+  checks.check_mesh(mesh, config)
+  if _fsdp_branch(config, fsdp):
+    state = fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
+  else:
+    state = ddp.init_state(params, tx, mesh, config, frozen=frozen)
+  return loop.with_extras(state, mesh, rng, model_state)
+
+
+def get_params(state: TrainState) -> PyTree:
+  """The full model param tree of a state, in the params' own dtypes.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((3, 2))}, optax.sgd(0.1), mesh, config)
+    >>> jaxdp.get_params(state)["w"].shape
+    (3, 2)
+  """
+  if _fsdp_branch(state.config, None):
+    return fsdp_lib.get_params(state)
+  return ddp.get_params(state)
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
+                    config: DDPConfig, *, grad_accum_steps: int = 1,
+                    fsdp: FSDPConfig | None = None, has_aux: bool = False) -> checks.TrainStep:
+  """Builds the jitted train step of `config`'s strategy.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> scalar`, the mean loss over the batch it gets.
+      What the state carries adds arguments and outputs (`jaxdp._src.loop`): with
+      `init_state(..., rng=)` it is called with `rng=` (a typed key: the state's key
+      folded with the step counter, the device's data shard and the micro-batch index:
+      other dropout masks every step and on every shard, the same ones in a resumed run);
+      with `init_state(..., model_state=)` with `model_state=`, and it returns
+      `(loss, new_model_state)`. The new model state is averaged over the data axes after
+      each micro-batch where it differs across devices (Flax's `pmean(batch_stats)`; a
+      model that syncs it itself, such as SyncBatchNorm, is left as it computed it; torch
+      DDP broadcasts rank 0's buffers instead, keeping one shard's statistics: the mean
+      keeps all of them). Integer leaves take the first shard's value.
+    tx: the optax transformation `init_state` was given. Its update runs in the global view
+      with the mesh's Explicit axes made automatic, so shape-dependent transformations
+      (`optax.contrib.muon`) run on sharded leaves as on an Auto mesh.
+    mesh: the mesh `init_state` was given.
+    config: the `DDPConfig` `init_state` was given.
+    grad_accum_steps: micro-batches per step; gradients are communicated once per step
+      (every micro-batch under `optim_grads`, which keeps only its shard).
+    fsdp: `optim_grads_params` only: the `FSDPConfig` given to `init_state`.
+    has_aux: `loss_fn` returns `(loss, aux)` (`(loss, (aux, new_model_state))` with model
+      state); every leaf of `aux` is averaged over the micro-batches and the data axes
+      (a per-shard mean becomes the global mean; non-float leaves in float32) and returned
+      as `metrics["aux"]`. Per-example outputs belong in `make_eval_step(per_example=True)`.
+
+  Returns:
+    `train_step(state, batch) -> (state, metrics)`: a `jax.jit` function that donates
+    `state` (`.lower`, `.trace` are the jitted function's), wrapped in host-side checks.
+    `batch` is a pytree of global arrays whose leading dim (the same for every leaf,
+    divisible by data-parallel size × `grad_accum_steps`) is split over the data axes.
+    `metrics` holds the global mean `loss` and the global `grad_norm` (before any
+    clipping), and `aux` with `has_aux`. With `config.check_for_nan_in_grad` the state is
+    not donated, each step waits for its grads to be checked, and a NaN/Inf raises
+    `NonFiniteGradError` naming the params and the step, the state passed in left as it was
+    (the jitted function then also returns one "finite" flag per trainable leaf).
+
+  Raises:
+    ValueError: (when called) a batch whose leading dims differ or do not divide, a state
+      built for another mesh or config, or whose params changed after `init_state`.
+    NonFiniteGradError: (when called, `check_for_nan_in_grad`) a reduced grad is NaN/Inf.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config, tx = jaxdp.DDPConfig(), optax.sgd(0.1)
+    >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+    >>> state = jaxdp.init_state({"w": jnp.zeros((3, 1))}, tx, mesh, config)
+    >>> step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+    >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.ones((16, 1))}
+    >>> state, metrics = step(state, batch)
+    >>> float(metrics["loss"])
+    1.0
+  """
+  checks.check_mesh(mesh, config)
+  if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
+      or grad_accum_steps < 1:
+    raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
+  if _fsdp_branch(config, fsdp):
+    return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
+                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp,
+                                    has_aux=has_aux)
+  return ddp.make_train_step(loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps,
+                             has_aux=has_aux)
+
+
+def state_specs(state: TrainState) -> TrainState:
+  """The PartitionSpec of every leaf of a state, as `init_state` and the step place it.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
+    >>> state_specs(state).master["w"]
+    P('data', None)
+  """
+  if _fsdp_branch(state.config, None):
+    return fsdp_lib.state_specs(state)
+  return state_lib.state_specs(state)
