@@ -33,11 +33,13 @@ With both, `loss_fn` returns `(loss, (aux, new_model_state))`: whatever the step
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 PyTree = Any
 
@@ -143,8 +145,8 @@ def mean_micro(stacked: PyTree, last: PyTree, k: int) -> PyTree:
 def with_extras(state, mesh, rng, model_state):
   """`state` (from `init_state`) holding the key data of `rng` and a replicated copy of
   `model_state` (the caller's arrays are copied, never donated)."""
-  import dataclasses  # noqa: PLC0415
-  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  if rng is None and model_state is None:
+    return state
   data = key_data(rng)
   if model_state is not None:
     for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
