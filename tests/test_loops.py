@@ -115,6 +115,34 @@ def test_unsynced_batchnorm_statistics_are_the_mean_over_shards():
   np.testing.assert_allclose(state.model_state["bn"]["var"], var, atol=1e-5)
 
 
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_model_state_leaves_kept_averaged_or_taken_from_the_first_shard(strategy):
+  """What the step does with each kind of model-state leaf: the same on every device (a
+  counter): kept; a float that differs: averaged; an integer that differs: shard 0's."""
+  def loss_fn(p, b, *, model_state):
+    new = {"steps": model_state["steps"] + 1, "mean": jnp.mean(b["x"]),
+           "first": jnp.sum(b["i"])}
+    return jnp.mean((b["x"] * p["w"]) ** 2), new
+
+  batch = {"x": jnp.arange(32.0).reshape(32, 1), "i": jnp.arange(32)}
+  ms = {"steps": jnp.zeros((), jnp.int32), "mean": jnp.zeros(()),
+        "first": jnp.zeros((), jnp.int32)}
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state({"w": jnp.ones((1,))}, optax.sgd(0.0), mesh, config, model_state=ms)
+  step = jaxdp.make_train_step(loss_fn, optax.sgd(0.0), mesh, config)
+  for _ in range(2):
+    state, _ = step(state, batch)
+  assert int(state.model_state["steps"]) == 2
+  assert float(state.model_state["mean"]) == 15.5  # the mean of the shard means: 0..31's
+  assert int(state.model_state["first"]) == 0 + 1 + 2 + 3  # shard 0 holds rows 0..3
+  assert state.model_state["first"].dtype == jnp.int32
+
+  bad = jaxdp.make_train_step(lambda p, b, *, model_state: (jnp.sum(p["w"]), {}),
+                              optax.sgd(0.0), mesh, config)
+  with pytest.raises(ValueError, match="return the whole model state"):
+    bad(state, batch)
+
+
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads", "optim_grads_params"])
 def test_aux_with_grad_accumulation(strategy):
   """With k micro-batches the aux is averaged over them too: the mean of equal-size

@@ -12,8 +12,9 @@ Every strategy's step calls `loss_fn` through `call_loss`, which is where the th
 * **Mutable model state** (`init_state(..., model_state=tree)`: BatchNorm running
   statistics, Linen's `batch_stats`, NNX `BatchStat`s): `loss_fn` gets it as
   `model_state=` and returns `(loss, new_model_state)`, as Flax's examples write it for
-  `jax.value_and_grad(..., has_aux=True)`. After each micro-batch's forward the new state is made equal on every
-  device by `collectives.sync_model_state`: a float leaf that differs across devices is
+  `jax.value_and_grad(..., has_aux=True)`. After each micro-batch's forward the new state
+  is made equal on every device by `collectives.sync_model_state`: a float leaf that
+  differs across devices is
   averaged over them (what Flax's examples do with `pmean(batch_stats)`); a leaf the model
   already reduced itself (SyncBatchNorm: `nnx.BatchNorm(axis_name="data")`) is not varying
   over the data axes and is kept as it is, so its running statistics equal the
