@@ -1,11 +1,12 @@
 """jaxdp: Megatron-Core's data-parallel machinery for JAX.
 
 Bucketed DDP reduced inside backward, the distributed optimizer (ZeRO-1/2) and FSDP, on
-any mesh with a "data" axis. See README.md and DESIGN.md.
+any mesh with a "data" axis. See README.md and docs/design.md.
 """
 
 from jaxdp import inspect as inspect
 from jaxdp import plot as plot
+from jaxdp._src import __version__ as __version__
 from jaxdp._src.buffer import ravel as ravel
 from jaxdp._src.buffer import unravel as unravel
 from jaxdp._src.checkpoint import CheckpointManager as CheckpointManager
@@ -32,5 +33,3 @@ from jaxdp._src.train import init_state as init_state
 from jaxdp._src.train import make_train_step as make_train_step
 from jaxdp._src.units import gather_unit as gather_unit
 from jaxdp._src.units import scan_unit as scan_unit
-
-__version__ = "0.1.0"

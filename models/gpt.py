@@ -1,24 +1,24 @@
 """A nanoGPT-style decoder-only transformer in Flax NNX, in one readable file.
 
 Pre-LayerNorm blocks (attention, then a 4x GELU MLP), learned positional embeddings,
-causal self-attention written with plain ``jnp`` (no flash kernel), no dropout, and a
-**tied** embedding: the output projection is ``wte.T``, as in nanoGPT and GPT-2.
+causal self-attention written with plain `jnp` (no flash kernel), no dropout, and a
+**tied** embedding: the output projection is `wte.T`, as in nanoGPT and GPT-2.
 
 Options:
 
-* ``param_dtype``: ``float32`` or ``bfloat16`` params. Matmuls run in the param dtype;
+* `param_dtype`: `float32` or `bfloat16` params. Matmuls run in the param dtype;
   LayerNorm statistics, attention scores/softmax and the logits are computed in float32.
-* ``scan_layers``: the blocks' params are stacked along a leading layer axis
-  (``params['blocks']['attn']['c_attn']['kernel'].shape == (n_layer, d, 3 * d)``) and run
-  with ``jax.lax.scan``, one iteration per layer; the scan body is a ``jaxdp.scan_unit``
+* `scan_layers`: the blocks' params are stacked along a leading layer axis
+  (`params['blocks']['attn']['c_attn']['kernel'].shape == (n_layer, d, 3 * d)`) and run
+  with `jax.lax.scan`, one iteration per layer; the scan body is a `jaxdp.scan_unit`
   (a no-op except under FSDP, which gathers each layer in its iteration).
-  Unrolled, the blocks are an ``nnx.List`` and their params read
-  ``params['blocks'][3]['attn'][...]``. The same seed gives the same weights in both forms;
-  :func:`stack_blocks` / :func:`unstack_blocks` convert params.
-* ``lora_rank > 0``: every projection (``c_attn``, ``c_proj``, ``c_fc``) gets a rank-r
-  LoRA adapter ``y += (x @ lora_a) @ lora_b * lora_alpha / lora_rank`` with ``lora_b``
+  Unrolled, the blocks are an `nnx.List` and their params read
+  `params['blocks'][3]['attn'][...]`. The same seed gives the same weights in both forms;
+  `stack_blocks` / `unstack_blocks` convert params.
+* `lora_rank > 0`: every projection (`c_attn`, `c_proj`, `c_fc`) gets a rank-r
+  LoRA adapter `y += (x @ lora_a) @ lora_b * lora_alpha / lora_rank` with `lora_b`
   initialised to zero, so at init the model computes exactly the base model.
-  :func:`lora_trainable` marks the adapter leaves, to freeze the base.
+  `lora_trainable` marks the adapter leaves, to freeze the base.
 
 Examples:
     >>> import jax.numpy as jnp
@@ -49,7 +49,7 @@ LORA_NAMES = ("lora_a", "lora_b")  # param names of the LoRA adapter leaves
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Hyperparameters of :class:`GPT` (defaults: a small byte-level model)."""
+    """Hyperparameters of `GPT` (defaults: a small byte-level model)."""
 
     vocab_size: int = 256
     """Vocabulary size; 256 = one token per byte."""
@@ -58,19 +58,19 @@ class GPTConfig:
     n_layer: int = 4
     """Number of transformer blocks."""
     n_head: int = 4
-    """Attention heads per block; must divide ``d_model``."""
+    """Attention heads per block; must divide `d_model`."""
     d_model: int = 128
     """Width of the residual stream."""
     param_dtype: Any = jnp.float32
-    """dtype of every param (``jnp.float32`` or ``jnp.bfloat16``); compute follows it."""
+    """dtype of every param (`jnp.float32` or `jnp.bfloat16`); compute follows it."""
     scan_layers: bool = False
-    """Stack the blocks' params on a leading layer axis and run them with ``lax.scan``."""
+    """Stack the blocks' params on a leading layer axis and run them with `lax.scan`."""
     lora_rank: int = 0
     """Rank of the LoRA adapters on every projection; 0 means no adapters."""
     lora_alpha: float = 16.0
-    """LoRA scale numerator: the adapter output is multiplied by ``lora_alpha / lora_rank``."""
+    """LoRA scale numerator: the adapter output is multiplied by `lora_alpha / lora_rank`."""
     dropout: float = 0.0
-    """Dropout rate on the embeddings (nanoGPT's ``drop``); 0: no dropout and no RNG stream
+    """Dropout rate on the embeddings (nanoGPT's `drop`); 0: no dropout and no RNG stream
     in the model."""
 
     def __post_init__(self):
@@ -93,7 +93,7 @@ def normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
 
 
 class Linear(nnx.Module):
-    """``x @ kernel + bias``, plus an optional rank-r LoRA adapter."""
+    """`x @ kernel + bias`, plus an optional rank-r LoRA adapter."""
 
     def __init__(self, din: int, dout: int, config: GPTConfig, *, rngs: nnx.Rngs,
                  std: float = 0.02):
@@ -167,7 +167,7 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One pre-LN transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+    """One pre-LN transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.ln_1 = LayerNorm(config.d_model, config)
@@ -181,7 +181,7 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Decoder-only transformer: token ids ``int32[B, T]`` -> logits ``float32[B, T, vocab]``."""
+    """Decoder-only transformer: token ids `int32[B, T]` -> logits `float32[B, T, vocab]`."""
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -230,16 +230,16 @@ class GPT(nnx.Module):
 
 
 def gpt_loss(model: GPT, batch: dict) -> jax.Array:
-    """Mean next-token cross entropy; ``batch = {"x": int32[B, T], "y": int32[B, T]}``."""
+    """Mean next-token cross entropy; `batch = {"x": int32[B, T], "y": int32[B, T]}`."""
     logits = model(batch["x"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
 def lora_trainable(params) -> Any:
-    """Return a bool pytree like ``params``: True for LoRA adapter leaves, False for the base.
+    """Return a bool pytree like `params`: True for LoRA adapter leaves, False for the base.
 
-    Use it to freeze the base model, e.g. ``optax.masked(optax.adamw(1e-3),
-    lora_trainable(params))`` or as jaxdp's frozen-param mask (negated).
+    Use it to freeze the base model, e.g. `optax.masked(optax.adamw(1e-3),
+    lora_trainable(params))` or as jaxdp's frozen-param mask (negated).
 
     Examples:
         >>> from flax import nnx
@@ -257,14 +257,14 @@ def lora_trainable(params) -> Any:
 
 
 def stack_blocks(params: dict) -> dict:
-    """Convert unrolled params (``['blocks'][i][...]``) to the ``scan_layers`` layout."""
+    """Convert unrolled params (`['blocks'][i][...]`) to the `scan_layers` layout."""
     blocks = params["blocks"]
     layers = [blocks[i] for i in range(len(blocks))]
     return {**params, "blocks": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
 
 
 def unstack_blocks(params: dict) -> dict:
-    """Convert ``scan_layers`` params (leading layer axis) to the unrolled layout."""
+    """Convert `scan_layers` params (leading layer axis) to the unrolled layout."""
     stacked = params["blocks"]
     n_layer = jax.tree.leaves(stacked)[0].shape[0]
     layers = {i: jax.tree.map(lambda a: a[i], stacked) for i in range(n_layer)}

@@ -17,14 +17,14 @@ from flax import nnx
 
 
 class MLP(nnx.Module):
-    """``n_layers`` dense layers with GELU between them.
+    """`n_layers` dense layers with GELU between them.
 
     Args:
         din: input features.
         dhidden: hidden features.
         dout: output features.
-        n_layers: number of ``nnx.Linear`` layers (>= 1); param paths are
-            ``['layers'][i]['kernel' | 'bias']``.
+        n_layers: number of `nnx.Linear` layers (>= 1); param paths are
+            `['layers'][i]['kernel' | 'bias']`.
         rngs: the NNX random streams used to initialise the weights.
         param_dtype: dtype of every parameter (compute runs in that dtype too).
     """
@@ -48,6 +48,6 @@ class MLP(nnx.Module):
 
 
 def mlp_loss(model: MLP, batch: dict) -> jax.Array:
-    """Mean squared error of ``model(batch["x"])`` against ``batch["y"]`` (f32 scalar)."""
+    """Mean squared error of `model(batch["x"])` against `batch["y"]` (f32 scalar)."""
     pred = model(batch["x"]).astype(jnp.float32)
     return jnp.mean((pred - batch["y"].astype(jnp.float32)) ** 2)

@@ -1,24 +1,24 @@
-"""A small mixture-of-experts GPT in Flax NNX: ``gpt.py``'s GPT with top-k routed MLP experts.
+"""A small mixture-of-experts GPT in Flax NNX: `gpt.py`'s GPT with top-k routed MLP experts.
 
-Every block's MLP is replaced by ``n_experts`` expert MLPs (d -> 4d -> GELU -> d, params
+Every block's MLP is replaced by `n_experts` expert MLPs (d -> 4d -> GELU -> d, params
 stacked on a leading expert dim) and a router, as in Switch/GShard: a token goes to its
-``top_k`` experts by router probability, and its output is their outputs weighted by the
+`top_k` experts by router probability, and its output is their outputs weighted by the
 top-k probabilities renormalised to sum to one.
 
 Dispatch is *dropless and dense*: every expert runs on every token and the combine weights
 of the experts a token was not routed to are zero (so those experts get no gradient from
-it). That costs ``n_experts / top_k`` times the expert compute of a capacity-based dispatch,
+it). That costs `n_experts / top_k` times the expert compute of a capacity-based dispatch,
 but no token is ever dropped and the result does not depend on how the tokens are grouped
 over devices, so one device and any expert-parallel run compute the same function. There is
 no load-balancing loss for the same reason (its batch statistics depend on the grouping).
 
-Expert parallelism (``expert_axis="expert", expert_parallel=ep``): the expert params are
-sharded over that mesh axis on their leading dim (:func:`place_experts`), and the model runs
+Expert parallelism (`expert_axis="expert", expert_parallel=ep`): the expert params are
+sharded over that mesh axis on their leading dim (`place_experts`), and the model runs
 inside a jaxdp step whose "expert" axis is manual. As in Megatron, each rank's model holds
-its ``n_experts / ep`` local experts (the router still scores all ``n_experts``), and tokens
-are exchanged with one ``all_to_all`` before the experts and one after (GShard's dispatch
+its `n_experts / ep` local experts (the router still scores all `n_experts`), and tokens
+are exchanged with one `all_to_all` before the experts and one after (GShard's dispatch
 and combine). jaxdp reduces the expert params' grads over the expert-data-parallel group
-only. With ``expert_axis=None`` (one device) there is no exchange. Build the loss of an
+only. With `expert_axis=None` (one device) there is no exchange. Build the loss of an
 expert-parallel run from the per-rank model and train the params of the whole model::
 
     params, _ = jaxdp.nnx_split(MoEGPT(config, rngs=nnx.Rngs(0)), gpt_loss)
@@ -54,7 +54,7 @@ __all__ = ["MoEConfig", "MoE", "MoEBlock", "MoEGPT", "gpt_loss", "is_expert", "p
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(GPTConfig):
-    """:class:`GPTConfig` plus the experts (unrolled layers, no LoRA)."""
+    """`GPTConfig` plus the experts (unrolled layers, no LoRA)."""
 
     n_experts: int = 4
     """Expert MLPs per block."""
@@ -64,7 +64,7 @@ class MoEConfig(GPTConfig):
     """Mesh axis the experts are sharded over (tokens are exchanged over it); None: all
     experts local."""
     expert_parallel: int = 1
-    """Size of ``expert_axis``: this model holds ``n_experts / expert_parallel`` experts."""
+    """Size of `expert_axis`: this model holds `n_experts / expert_parallel` experts."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,7 +82,7 @@ class MoEConfig(GPTConfig):
 
 
 class MoE(nnx.Module):
-    """Top-k routed expert MLPs; ``x: [B, T, d] -> [B, T, d]``."""
+    """Top-k routed expert MLPs; `x: [B, T, d] -> [B, T, d]`."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         d, h, dtype = config.d_model, 4 * config.d_model, config.param_dtype
@@ -116,7 +116,7 @@ class MoE(nnx.Module):
 
 
 class MoEBlock(nnx.Module):
-    """Pre-LN block: ``x + attn(ln_1(x))``, then ``x + moe(ln_2(x))``."""
+    """Pre-LN block: `x + attn(ln_1(x))`, then `x + moe(ln_2(x))`."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         self.ln_1 = LayerNorm(config.d_model, config)
@@ -130,7 +130,7 @@ class MoEBlock(nnx.Module):
 
 
 class MoEGPT(nnx.Module):
-    """Token ids ``int32[B, T]`` -> logits ``float32[B, T, vocab]``; tied embedding."""
+    """Token ids `int32[B, T]` -> logits `float32[B, T, vocab]`; tied embedding."""
 
     def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -153,7 +153,7 @@ class MoEGPT(nnx.Module):
 
 
 def is_expert(path: str, _=None) -> bool:
-    """Whether the param at ``path`` (a ``jax.tree_util.keystr``) is an expert leaf.
+    """Whether the param at `path` (a `jax.tree_util.keystr`) is an expert leaf.
 
     Examples:
         >>> is_expert("['blocks'][0]['moe']['w_fc']"), is_expert("['blocks'][0]['moe']['router']")
@@ -163,7 +163,7 @@ def is_expert(path: str, _=None) -> bool:
 
 
 def place_experts(params, mesh, axis: str = "expert"):
-    """Puts expert leaves on ``mesh`` sharded over ``axis`` on their expert dim, the rest
+    """Puts expert leaves on `mesh` sharded over `axis` on their expert dim, the rest
     replicated: the placement jaxdp reads expert parallelism from.
 
     Examples:

@@ -36,7 +36,6 @@ Writes to `--out`: `bench.md` (the table, with the command that produced it),
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -98,7 +97,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
-import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")

@@ -36,16 +36,16 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxdp  # noqa: E402
-from jaxdp._src import aot  # noqa: E402
-from jaxdp import FSDPConfig  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+import jaxdp
+from jaxdp._src import aot
+from jaxdp import FSDPConfig
+from models.gpt import GPT, GPTConfig, gpt_loss
 
 STRATEGIES = ("no_shard", "optim", "optim_grads_params")
 LAYERS = (4, 8, 12, 16)

@@ -13,10 +13,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import jax  # noqa: E402
+import jax
 
-import jaxdp  # noqa: E402
-import mp_worker  # noqa: E402
+import jaxdp
+import mp_worker
 
 
 def main(directory: str) -> None:

@@ -163,7 +163,7 @@ def test_padding_rows_come_from_like(tmp_path):
   """Adagrad's accumulator starts at 0.1; a padding row of 0 would give 0/sqrt(0) = NaN."""
   tx = optax.adagrad(0.1, initial_accumulator_value=0.1)
   params = {"w": jnp.ones((5, 2))}
-  loss = lambda p, b: jnp.mean(b["x"] @ p["w"])  # noqa: E731
+  loss = lambda p, b: jnp.mean(b["x"] @ p["w"])
   batch = {"x": jnp.ones((8, 5))}
   state = jaxdp.init_state(params, tx, _mesh(2), _config("no_shard"))
   mgr = jaxdp.CheckpointManager(tmp_path)
@@ -309,7 +309,7 @@ def test_nothing_to_restore(tmp_path):
 def tiny():
   mesh, config = _mesh(8), _config("optim")
   params = {"w": jnp.arange(10.0).reshape(5, 2)}
-  loss = lambda p, b: jnp.mean(b["x"] @ p["w"])  # noqa: E731
+  loss = lambda p, b: jnp.mean(b["x"] @ p["w"])
   step = jaxdp.make_train_step(loss, optax.adam(0.1), mesh, config)
   return jaxdp.init_state(params, optax.adam(0.1), mesh, config), step, {"x": jnp.ones((8, 5))}
 

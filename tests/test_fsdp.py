@@ -375,7 +375,7 @@ def gpu_step(name, reshard=True):
 
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_prefetches_next_unit():
-  from jaxdp._src import inspect as jinspect  # noqa: PLC0415
+  from jaxdp._src import inspect as jinspect
   state, compiled = gpu_step("gpt")
   s = jinspect.schedule(compiled)
   block = 4 * unit_shard(state, "['blocks'][0]")  # f32 bytes of a block's shard
@@ -390,7 +390,7 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
 
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
-  from jaxdp._src import inspect as jinspect  # noqa: PLC0415
+  from jaxdp._src import inspect as jinspect
   state, compiled = gpu_step("gpt_scan")
   s = jinspect.schedule(compiled)
   shard = 4 * unit_shard(state, "['blocks']")  # f32 bytes; a reduce-scatter takes dp shards
@@ -413,8 +413,8 @@ def test_fsdp_memory_table_relations():
   """scripts/fsdp_memory.py on a small scanned GPT: FSDP < ZeRO-1 < DDP at every depth, and
   FSDP's peak grows per layer by less than one unit (its 1/dp share of the layer's state
   plus activations), DDP's by the layer's whole params + grads + Adam state."""
-  import importlib.util  # noqa: PLC0415
-  from pathlib import Path  # noqa: PLC0415
+  import importlib.util
+  from pathlib import Path
   path = Path(__file__).parents[1] / "scripts" / "fsdp_memory.py"
   spec = importlib.util.spec_from_file_location("fsdp_memory", path)
   script = importlib.util.module_from_spec(spec)

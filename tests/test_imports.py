@@ -84,7 +84,8 @@ def test_layers_import_only_downward():
       if module in level and name in level and level[module] >= level[name]:
         kind = "a peer" if level[module] == level[name] else "a higher layer"
         bad.append(f"{name}.py:{line} imports {module} ({kind})")
-  assert not bad, "imports that go sideways or up (a cycle waits there):\n" + "\n".join(bad)
+  assert not bad, ("imports that go sideways or up (a cycle waits there):\n"
+                   + "\n".join(dict.fromkeys(bad)))
 
 
 def test_no_import_cycle():

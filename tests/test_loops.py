@@ -51,8 +51,12 @@ def net_batch(n=32):
 
 def assert_trees_close(a, b, atol):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                               atol=atol, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32),
+      np.asarray(y, np.float32),
+      atol=atol,
+      err_msg=jax.tree_util.keystr(path),
+    )
 
 
 def reference(loss_fn, params, model_state, batch, tx, steps):
@@ -60,7 +64,8 @@ def reference(loss_fn, params, model_state, batch, tx, steps):
   opt_state, history = tx.init(params), []
   for _ in range(steps):
     (loss, (aux, model_state)), grads = jax.value_and_grad(
-        lambda p: loss_fn(p, batch, model_state=model_state), has_aux=True)(params)
+      lambda p: loss_fn(p, batch, model_state=model_state), has_aux=True
+    )(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     history.append((float(loss), float(aux["accuracy"])))
@@ -69,6 +74,7 @@ def reference(loss_fn, params, model_state, batch, tx, steps):
 
 # ----------------------------------------------------------------------------- aux + BN
 
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_aux_and_sync_batchnorm_equal_single_device(strategy):
   """has_aux metrics, and SyncBatchNorm's running statistics carried in the state, equal
@@ -76,8 +82,9 @@ def test_aux_and_sync_batchnorm_equal_single_device(strategy):
   tx, batch = optax.adam(1e-2), net_batch()
   params, loss_fn = jaxdp.nnx_split(Net(nnx.Rngs(0), sync=True), net_loss)
   plain = Net(nnx.Rngs(0))
-  ref_params, ref_ms, ref_hist = reference(jaxdp.nnx_split(plain, net_loss)[1], params,
-                                           jaxdp.nnx_model_state(plain), batch, tx, 3)
+  ref_params, ref_ms, ref_hist = reference(
+    jaxdp.nnx_split(plain, net_loss)[1], params, jaxdp.nnx_model_state(plain), batch, tx, 3
+  )
 
   mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   model = Net(nnx.Rngs(0), sync=True)
@@ -119,14 +126,13 @@ def test_unsynced_batchnorm_statistics_are_the_mean_over_shards():
 def test_model_state_leaves_kept_averaged_or_taken_from_the_first_shard(strategy):
   """What the step does with each kind of model-state leaf: the same on every device (a
   counter): kept; a float that differs: averaged; an integer that differs: shard 0's."""
+
   def loss_fn(p, b, *, model_state):
-    new = {"steps": model_state["steps"] + 1, "mean": jnp.mean(b["x"]),
-           "first": jnp.sum(b["i"])}
+    new = {"steps": model_state["steps"] + 1, "mean": jnp.mean(b["x"]), "first": jnp.sum(b["i"])}
     return jnp.mean((b["x"] * p["w"]) ** 2), new
 
   batch = {"x": jnp.arange(32.0).reshape(32, 1), "i": jnp.arange(32)}
-  ms = {"steps": jnp.zeros((), jnp.int32), "mean": jnp.zeros(()),
-        "first": jnp.zeros((), jnp.int32)}
+  ms = {"steps": jnp.zeros((), jnp.int32), "mean": jnp.zeros(()), "first": jnp.zeros((), jnp.int32)}
   mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   state = jaxdp.init_state({"w": jnp.ones((1,))}, optax.sgd(0.0), mesh, config, model_state=ms)
   step = jaxdp.make_train_step(loss_fn, optax.sgd(0.0), mesh, config)
@@ -137,8 +143,9 @@ def test_model_state_leaves_kept_averaged_or_taken_from_the_first_shard(strategy
   assert int(state.model_state["first"]) == 0 + 1 + 2 + 3  # shard 0 holds rows 0..3
   assert state.model_state["first"].dtype == jnp.int32
 
-  bad = jaxdp.make_train_step(lambda p, b, *, model_state: (jnp.sum(p["w"]), {}),
-                              optax.sgd(0.0), mesh, config)
+  bad = jaxdp.make_train_step(
+    lambda p, b, *, model_state: (jnp.sum(p["w"]), {}), optax.sgd(0.0), mesh, config
+  )
   with pytest.raises(ValueError, match="return the whole model state"):
     bad(state, batch)
 
@@ -147,16 +154,18 @@ def test_model_state_leaves_kept_averaged_or_taken_from_the_first_shard(strategy
 def test_aux_with_grad_accumulation(strategy):
   """With k micro-batches the aux is averaged over them too: the mean of equal-size
   micro-batch means is the mean over the whole batch."""
+
   def loss_fn(p, b):
     err = b["x"] @ p["w"] - b["y"]
-    return jnp.mean(err ** 2), {"mae": jnp.mean(jnp.abs(err)), "count": jnp.sum(err > 0)}
+    return jnp.mean(err**2), {"mae": jnp.mean(jnp.abs(err)), "count": jnp.sum(err > 0)}
 
   params = {"w": jnp.arange(15.0).reshape(5, 3) / 10}
   batch = {"x": jax.random.normal(jax.random.key(0), (32, 5)), "y": jnp.ones((32, 3))}
   mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh, config)
-  step = jaxdp.make_train_step(loss_fn, optax.sgd(0.1), mesh, config, has_aux=True,
-                               grad_accum_steps=2)
+  step = jaxdp.make_train_step(
+    loss_fn, optax.sgd(0.1), mesh, config, has_aux=True, grad_accum_steps=2
+  )
   _, metrics = step(state, batch)
   loss, aux = loss_fn(params, batch)
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
@@ -171,17 +180,20 @@ def test_has_aux_errors_name_the_fix():
   params = {"w": jnp.ones((2, 1))}
   batch = {"x": jnp.ones((8, 2))}
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh, config)
-  step = jaxdp.make_train_step(lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1), mesh,
-                               config, has_aux=True)
+  step = jaxdp.make_train_step(
+    lambda p, b: jnp.mean(b["x"] @ p["w"]), optax.sgd(0.1), mesh, config, has_aux=True
+  )
   with pytest.raises(TypeError, match=r"\(loss, aux\) with has_aux=True"):
     step(state, batch)
-  step = jaxdp.make_train_step(lambda p, b: (jnp.mean(b["x"] @ p["w"]), {}), optax.sgd(0.1),
-                               mesh, config)
+  step = jaxdp.make_train_step(
+    lambda p, b: (jnp.mean(b["x"] @ p["w"]), {}), optax.sgd(0.1), mesh, config
+  )
   with pytest.raises(TypeError, match="with has_aux=True return"):
     step(state, batch)
 
 
 # ----------------------------------------------------------------------------- dropout RNG
+
 
 def dropout_loss(model, batch):
   """The loss through dropout, and the dropout mask of this device's shard as aux."""
@@ -198,8 +210,9 @@ def dropout_run(strategy, steps, mesh=None, state=None, key=7):
   params, loss_fn = jaxdp.nnx_split(model, dropout_loss)
   tx = optax.adam(1e-2)
   if state is None:
-    state = jaxdp.init_state(params, tx, mesh, config, rng=jax.random.key(key),
-                             model_state=jaxdp.nnx_model_state(model))
+    state = jaxdp.init_state(
+      params, tx, mesh, config, rng=jax.random.key(key), model_state=jaxdp.nnx_model_state(model)
+    )
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config, has_aux=True)
   masks = []
   for _ in range(steps):
@@ -230,8 +243,10 @@ def test_resumed_run_draws_the_masks_of_the_uninterrupted_run(tmp_path):
     resumed, rest = dropout_run("optim", 2, state=mgr.restore(like))
   for a, b in zip(first + rest, masks):
     np.testing.assert_array_equal(a, b)
-  for a, b in zip(jax.tree.leaves((jaxdp.get_params(resumed), resumed.model_state)),
-                  jax.tree.leaves((jaxdp.get_params(state), state.model_state))):
+  for a, b in zip(
+    jax.tree.leaves((jaxdp.get_params(resumed), resumed.model_state)),
+    jax.tree.leaves((jaxdp.get_params(state), state.model_state)),
+  ):
     np.testing.assert_array_equal(a, b)
 
 
@@ -244,8 +259,10 @@ def test_model_state_and_key_restore_across_dp_and_strategy(tmp_path):
     like, _ = dropout_run("optim_grads_params", 0, mesh=mesh4, key=5)
     restored = mgr.restore(like)
     assert restored.model_state["bn"]["mean"].sharding.mesh.shape["data"] == 4
-    for a, b in zip(jax.tree.leaves((restored.model_state, restored.rng)),
-                    jax.tree.leaves((state.model_state, state.rng))):
+    for a, b in zip(
+      jax.tree.leaves((restored.model_state, restored.rng)),
+      jax.tree.leaves((state.model_state, state.rng)),
+    ):
       np.testing.assert_array_equal(a, b)
     no_key, _ = dropout_run("no_shard", 0)
     no_key = dataclasses.replace(no_key, rng=None)
@@ -260,12 +277,14 @@ def test_nnx_split_without_a_key_keeps_the_streams_frozen():
   _, (a, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
   _, (b, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
   np.testing.assert_array_equal(a["mask"], b["mask"])
-  _, (c, _) = loss_fn(params, net_batch(), rng=jax.random.key(1),
-                      model_state=jaxdp.nnx_model_state(model))
+  _, (c, _) = loss_fn(
+    params, net_batch(), rng=jax.random.key(1), model_state=jaxdp.nnx_model_state(model)
+  )
   assert not np.array_equal(a["mask"], c["mask"])
 
 
 # ----------------------------------------------------------------------------- Linen
+
 
 class LinenNet(nn.Module):
   sync: bool = False
@@ -273,18 +292,25 @@ class LinenNet(nn.Module):
   @nn.compact
   def __call__(self, x, train: bool):
     x = nn.Dense(16, use_bias=False)(x)
-    x = nn.BatchNorm(use_running_average=not train, momentum=0.5,
-                     axis_name="data" if self.sync else None)(x)
+    x = nn.BatchNorm(
+      use_running_average=not train, momentum=0.5, axis_name="data" if self.sync else None
+    )(x)
     x = nn.Dropout(0.5, deterministic=not train)(nn.relu(x))
     return nn.Dense(3)(x)
 
 
 def linen_loss(model):
   def loss_fn(params, batch, *, rng, model_state):
-    logits, updates = model.apply({"params": params, **model_state}, batch["x"], train=True,
-                                  mutable=["batch_stats"], rngs={"dropout": rng})
+    logits, updates = model.apply(
+      {"params": params, **model_state},
+      batch["x"],
+      train=True,
+      mutable=["batch_stats"],
+      rngs={"dropout": rng},
+    )
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return loss, updates
+
   return loss_fn
 
 
@@ -295,18 +321,29 @@ def test_linen_dropout_and_sync_batchnorm():
   variables = LinenNet().init(jax.random.key(0), net_batch()["x"], train=False)
   mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
   tx = optax.sgd(0.0)  # params stay: the statistics of one forward are compared
-  state = jaxdp.init_state(variables["params"], tx, mesh, config, rng=11,
-                           model_state={"batch_stats": variables["batch_stats"]})
+  state = jaxdp.init_state(
+    variables["params"],
+    tx,
+    mesh,
+    config,
+    rng=11,
+    model_state={"batch_stats": variables["batch_stats"]},
+  )
   step = jaxdp.make_train_step(linen_loss(LinenNet(sync=True)), tx, mesh, config)
   state, metrics = step(state, net_batch())
-  _, ref = linen_loss(LinenNet())(variables["params"], net_batch(), rng=jax.random.key(0),
-                                  model_state={"batch_stats": variables["batch_stats"]})
+  _, ref = linen_loss(LinenNet())(
+    variables["params"],
+    net_batch(),
+    rng=jax.random.key(0),
+    model_state={"batch_stats": variables["batch_stats"]},
+  )
   # BatchNorm precedes dropout: its statistics do not depend on the masks
   assert_trees_close(state.model_state, ref, 1e-6)
   assert np.isfinite(metrics["loss"])
 
 
 # ----------------------------------------------------------------------------- optax
+
 
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
@@ -315,8 +352,10 @@ def test_muon_on_explicit_and_auto_meshes(strategy, axis_type):
   its rows over an Explicit mesh that crashed at step 1 (ShardingTypeError)."""
   params = {"w": jax.random.normal(jax.random.key(0), (64, 64)) / 8, "b": jnp.zeros(64)}
   batch = {"x": jax.random.normal(jax.random.key(1), (16, 64)), "y": jnp.ones((16, 64))}
+
   def loss_fn(p, b):
     return jnp.mean((jnp.tanh(b["x"] @ p["w"] + p["b"]) - b["y"]) ** 2)
+
   tx = optax.contrib.muon(1e-2)
   ref, opt_state = params, tx.init(params)
   for _ in range(2):
@@ -333,13 +372,16 @@ def test_muon_on_explicit_and_auto_meshes(strategy, axis_type):
 
 # ----------------------------------------------------------------------------- views
 
+
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
 def test_schedule_free_eval_params_and_hyperparams_from_the_unpadded_view(strategy):
   """30 rows pad to 32 under dp=8: optax helpers read the state through `get_opt_state`."""
   params = {"w": jax.random.normal(jax.random.key(0), (30,)), "b": jnp.zeros(())}
   batch = {"x": jax.random.normal(jax.random.key(1), (16, 30))}
+
   def loss_fn(p, b):
     return jnp.mean((b["x"] @ p["w"] + p["b"] - 1.0) ** 2)
+
   tx = optax.inject_hyperparams(optax.contrib.schedule_free_adamw)(learning_rate=1e-2)
   ref, opt_state = params, tx.init(params)
   for _ in range(3):
@@ -354,21 +396,25 @@ def test_schedule_free_eval_params_and_hyperparams_from_the_unpadded_view(strate
   assert float(view.hyperparams["learning_rate"]) == pytest.approx(1e-2)
   assert view.inner_state.z["w"].shape == (30,)
   # 3 Adam-like steps on f32: the bound of the other equality tests
-  assert_trees_close(optax.contrib.schedule_free_eval_params(view.inner_state,
-                                                             jaxdp.get_params(state)),
-                     optax.contrib.schedule_free_eval_params(opt_state.inner_state, ref),
-                     ATOL)
+  assert_trees_close(
+    optax.contrib.schedule_free_eval_params(view.inner_state, jaxdp.get_params(state)),
+    optax.contrib.schedule_free_eval_params(opt_state.inner_state, ref),
+    ATOL,
+  )
 
 
 # ----------------------------------------------------------------------------- eval
 
+
 def eval_fns(model):
   """The eval-mode forward of `model` (running averages, no dropout): metrics and logits."""
   model.eval()
+
   def metrics(m, batch):
     logits = m(batch["x"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
     return {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["y"])}
+
   return jaxdp.nnx_split(model, metrics)[1], jaxdp.nnx_split(model, lambda m, b: m(b["x"]))[1]
 
 
@@ -389,8 +435,9 @@ def test_eval_step_equals_the_single_device_eval(strategy):
   # one forward of f32 (the per-shard means averaged: a sum order apart)
   np.testing.assert_allclose(logits, ref_logits, atol=1e-6)
   np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-6)
-  np.testing.assert_allclose(metrics["accuracy"],
-                             jnp.mean(jnp.argmax(ref_logits, -1) == batch["y"]), rtol=1e-6)
+  np.testing.assert_allclose(
+    metrics["accuracy"], jnp.mean(jnp.argmax(ref_logits, -1) == batch["y"]), rtol=1e-6
+  )
   assert not jax.tree.leaves((state.params, state.master))[0].is_deleted()  # not donated
 
 
@@ -400,8 +447,11 @@ def test_fsdp_eval_gathers_unit_by_unit():
   state, _ = dropout_run("optim_grads_params", 0)
   mesh = mesh8()
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
-  hlo = jaxdp.make_eval_step(eval_fns(Net(nnx.Rngs(0)))[0], mesh, config).lower(
-      state, net_batch()).as_text(dialect="hlo")
+  hlo = (
+    jaxdp.make_eval_step(eval_fns(Net(nnx.Rngs(0)))[0], mesh, config)
+    .lower(state, net_batch())
+    .as_text(dialect="hlo")
+  )
   sizes = sorted(int(n) for n in re.findall(r"= \w+\[(\d+)\]\{0\} all-gather\(", hlo))
   # l1: 6x16 kernel -> 96; bn: scale+bias 2x16 -> 32; l2: 16x3 kernel + 3 bias, rows
   # padded to a multiple of 8 (16 + 8) x 3 -> 72 (bucket sizes, padded to dp)
@@ -411,6 +461,7 @@ def test_fsdp_eval_gathers_unit_by_unit():
 
 
 # ----------------------------------------------------------------------------- the NNX loop
+
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 def test_nnx_loop_equals_nnx_optimizer_on_one_device(strategy):
@@ -440,7 +491,10 @@ def test_nnx_loop_equals_nnx_optimizer_on_one_device(strategy):
 
   np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=1e-5)
   np.testing.assert_allclose(metrics["aux"]["accuracy"], ref_aux["accuracy"], rtol=1e-5)
-  assert_trees_close(nnx.to_pure_dict(nnx.state(dp_model, nnx.Param)),
-                     nnx.to_pure_dict(nnx.state(model, nnx.Param)), ATOL)
+  assert_trees_close(
+    nnx.to_pure_dict(nnx.state(dp_model, nnx.Param)),
+    nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+    ATOL,
+  )
   assert_trees_close(jaxdp.nnx_model_state(dp_model), jaxdp.nnx_model_state(model), ATOL)
   assert int(dp_optimizer.step) == 3

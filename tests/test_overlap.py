@@ -3,7 +3,7 @@
 Overlap is read off the GPT train step compiled for 8 H100s without a GPU
 (`jaxdp.inspect.compile_train_step`; skipped without jax-cuda12-plugin). Each program is
 compiled once per session. Communication volume is read off the CPU compile of an MLP
-whose leading dims do not divide dp, against the formulas of DESIGN.md computed here from
+whose leading dims do not divide dp, against the formulas of docs/design.md computed here from
 the param count (never by the code under test): the program may move more than the
 formula only by the padding (rows padded to a multiple of dp, bucket ends to 128
 elements).
@@ -252,7 +252,7 @@ def test_bytes_per_step_match_the_ring_formula(strategy, dtype):
 @needs_gpu_compile
 def test_fsdp_bytes_per_step_are_one_and_a_half_ddp():
   # Read on the GPU target: XLA:CPU may CSE the backward re-gather (reshard_after_forward)
-  # with the forward one (DESIGN.md).
+  # with the forward one (docs/design.md).
   s, layout = gpu_step("optim_grads_params", True)
   params, _, _ = gpt()
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))

@@ -1,16 +1,15 @@
 """Compile for GPU without a GPU.
 
-With ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` installed (``pip install
-'jaxdp[aot]'``), :func:`gpu_mesh` builds a mesh of *compile-only* H100 devices
-from the target description shipped in ``jaxdp/_src/data`` and
-:func:`compile_for_gpu` compiles a program for it. No GPU is needed; the result
-cannot run, but its scheduled HLO (``as_text()``) and ``memory_analysis()`` are
-the GPU program's. This works with ``JAX_PLATFORMS=cpu``.
+With `jax-cuda12-plugin` and `jax-cuda12-pjrt` installed (`pip install 'jaxdp[aot]'`), `gpu_mesh`
+builds a mesh of *compile-only* H100 devices from the target description shipped in
+`jaxdp/_src/data` and `compile_for_gpu` compiles a program for it. No GPU is needed; the result
+cannot run, but its scheduled HLO (`as_text()`) and `memory_analysis()` are the GPU program's. This
+works with `JAX_PLATFORMS=cpu`.
 
 Facts checked with jax/jaxlib 0.10.2 (see tests/test_inspect.py):
 
-- Without the plugin, ``get_topology_desc(platform="cuda")`` raises
-  ``NotImplementedError('topology not implemented for cuda')``.
+- Without the plugin, `get_topology_desc(platform="cuda")` raises
+  `NotImplementedError('topology not implemented for cuda')`.
 """
 
 from __future__ import annotations
@@ -34,10 +33,10 @@ _TARGET_CONFIG_FILE = "h100_target_config.txtpb"
 
 
 def h100_target_config() -> str:
-  """The H100 target description jaxdp ships (a ``GpuTargetConfigProto`` text).
+  """The H100 target description jaxdp ships (a `GpuTargetConfigProto` text).
 
   Returns:
-    The text, as passed to ``get_topology_desc(target_config=...)``.
+    The text, as passed to `get_topology_desc(target_config=...)`.
 
   Examples:
     >>> "NVIDIA H100" in h100_target_config()
@@ -54,8 +53,8 @@ def gpu_compile_unavailable() -> str | None:
   """Why GPU programs cannot be compiled here, or None when they can.
 
   Returns:
-    None when :func:`gpu_topology` works; otherwise one line saying what is
-    missing and how to get it. Tests skip their GPU cases with this reason.
+    None when `gpu_topology` works; otherwise one line saying what is missing and how to get it.
+    Tests skip their GPU cases with this reason.
 
   Examples:
     >>> reason = gpu_compile_unavailable()
@@ -103,22 +102,19 @@ def _topology(num_hosts: int, per_host: int, target_config: str | None):
 def gpu_topology(
     num_devices: int = 8, *, num_hosts: int = 1, target_config: str | None = None
 ) -> tuple[jax.Device, ...]:
-  """Compile-only GPU devices (H100 unless ``target_config`` says otherwise).
+  """Compile-only GPU devices (H100 unless `target_config` says otherwise).
 
   Args:
     num_devices: total number of GPUs.
-    num_hosts: hosts they are spread over (topology ``1 x hosts x per host``).
-    target_config: a ``GpuTargetConfigProto`` text; default: the H100 one
-      (:func:`h100_target_config`).
+    num_hosts: hosts they are spread over (topology `1 x hosts x per host`).
+    target_config: a `GpuTargetConfigProto` text; default: the H100 one (`h100_target_config`).
 
   Returns:
-    ``num_devices`` devices that programs can be lowered and compiled for, but
-    not run on.
+    `num_devices` devices that programs can be lowered and compiled for, but not run on.
 
   Raises:
-    ValueError: if ``num_devices`` is not a positive multiple of ``num_hosts``.
-    RuntimeError: if GPU programs cannot be compiled here
-      (:func:`gpu_compile_unavailable` says why).
+    ValueError: if `num_devices` is not a positive multiple of `num_hosts`.
+    RuntimeError: if GPU programs cannot be compiled here (`gpu_compile_unavailable` says why).
 
   Examples:
     >>> devices = gpu_topology(8)
@@ -144,16 +140,16 @@ def gpu_mesh(
     num_hosts: int = 1,
     target_config: str | None = None,
 ) -> jax.sharding.Mesh:
-  """A mesh over compile-only GPU devices, like ``jax.make_mesh`` for a GPU.
+  """A mesh over compile-only GPU devices, like `jax.make_mesh` for a GPU.
 
   Args:
     axis_shapes: mesh shape; its product is the number of GPUs.
     axis_names: one name per axis.
     num_hosts: hosts the GPUs are spread over.
-    target_config: a ``GpuTargetConfigProto`` text; default: H100.
+    target_config: a `GpuTargetConfigProto` text; default: H100.
 
   Returns:
-    A ``jax.sharding.Mesh`` to build shardings and ``shard_map``s on.
+    A `jax.sharding.Mesh` to build shardings and `shard_map`s on.
 
   Raises:
     ValueError: if shapes and names differ in length.
@@ -181,20 +177,18 @@ def gpu_mesh(
 
 
 def abstract_like(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
-  """``ShapeDtypeStruct``s of ``tree``'s leaves, placed on ``mesh``.
+  """`ShapeDtypeStruct`s of `tree`'s leaves, placed on `mesh`.
 
-  Each leaf keeps its ``PartitionSpec`` when it has a ``NamedSharding`` (the
-  mesh axis names must exist on ``mesh``) and is replicated otherwise. Use it to
-  compile a step for a GPU mesh from arrays (or abstract values) built for a
-  CPU mesh with the same axis names.
+  Each leaf keeps its `PartitionSpec` when it has a `NamedSharding` (the mesh axis names must exist
+  on `mesh`) and is replicated otherwise. Use it to compile a step for a GPU mesh from arrays (or
+  abstract values) built for a CPU mesh with the same axis names.
 
   Args:
-    tree: a pytree of arrays or ``jax.ShapeDtypeStruct``s.
-    mesh: the target mesh, e.g. :func:`gpu_mesh`.
+    tree: a pytree of arrays or `jax.ShapeDtypeStruct`s.
+    mesh: the target mesh, e.g. `gpu_mesh`.
 
   Returns:
-    The same pytree of ``jax.ShapeDtypeStruct`` with ``NamedSharding``s on
-    ``mesh``.
+    The same pytree of `jax.ShapeDtypeStruct` with `NamedSharding`s on `mesh`.
 
   Examples:
     >>> import jax.numpy as jnp
@@ -233,26 +227,24 @@ def compile_for_gpu(
     compiler_options: dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> jax.stages.Compiled:
-  """Lowers and compiles ``fn(*args, **kwargs)`` for GPU with jaxdp's options.
+  """Lowers and compiles `fn(*args, **kwargs)` for GPU with jaxdp's options.
 
   Args:
-    fn: a function, a ``jax.jit``-wrapped one or a jaxdp train step (its own
-      ``compiler_options`` are kept; jaxdp's and then ``compiler_options`` are
-      merged on top).
-    *args: arguments; arrays or ``jax.ShapeDtypeStruct``s whose shardings are
-      on a GPU mesh (:func:`gpu_mesh`, :func:`abstract_like`).
-    compiler_options: extra or overriding XLA options, e.g. the default
-      combine thresholds back (``{"xla_gpu_all_reduce_combine_threshold_bytes":
-      30 * 2**20}``).
-    **kwargs: keyword arguments of ``fn``.
+    fn: a function, a `jax.jit`-wrapped one or a jaxdp train step (its own `compiler_options` are
+      kept; jaxdp's and then `compiler_options` are merged on top).
+    *args: arguments; arrays or `jax.ShapeDtypeStruct`s whose shardings are on a GPU mesh
+      (`gpu_mesh`, `abstract_like`).
+    compiler_options: extra or overriding XLA options, e.g. the default combine thresholds back
+      (`{"xla_gpu_all_reduce_combine_threshold_bytes": 30 * 2**20}`).
+    **kwargs: keyword arguments of `fn`.
 
   Returns:
-    The compiled GPU program: ``as_text()`` is its scheduled HLO,
-    ``memory_analysis()`` its per-device memory. It cannot be executed.
+    The compiled GPU program: `as_text()` is its scheduled HLO,
+    `memory_analysis()` its per-device memory. It cannot be executed.
 
   Raises:
-    ValueError: if the arguments or the compiled program live on non-GPU
-      devices (the program would have been compiled for that platform).
+    ValueError: if the arguments or the compiled program live on non-GPU devices (the program would
+      have been compiled for that platform).
 
   Examples:
     >>> import jax.numpy as jnp
@@ -304,33 +296,31 @@ def compile_train_step(
 ) -> jax.stages.Compiled:
   """Compiles jaxdp's train step for a mesh without building its state.
 
-  The state's shapes and shardings come from ``jax.eval_shape`` of
-  ``jaxdp.init_state`` (nothing is allocated), so a step can be compiled for
-  ``dp`` H100s on a machine without a GPU, or for a CPU mesh, from the params
-  alone. Read the result with :func:`jaxdp.inspect.report` /
-  :func:`~jaxdp.inspect.schedule` / :func:`~jaxdp.inspect.memory_stats`.
+  The state's shapes and shardings come from `jax.eval_shape` of `jaxdp.init_state` (nothing is
+  allocated), so a step can be compiled for `dp` H100s on a machine without a GPU, or for a CPU
+  mesh, from the params alone. Read the result with `jaxdp.inspect.report` /
+  `jaxdp.inspect.schedule` / `jaxdp.inspect.memory_stats`.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, as for ``make_train_step``.
+    loss_fn: `loss_fn(params, batch) -> scalar`, as for `make_train_step`.
     tx: the optax transformation.
-    config: the ``jaxdp.DDPConfig``.
-    params: the model params (arrays or ``jax.ShapeDtypeStruct``s).
-    batch: one global batch (arrays or ``jax.ShapeDtypeStruct``s); its leading
-      dim is split over the data axes.
-    mesh: the mesh to compile for; None: :func:`gpu_mesh` of ``dp`` H100s with
-      one ``"data"`` axis.
-    dp: number of GPUs when ``mesh`` is None.
-    frozen: as in ``jaxdp.init_state``.
-    fsdp: the ``FSDPConfig`` of ``optim_grads_params`` (None: the default).
-    grad_accum_steps: as in ``jaxdp.make_train_step``.
+    config: the `jaxdp.DDPConfig`.
+    params: the model params (arrays or `jax.ShapeDtypeStruct`s).
+    batch: one global batch (arrays or `jax.ShapeDtypeStruct`s); its leading dim is split over the
+      data axes.
+    mesh: the mesh to compile for; None: `gpu_mesh` of `dp` H100s with one `"data"` axis.
+    dp: number of GPUs when `mesh` is None.
+    frozen: as in `jaxdp.init_state`.
+    fsdp: the `FSDPConfig` of `optim_grads_params` (None: the default).
+    grad_accum_steps: as in `jaxdp.make_train_step`.
     compiler_options: extra or overriding XLA options.
 
   Returns:
     The compiled train step (for a compile-only GPU mesh it cannot run).
 
   Raises:
-    RuntimeError: ``mesh`` is None and GPU programs cannot be compiled here
-      (:func:`gpu_compile_unavailable` says why).
+    RuntimeError: `mesh` is None and GPU programs cannot be compiled here (`gpu_compile_unavailable`
+      says why).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp

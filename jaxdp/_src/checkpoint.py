@@ -43,6 +43,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxdp._src import __version__
 from jaxdp._src.layout import master_dtype, sharded_shape
 from jaxdp._src.mesh import constrain
 from jaxdp._src.state import TrainState, leaves_of, match_opt_leaf
@@ -304,7 +305,6 @@ class CheckpointManager:
     step = int(step)
     if not force and not self._mgr.should_save(step):
       return False
-    from jaxdp import __version__
     meta = {
         "format": FORMAT,
         "jaxdp_version": __version__,

@@ -1,4 +1,5 @@
-"""The train step: forward, backward with bucket reductions, optimizer update.
+"""The bucketed step (`no_shard`, `optim`, `optim_grads`): forward, backward with bucket
+reductions, optimizer update.
 
 One step (Megatron's DDP + DistributedOptimizer timeline):
 
@@ -15,6 +16,9 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
    masks are exact).
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
+
+Step 1 is a sequence of named phases (`start_param_sync`, `register_grad_ready_hooks`,
+`forward_backward`, `grad_metrics`, `finish_grad_sync`), composed by `local_grads`.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
 
   placed = [NamedSharding(mesh, pspec(dims)) for dims in model_specs]
   params = tree_of(layout, [jax.device_put(x, s, may_alias=False)
-                          for x, s in zip(jax.tree.leaves(params), placed)])
+                            for x, s in zip(jax.tree.leaves(params), placed)])
   specs = state_specs(jax.eval_shape(build, params))
 
   def build_placed(params):
@@ -144,6 +148,200 @@ def get_params(state: TrainState) -> PyTree:
   return tree_of(layout, leaves)
 
 
+# ----------------------------------------------------------------------------- step phases
+#
+# What one device does inside the step's `shard_map`, in order, each phase a function (the
+# names follow Megatron's DDP and DistributedOptimizer):
+#
+#   start_param_sync        optim* with overlap_param_gather: all-gather the params from
+#                           their master rows; every trainable param made varying
+#   register_grad_ready_hooks   one hook and one sink per bucket
+#   forward_backward        the micro-batches: local accumulation (`no_sync`) or a
+#                           reduction per micro-batch (optim_grads), the hooks reducing
+#                           each bucket as its grads complete (`start_grad_sync`)
+#   finish_grad_sync        the reduced buckets back into per-param grads
+#   grad_metrics            the global mean loss and grad norm, in one small collective
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What `make_train_step` fixes for every step: the strategy's choices and the mesh."""
+
+  axes: tuple[str, ...]
+  """The data axes the step runs manual over (`DATA` last)."""
+  axis_sizes: tuple[tuple[str, int], ...]
+  dp: int
+  sharded: bool
+  """optim, optim_grads: grads reduce-scattered, master rows sharded."""
+  scatter_each_microbatch: bool
+  """optim_grads: every micro-batch is reduce-scattered (no local accumulation)."""
+  gather_in_step: bool
+  """optim* with overlap_param_gather: the params are gathered at the start of the step."""
+  grad_accum_steps: int
+  average: bool
+  has_aux: bool = False
+  """`loss_fn` returns `(loss, aux)` (see `loop`)."""
+
+  def reduce_axes(self, buf) -> tuple[str, ...]:
+    """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
+    return tuple(a for a in self.axes if not (buf.expert and a == EXPERT))
+
+
+def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> list[Any]:
+  """The params the forward sees (tree order): gathered from the master rows when the step
+  gathers them, each trainable one varying over the data axes it is not itself sharded
+  over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
+  full = leaves_of(params)
+  if plan.gather_in_step:
+    full = collectives.all_gather_params(leaves_of(master), layout, full)
+  return [collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
+          for i, (t, x) in enumerate(zip(layout.trainable, full))]
+
+
+def register_grad_ready_hooks(layout: Layout, plan: _Plan):
+  """`(buckets, hooks, sinks)`: per bucket, its grad-ready hook and the zero sink whose
+  cotangent receives its reduced grads."""
+  buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
+  hooks = [collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, dp=plan.dp,
+                                       scatter=plan.sharded, axes=plan.reduce_axes(buf),
+                                       average=plan.average)
+           for buf, b in buckets]
+  sinks = [collectives.sink_for(b, buf.grad_dtype, plan.sharded,
+                                [a for a in plan.axes if a not in plan.reduce_axes(buf)])
+           for buf, b in buckets]
+  return buckets, hooks, sinks
+
+
+def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, plan: _Plan,
+                     buckets, hooks, sinks, key=None, model_state=None):
+  """`(local loss, reduced buckets, aux, model state)` of the step's micro-batches.
+
+  Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
+  accumulated grads sum to the grad of the mean loss over the k× batch. `optim_grads`
+  reduces every micro-batch through the hooks and sums the shards; the others accumulate
+  the local grads of the first k-1 (`no_sync`) and carry them into the hooks with the last.
+  `loss_fn` is called through `loop.call_loss`: micro-batch `j` gets `fold_in(key, j)` and
+  the model state the one before it left (synced over the data axes); the aux is the mean
+  over the micro-batches (None without `has_aux`).
+  """
+  k = plan.grad_accum_steps
+  sync = lambda ms: collectives.sync_model_state(ms, plan.axes)
+
+  def scaled_loss(leaves, mb, j, ms):
+    loss, extra = loop.call_loss(loss_fn, plan.has_aux, tree_of(layout, leaves), mb,
+                                 loop.micro_key(key, j), ms)
+    return loss / k, extra
+
+  def hooked_loss(sinks, accs, mb, j, ms):
+    """The loss with every bucket's params passed through its hook: its grad w.r.t. the
+    sinks is the reduced buckets (plus `accs`)."""
+    leaves = list(full)
+    for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
+      out = hook([leaves[p.index] for p in b.params], sink, acc)
+      for p, x in zip(b.params, out):
+        leaves[p.index] = x
+    return scaled_loss(leaves, mb, j, ms)
+
+  def local_accum(mb, j, ms):
+    """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
+    def loss_of_trainable(tleaves):
+      leaves = list(full)
+      for p, x in zip(layout.params, tleaves):
+        leaves[p.index] = x
+      return scaled_loss(leaves, mb, j, ms)
+    (loss, extra), g = jax.value_and_grad(loss_of_trainable, has_aux=True)(
+        [full[p.index] for p in layout.params])
+    g = dict(zip((p.index for p in layout.params), g))
+    return loss, extra, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp,
+                                      buf.grad_dtype) for buf, b in buckets]
+
+  micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+  zeros = [jnp.zeros_like(s) for s in sinks]
+  acc_zero = [jnp.zeros((b.shard_size * layout.dp,), buf.grad_dtype) for buf, b in buckets]
+  acc_zero = [collectives.make_varying(a, plan.axes) for a in acc_zero]
+  last = jax.tree.map(lambda x: x[-1], micro)
+  loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), plan.axes)  # a scan carry
+  if plan.scatter_each_microbatch:
+    def body(carry, xs):
+      loss_sum, red_sum, ms = carry
+      mb, j = xs
+      (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
+          sinks, acc_zero, mb, j, ms)
+      return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)], sync(ms)), aux
+    init = (loss_zero, zeros, model_state)
+    if k > 1:  # the aux of every micro-batch, stacked
+      (loss, reduced, model_state), auxs = jax.lax.scan(body, init, (micro, jnp.arange(k)))
+      return loss, reduced, loop.mean_micro(auxs, None, k), model_state
+    (loss, reduced, model_state), aux = body(init, (last, 0))
+    return loss, reduced, loop.mean_micro(None, aux, 1), model_state
+  loss, accs, first_aux = loss_zero, acc_zero, None
+  if k > 1:
+    def body(carry, xs):
+      loss_sum, acc, ms = carry
+      mb, j = xs
+      mb_loss, (aux, ms), g = local_accum(mb, j, ms)
+      return (loss_sum + mb_loss, [a + x for a, x in zip(acc, g)], sync(ms)), aux
+    first = jax.tree.map(lambda x: x[:-1], micro)
+    (loss, accs, model_state), first_aux = jax.lax.scan(
+        body, (loss, accs, model_state), (first, jnp.arange(k - 1)))
+  (mb_loss, (aux, model_state)), reduced = jax.value_and_grad(hooked_loss, has_aux=True)(
+      sinks, accs, last, k - 1, model_state)
+  return loss + mb_loss, reduced, loop.mean_micro(first_aux, aux, k), sync(model_state)
+
+
+def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
+  """The reduced buckets as a grad tree: whole grads (`no_shard`), or this device's rows of
+  each (the sharded strategies); None for leaves that are not trained."""
+  grads: list[Any] = [None] * len(layout.trainable)
+  for (_, b), red in zip(buckets, reduced):
+    parts = shard_unravel(red, b, layout.dp) if plan.sharded else \
+        bucket_unravel(red, b, layout.dp)
+    for p, g in zip(b.params, parts):
+      grads[p.index] = g
+  return tree_of(layout, grads)
+
+
+def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
+  """`(loss, grad_norm)`: the global mean loss and the global norm of the reduced grads.
+
+  The norm² of the reduced buckets (zero padding) rides in the loss's psum, each bucket's
+  divided by the number of devices that hold the same copy of it (those it was psum'd
+  over). DDP with dense buckets only: every device holds the whole reduced buckets already.
+  """
+  sizes = dict(plan.axis_sizes)
+
+  def copies(buf):
+    return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (
+        layout.dp if plan.sharded else 1)
+  sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
+           for (buf, _), r in zip(buckets, reduced))
+  if plan.sharded or any(buf.expert for buf in layout.buffers):
+    loss, sq = collectives.sum_over(jnp.stack([loss, sq]), plan.axes)
+    loss = loss / plan.dp
+  else:
+    loss, sq = collectives.mean_over(loss, plan.axes), sq * plan.dp
+  return loss, jnp.sqrt(sq)
+
+
+def local_grads(loss_fn: LossFn, plan: _Plan, params, master, batch, key, model_state,
+                layout: Layout, own_axes):
+  """Per device, inside the step's `shard_map`: the reduced grad of every trainable param
+  (`finish_grad_sync`), the global mean loss and the global grad norm, the aux averaged
+  over the data axes and the new model state (see `loop`).
+
+  `key`: the step's key data (None without one), folded here with this device's shard.
+  `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
+  """
+  key = loop.device_key(key, collectives.data_index(plan.axes))
+  full = start_param_sync(params, master, layout, plan, own_axes)
+  buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
+  loss, reduced, aux, model_state = forward_backward(
+      loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state)
+  loss, grad_norm = grad_metrics(loss, reduced, layout, plan, buckets)
+  return (finish_grad_sync(reduced, layout, plan, buckets), loss, grad_norm,
+          collectives.average_aux(aux, plan.axes), model_state)
+
+
 # ----------------------------------------------------------------------------- step
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
@@ -153,129 +351,14 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
   checks (see the module docstring)."""
   axes = data_axes(mesh)
   dp = dp_size(mesh)
-  strategy = config.data_parallel_sharding_strategy
   sharded = _sharded(config)
-  scatter_each_microbatch = strategy in ("optim_grads", "optim_grads_params")
-  gather_in_step = sharded and config.overlap_param_gather
+  plan = _Plan(
+      axes=axes, axis_sizes=tuple(mesh.shape.items()), dp=dp, sharded=sharded,
+      scatter_each_microbatch=config.data_parallel_sharding_strategy == "optim_grads",
+      gather_in_step=sharded and config.overlap_param_gather,
+      grad_accum_steps=grad_accum_steps, average=config.average_in_collective,
+      has_aux=has_aux)
   batch_spec = P(axes)
-
-  def reduce_axes(buf) -> tuple[str, ...]:
-    """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
-    return tuple(a for a in axes if not (buf.expert and a == EXPERT))
-
-  def local_grads(params, master, batch, key, model_state, layout: Layout, own_axes):
-    """Per device: the reduced grad of every trainable param, the local mean loss, the aux
-    and the new model state (see `loop`).
-
-    `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
-    """
-    key = loop.device_key(key, collectives.data_index(axes))
-    trainable = layout.trainable
-    full = leaves_of(params)
-    if gather_in_step:
-      full = collectives.all_gather_params(leaves_of(master), layout, full)
-    full = [collectives.make_varying(x, [a for a in axes if a not in own_axes[i]]) if t else x
-            for i, (t, x) in enumerate(zip(trainable, full))]
-
-    buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
-    hooks = [collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, dp=dp, scatter=sharded,
-                                         axes=reduce_axes(buf),
-                                         average=config.average_in_collective)
-             for buf, b in buckets]
-    sinks = [collectives.sink_for(b, buf.grad_dtype, sharded,
-                                  [a for a in axes if a not in reduce_axes(buf)])
-             for buf, b in buckets]
-
-    def scaled_loss(leaves, mb, j, ms):
-      # Each micro-batch's loss is divided by k (Megatron's schedule does the same), so
-      # the k accumulated grads sum to the grad of the mean loss over the k× batch.
-      loss, extra = loop.call_loss(loss_fn, has_aux, tree_of(layout, leaves), mb,
-                                   loop.micro_key(key, j), ms)
-      return loss / grad_accum_steps, extra
-
-    def hooked_loss(sinks, accs, mb, j, ms):
-      leaves = list(full)
-      for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
-        out = hook([leaves[p.index] for p in b.params], sink, acc)
-        for p, x in zip(b.params, out):
-          leaves[p.index] = x
-      return scaled_loss(leaves, mb, j, ms)
-
-    def local_accum(mb, j, ms):
-      """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
-      def loss_of_trainable(tleaves):
-        leaves = list(full)
-        for p, x in zip(layout.params, tleaves):
-          leaves[p.index] = x
-        return scaled_loss(leaves, mb, j, ms)
-      (loss, extra), g = jax.value_and_grad(loss_of_trainable, has_aux=True)(
-          [full[p.index] for p in layout.params])
-      g = dict(zip((p.index for p in layout.params), g))
-      return loss, extra, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp,
-                                        buf.grad_dtype) for buf, b in buckets]
-
-    k = grad_accum_steps
-    micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-    zeros = [jnp.zeros_like(s) for s in sinks]
-    acc_zero = [jnp.zeros((b.shard_size * layout.dp,), buf.grad_dtype) for buf, b in buckets]
-    acc_zero = [collectives.make_varying(a, axes) for a in acc_zero]
-    last = jax.tree.map(lambda x: x[-1], micro)
-    loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), axes)  # a scan carry
-    sync = lambda ms: collectives.sync_model_state(ms, axes)  # noqa: E731
-    # The aux of the micro-batches: of the first k-1 (scan outputs) and of the last one.
-    first_aux = None
-    if scatter_each_microbatch:
-      def body(carry, xs):
-        loss_sum, red_sum, ms = carry
-        mb, j = xs
-        (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
-            sinks, acc_zero, mb, j, ms)
-        return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)], sync(ms)), aux
-      init = (loss_zero, zeros, model_state)
-      if k > 1:  # last_aux None: first_aux holds every micro-batch's
-        (loss, reduced, model_state), first_aux = jax.lax.scan(body, init,
-                                                               (micro, jnp.arange(k)))
-        last_aux = None
-      else:
-        (loss, reduced, model_state), last_aux = body(init, (last, 0))
-    else:
-      loss, accs = loss_zero, acc_zero
-      if k > 1:
-        def body(carry, xs):
-          loss_sum, acc, ms = carry
-          mb, j = xs
-          l, (aux, ms), g = local_accum(mb, j, ms)
-          return (loss_sum + l, [a + x for a, x in zip(acc, g)], sync(ms)), aux
-        first = jax.tree.map(lambda x: x[:-1], micro)
-        (loss, accs, model_state), first_aux = jax.lax.scan(
-            body, (loss, accs, model_state), (first, jnp.arange(k - 1)))
-      (l, (last_aux, model_state)), reduced = jax.value_and_grad(hooked_loss, has_aux=True)(
-          sinks, accs, last, k - 1, model_state)
-      model_state = sync(model_state)
-      loss = loss + l
-    aux = collectives.average_aux(loop.mean_micro(first_aux, last_aux, k), axes)
-    # The metrics: global mean loss and grad norm. The norm² of the reduced buckets (zero
-    # padding) rides in the loss's psum, each bucket's divided by the number of devices
-    # that hold the same copy of it (those it was psum'd over). DDP with dense buckets
-    # only: every device holds the whole reduced buckets already.
-    def copies(buf):
-      return math.prod(mesh.shape[a] for a in reduce_axes(buf)) // (
-          layout.dp if sharded else 1)
-    sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
-             for (buf, _), r in zip(buckets, reduced))
-    if sharded or any(buf.expert for buf in layout.buffers):
-      loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
-      loss = loss / dp
-    else:
-      loss, sq = collectives.mean_over(loss, axes), sq * dp
-    grad_norm = jnp.sqrt(sq)
-
-    grads: list[Any] = [None] * len(trainable)
-    for (_, b), red in zip(buckets, reduced):
-      parts = shard_unravel(red, b, layout.dp) if sharded else bucket_unravel(red, b, layout.dp)
-      for p, g in zip(b.params, parts):
-        grads[p.index] = g
-    return tree_of(layout, grads), loss, grad_norm, aux, model_state
 
   def step(state: TrainState, batch):
     layout = state.layout
@@ -291,7 +374,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     own = tuple(own_axes(d, axes) for d in model_dims)
     extras = extra_specs(state)
     grads, loss, grad_norm, aux, model_state = jax.shard_map(
-        functools.partial(local_grads, layout=layout, own_axes=own), mesh=mesh,
+        functools.partial(local_grads, loss_fn, plan, layout=layout, own_axes=own), mesh=mesh,
         in_specs=(tree_of(layout, manual(param_dims)), tree_of(layout, manual(master_dims)),
                   batch_spec, extras["rng"], extras["model_state"]),
         out_specs=(tree_of(layout, grad_specs), P(), P(), P(), extras["model_state"]),
@@ -319,5 +402,3 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                               grads, aux if has_aux else None)
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
-
-

@@ -9,9 +9,9 @@ step takes as is.
 Where the cluster description comes from, first match wins, field by field:
 
 1. the arguments of `initialize`;
-2. the environment: `JAXDP_COORDINATOR` (``host:port`` of process 0),
+2. the environment: `JAXDP_COORDINATOR` (`host:port` of process 0),
    `JAXDP_NUM_PROCESSES`, `JAXDP_PROCESS_ID`, `JAXDP_LOCAL_DEVICES` (CPU devices per
-   process), as set by ``python -m jaxdp.launch``;
+   process), as set by `python -m jaxdp.launch`;
 3. what JAX detects itself (SLURM, Open MPI, Kubernetes, Cloud TPU, `JAX_COORDINATOR_ADDRESS`).
 
 With none of these, the process runs alone and `initialize` does not touch
@@ -37,11 +37,11 @@ PyTree = Any
 logger = logging.getLogger("jaxdp")
 
 ENV_COORDINATOR = "JAXDP_COORDINATOR"
-"""``host:port`` of the coordinator (process 0)."""
+"""`host:port` of the coordinator (process 0)."""
 ENV_NUM_PROCESSES = "JAXDP_NUM_PROCESSES"
 """Number of processes in the job."""
 ENV_PROCESS_ID = "JAXDP_PROCESS_ID"
-"""Index of this process, in ``[0, num_processes)``."""
+"""Index of this process, in `[0, num_processes)`."""
 ENV_LOCAL_DEVICES = "JAXDP_LOCAL_DEVICES"
 """Number of CPU devices this process exposes (`jax_num_cpu_devices`)."""
 
@@ -58,7 +58,7 @@ def _env_int(name: str) -> int | None:
 
 def _backends_started() -> bool:
   # jax.distributed.initialize and jax_num_cpu_devices must both come before the backend.
-  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # noqa: PLC0415 - JAX internals, only where needed
 
   return xla_bridge.backends_are_initialized()
 
@@ -68,9 +68,9 @@ def _detected_cluster() -> str | None:
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return "JAX_COORDINATOR_ADDRESS"
   try:
-    from jax._src import clusters  # pylint: disable=g-import-not-at-top
+    from jax._src import clusters  # noqa: PLC0415 - JAX internals that may move
 
-    cluster_types = clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+    cluster_types = clusters.ClusterEnv._cluster_types
   except (ImportError, AttributeError):  # JAX moved it: fall back to the common ones.
     if "OMPI_MCA_orte_hnp_uri" in os.environ:
       return "OmpiCluster"
@@ -117,29 +117,29 @@ def initialize(
 
   Each of the three cluster fields comes from the argument, else from the environment
   (`JAXDP_COORDINATOR`, `JAXDP_NUM_PROCESSES`, `JAXDP_PROCESS_ID`, as set by
-  ``python -m jaxdp.launch``), else from JAX's own detection (SLURM, Open MPI, ...,
+  `python -m jaxdp.launch`), else from JAX's own detection (SLURM, Open MPI, ...,
   `JAX_COORDINATOR_ADDRESS`). With none of them, or with one process, the process runs
   alone and `jax.distributed` is not started. Multi-process CPU runs use gloo collectives.
-  Once connected, it logs (logger ``"jaxdp"``, INFO) the process index and count and the
+  Once connected, it logs (logger `"jaxdp"`, INFO) the process index and count and the
   local and global device counts.
 
   Args:
-    coordinator_address: ``host:port`` of process 0's coordination service.
+    coordinator_address: `host:port` of process 0's coordination service.
     num_processes: number of processes in the job.
-    process_id: index of this process, ``0 <= process_id < num_processes``.
+    process_id: index of this process, `0 <= process_id < num_processes`.
     local_device_count: CPU devices this process exposes (`jax_num_cpu_devices`), else
       `JAXDP_LOCAL_DEVICES`, else JAX's default. Has no effect on GPU or TPU devices; pick
-      those with ``local_device_ids`` or ``CUDA_VISIBLE_DEVICES``.
+      those with `local_device_ids` or `CUDA_VISIBLE_DEVICES`.
     fail_fast: in a multi-process job, an uncaught exception prints its traceback and
       ends this process at once (exit code 1; 130 for KeyboardInterrupt). Otherwise the
       process would wait at `jax.distributed`'s shutdown barrier (up to
-      ``shutdown_timeout_seconds``, 300 s by default) for processes that may be blocked
+      `shutdown_timeout_seconds`, 300 s by default) for processes that may be blocked
       in a collective waiting for it: the whole job hangs instead of failing. The
-      launcher or the cluster scheduler then stops the others. (``sys.exit(code)`` still
+      launcher or the cluster scheduler then stops the others. (`sys.exit(code)` still
       goes through the barrier.)
-    **kwargs: passed on to `jax.distributed.initialize` (``local_device_ids``,
-      ``initialization_timeout``, ``heartbeat_timeout_seconds``,
-      ``cluster_detection_method``, ...).
+    **kwargs: passed on to `jax.distributed.initialize` (`local_device_ids`,
+      `initialization_timeout`, `heartbeat_timeout_seconds`,
+      `cluster_detection_method`, ...).
 
   Raises:
     ValueError: a malformed environment variable, or part of the cluster description
@@ -237,7 +237,7 @@ def _exit_on_uncaught_exception() -> None:
       sys.stdout.flush()
       sys.stderr.flush()
     finally:
-      os._exit(code)  # pylint: disable=protected-access
+      os._exit(code)
 
   sys.excepthook = hook
   _fail_fast_installed = True
@@ -264,8 +264,8 @@ def _local_extent(mesh: Mesh, axes: str | tuple[str, ...]) -> int:
 def host_local_batch_to_global(batch: PyTree, mesh: Mesh, spec: PyTree = P(DATA)) -> PyTree:
   """Builds global arrays from the slice of the global batch this process holds.
 
-  Process ``i`` of ``n`` holds rows ``[i * b, (i + 1) * b)`` of a global batch of
-  ``n * b`` rows (for a mesh whose devices are ordered by process, as `jax.make_mesh`
+  Process `i` of `n` holds rows `[i * b, (i + 1) * b)` of a global batch of
+  `n * b` rows (for a mesh whose devices are ordered by process, as `jax.make_mesh`
   orders them); the result is that global batch, sharded by `spec`, ready for a jitted
   train step. With one process the local batch is the global batch. A thin,
   checked wrapper of `jax.experimental.multihost_utils.host_local_array_to_global_array`.

@@ -219,7 +219,7 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
         with jax.default_device(cpu), jax.enable_x64(x64):
           results = _probe(tx, layout, shrink, x64)
         break
-      except Exception as e:  # pylint: disable=broad-except
+      except Exception as e:  # noqa: BLE001 - any failure: try the next probe, else report it
         error = e
     if results is not None:
       break

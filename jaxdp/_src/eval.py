@@ -17,8 +17,7 @@ from jaxdp._src.state import TrainState, extra_specs, leaf_specs, leaves_of, tre
 PyTree = Any
 
 
-def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
-                   per_example: bool = False):
+def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_example: bool = False):
   """Builds `eval_step(state, batch) -> outputs`: `fn` on the state's params, jitted, on a
   batch split over the data axes like the train step's. No grads, no update, no donation.
 
@@ -62,9 +61,11 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
   checks.check_mesh(mesh, config)
   fsdp_branch = config.data_parallel_sharding_strategy == "optim_grads_params"
   if fsdp is not None and not fsdp_branch:
-    raise ValueError(f"fsdp={fsdp} is for data_parallel_sharding_strategy="
-                     "'optim_grads_params'; leave it out for "
-                     f"{config.data_parallel_sharding_strategy!r}")
+    raise ValueError(
+      f"fsdp={fsdp} is for data_parallel_sharding_strategy="
+      "'optim_grads_params'; leave it out for "
+      f"{config.data_parallel_sharding_strategy!r}"
+    )
   fsdp = fsdp or FSDPConfig()
   axes = data_axes(mesh)
   batch_spec = P(axes)
@@ -75,9 +76,11 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
       return fn(tree, batch)
     out = fn(tree, batch, model_state=model_state)
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError("eval fn must return (outputs, new_model_state) when the state holds "
-                      "model_state (the train step's convention); it returned "
-                      f"{type(out).__name__}")
+      raise TypeError(
+        "eval fn must return (outputs, new_model_state) when the state holds "
+        "model_state (the train step's convention); it returned "
+        f"{type(out).__name__}"
+      )
     return out[0]
 
   def finish(out):
@@ -86,9 +89,16 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
   def local(params, master, batch, model_state, layout):
     if fsdp_branch:
       tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
-      return finish(fsdp_lib.call_with_units(
-          lambda tree: call(tree, batch, model_state), layout, leaves_of(params), tmaster,
-          fsdp_lib.unit_hooks(layout, mesh, config), fsdp))
+      return finish(
+        fsdp_lib.call_with_units(
+          lambda tree: call(tree, batch, model_state),
+          layout,
+          leaves_of(params),
+          tmaster,
+          fsdp_lib.unit_hooks(layout, mesh, config),
+          fsdp,
+        )
+      )
     full = leaves_of(params)
     if gather_in_step:
       full = collectives.all_gather_params(leaves_of(master), layout, full)
@@ -96,8 +106,9 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
 
   def step(state, batch):
     if not isinstance(state, TrainState):
-      raise TypeError(f"eval_step expects the TrainState from jaxdp.init_state, got "
-                      f"{type(state).__name__}")
+      raise TypeError(
+        f"eval_step expects the TrainState from jaxdp.init_state, got {type(state).__name__}"
+      )
     checks.check_batch(batch, dp_size(mesh))
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     if fsdp_branch:
@@ -105,13 +116,16 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None,
       param_specs, master_specs = specs.params, specs.master
     else:
       param_dims, master_dims = leaf_specs(state)
-      manual = lambda dims: tree_of(state.layout, [  # noqa: E731
-          None if d is None else manual_spec(d, axes) for d in dims])
+      manual = lambda dims: tree_of(
+        state.layout, [None if d is None else manual_spec(d, axes) for d in dims]
+      )
       param_specs, master_specs = manual(param_dims), manual(master_dims)
     return jax.shard_map(
-        functools.partial(local, layout=state.layout), mesh=mesh,
-        in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
-        out_specs=batch_spec if per_example else P(), axis_names=set(axes))(
-            state.params, state.master, batch, state.model_state)
+      functools.partial(local, layout=state.layout),
+      mesh=mesh,
+      in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
+      out_specs=batch_spec if per_example else P(),
+      axis_names=set(axes),
+    )(state.params, state.master, batch, state.model_state)
 
   return jax.jit(step, compiler_options=compiler_options(mesh.devices.flat[0].platform))

@@ -239,7 +239,7 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     if fsdp.reshard_after_forward:
       loss_of = jax.checkpoint(loss_of, policy=reshard_policy)
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    sync = lambda ms: collectives.sync_model_state(ms, axes)  # noqa: E731
+    sync = lambda ms: collectives.sync_model_state(ms, axes)
     tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
     if k == 1:
       (loss, (aux, model_state)), grads = grad_fn(tmaster, batch, 0, model_state)

@@ -1,36 +1,32 @@
 """What a compiled program communicates, when, and what it overlaps.
 
-jaxdp claims that its bucket collectives overlap backward compute and move exactly
-what the ring formulas say. This module reads the *scheduled* HLO of a compiled
-program (``compiled.as_text()``) and answers from it:
+jaxdp claims that its bucket collectives overlap backward compute and move exactly what the ring
+formulas say. This module reads the *scheduled* HLO of a compiled program (`compiled.as_text()`) and
+answers from it:
 
-- :func:`schedule` parses the program into a :class:`Schedule`: every op of the
-  entry computation in schedule order (while-loop bodies and ``call``\\ s inlined at
-  the op that runs them) and every collective (:class:`Collective`) with its kind,
-  dtype, operand bytes, replica groups, ring bytes and, for asynchronous ones,
-  the compute ops XLA scheduled between its ``-start`` and ``-done``.
-- :func:`report` renders that as text; :meth:`Schedule.records` and
-  :meth:`Schedule.timeline` give plain dicts to tabulate or plot.
-- :func:`memory_stats` reads ``compiled.memory_analysis()`` into a
-  :class:`MemoryStats` with the peak bytes per device.
+- `schedule` parses the program into a `Schedule`: every op of the entry computation in schedule
+  order (while-loop bodies and `call`s inlined at the op that runs them) and every collective
+  (`Collective`) with its kind, dtype, operand bytes, replica groups, ring bytes and, for
+  asynchronous ones, the compute ops XLA scheduled between its `-start` and `-done`.
+- `report` renders that as text; `Schedule.records` and `Schedule.timeline` give plain dicts to
+  tabulate or plot.
+- `memory_stats` reads `compiled.memory_analysis()` into a `MemoryStats` with the peak bytes per
+  device.
 
-The HLO forms handled are the ones XLA 0.10.2 prints (checked on CPU and on the
-deviceless H100 target, see tests/test_inspect.py):
+The HLO forms handled are the ones XLA 0.10.2 prints (checked on CPU and on the deviceless H100
+target, see tests/test_inspect.py):
 
-- CPU: synchronous ``all-reduce``, ``reduce-scatter``, ``all-gather``,
-  ``all-to-all``, ``collective-permute``, possibly tuple-shaped (combined).
-- GPU: ``all-reduce-start``/``-done``, ``all-gather-start``/``-done``,
-  ``collective-permute-start``/``-done`` and the async-wrapped
-  ``reduce-scatter-start``/``-done`` and ``all-to-all-start``/``-done`` (the
-  printed sugar for ``async-start``/``async-done``; the unsugared
-  ``async-start(...), calls=%wrapped`` form is read too). A start whose
-  ``backend_config`` says ``"is_sync":true`` is one XLA runs synchronously:
+- CPU: synchronous `all-reduce`, `reduce-scatter`, `all-gather`, `all-to-all`, `collective-permute`,
+  possibly tuple-shaped (combined).
+- GPU: `all-reduce-start`/`-done`, `all-gather-start`/`-done`, `collective-permute-start`/`-done`
+  and the async-wrapped `reduce-scatter-start`/`-done` and `all-to-all-start`/`-done` (the printed
+  sugar for `async-start`/`async-done`; the unsugared `async-start(...), calls=%wrapped` form is
+  read too). A start whose `backend_config` says `"is_sync":true` is one XLA runs synchronously:
   nothing could overlap it.
-- Collectives inside ``while`` bodies count ``known_trip_count`` times.
+- Collectives inside `while` bodies count `known_trip_count` times.
 
-Byte counts are per device: an operand ``f32[1024,1024]`` is 4 MiB on every
-device of the group. Ring bytes are what each device sends with the ring
-algorithm (:func:`ring_bytes`).
+Byte counts are per device: an operand `f32[1024,1024]` is 4 MiB on every device of the group. Ring
+bytes are what each device sends with the ring algorithm (`ring_bytes`).
 """
 
 from __future__ import annotations
@@ -79,17 +75,16 @@ class ScheduledOp:
   """One op of the program, in schedule order.
 
   Attributes:
-    index: position in :attr:`Schedule.ops` (loop bodies inlined).
-    name: HLO instruction name, e.g. ``"all-reduce-start.3"``.
-    opcode: HLO opcode, e.g. ``"fusion"``, ``"all-reduce-start"``.
-    category: ``"gemm"`` (a dot, convolution, cuBLAS call or a fusion that
-      contains one), ``"compute"`` (any other kernel), ``"collective"`` (a
-      synchronous one), ``"collective-start"``, ``"collective-done"``,
-      ``"control"`` (while/call/conditional: its body follows inlined) or
-      ``"free"`` (no kernel: parameter, tuple, bitcast, ...).
+    index: position in `Schedule.ops` (loop bodies inlined).
+    name: HLO instruction name, e.g. `"all-reduce-start.3"`.
+    opcode: HLO opcode, e.g. `"fusion"`, `"all-reduce-start"`.
+    category: `"gemm"` (a dot, convolution, cuBLAS call or a fusion that contains one), `"compute"`
+      (any other kernel), `"collective"` (a synchronous one), `"collective-start"`,
+      `"collective-done"`, `"control"` (while/call/conditional: its body follows inlined) or
+      `"free"` (no kernel: parameter, tuple, bitcast, ...).
     computation: the HLO computation it belongs to.
-    trip_count: how many times it runs per program run (loop trip counts
-      multiplied; 1 outside loops).
+    trip_count: how many times it runs per program run (loop trip counts multiplied; 1 outside
+      loops).
   """
 
   index: int
@@ -105,25 +100,24 @@ class Collective:
   """One collective of the program.
 
   Attributes:
-    name: HLO name of the op (the ``-start`` for an asynchronous one).
-    kind: one of :data:`COLLECTIVE_KINDS`.
-    opcode: as printed, e.g. ``"all-reduce"`` or ``"reduce-scatter-start"``.
-    is_async: issued as a start/done pair that XLA may overlap with compute
-      (False for a plain op and for a start marked ``"is_sync":true``).
-    done_name: HLO name of the ``-done`` (None for a synchronous op, or when
-      the done could not be matched).
+    name: HLO name of the op (the `-start` for an asynchronous one).
+    kind: one of `COLLECTIVE_KINDS`.
+    opcode: as printed, e.g. `"all-reduce"` or `"reduce-scatter-start"`.
+    is_async: issued as a start/done pair that XLA may overlap with compute (False for a plain op
+      and for a start marked `"is_sync":true`).
+    done_name: HLO name of the `-done` (None for a synchronous op, or when the done could not be
+      matched).
     computation: the HLO computation holding it (the entry or a loop body).
     trip_count: executions per program run.
-    start_index: index of the op (or its start) in :attr:`Schedule.ops`.
-    done_index: index of the done (equal to ``start_index`` when synchronous).
-    dtypes: element types of the operands, e.g. ``("bf16",)``.
-    operand_shapes: the operands' array shapes, e.g. ``("f32[1024,1024]",)``.
+    start_index: index of the op (or its start) in `Schedule.ops`.
+    done_index: index of the done (equal to `start_index` when synchronous).
+    dtypes: element types of the operands, e.g. `("bf16",)`.
+    operand_shapes: the operands' array shapes, e.g. `("f32[1024,1024]",)`.
     operand_bytes: bytes of all operands, per device.
     result_bytes: bytes of the result, per device.
-    replica_groups: the device groups (partition ids); empty for a
-      collective-permute.
-    group_size: devices per group, ``N`` in the ring formulas (for a
-      collective-permute: number of devices that send).
+    replica_groups: the device groups (partition ids); empty for a collective-permute.
+    group_size: devices per group, `N` in the ring formulas (for a collective-permute: number of
+      devices that send).
     source_target_pairs: a collective-permute's (source, target) pairs.
     overlapped: names of the kernels scheduled between start and done.
     overlapped_gemms: those of them that are GEMMs.
@@ -150,7 +144,7 @@ class Collective:
 
   @property
   def buffer_bytes(self) -> int:
-    """``B`` of the ring formula: the full buffer (an all-gather's result)."""
+    """`B` of the ring formula: the full buffer (an all-gather's result)."""
     return self.result_bytes if self.kind == "all-gather" else self.operand_bytes
 
   @property
@@ -176,12 +170,12 @@ class Collective:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """A compiled program's schedule and collectives (see :func:`schedule`).
+  """A compiled program's schedule and collectives (see `schedule`).
 
   Attributes:
-    module: HLO module name, e.g. ``"jit_train_step"``.
-    is_scheduled: whether the text was a scheduled module (op order = run
-      order). Pre-optimization HLO is not.
+    module: HLO module name, e.g. `"jit_train_step"`.
+    is_scheduled: whether the text was a scheduled module (op order = run order). Pre-optimization
+      HLO is not.
     num_partitions: devices the SPMD program runs on.
     ops: every op in schedule order, loop and call bodies inlined.
     collectives: every collective in schedule order.
@@ -209,11 +203,10 @@ class Schedule:
   def comm_bytes(self) -> dict[str, dict[str, float]]:
     """Per kind: count, operand bytes and ring bytes per device per run.
 
-    Loop trip counts are included. Keys are the kinds present, plus
-    ``"total"``.
+    Loop trip counts are included. Keys are the kinds present, plus `"total"`.
 
     Returns:
-      ``{kind: {"count": n, "operand_bytes": b, "ring_bytes": r}}``.
+      `{kind: {"count": n, "operand_bytes": b, "ring_bytes": r}}`.
     """
     out: dict[str, dict[str, float]] = {}
     total = {"count": 0, "operand_bytes": 0, "ring_bytes": 0.0}
@@ -242,11 +235,10 @@ class Schedule:
   def timeline(self) -> list[dict[str, Any]]:
     """Intervals in schedule steps, for plotting.
 
-    One dict per kernel (``start == end == op index``) and one per collective
-    (``start``/``end`` = its start and done op index), each with ``name``,
-    ``category`` and ``lane`` (``"compute"`` or ``"comm"``). Plot lanes as rows
-    and ``start..end+1`` as bars; an async collective's bar covers the kernels
-    it overlaps.
+    One dict per kernel (`start == end == op index`) and one per collective (`start`/`end` = its
+    start and done op index), each with `name`, `category` and `lane` (`"compute"` or `"comm"`).
+    Plot lanes as rows and `start..end+1` as bars; an async collective's bar covers the kernels it
+    overlaps.
     """
     rows = []
     for op in self.ops:
@@ -262,7 +254,7 @@ class Schedule:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryStats:
-  """Per-device memory of a compiled program (from ``memory_analysis()``).
+  """Per-device memory of a compiled program (from `memory_analysis()`).
 
   Attributes:
     argument_bytes: inputs resident during the call.
@@ -270,8 +262,8 @@ class MemoryStats:
     temp_bytes: XLA's scratch (activations, gathered params, buffers).
     alias_bytes: outputs that reuse donated inputs' memory.
     generated_code_bytes: compiled code (0 on the deviceless GPU target).
-    peak_bytes: ``argument + output + temp - alias``: what the device must
-      hold while the program runs.
+    peak_bytes: `argument + output + temp - alias`: what the device must hold while the program
+      runs.
   """
 
   argument_bytes: int
@@ -290,15 +282,14 @@ def ring_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
   """Bytes each device sends for one collective with the ring algorithm.
 
   Args:
-    kind: one of :data:`COLLECTIVE_KINDS`.
-    buffer_bytes: ``B``, the full buffer: an all-reduce's or reduce-scatter's
-      input, an all-gather's output, an all-to-all's input, a
-      collective-permute's input.
-    group_size: ``N``, devices in the group.
+    kind: one of `COLLECTIVE_KINDS`.
+    buffer_bytes: `B`, the full buffer: an all-reduce's or reduce-scatter's input, an all-gather's
+      output, an all-to-all's input, a collective-permute's input.
+    group_size: `N`, devices in the group.
 
   Returns:
-    all-reduce ``2(N-1)/N·B``; reduce-scatter, all-gather, all-to-all
-    ``(N-1)/N·B``; collective-permute ``B``.
+    all-reduce `2(N-1)/N·B`; reduce-scatter, all-gather, all-to-all `(N-1)/N·B`; collective-permute
+    `B`.
 
   Raises:
     ValueError: for an unknown kind.
@@ -368,10 +359,10 @@ def _parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
 
 
 def _parse_mesh_groups(attrs: str):
-  """Shardy form ``mesh['a'=4,'b'=2] {'a'}`` -> (group size, groups).
+  """Shardy form `mesh['a'=4,'b'=2] {'a'}` -> (group size, groups).
 
-  Devices are numbered row-major over the mesh axes (the form has no device
-  list); groups are left empty when a sub-axis (``'a':(1)2``) is reduced.
+  Devices are numbered row-major over the mesh axes (the form has no device list); groups are left
+  empty when a sub-axis (`'a':(1)2`) is reduced.
   """
   at = attrs.find("replica_groups=mesh[")
   if at < 0:
@@ -736,20 +727,18 @@ def schedule(
   """Parses a compiled program's schedule and collectives.
 
   Args:
-    program: a ``jax.stages.Compiled``; its ``as_text()``; the HLO before
-      optimization (``lowered.as_text(dialect="hlo")``: the collectives and
-      dtypes the program asked for, unscheduled); a ``jax.stages.Lowered``
-      (compiled here); a :class:`Schedule` (returned
-      as is); or a function (jitted or not, or a jaxdp train step) to call
-      with ``args``/``kwargs``, e.g. ``schedule(train_step, state, batch)``.
-    *args: example arguments (arrays or ``jax.ShapeDtypeStruct``) when
-      ``program`` is a function.
-    compiler_options: XLA options for the compile done here (a jitted
-      function's own ``compiler_options`` apply as well).
+    program: a `jax.stages.Compiled`; its `as_text()`; the HLO before optimization
+      (`lowered.as_text(dialect="hlo")`: the collectives and dtypes the program asked for,
+      unscheduled); a `jax.stages.Lowered` (compiled here); a `Schedule` (returned as is); or a
+      function (jitted or not, or a jaxdp train step) to call with `args`/`kwargs`, e.g.
+      `schedule(train_step, state, batch)`.
+    *args: example arguments (arrays or `jax.ShapeDtypeStruct`) when `program` is a function.
+    compiler_options: XLA options for the compile done here (a jitted function's own
+      `compiler_options` apply as well).
     **kwargs: keyword arguments of the function.
 
   Returns:
-    The :class:`Schedule`.
+    The `Schedule`.
 
   Raises:
     ValueError: if the text holds no HLO module (e.g. StableHLO).
@@ -785,19 +774,17 @@ def report(program: Any, *args: Any,
   """A readable account of a program's collectives and their overlap.
 
   Args:
-    program: anything :func:`schedule` takes, e.g. a compiled program, or
-      ``train_step, state, batch``.
-    *args: passed to :func:`schedule`.
-    expected: ring bytes per device per run by kind that the program should
-      move, e.g. ``jaxdp.inspect.ring_formula(state)`` (DESIGN.md's table);
-      each kind's total is then printed next to it, with the ratio.
-    **kwargs: passed to :func:`schedule`.
+    program: anything `schedule` takes, e.g. a compiled program, or `train_step, state, batch`.
+    *args: passed to `schedule`.
+    expected: ring bytes per device per run by kind that the program should move, e.g.
+      `jaxdp.inspect.ring_formula(state)` (docs/design.md's table); each kind's total is then
+      printed next to it, with the ratio.
+    **kwargs: passed to `schedule`.
 
   Returns:
     Lines: a summary; one row per collective in schedule order (kind, dtype,
-    operand bytes, group size N, ring bytes per device, runs per step, and what
-    it overlaps, or ``EXPOSED``); totals per kind against the ring formula (and
-    against ``expected``).
+    operand bytes, group size N, ring bytes per device, runs per step, and what it overlaps, or
+    `EXPOSED`); totals per kind against the ring formula (and against `expected`).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -882,19 +869,17 @@ def memory_stats(
 ) -> MemoryStats:
   """Per-device memory of a compiled program.
 
-  On the CPU backend the numbers mislead (no temp accounting of the GPU kind,
-  gathers hoisted); compile for the GPU target (:mod:`jaxdp._src.aot`) for
-  memory claims.
+  On the CPU backend the numbers mislead (no temp accounting of the GPU kind, gathers hoisted);
+  compile for the GPU target (`jaxdp._src.aot`) for memory claims.
 
   Args:
-    program: a ``jax.stages.Compiled``, a ``Lowered``, or a function to
-      compile with ``args``/``kwargs``.
-    *args: example arguments when ``program`` is a function.
+    program: a `jax.stages.Compiled`, a `Lowered`, or a function to compile with `args`/`kwargs`.
+    *args: example arguments when `program` is a function.
     compiler_options: XLA options for a compile done here.
     **kwargs: keyword arguments of the function.
 
   Returns:
-    The :class:`MemoryStats`.
+    The `MemoryStats`.
 
   Examples:
     >>> import jax, jax.numpy as jnp

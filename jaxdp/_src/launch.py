@@ -1,9 +1,9 @@
 """A local multi-process launcher: P processes of one script, joined by `jaxdp.initialize`.
 
-For development and tests on one machine (torchrun's ``--standalone`` in spirit): each
+For development and tests on one machine (torchrun's `--standalone` in spirit): each
 process gets the `JAXDP_*` environment that `jaxdp.initialize` reads (coordinator on
-``127.0.0.1``, its process id, its CPU device count), its output is streamed with a
-``[pI]`` prefix, and when one process fails the others are stopped: SIGTERM, then SIGKILL
+`127.0.0.1`, its process id, its CPU device count), its output is streamed with a
+`[pI]` prefix, and when one process fails the others are stopped: SIGTERM, then SIGKILL
 after a grace period. The launcher exits 0 only if every process exits 0.
 
 The launcher itself never touches devices: importing JAX does not start its backend.
@@ -38,7 +38,7 @@ def free_port() -> int:
 
 
 def describe_exit(returncode: int) -> str:
-  """`Popen.returncode` in words: ``exit code 3`` or ``signal SIGKILL``.
+  """`Popen.returncode` in words: `exit code 3` or `signal SIGKILL`.
 
   Examples:
     >>> describe_exit(3), describe_exit(-9)
@@ -135,11 +135,11 @@ def launch(
     stdout: IO | None = None,
     stderr: IO | None = None,
 ) -> int:
-  """Runs ``python COMMAND...`` as `num_processes` local processes of one JAX job.
+  """Runs `python COMMAND...` as `num_processes` local processes of one JAX job.
 
   Args:
-    command: what follows ``python``: ``["train.py", "--steps", "3"]`` or
-      ``["-m", "pkg.mod", ...]``. Run with this interpreter (`sys.executable`).
+    command: what follows `python`: `["train.py", "--steps", "3"]` or
+      `["-m", "pkg.mod", ...]`. Run with this interpreter (`sys.executable`).
     num_processes: processes to start.
     devices_per_process: CPU devices each process exposes (`JAXDP_LOCAL_DEVICES`);
       None leaves JAX's default.
@@ -329,7 +329,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Command line entry: ``python -m jaxdp.launch -n P -d D -- SCRIPT ARGS...``."""
+  """Command line entry: `python -m jaxdp.launch -n P -d D -- SCRIPT ARGS...`."""
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = _parser()
   if "--" in argv:

@@ -13,11 +13,11 @@ What each device sends per step, by strategy:
 
 `G` is the bytes of the grad buffers (fp32 with `grad_reduce_in_fp32`), `P` of the param
 buffers in the params' dtype, `N` the size of the "data" axis. With fp32 params `P = G`, so
-ZeRO-1/2 move what DDP moves and FSDP 1.5× that. :func:`ring_formula` gives these numbers
-for a `TrainState`, to hold against :meth:`jaxdp.inspect.Schedule.comm_bytes` of the
+ZeRO-1/2 move what DDP moves and FSDP 1.5× that. `ring_formula` gives these numbers
+for a `TrainState`, to hold against `jaxdp.inspect.Schedule.comm_bytes` of the
 compiled step (`jaxdp.inspect.report(..., expected=ring_formula(state))` prints both).
 
-:func:`memory_report` puts the memory ledger (`memory_ledger`, predicted), the bytes a
+`memory_report` puts the memory ledger (`memory_ledger`, predicted), the bytes a
 built `TrainState` holds (`measured_bytes`, from `addressable_shards`) and the compiled GPU
 program's `memory_analysis()` side by side, as rows a notebook can tabulate or plot.
 """

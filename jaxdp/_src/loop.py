@@ -47,6 +47,7 @@ PyTree = Any
 
 # ----------------------------------------------------------------------------- init
 
+
 def key_data(rng) -> jax.Array | None:
   """The raw data (`uint32[2]`, threefry) of a key given as a typed key, raw key data or an
   int seed, for `TrainState.rng`; None stays None."""
@@ -58,12 +59,16 @@ def key_data(rng) -> jax.Array | None:
   if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
     impl = jax.random.key_impl(x)
     if x.shape or "threefry" not in str(impl):
-      raise ValueError(f"rng: a key of shape {x.shape} and impl {impl}; pass one threefry "
-                       "key, e.g. jax.random.key(0)")
+      raise ValueError(
+        f"rng: a key of shape {x.shape} and impl {impl}; pass one threefry "
+        "key, e.g. jax.random.key(0)"
+      )
     return jax.random.key_data(x)
   if x.shape != (2,) or x.dtype != jnp.uint32:
-    raise ValueError(f"rng: {x.dtype}{list(x.shape)} is not a key; pass jax.random.key(seed), "
-                     "jax.random.PRNGKey(seed) or an int seed")
+    raise ValueError(
+      f"rng: {x.dtype}{list(x.shape)} is not a key; pass jax.random.key(seed), "
+      "jax.random.PRNGKey(seed) or an int seed"
+    )
   return x
 
 
@@ -87,15 +92,19 @@ def micro_key(key, j):
 
 # ----------------------------------------------------------------------------- the call
 
+
 def _pair(out, what: str):
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(f"loss_fn must return {what}; it returned {type(out).__name__}"
-                    + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else ""))
+    raise TypeError(
+      f"loss_fn must return {what}; it returned {type(out).__name__}"
+      + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+    )
   return out
 
 
-def call_loss(loss_fn: Callable, has_aux: bool, params: PyTree, batch: PyTree, rng,
-              model_state: PyTree) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
+def call_loss(
+  loss_fn: Callable, has_aux: bool, params: PyTree, batch: PyTree, rng, model_state: PyTree
+) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
   """`loss_fn` called the way the step was made: `(loss, (aux, new_model_state))`, with None
   for what the step does not carry (a `jax.value_and_grad(..., has_aux=True)` function)."""
   kwargs = {}
@@ -106,25 +115,29 @@ def call_loss(loss_fn: Callable, has_aux: bool, params: PyTree, batch: PyTree, r
   out = loss_fn(params, batch, **kwargs)
   aux = new_state = None
   if model_state is not None:
-    what = "(loss, (aux, new_model_state)) with has_aux=True" if has_aux else \
-        "(loss, new_model_state)"
-    out, new_state = _pair(out, what + " when the state holds model_state "
-                           "(init_state(..., model_state=))")
+    what = (
+      "(loss, (aux, new_model_state)) with has_aux=True" if has_aux else "(loss, new_model_state)"
+    )
+    out, new_state = _pair(
+      out, what + " when the state holds model_state (init_state(..., model_state=))"
+    )
     if has_aux:
       aux, new_state = _pair(new_state, what)
     if jax.tree.structure(new_state) != jax.tree.structure(model_state):
       raise ValueError(
-          f"loss_fn returned a new model_state with the structure "
-          f"{jax.tree.structure(new_state)}, but the state holds "
-          f"{jax.tree.structure(model_state)}; return the whole model state, updated")
+        f"loss_fn returned a new model_state with the structure "
+        f"{jax.tree.structure(new_state)}, but the state holds "
+        f"{jax.tree.structure(model_state)}; return the whole model state, updated"
+      )
     new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
   elif has_aux:
     out, aux = _pair(out, "(loss, aux) with has_aux=True")
   if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
-    got = f"a {type(out).__name__}" if isinstance(out, (tuple, list)) else \
-        f"shape {jnp.shape(out)}"
-    raise TypeError(f"loss_fn must return a scalar loss, got {got}"
-                    + ("; with has_aux=True return (loss, aux)" if not has_aux else ""))
+    got = f"a {type(out).__name__}" if isinstance(out, (tuple, list)) else f"shape {jnp.shape(out)}"
+    raise TypeError(
+      f"loss_fn must return a scalar loss, got {got}"
+      + ("; with has_aux=True return (loss, aux)" if not has_aux else "")
+    )
   return out, (aux, new_state)
 
 
@@ -132,8 +145,10 @@ def mean_micro(stacked: PyTree, last: PyTree, k: int) -> PyTree:
   """The mean over k micro-batches of aux leaves: `stacked` holds the first k-1 on a leading
   axis and `last` the last one; or `stacked` all k and `last` is None; or (k = 1) `stacked`
   is None."""
+
   def f32(x):
     return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
   if stacked is None:
     return jax.tree.map(f32, last)
   if last is None:
@@ -142,6 +157,7 @@ def mean_micro(stacked: PyTree, last: PyTree, k: int) -> PyTree:
 
 
 # ----------------------------------------------------------------------------- state
+
 
 def with_extras(state, mesh, rng, model_state):
   """`state` (from `init_state`) holding the key data of `rng` and a replicated copy of
@@ -152,23 +168,27 @@ def with_extras(state, mesh, rng, model_state):
   if model_state is not None:
     for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
       if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise ValueError(f"model_state{jax.tree_util.keystr(path)}: {type(x).__name__} is "
-                         "not an array; pass a pytree of arrays (e.g. Linen's "
-                         "variables['batch_stats'], or jaxdp.nnx_model_state(model))")
+        raise ValueError(
+          f"model_state{jax.tree_util.keystr(path)}: {type(x).__name__} is "
+          "not an array; pass a pytree of arrays (e.g. Linen's "
+          "variables['batch_stats'], or jaxdp.nnx_model_state(model))"
+        )
       if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        raise ValueError(f"model_state{jax.tree_util.keystr(path)} is a PRNG key: keys go "
-                         "in init_state(..., rng=), which derives one per step and device")
+        raise ValueError(
+          f"model_state{jax.tree_util.keystr(path)} is a PRNG key: keys go "
+          "in init_state(..., rng=), which derives one per step and device"
+        )
   replicated = NamedSharding(mesh, P())
   extras = jax.device_put((data, model_state), replicated, may_alias=False)
   explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   # placed the way the step places its output state, so step 2 reuses step 1's program
   constrain = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
-  data, model_state = jax.jit(lambda t: jax.tree.map(lambda x: constrain(x, replicated), t))(
-      extras)
+  data, model_state = jax.jit(lambda t: jax.tree.map(lambda x: constrain(x, replicated), t))(extras)
   return dataclasses.replace(state, rng=data, model_state=model_state)
 
 
 # ----------------------------------------------------------------------------- the update
+
 
 def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   """`tx.update(grads, opt_state, opt_params)`, in the global view, on any mesh.
@@ -180,10 +200,12 @@ def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   choosing the collectives, exactly as on a mesh with Auto axes; its outputs come back
   sharded like its inputs (updates like the grads, the state like the old state).
   """
-  explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-                   if t == jax.sharding.AxisType.Explicit)
+  explicit = tuple(
+    a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
+  )
   if not explicit:
     return tx.update(grads, opt_state, opt_params)
   shardings = jax.tree.map(lambda x: jax.typeof(x).sharding, (grads, opt_state))
-  return jax.sharding.auto_axes(lambda g, s, p: tx.update(g, s, p), axes=explicit,
-                                out_sharding=shardings)(grads, opt_state, opt_params)
+  return jax.sharding.auto_axes(
+    lambda g, s, p: tx.update(g, s, p), axes=explicit, out_sharding=shardings
+  )(grads, opt_state, opt_params)

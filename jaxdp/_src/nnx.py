@@ -285,7 +285,7 @@ class NNXOptimizer:
   def update_model(self, model: nnx.Module) -> nnx.Module:
     """Writes the state's params and model state into `model` (copies: they outlive the
     next step, which donates the state)."""
-    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731
+    copy = lambda t: jax.tree.map(jnp.copy, t)
     return nnx_merge(model, copy(get_params(self.state)), copy(self.state.model_state))
 
 
