@@ -19,7 +19,7 @@ its `n_experts / ep` local experts (the router still scores all `n_experts`), an
 are exchanged with one `all_to_all` before the experts and one after (GShard's dispatch
 and combine). jaxdp reduces the expert params' grads over the expert-data-parallel group
 only. With `expert_axis=None` (one device) there is no exchange. Build the loss of an
-expert-parallel run from the per-rank model and train the params of the whole model::
+expert-parallel run from the per-rank model and train the params of the whole model:
 
     params, _ = jaxdp.nnx_split(MoEGPT(config, rngs=nnx.Rngs(0)), gpt_loss)
     ep_config = dataclasses.replace(config, expert_axis="expert", expert_parallel=2)

@@ -30,11 +30,16 @@ strategy, exactly where the data left off (step k's batch depends on seed and k 
 """
 
 import argparse
+import contextlib
+import glob
+import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 
 import numpy as np
@@ -66,36 +71,96 @@ cpu_devices = 8         # simulated devices when JAX has no accelerator
 save_every = 0          # steps between checkpoints (0: none)
 # -----------------------------------------------------------------------------
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0],
+    epilog="Writes to --out: metrics.jsonl (one JSON object per step: step, loss, grad_norm, "
+           "lr, tokens_per_s, time_s; and {step, val_loss} per evaluation), loss.png (the "
+           "loss curves) and, with --save-every, checkpoints/. Runs on every device present; "
+           "without a GPU on --cpu-devices simulated CPU devices.",
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--strategy", default=strategy,
-                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-parser.add_argument("--steps", type=int, default=steps)
-parser.add_argument("--batch-size", type=int, default=batch_size)
-parser.add_argument("--block-size", type=int, default=block_size)
-parser.add_argument("--n-layer", type=int, default=n_layer)
-parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan_layers)
-parser.add_argument("--n-head", type=int, default=n_head)
-parser.add_argument("--d-model", type=int, default=d_model)
-parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"])
-parser.add_argument("--lr", type=float, default=lr)
-parser.add_argument("--warmup-steps", type=int, default=warmup_steps)
-parser.add_argument("--bucket-size", type=int, default=bucket_size)
-parser.add_argument("--eval-every", type=int, default=eval_every)
-parser.add_argument("--dropout", type=float, default=dropout)
-parser.add_argument("--seed", type=int, default=seed)
-parser.add_argument("--out", default=out)
-parser.add_argument("--cpu-devices", type=int, default=cpu_devices)
-parser.add_argument("--save-every", type=int, default=save_every)
+                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                    help="Megatron's data_parallel_sharding_strategy: no_shard (DDP), optim "
+                         "(ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (FSDP)")
+parser.add_argument("--steps", type=int, default=steps, help="training steps")
+parser.add_argument("--batch-size", type=int, default=batch_size,
+                    help="global batch in sequences per step; must divide by the device count")
+parser.add_argument("--block-size", type=int, default=block_size,
+                    help="sequence length in bytes (tokens)")
+parser.add_argument("--n-layer", type=int, default=n_layer, help="transformer blocks")
+parser.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=scan_layers,
+                    help="stack the blocks and run them with lax.scan (FSDP: one unit per "
+                         "layer)")
+parser.add_argument("--n-head", type=int, default=n_head, help="attention heads")
+parser.add_argument("--d-model", type=int, default=d_model, help="model width")
+parser.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16"],
+                    help="param dtype; bfloat16 keeps fp32 master params and reduces grads "
+                         "in fp32")
+parser.add_argument("--lr", type=float, default=lr,
+                    help="peak learning rate (AdamW; linear warmup, cosine decay to lr/10)")
+parser.add_argument("--warmup-steps", type=int, default=warmup_steps,
+                    help="linear warmup steps (at most half of --steps)")
+parser.add_argument("--bucket-size", type=int, default=bucket_size,
+                    help="gradient bucket size in elements (Megatron's default, "
+                         "max(40M, 1M * dp), would give this small model one bucket)")
+parser.add_argument("--eval-every", type=int, default=eval_every,
+                    help="steps between validation losses (also at step 0 and at the end)")
+parser.add_argument("--dropout", type=float, default=dropout,
+                    help="embedding dropout rate; > 0 puts a key in the train state, from which "
+                         "each step and device draws its masks")
+parser.add_argument("--seed", type=int, default=seed,
+                    help="init and data seed (step k's batch depends on seed and k alone)")
+parser.add_argument("--out", default=out,
+                    help="output folder: metrics.jsonl, loss.png, checkpoints/")
+parser.add_argument("--cpu-devices", type=int, default=cpu_devices,
+                    help="simulated devices when JAX runs on the CPU (no effect on a GPU)")
+parser.add_argument("--save-every", type=int, default=save_every,
+                    help="steps between checkpoints in <out>/checkpoints (0: none)")
 parser.add_argument("--resume", action="store_true",
-                    help="continue from the latest checkpoint in <out>/checkpoints")
+                    help="continue from the latest checkpoint in <out>/checkpoints, on any "
+                         "device count and strategy")
 args = parser.parse_args()
+
+# JAX's CUDA plugin (the [aot] or [gpu] extra) on a machine without an NVIDIA GPU prints a
+# traceback ("Unable to load CUDA") when JAX picks a backend, and its C++ stub a "Could not
+# find cuda drivers" line: there, ask for the CPU (before jax is imported), and drop the
+# stub's lines. With a GPU, or JAX_PLATFORMS set, nothing changes.
+# Any sign of a GPU (a device file, WSL's /dev/dxg, nvidia-smi) or a TPU keeps JAX's choice.
+gpu_signs = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/dxg") + glob.glob("/dev/accel*")
+no_gpu = (not gpu_signs and shutil.which("nvidia-smi") is None
+          and importlib.util.find_spec("jax_cuda12_plugin") is not None)
+if no_gpu and "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+@contextlib.contextmanager
+def without_cuda_stub_lines():
+    """Filters the CUDA stub's lines out of what C++ writes to stderr (fd 2) meanwhile."""
+    if not no_gpu:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
+                if "cudart_stub.cc" not in line and "absl::InitializeLog()" not in line:
+                    sys.stderr.write(line)
+
 
 # JAX reads the CPU device count when it initialises, so set it before importing jax.
 # Both settings only affect the CPU backend: on a GPU/TPU machine the accelerators are used.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={args.cpu_devices}")
-import jax  # noqa: E402
+with without_cuda_stub_lines():
+    import jax
 
 jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 import jaxdp  # noqa: E402
@@ -103,6 +168,8 @@ import jaxdp  # noqa: E402
 # Under `python -m jaxdp.launch` (or SLURM, Open MPI, ...) this joins the other processes and
 # takes the launcher's devices per process; alone it does nothing.
 jaxdp.initialize()
+with without_cuda_stub_lines():
+    jax.devices()  # starts the backend, after initialize (as jax.distributed requires)
 is_main = jax.process_index() == 0  # the process that writes metrics and the plot
 
 import jax.numpy as jnp  # noqa: E402
@@ -286,7 +353,7 @@ for step in bar:
         history["val_step"].append(step)
         history["val_loss"].append(v)
         record(step=step, val_loss=v)
-        bar.write(f"step {step}: train loss {loss:.3f}, val loss {v:.3f}")
+        bar.write(f"step {step}: loss {loss:.3f} (this step), val loss {v:.3f}")
     if mgr is not None and args.save_every:  # async: the write overlaps the next steps
         mgr.save(step, state, data_position={"next_step": step + 1},
                  force=step == args.steps)
@@ -302,6 +369,7 @@ fig, ax = plt.subplots(figsize=(7, 4))
 ax.plot(history["step"], history["loss"], lw=0.8, alpha=0.6, label="train")
 ax.plot(history["val_step"], history["val_loss"], "o-", label="val")
 ax.axhline(math.log(256), ls=":", c="gray", label="uniform (ln 256)")
+ax.set_ylim(top=max(math.log(256), *history["loss"], *history["val_loss"]) + 0.3)
 ax.set(xlabel="step", ylabel="cross entropy (nats/byte)",
        title=f"GPT {n_params / 1e6:.2f}M, {args.strategy}, {n_dev} devices, {args.dtype}")
 ax.legend()
@@ -312,7 +380,7 @@ if is_main:
 first = np.mean(history["loss"][:10])
 last = np.mean(history["loss"][-10:])
 print(f"done: {args.steps} steps in {elapsed:.1f}s (cpu {elapsed_cpu:.1f}s) | "
-      f"train loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps) | "
+      f"train loss, mean of 10 steps: {first:.3f} (first 10) -> {last:.3f} (last 10) | "
       f"val loss {history['val_loss'][0]:.3f} -> {history['val_loss'][-1]:.3f} | "
       f"{tok_s:,.0f} tokens/s | wrote {args.out}/")
 print(f"cpu seconds: first step (compile) {first_step_cpu:.1f}, "

@@ -101,6 +101,20 @@ def train(strategy: str, mesh, to_global) -> tuple[dict, list[float]]:
   return jaxdp.get_params(state), losses
 
 
+def single_device_reference(bound=None) -> dict:
+  """Plain `jax.grad` + optax on each whole global batch, on one device; each step's
+  gradients go to `bound` (an AdamBound, tests/tolerances.py)."""
+  params, tx = init_params(), make_tx()
+  opt_state = tx.init(params)
+  for batch in train_batches():
+    grads = jax.grad(loss_fn)(params, batch)
+    if bound is not None:
+      bound.add(grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
 def main(mode: str, out_dir: str) -> None:
   # force: importing jaxdp imports orbax, whose absl logging already configured the root
   logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", force=True)

@@ -23,6 +23,7 @@ def bench(tmp_path_factory):
   return out, done.stdout
 
 
+@pytest.mark.slow
 def test_bench_writes_table_plot_and_samples(bench):
   out, stdout = bench
   table = (out / "bench.md").read_text()

@@ -13,9 +13,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxdp
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
+from tests.tolerances import step_tolerances
 
 STEPS = 5
-ATOL_F32 = 1e-5  # f32 params: the issue's bound; observed ~1e-7 (sum order of the psum)
+LR = 3e-3
 
 
 def mlp_problem(dtype=jnp.float32):
@@ -33,17 +34,33 @@ def gpt_problem(**kw):
   return params, loss_fn, {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
 
+def tolerances(problem, params):
+  """(loss rtol, grad-norm rtol, AdamBound), tests/tolerances.py: the MLP's loss averages
+  32 x 3 squared errors through 4 layers of 32; GPT's, 16 x 16 tokens, each a row of
+  d_model + vocab products."""
+  if problem is mlp_problem:
+    return step_tolerances(params, 32 * 3, 4 * 32, LR, clip=0.5)
+  return step_tolerances(params, 16 * 16, 32 + 64, LR, clip=0.5)
+
+
 def adamw_clip():
-  return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(3e-3, weight_decay=0.1))
+  return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(LR, weight_decay=0.1))
 
 
-def reference(params, loss_fn, batch, tx, steps=STEPS):
-  """Plain jax.grad + optax on the whole global batch, one device."""
-  opt_state, losses = tx.init(params), []
-  for _ in range(steps):
+def reference(params, loss_fn, batch, tx, steps=STEPS, bound=None):
+  """Plain jax.grad + optax on the whole global batch, one device; each step's gradients
+  go to `bound` (an AdamBound)."""
+  @jax.jit  # one compile instead of op-by-op dispatch: the same arithmetic, fused by XLA
+  def step(params, opt_state):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    return optax.apply_updates(params, updates), opt_state, loss, grads
+
+  opt_state, losses = tx.init(params), []
+  for _ in range(steps):
+    params, opt_state, loss, grads = step(params, opt_state)
+    if bound is not None:
+      bound.add(grads)
     losses.append(float(loss))
   return params, losses
 
@@ -65,17 +82,21 @@ def assert_trees_close(a, b, atol, rtol=0.0):
                                atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("problem", [mlp_problem, gpt_problem])
+@pytest.mark.parametrize("problem", [mlp_problem,
+                                     pytest.param(gpt_problem, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("bucket_size", [None, 100])
 def test_ddp_equals_single_device(problem, bucket_size):
   params, loss_fn, batch = problem()
-  ref_params, ref_losses = reference(params, loss_fn, batch, adamw_clip())
+  loss_rtol, _, bound = tolerances(problem, params)
+  ref_params, ref_losses = reference(params, loss_fn, batch, adamw_clip(), bound=bound)
   config = jaxdp.DDPConfig(bucket_size=bucket_size)
   state, step, losses = train(params, loss_fn, batch, adamw_clip(), config)
   if bucket_size:
     assert state.layout.num_buckets >= 4
-  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert_trees_close(jaxdp.get_params(state), ref_params, atol=ATOL_F32)
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+  # Per element, from the reference's gradients: tight where a gradient stands above its
+  # rounding, up to 2 lr per step where it is rounding noise (tests/tolerances.py).
+  bound.check(jaxdp.get_params(state), ref_params)
   assert step._cache_size() == 1, "the second step recompiled"
 
 
@@ -84,7 +105,12 @@ def test_averaging_in_collective_equals_prescaling():
   runs = [train(params, loss_fn, batch, adamw_clip(),
                 jaxdp.DDPConfig(bucket_size=300, average_in_collective=avg))[0]
           for avg in (False, True)]
-  assert_trees_close(jaxdp.get_params(runs[0]), jaxdp.get_params(runs[1]), atol=1e-6)
+  # Dividing by dp = 8 before or after the sum is exact (a power of two) unless a partial
+  # sum under- or overflows, so the two runs differ only where the collective itself sums
+  # in another order: the same Adam bound as against one device.
+  _, _, bound = tolerances(mlp_problem, params)
+  reference(params, loss_fn, batch, adamw_clip(), bound=bound)
+  bound.check(jaxdp.get_params(runs[0]), jaxdp.get_params(runs[1]))
 
 
 def test_grad_norm_is_global_and_before_clipping():
@@ -94,19 +120,21 @@ def test_grad_norm_is_global_and_before_clipping():
   config = jaxdp.DDPConfig(bucket_size=300)
   state = jaxdp.init_state(params, adamw_clip(), mesh, config)
   _, metrics = jaxdp.make_train_step(loss_fn, adamw_clip(), mesh, config)(state, batch)
+  _, norm_rtol, _ = tolerances(mlp_problem, params)  # a sum of squares, tests/tolerances.py
   np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)),
-                             rtol=1e-5)
+                             rtol=norm_rtol)
   assert float(metrics["grad_norm"]) > 0.5  # so clipping at 0.5 did act
 
 
 def test_auto_axis_mesh_and_other_mesh_axes_work():
   params, loss_fn, batch = mlp_problem()
-  ref_params, _ = reference(params, loss_fn, batch, adamw_clip(), steps=2)
+  _, _, bound = tolerances(mlp_problem, params)
+  ref_params, _ = reference(params, loss_fn, batch, adamw_clip(), steps=2, bound=bound)
   for mesh in (jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
                jax.make_mesh((4, 2), ("data", "model"))):
     state, _, _ = train(params, loss_fn, batch, adamw_clip(), jaxdp.DDPConfig(), mesh=mesh,
                         steps=2)
-    assert_trees_close(jaxdp.get_params(state), ref_params, atol=ATOL_F32)
+    bound.check(jaxdp.get_params(state), ref_params)
 
 
 def test_bf16_params_fp32_reduction_returns_fp32_grads():

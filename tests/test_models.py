@@ -10,6 +10,7 @@ from flax import nnx
 from jaxdp import nnx_merge, nnx_split
 from models.gpt import GPT, GPTConfig, gpt_loss, lora_trainable, stack_blocks, unstack_blocks
 from models.mlp import MLP, mlp_loss
+from tests.tolerances import assert_grads_close, rtol_sum
 
 TINY = dict(block_size=16, n_layer=2, n_head=2, d_model=32)
 
@@ -99,9 +100,12 @@ def test_gpt_unrolled_equals_scanned():
   batch = gpt_batch()
   l_u, g_u = jax.jit(jax.value_and_grad(loss_unrolled))(p_unrolled, batch)
   l_s, g_s = jax.jit(jax.value_and_grad(loss_scanned))(p_scanned, batch)
-  np.testing.assert_allclose(l_u, l_s, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
-               g_u, unstack_blocks(g_s))
+  # The same arithmetic, fused differently by XLA (a loop body vs 3 copies): float32
+  # rounding only. The loss is a mean of 4 x 16 tokens' cross-entropies (each a row of
+  # d_model + vocab products), each gradient a sum over those tokens (tests/tolerances.py).
+  np.testing.assert_allclose(l_u, l_s, rtol=rtol_sum(4 * 16) + rtol_sum(
+      TINY["d_model"] + GPTConfig(**TINY).vocab_size))
+  assert_grads_close(unstack_blocks(g_s), g_u, 4 * 16)
 
 
 def test_gpt_same_seed_same_weights_in_both_layouts():

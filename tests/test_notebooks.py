@@ -4,7 +4,9 @@ Each notebook is executed once, with nbclient, in a fresh kernel whose environme
 8 simulated CPU devices (`JAX_PLATFORMS=cpu`, `--xla_force_host_platform_device_count=8`;
 the notebooks also set `jax_num_cpu_devices` themselves) and whose working directory is
 `notebooks/`, as when a user opens them in Jupyter. The notebooks are stored with their
-outputs stripped.
+outputs, so that their figures show on a repository browser without running anything;
+`python scripts/notebook_outputs.py` runs them and stores the outputs with the figures
+re-encoded as small palette PNGs.
 
 The GPU-target parts (02, 03, 04: train steps compiled for 8 H100s without a GPU) need
 jax-cuda12-plugin/-pjrt (`pip install 'jaxdp[aot]'`, which `.ci/run` installs). Without
@@ -80,17 +82,29 @@ def test_every_notebook_is_listed():
   assert {p.stem for p in NOTEBOOKS} == set(IMAGES)
 
 
+MAX_IMAGE_KIB = 120  # one stored figure (a 64-colour PNG at 100 dpi is 10-60 KiB)
+MAX_NOTEBOOK_KIB = 400
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_stored_without_outputs(path):
+def test_stored_with_their_figures(path):
+  """The stored notebook shows its figures without running: every code cell has run, in
+  order, without an error, and the figures are there and small."""
   nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
-  for cell in nb.cells:
-    if cell.cell_type == "code":
-      assert cell.outputs == [] and cell.execution_count is None, (
-          f"{path.name}: outputs stored; strip them (e.g. jupyter nbconvert "
-          "--clear-output --inplace)")
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  fix = "; run python scripts/notebook_outputs.py " + str(path.relative_to(ROOT))
+  assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
+      f"{path.name}: not run top to bottom in one kernel{fix}")
+  assert not [o for o in outputs(nb) if o.output_type == "error"], f"{path.name}: error{fix}"
+  images = [o.data["image/png"] for o in outputs(nb) if "image/png" in o.get("data", {})]
+  assert len(images) >= IMAGES[path.stem], f"{path.name}: {len(images)} figures stored{fix}"
+  for data in images:
+    assert len(data) * 3 / 4 / 1024 <= MAX_IMAGE_KIB, f"{path.name}: a figure over the limit{fix}"
+  assert path.stat().st_size / 1024 <= MAX_NOTEBOOK_KIB, path.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_and_draws(path):
   nb = executed(path)

@@ -33,7 +33,7 @@ _skip_without_gpu_compile = pytest.mark.skipif(
 def needs_gpu_compile(test):
   """Skipped without the GPU target; run on one xdist worker, which compiles each GPT
   program once (`gpu_step` is cached per process)."""
-  return _skip_without_gpu_compile(pytest.mark.xdist_group("h100_gpt")(test))
+  return pytest.mark.slow(_skip_without_gpu_compile(pytest.mark.xdist_group("h100_gpt")(test)))
 METRIC_BYTES = 64
 """Collectives this small carry the step's metrics (loss, norms), not buckets."""
 

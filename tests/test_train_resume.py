@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size", "16",
         "--batch-size", "16", "--steps", "8", "--eval-every", "4", "--save-every", "3",
@@ -28,6 +30,7 @@ def _metrics(out):
   return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_resume_redoes_lost_steps_bitwise(tmp_path):
   full = tmp_path / "full"
   _train(full, "--strategy", "optim")

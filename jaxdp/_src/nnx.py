@@ -4,7 +4,7 @@ jaxdp trains a plain pytree of arrays with a pure `loss_fn(params, batch)`. An N
 model is a mutable object graph; `nnx_split` cuts it into its trainable
 `nnx.Param` values (a nested `dict` of arrays, as `nnx.to_pure_dict` returns it)
 and a pure loss over them, and `nnx_merge` writes trained params back into the
-model::
+model:
 
   params, loss_fn = jaxdp.nnx_split(model, model_loss)
   state = jaxdp.init_state(params, tx, mesh, config)

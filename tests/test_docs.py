@@ -1,0 +1,173 @@
+"""The commands of README.md and docs/multi-host.md, run as a reader runs them.
+
+Python blocks run from an empty folder with only the `jaxdp` package importable (what
+`pip install -e .` packages: not `models/`, not `scripts/`); bash blocks run where they
+can run on one machine (the local launcher stands in for a cluster), and otherwise have
+their scripts, flags, extras and markers checked to exist.
+"""
+
+import glob
+import inspect
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jax
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+MULTI_HOST = (ROOT / "docs" / "multi-host.md").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
+
+
+def blocks(text: str, lang: str) -> list[str]:
+  return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+def commands(text: str) -> list[list[str]]:
+  """The commands of the bash blocks, split at `&&`; comments and #SBATCH lines dropped."""
+  out = []
+  for block in blocks(text, "bash"):
+    for line in block.splitlines():
+      line = line.split(" #")[0].strip()
+      if not line or line.startswith("#"):
+        continue
+      out += [shlex.split(part) for part in line.split("&&")]
+  return out
+
+
+def reader_env(tmp_path: Path) -> dict:
+  """A fresh shell's environment in which only the `jaxdp` package is importable."""
+  site = tmp_path / "site"
+  site.mkdir(exist_ok=True)
+  if not (site / "jaxdp").exists():
+    (site / "jaxdp").symlink_to(ROOT / "jaxdp")
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+  env["PYTHONPATH"] = str(site)
+  if NO_GPU:  # the CUDA plugin of the [aot] extra would print that it found no GPU
+    env["JAX_PLATFORMS"] = "cpu"
+  return env
+
+
+def run(args, cwd, env, timeout=300):
+  return subprocess.run([sys.executable if a == "python" else a for a in args], cwd=cwd,
+                        env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def help_flags(script: str) -> set[str]:
+  proc = subprocess.run([sys.executable, str(ROOT / script), "--help"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  return set(re.findall(r"--[\w-]+", proc.stdout))
+
+
+# ----------------------------------------------------------------------------- README
+
+@pytest.mark.parametrize("i", range(len(blocks(README, "python"))))
+def test_readme_python_block_runs_from_any_folder(tmp_path, i):
+  code = blocks(README, "python")[i]
+  (tmp_path / "snippet.py").write_text(code)
+  proc = run(["python", "snippet.py"], tmp_path, reader_env(tmp_path))
+  assert proc.returncode == 0, f"README python block {i}:\n{code}\n{proc.stderr[-3000:]}"
+
+
+def test_readme_bash_blocks_name_what_exists():
+  extras = set(PYPROJECT["project"]["optional-dependencies"])
+  markers = {m.split(":")[0] for m in PYPROJECT["tool"]["pytest"]["ini_options"]["markers"]}
+  seen = set()
+  for args in commands(README):
+    if args[:3] == ["pip", "install", "-e"]:
+      m = re.fullmatch(r"\.(?:\[([\w,]+)\])?", args[3])
+      assert m, args
+      assert set(filter(None, (m.group(1) or "").split(","))) <= extras, args
+    elif args[:1] == ["python"] and args[1].startswith("scripts/"):
+      flags = {a.split("=")[0] for a in args[2:] if a.startswith("--")}
+      assert flags <= help_flags(args[1]), (args, flags - help_flags(args[1]))
+    elif args[:3] == ["python", "-m", "pytest"]:
+      if "-m" in args[3:]:
+        expr = args[args.index("-m", 3) + 1]
+        assert set(re.findall(r"\w+", expr)) - {"not", "and", "or"} <= markers, expr
+    elif args[:1] == ["ruff"]:  # the lint step: ruff is pinned in dev, and CI runs it
+      assert any(d.startswith("ruff==") for d in PYPROJECT["project"]["optional-dependencies"]["dev"])
+      assert " ".join(args) in (ROOT / ".ci" / "run").read_text(), args
+    else:
+      pytest.fail(f"README: a command this test does not know how to check: {args}")
+    seen.add(" ".join(args[:2]))
+  assert {"pip install", "python scripts/train.py"} <= seen
+
+
+def test_readme_links_exist():
+  for link in re.findall(r"\]\(((?:docs|notebooks|notes)/[^)#]+)\)", README):
+    assert (ROOT / link).exists(), link
+
+
+# ----------------------------------------------------------------------------- multi-host
+
+def launcher_commands(script: str) -> list[list[str]]:
+  return [a for a in commands(MULTI_HOST) if a[:3] == ["python", "-m", "jaxdp.launch"]
+          and script in a]
+
+
+def replace_out(args, old, new):
+  return [new if a == old else a for a in args]
+
+
+@pytest.mark.slow
+def test_multi_host_check_job_runs_under_the_launcher(tmp_path):
+  """check_job.py, the doc's Python block, as the doc runs it: 2 processes x 4 devices."""
+  (code,) = blocks(MULTI_HOST, "python")
+  (tmp_path / "check_job.py").write_text(code)
+  (args,) = launcher_commands("check_job.py")
+  args = replace_out(args, "/tmp/jaxdp-check", str(tmp_path / "ckpt"))
+  proc = run(args, tmp_path, reader_env(tmp_path), timeout=400)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  for p in (0, 1):
+    assert f"[p{p}] process {p}/2: 4 local of 8 cpu devices" in proc.stdout
+    assert f"[p{p}] process {p}: global loss" in proc.stdout
+    assert "checkpoint ok" in proc.stdout
+
+
+@pytest.mark.slow
+def test_multi_host_rehearsal_runs_under_the_launcher(tmp_path):
+  (args,) = launcher_commands("scripts/train.py")
+  args = replace_out(args, "/tmp/jaxdp-rehearsal", str(tmp_path / "out"))
+  proc = run(args, ROOT, reader_env(tmp_path), timeout=500)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "[p0] devices: 8 x cpu" in proc.stdout and "[p1] devices: 8 x cpu" in proc.stdout
+  assert (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_multi_host_cluster_commands_use_real_flags_and_arguments():
+  """What cannot run here (sbatch, srun, a Kubernetes Job) names flags and arguments that
+  exist."""
+  train_flags = help_flags("scripts/train.py")
+  srun = [a for a in commands(MULTI_HOST) if a[:1] == ["srun"]]
+  job = re.findall(r'"bash", "-c", "(.*?)"\]', MULTI_HOST)
+  assert srun and job
+  for args in srun + [shlex.split(j) for j in job]:
+    flags = {a for a in args if a.startswith("--")}
+    assert flags <= train_flags, flags - train_flags
+  for match in re.findall(r"#SBATCH (--[\w-]+)", MULTI_HOST):
+    assert match in {"--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node",
+                     "--time"}, match
+  # The timeouts table names jax.distributed.initialize's arguments and their defaults.
+  params = inspect.signature(jax.distributed.initialize).parameters
+  for name, default in re.findall(r"\| `(\w+)` \| (\d+) s \|", MULTI_HOST):
+    assert params[name].default == int(default), name
+  for name in re.findall(r"`(JAXDP_\w+)`", MULTI_HOST):
+    from jaxdp._src import distributed
+    assert name in {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+                    distributed.ENV_PROCESS_ID, distributed.ENV_LOCAL_DEVICES}, name
+
+
+def test_ci_runs_the_readme_test_command_exactly():
+  ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+  assert ci in [line.strip() for block in blocks(README, "bash") for line in block.splitlines()]
+  pytest_args = ci.split("pytest", 1)[1].split()
+  assert "-m" not in pytest_args, "CI runs the whole suite, slow tests included"
