@@ -266,7 +266,9 @@ if args.strategy == "optim_grads_params" and args.scan_layers:
 rng = jax.random.key(args.seed) if args.dropout else None
 state = jaxdp.init_state(params, tx, mesh, ddp_config, fsdp=fsdp, rng=rng)
 train_step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp_config, fsdp=fsdp)
-eval_loss = jax.jit(eval_fn)  # params replicated, batch split over "data"
+# params replicated, batches split over "data"; all batches in one program, not one each: in
+# a multi-process job every program spans the processes, and fewer in flight is safer
+eval_loss = jax.jit(lambda p, batches: jnp.mean(jnp.stack([eval_fn(p, b) for b in batches])))
 
 print(f"devices: {n_dev} x {devices[0].platform} | strategy: {args.strategy} | "
       f"params: {n_params:,} ({args.dtype}) | corpus: {len(train_data):,} train bytes, "
@@ -290,8 +292,7 @@ val_batches = [to_mesh(get_batch(val_data, val_rng)) for _ in range(eval_batches
 
 
 def val_loss() -> float:
-    current = jaxdp.get_params(state)
-    return float(np.mean([eval_loss(current, b) for b in val_batches]))
+    return float(eval_loss(jaxdp.get_params(state), val_batches))
 
 
 # ----------------------------------------------------------------------------- train

@@ -11,6 +11,7 @@ gathered to the host, to ``OUT_DIR/psum.p{I}.npz``.
 and losses to ``OUT_DIR/train.{strategy}.p{I}.npz``.
 ``crash``: after one collective, process 1 SIGKILLs itself while process 0 blocks in the
 next collective, which can never finish. ``raise``: the same, but process 1 raises.
+``hang``: the same, but process 1 waits forever (`wait_forever`), silent: nothing fails.
 
 Everything but `main` is importable, so the tests compute their single-process
 references with the same code.
@@ -101,6 +102,12 @@ def train(strategy: str, mesh, to_global) -> tuple[dict, list[float]]:
   return jaxdp.get_params(state), losses
 
 
+def wait_forever() -> None:
+  """What a process stuck elsewhere looks like: alive, silent, never reaching the collective."""
+  while True:
+    time.sleep(3600)
+
+
 def single_device_reference(bound=None) -> dict:
   """Plain `jax.grad` + optax on each whole global batch, on one device; each step's
   gradients go to `bound` (an AdamBound, tests/tolerances.py)."""
@@ -139,8 +146,11 @@ def main(mode: str, out_dir: str) -> None:
     np.savez(pathlib.Path(out_dir) / f"psum.p{me}.npz", rows=rows, total=total,
              process_count=n, device_count=jax.device_count())
     print(f"process {me}/{n}: wrote psum.p{me}.npz", flush=True)
-  elif mode in ("crash", "raise"):
+  elif mode in ("crash", "raise", "hang"):
     print(f"process {me}/{n}: first collective done", flush=True)
+    if me == 1 and mode == "hang":
+      print("process 1: wait forever", flush=True)
+      wait_forever()
     if me == 1:
       time.sleep(0.5)  # Let process 0 enter the collective below first.
       if mode == "raise":

@@ -100,6 +100,8 @@ def test_aux_and_sync_batchnorm_equal_single_device(strategy):
   assert not np.allclose(ref_ms["bn"]["mean"], 0)  # the statistics did move
   jaxdp.nnx_merge(model, state)  # params and running statistics back in the model
   assert_trees_close(model.bn.mean[...], ref_ms["bn"]["mean"], ATOL)
+  step(state, batch)  # donates the state: the model holds copies, not its buffers
+  assert_trees_close(model.bn.mean[...], ref_ms["bn"]["mean"], ATOL)
   assert step._cache_size() == 1
 
 

@@ -34,6 +34,7 @@ background (at the latest before its first save).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -47,7 +48,7 @@ from jaxdp._src import __version__
 from jaxdp._src.layout import master_dtype, sharded_shape
 from jaxdp._src.mesh import constrain
 from jaxdp._src.state import TrainState, leaves_of, match_opt_leaf
-from jaxdp._src.train import get_params
+from jaxdp._src.train import whole_params
 
 PyTree = Any
 
@@ -162,29 +163,36 @@ def _rows(shape: tuple[int, ...], axis: int) -> int:
   return shape[axis] if len(shape) > axis else 1
 
 
-def _unpad(x: jax.Array, shape: tuple[int, ...], axis: int) -> jax.Array:
-  """A padded row-shard leaf back in its full shape, replicated (the rows do not divide)."""
-  replicated = NamedSharding(x.sharding.mesh, P())
+def _unpad(x: jax.Array, shape: tuple[int, ...], axis: int, mesh) -> jax.Array:
+  """Traced: a padded row-shard leaf back in its full shape, replicated (the rows do not
+  divide)."""
   rows = (slice(None),) * axis + (slice(0, _rows(shape, axis)),)
-  return jax.jit(lambda x: constrain(x, replicated.mesh, replicated.spec)[rows].reshape(shape),
-                 out_shardings=replicated)(x)
+  return constrain(constrain(x, mesh, P())[rows].reshape(shape), mesh, P())
 
 
 def _canonical(state: TrainState) -> dict[str, jax.Array]:
   """The arrays a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`."""
+  # One program for the whole state, never eager per-leaf gathers: with several processes
+  # each eager op on a global array is a program of its own, and dozens in flight hung
+  # 2-process jobs on a busy machine (issue 17).
+  return _canonical_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _canonical_program(state: TrainState, mesh) -> dict[str, jax.Array]:
   layout = state.layout
-  out = {f"params_{i}": jnp.asarray(x) for i, x in enumerate(leaves_of(get_params(state)))}
+  out = {f"params_{i}": x for i, x in enumerate(leaves_of(whole_params(state, mesh)))}
   masters = leaves_of(state.master)
   for i in _stored_masters(state):
     m, shape = masters[i], layout.shapes[i]
     out[f"master_{i}"] = m if tuple(m.shape) == shape else \
-        _unpad(m, shape, sharded_shape(layout, i)[1])
+        _unpad(m, shape, sharded_shape(layout, i)[1], mesh)
   for j, (x, (shape, axis)) in enumerate(zip(jax.tree.leaves(state.opt_state),
                                              _opt_forms(state))):
-    x = jnp.asarray(x)
-    out[f"opt_{j}"] = x if tuple(x.shape) == shape else _unpad(x, shape, axis)
+    out[f"opt_{j}"] = x if tuple(x.shape) == shape else \
+        _unpad(x, shape, axis, mesh)
   for j, x in enumerate(jax.tree.leaves(state.model_state)):
-    out[f"model_state_{j}"] = jnp.asarray(x)
+    out[f"model_state_{j}"] = x
   if state.rng is not None:
     out["rng"] = state.rng
   return out
@@ -207,9 +215,15 @@ def get_opt_state(state: TrainState) -> PyTree:
     >>> state.opt_state[0].mu["w"].shape, jaxdp.get_opt_state(state)[0].mu["w"].shape
     ((32,), (30,))
   """
+  return _opt_state_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _opt_state_program(state: TrainState, mesh) -> PyTree:
+  """One program (see `_canonical`); copies, so the view outlives the next donated step."""
   leaves, treedef = jax.tree.flatten(state.opt_state)
   return jax.tree.unflatten(treedef, [
-      x if tuple(x.shape) == tuple(shape) else _unpad(x, shape, axis)
+      jnp.copy(x) if tuple(x.shape) == tuple(shape) else _unpad(x, shape, axis, mesh)
       for x, (shape, axis) in zip(leaves, _opt_forms(state))])
 
 

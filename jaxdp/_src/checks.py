@@ -13,6 +13,8 @@ Also the two ends every strategy's step shares: `jit_step` (jit, donation, the h
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any, Sequence
 
 import jax
@@ -25,6 +27,31 @@ from jaxdp._src.mesh import DATA, REPLICA, constrain
 from jaxdp._src.state import TrainState, leaves_of
 
 PyTree = Any
+
+ENV_HEARTBEAT = "JAXDP_HEARTBEAT"
+"""A file each train step touches (`heartbeat`): the launcher's sign of progress."""
+
+_HEARTBEAT_EVERY_S = 1.0
+_last_heartbeat = [-_HEARTBEAT_EVERY_S]
+
+
+def heartbeat() -> None:
+  """Tells ``python -m jaxdp.launch`` this process is making progress.
+
+  Touches the file `JAXDP_HEARTBEAT` names (at most once a second); does nothing when it is
+  unset. Each train step calls it, so that a long silent run is not taken for a hang.
+  """
+  path = os.environ.get(ENV_HEARTBEAT)
+  now = time.monotonic()
+  if not path or now - _last_heartbeat[0] < _HEARTBEAT_EVERY_S:
+    return
+  _last_heartbeat[0] = now
+  try:
+    with open(path, "a"):
+      pass
+    os.utime(path)
+  except OSError:
+    pass  # The launcher's directory is gone (it is exiting): nothing to tell.
 
 
 class NonFiniteGradError(FloatingPointError):
@@ -200,6 +227,7 @@ class TrainStep:
 
   def __call__(self, state, batch):
     self._check_devices(state)
+    heartbeat()  # Progress, for the launcher's hang guard.
     if not self._config.check_for_nan_in_grad:
       return self._jitted(state, batch)
     new_state, metrics, finite = self._jitted(state, batch)
@@ -207,6 +235,8 @@ class TrainStep:
       raise TypeError("check_for_nan_in_grad=True reads the gradients' finiteness on the "
                       "host after each step, so the step cannot be called under jax.jit/"
                       "vmap/grad; call it from Python, or turn the check off")
+    # The flags (and the step counter below) are replicated: each process reads its own
+    # copy, with no program and no cross-process work of its own.
     finite = np.asarray(jax.device_get(finite))
     if not finite.all():
       layout = state.layout

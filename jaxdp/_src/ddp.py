@@ -131,21 +131,31 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
 
 
 def get_params(state: TrainState) -> PyTree:
-  """`jaxdp.get_params` for `no_shard`, `optim` and `optim_grads`."""
+  """`jaxdp.get_params` for `no_shard`, `optim` and `optim_grads`: one compiled program."""
+  # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
+  # processes each eager op on a global array is a program of its own, and dozens of them
+  # in flight hung 2-process jobs on a busy machine (issue 17). The copy inside it also
+  # keeps the result alive when the next step donates `state` (under `no_shard` the params
+  # *are* the state's buffers).
+  return _params_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _params_program(state: TrainState, mesh) -> PyTree:
+  return whole_params(state, mesh)
+
+
+def whole_params(state: TrainState, mesh) -> PyTree:
+  """Traced `get_params`: every leaf whole, fresh, in its own dtype and model sharding."""
   layout = state.layout
-  if not (_sharded(state.config) and state.config.overlap_param_gather):
-    return state.params
 
-  def gather(i, m):
-    mesh = m.sharding.mesh
-    m = jax.device_put(m, NamedSharding(mesh, P()))
-    x = unpad_leaf(m, layout, i).astype(layout.dtypes[i])
-    dims = model_spec(state, i, x.ndim)
-    return jax.device_put(x, NamedSharding(mesh, pspec(dims))) if any(dims) else x
+  def whole(i, x, m):
+    if x is None:  # gathered inside the next step: gather it from `master` here
+      x = unpad_leaf(constrain(m, mesh, P()), layout, i).astype(layout.dtypes[i])
+    return constrain(jnp.copy(x), mesh, pspec(model_spec(state, i, x.ndim)))
 
-  leaves = [x if x is not None else gather(i, m)
-            for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))]
-  return tree_of(layout, leaves)
+  return tree_of(layout, [whole(i, x, m) for i, (x, m) in
+                          enumerate(zip(leaves_of(state.params), leaves_of(state.master)))])
 
 
 # ----------------------------------------------------------------------------- step phases

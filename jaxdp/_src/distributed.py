@@ -312,4 +312,6 @@ def host_local_batch_to_global(batch: PyTree, mesh: Mesh, spec: PyTree = P(DATA)
             f"batch{jax.tree_util.keystr(path)}: dim {dim} of the local batch is {shape[dim]}, "
             f"not divisible by the {extent} devices of process {jax.process_index()} along "
             f"mesh axis {axes!r}; give each process a multiple of {extent} rows")
+  # Only local copies to this process's own devices: no program, no cross-process work, so
+  # it cannot interleave differently with the other processes' programs.
   return multihost_utils.host_local_array_to_global_array(batch, mesh, specs)

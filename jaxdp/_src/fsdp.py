@@ -147,17 +147,30 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
 
 
 def get_params(state: TrainState) -> PyTree:
-  """The whole param tree of an FSDP state, in the params' own dtypes."""
+  """The whole param tree of an FSDP state, in the params' own dtypes: one compiled program."""
+  # One jit over the whole tree, not an eager `device_put` + slice per leaf: with several
+  # processes each eager op is a program of its own and dozens in flight hung 2-process
+  # jobs on a busy machine (issue 17). Fresh arrays: they outlive the next (donating) step.
+  return _params_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _params_program(state: TrainState, mesh) -> PyTree:
+  return whole_params(state, mesh)
+
+
+def whole_params(state: TrainState, mesh) -> PyTree:
+  """Traced `get_params`: every leaf whole, fresh, in its own dtype, replicated."""
   layout = state.layout
   specs = param_specs(layout)
 
-  def whole(i, x):
-    x = jax.device_put(x, NamedSharding(x.sharding.mesh, P()))
-    return _unpad(x, specs[i]).astype(layout.dtypes[i])
+  def whole(i, x, m):
+    if m is not None or i in specs:  # stored padded and sharded: gather and unpad
+      x = _unpad(constrain(m if m is not None else x, mesh, P()), specs[i])
+    return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, P())
 
-  return tree_of(layout, [
-      whole(i, m) if m is not None else whole(i, x) if i in specs else x
-      for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))])
+  return tree_of(layout, [whole(i, x, m) for i, (x, m) in
+                          enumerate(zip(leaves_of(state.params), leaves_of(state.master)))])
 
 
 # ----------------------------------------------------------------------------- step

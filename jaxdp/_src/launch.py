@@ -6,6 +6,13 @@ process gets the `JAXDP_*` environment that `jaxdp.initialize` reads (coordinato
 `[pI]` prefix, and when one process fails the others are stopped: SIGTERM, then SIGKILL
 after a grace period. The launcher exits 0 only if every process exits 0.
 
+A job that stops making progress is ended too: when no process has written any output or
+started a train step (`jaxdp.make_train_step`'s steps touch the file named by
+`JAXDP_HEARTBEAT`) for `hang_timeout_s` seconds, the launcher asks every process for its
+Python stacks (SIGABRT, which `PYTHONFAULTHANDLER` turns into a dump of every thread),
+stops them and names where each one was. A multi-process job that hangs (processes waiting
+in different collectives) otherwise waits forever: nothing fails, nothing times out.
+
 The launcher itself never touches devices: importing JAX does not start its backend.
 """
 
@@ -16,18 +23,24 @@ import dataclasses
 import io
 import os
 import pathlib
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
-from jaxdp._src import distributed
+from jaxdp._src import checks, distributed
 
 _POLL_S = 0.05
 PROG = "python -m jaxdp.launch"
+HANG_TIMEOUT_S = 300.0
+"""Default `hang_timeout_s`: seconds without output or train step before a job counts as hung."""
+_DUMP_WAIT_S = 10.0  # How long a hung process may take to write its stacks and die.
 
 
 def free_port() -> int:
@@ -64,18 +77,37 @@ class _Worker:
   proc: subprocess.Popen
   threads: list[threading.Thread]
   stopped_by_launcher: bool = False
+  stderr_lines: list[bytes] | None = None  # Kept from the stack dump request on.
 
 
-def _pump(pipe: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Lock) -> None:
-  """Copies `pipe` to `sink` line by line, each line prefixed, until EOF."""
-  for line in iter(pipe.readline, b""):
-    if not line.endswith(b"\n"):
+def _pump(pipe: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Lock,
+          on_line: Callable[[bytes], None] = lambda line: None) -> None:
+  """Copies `pipe` to `sink` line by line, each line prefixed, until EOF.
+
+  `on_line` sees every line, and also every chunk that ends without a newline (a progress
+  bar's ``\r`` updates), so that any byte a process writes counts as progress.
+  """
+  pending = b""
+  while chunk := os.read(pipe.fileno(), 65536):
+    *lines, pending = (pending + chunk).split(b"\n")
+    if not lines:
+      on_line(b"")  # Output, but no complete line yet.
+    for line in lines:
       line += b"\n"
+      on_line(line)
+      with lock:
+        try:
+          sink.write(prefix + line)
+          sink.flush()
+        except (BrokenPipeError, ValueError):  # Our own stdout went away: keep draining.
+          pass
+  if pending:
+    on_line(pending + b"\n")
     with lock:
       try:
-        sink.write(prefix + line)
+        sink.write(prefix + pending + b"\n")
         sink.flush()
-      except (BrokenPipeError, ValueError):  # Our own stdout went away: keep draining.
+      except (BrokenPipeError, ValueError):
         pass
   pipe.close()
 
@@ -132,6 +164,7 @@ def launch(
     port: int | None = None,
     grace_period_s: float = 5.0,
     timeout_s: float | None = None,
+    hang_timeout_s: float | None = HANG_TIMEOUT_S,
     stdout: IO | None = None,
     stderr: IO | None = None,
 ) -> int:
@@ -147,13 +180,16 @@ def launch(
     grace_period_s: after SIGTERM (or SIGINT on Ctrl-C), how long a process may take
       to exit before it is SIGKILLed.
     timeout_s: stop everything and fail if the job runs longer than this; None: no limit.
+    hang_timeout_s: stop everything and fail if no process writes any output or starts a
+      train step for this long; the launcher first collects every process's Python stacks
+      (its stderr shows them, prefixed) and names where each one was. None or 0: never.
     stdout: where the processes' prefixed stdout goes (default `sys.stdout`).
     stderr: where their prefixed stderr and the launcher's own messages go (default
       `sys.stderr`).
 
   Returns:
     0 if every process exited 0. Otherwise the first failure's code (128 + N for a
-    death by signal N), 124 on timeout, 130 on Ctrl-C (SIGINT), 143 on SIGTERM.
+    death by signal N), 124 on timeout or hang, 130 on Ctrl-C (SIGINT), 143 on SIGTERM.
 
   Raises:
     ValueError: `num_processes` or `devices_per_process` below 1, or an empty command.
@@ -181,6 +217,8 @@ def launch(
     raise ValueError(f"num_processes={num_processes}: must be at least 1")
   if devices_per_process is not None and devices_per_process < 1:
     raise ValueError(f"devices_per_process={devices_per_process}: must be at least 1")
+  if hang_timeout_s is not None and hang_timeout_s < 0:
+    raise ValueError(f"hang_timeout_s={hang_timeout_s}: must be positive (0 or None: off)")
   if not command:
     raise ValueError("no command: give the script to run, e.g. `-- train.py --steps 3`")
   out = _binary(stdout or sys.stdout)
@@ -204,6 +242,17 @@ def launch(
   base_env[distributed.ENV_NUM_PROCESSES] = str(num_processes)
   if devices_per_process is not None:
     base_env[distributed.ENV_LOCAL_DEVICES] = str(devices_per_process)
+  # A hung process answers SIGABRT with the Python stacks of all its threads.
+  base_env.setdefault("PYTHONFAULTHANDLER", "1")
+  heartbeats = pathlib.Path(tempfile.mkdtemp(prefix="jaxdp-launch-"))
+  last_output = [time.monotonic()]
+
+  def saw(worker: _Worker, stream: str) -> Callable[[bytes], None]:
+    def on_line(line: bytes) -> None:
+      last_output[0] = time.monotonic()
+      if stream == "stderr" and worker.stderr_lines is not None and line:
+        worker.stderr_lines.append(line)
+    return on_line
 
   # SIGINT/SIGTERM to the launcher: stop the job (not the launcher mid-cleanup).
   received: list[int] = []
@@ -214,9 +263,11 @@ def launch(
       previous_handlers[sig] = signal.signal(sig, lambda s, _: received.append(s))
 
   workers: list[_Worker] = []
+  hung = False
   try:
     for i in range(num_processes):
-      env = dict(base_env, **{distributed.ENV_PROCESS_ID: str(i)})
+      env = dict(base_env, **{distributed.ENV_PROCESS_ID: str(i),
+                              checks.ENV_HEARTBEAT: str(heartbeats / f"p{i}")})
       # Own process group: a signal to the group reaches the worker and its children.
       argv = [sys.executable, *command]
       if sys.platform == "linux":
@@ -224,12 +275,14 @@ def launch(
       proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               start_new_session=True)
-      threads = [threading.Thread(target=_pump, args=(pipe, f"[p{i}] ".encode(), sink, lock),
-                                  daemon=True)
-                 for pipe, sink in ((proc.stdout, out), (proc.stderr, err))]
-      for t in threads:
+      worker = _Worker(i, proc, [])
+      worker.threads = [
+          threading.Thread(target=_pump, args=(pipe, f"[p{i}] ".encode(), sink, lock,
+                                               saw(worker, stream)), daemon=True)
+          for pipe, sink, stream in ((proc.stdout, out, "stdout"), (proc.stderr, err, "stderr"))]
+      for t in worker.threads:
         t.start()
-      workers.append(_Worker(i, proc, threads))
+      workers.append(worker)
     say(f"started {num_processes} processes (coordinator 127.0.0.1:{port}"
         + (f", {devices_per_process} devices each" if devices_per_process else "")
         + f"): pids {' '.join(str(w.proc.pid) for w in workers)}")
@@ -261,16 +314,27 @@ def launch(
             "stopping them")
         code = 124
         break
+      if hang_timeout_s and time.monotonic() - _last_progress(last_output[0], heartbeats) \
+          > hang_timeout_s:
+        hung, code = True, 124
+        _report_hang(workers, hang_timeout_s, say)
+        break
       time.sleep(_POLL_S)
   finally:
     _stop(workers, signal.SIGINT if signal.SIGINT in received else signal.SIGTERM,
           grace_period_s, say, received)
+    shutil.rmtree(heartbeats, ignore_errors=True)
     for sig, handler in previous_handlers.items():
       signal.signal(sig, handler)
 
   for w in workers:
     for t in w.threads:
       t.join(timeout=2.0)  # A grandchild that escaped the group may hold the pipe open.
+  if hung:
+    say(f"FAILED: the job hung: no output and no train step for {hang_timeout_s:g} s. "
+        "Where each process was (innermost frame first; full stacks above, prefixed [pI]):\n"
+        + "\n".join(f"  p{w.index} (pid {w.proc.pid}): {_where(w.stderr_lines or [])}"
+                    for w in workers))
   if code and failed is not None:
     others = [f"p{w.index}: {describe_exit(w.proc.returncode)}"
               + (" (stopped by the launcher)" if w.stopped_by_launcher else "")
@@ -278,6 +342,72 @@ def launch(
     say(f"FAILED: process {failed.index} failed with {describe_exit(failed.proc.returncode)}"
         + (f"; others: {', '.join(others)}" if others else ""))
   return code
+
+
+def _last_progress(last_output: float, heartbeats: pathlib.Path) -> float:
+  """`time.monotonic()` of the latest output line or train step of any process."""
+  latest = last_output
+  now_wall, now = time.time(), time.monotonic()
+  for beat in heartbeats.iterdir():
+    try:
+      latest = max(latest, now - (now_wall - beat.stat().st_mtime))
+    except OSError:
+      pass
+  return latest
+
+
+def _report_hang(workers: Sequence[_Worker], hang_timeout_s: float, say) -> None:
+  """Asks every running worker for its Python stacks (SIGABRT) and waits for the dumps."""
+  running = [w for w in workers if w.proc.poll() is None]
+  say(f"no output and no train step from any process for {hang_timeout_s:g} s: the job looks "
+      f"hung; asking processes {[w.index for w in running]} for their Python stacks (SIGABRT)")
+  for w in running:
+    w.stderr_lines = []
+  for w in running:  # All at once: one death makes the others' coordination clients abort.
+    try:
+      w.proc.send_signal(signal.SIGABRT)  # The worker itself, not its children.
+    except ProcessLookupError:
+      pass
+  deadline = time.monotonic() + _DUMP_WAIT_S
+  while any(w.proc.poll() is None for w in running) and time.monotonic() < deadline:
+    time.sleep(_POLL_S)
+  for w in running:
+    for t in w.threads:  # Let the pumps pass on the rest of the dump.
+      t.join(timeout=2.0)
+
+
+_FRAME = re.compile(rb'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+
+
+def _short_path(path: str) -> str:
+  """`path` relative to the working directory, or to its site-packages, if under one."""
+  if not os.path.isabs(path):
+    return path  # "<string>", "<frozen runpy>"
+  relative = os.path.relpath(path)
+  if not relative.startswith(os.pardir):
+    return relative
+  return path.rsplit("site-packages" + os.sep, 1)[-1]
+
+
+def _where(stderr_lines: Sequence[bytes]) -> str:
+  """The main thread's frames from a faulthandler dump, innermost first, on one line."""
+  blocks: list[tuple[bool, list[str]]] = []  # (the signalled thread?, frames)
+  for line in stderr_lines:
+    if re.match(rb"^(Current thread|Thread) 0x[0-9a-f]+", line):
+      blocks.append((line.startswith(b"Current"), []))
+    elif (match := _FRAME.match(line)) and blocks:
+      path = _short_path(match["file"].decode(errors="replace"))
+      blocks[-1][1].append(f"{match['func'].decode(errors='replace')} "
+                           f"({path}:{match['line'].decode()})")
+  # The main thread is the one running the script (`<module>` outermost); the signal may
+  # have landed on another thread.
+  main = [frames for _, frames in blocks if frames and frames[-1].startswith("<module> ")]
+  current = [frames for signalled, frames in blocks if signalled and frames]
+  frames = (main or current or [frames for _, frames in blocks if frames] or [[]])[0]
+  if not frames:
+    return ("no Python stack came back (not a Python process, or its SIGABRT handler is "
+            "not faulthandler's)")
+  return " <- ".join(frames)
 
 
 def _stop(workers: Sequence[_Worker], first_signal: int, grace_period_s: float, say,
@@ -309,8 +439,8 @@ def _stop(workers: Sequence[_Worker], first_signal: int, grace_period_s: float, 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=PROG,
-      usage=f"{PROG} --num-processes P [--devices-per-process D] [--port PORT] -- "
-            "SCRIPT [ARGS...]",
+      usage=f"{PROG} --num-processes P [--devices-per-process D] [--port PORT] "
+            "[--hang-timeout SECONDS] -- SCRIPT [ARGS...]",
       description="Run SCRIPT as P local processes of one JAX job (CPU, gloo collectives). "
                   "Each process reads its place in the job from JAXDP_COORDINATOR, "
                   "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID and JAXDP_LOCAL_DEVICES through "
@@ -325,6 +455,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="after SIGTERM, seconds before SIGKILL (default: 5)")
   parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                       help="fail if the job runs longer than this (default: no limit)")
+  parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
+                      help="fail if no process writes output or starts a train step for this "
+                           "long, naming where each process is (its Python stack); 0: never "
+                           f"(default: {HANG_TIMEOUT_S:g})")
   return parser
 
 
@@ -342,7 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.error("no script: put it after `--`, e.g. `-- train.py --steps 3`")
   try:
     return launch(command, args.num_processes, args.devices_per_process, port=args.port,
-                  grace_period_s=args.grace_period, timeout_s=args.timeout)
+                  grace_period_s=args.grace_period, timeout_s=args.timeout,
+                  hang_timeout_s=args.hang_timeout)
   except ValueError as e:
     parser.error(str(e))
     return 2  # Unreachable: parser.error exits.

@@ -193,7 +193,8 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
 def measured_bytes(state, device=None) -> dict[str, int]:
   """Bytes that one device holds of each field of a `TrainState`.
 
-  Sums `addressable_shards` on `device` (default: the first device of the state's mesh).
+  Sums `addressable_shards` on `device` (default: this process's first device of the
+  state's mesh). Reads only this process's shards' sizes: no cross-process work.
 
   Returns:
     `{"step": .., "params": .., "master": .., "opt_state": ..}`.
@@ -212,7 +213,9 @@ def measured_bytes(state, device=None) -> dict[str, int]:
   leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
             if isinstance(x, jax.Array)]
   if device is None:
-    device = min((d for x in leaves for d in x.sharding.device_set), key=lambda d: d.id)
+    me = jax.process_index()
+    device = min((d for x in leaves for d in x.sharding.device_set if d.process_index == me),
+                 key=lambda d: d.id)
 
   def field(tree):
     total = 0
@@ -296,7 +299,7 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
 
   - *predicted*: `jaxdp.inspect.memory_ledger` for `config`'s strategy and `dp`.
   - *measured*: `jaxdp.inspect.measured_bytes` of `jaxdp.init_state` on the first `dp`
-    CPU devices (None when there are fewer).
+    CPU devices of this process (None when it has fewer).
   - *compiled*: the train step compiled for `dp` H100s without a GPU
     (`compile_train_step`, `memory_analysis()`), when `loss_fn` and `batch` are given and
     the `aot` extra is installed (else None). `state` is the program's arguments less the
@@ -337,7 +340,9 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
   predicted_state = {**ledger.state, "step": 4}
 
   measured = None
-  cpus = jax.devices("cpu")
+  # This process's own devices: the measured state never spans processes, so building it
+  # needs no other process (in a multi-process job each measures on its own).
+  cpus = jax.local_devices(backend="cpu")
   if len(cpus) >= dp and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
     mesh = jax.sharding.Mesh(np.array(cpus[:dp]), ("data",))
     extra = {"fsdp": fsdp} if fsdp_step else {}

@@ -144,6 +144,12 @@ def nnx_split(model: nnx.Module,
   return params, loss_fn
 
 
+@jax.jit
+def _copied(tree: PyTree) -> PyTree:
+  """Fresh copies of `tree`'s arrays, in one program (not one eager op per leaf)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
 def _shapes(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
 
@@ -207,8 +213,8 @@ def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> 
     >>> model.kernel[...].tolist()
     [[0.0], [0.0]]
   """
-  if isinstance(params, TrainState):
-    model_state = params.model_state if model_state is None else model_state
+  if isinstance(params, TrainState):  # fresh copies: the next step donates the state
+    model_state = _copied(params.model_state) if model_state is None else model_state
     params = get_params(params)
   param_state = nnx.state(model, nnx.Param)
   _check_like(params, nnx.to_pure_dict(param_state), "nnx_merge")
@@ -285,8 +291,7 @@ class NNXOptimizer:
   def update_model(self, model: nnx.Module) -> nnx.Module:
     """Writes the state's params and model state into `model` (copies: they outlive the
     next step, which donates the state)."""
-    copy = lambda t: jax.tree.map(jnp.copy, t)
-    return nnx_merge(model, copy(get_params(self.state)), copy(self.state.model_state))
+    return nnx_merge(model, self.state)
 
 
 def nnx_train_step(model_loss: Callable, *, has_aux: bool = False, grad_accum_steps: int = 1,

@@ -93,6 +93,10 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
 def get_params(state: TrainState) -> PyTree:
   """The full model param tree of a state, in the params' own dtypes.
 
+  Fresh arrays: they stay valid after the state is donated to the next train step. The
+  gather, unpadding and copy of every leaf are one compiled program (with several processes,
+  eager per-leaf ops each ran a program of their own, and a job could hang; issue 17).
+
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
     >>> mesh = jax.make_mesh((8,), ("data",))
@@ -104,6 +108,13 @@ def get_params(state: TrainState) -> PyTree:
   if _fsdp_branch(state.config, None):
     return fsdp_lib.get_params(state)
   return ddp.get_params(state)
+
+
+def whole_params(state: TrainState, mesh) -> PyTree:
+  """Traced `get_params`, for a program that does more (a checkpoint's canonical form)."""
+  if _fsdp_branch(state.config, None):
+    return fsdp_lib.whole_params(state, mesh)
+  return ddp.whole_params(state, mesh)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
