@@ -70,6 +70,9 @@ class GPTConfig:
     remat: bool = False
     """Run each block under `jax.checkpoint`: the backward recomputes the block from its
     input instead of keeping its activations."""
+    dropout: float = 0.0
+    """Dropout rate on the embeddings (nanoGPT's `drop`); 0: no dropout and no RNG stream
+    in the model."""
 
     def __post_init__(self):
         object.__setattr__(self, "param_dtype", jnp.dtype(self.param_dtype))
@@ -79,6 +82,8 @@ class GPTConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
         if min(self.vocab_size, self.block_size, self.n_layer, self.n_head) < 1:
             raise ValueError(f"sizes must be >= 1, got {self}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout}; use a rate in [0, 1)")
         if self.lora_rank < 0:
             raise ValueError(f"lora_rank={self.lora_rank}; use 0 (no LoRA) or a positive rank")
 
@@ -193,6 +198,8 @@ class GPT(nnx.Module):
         else:
             self.blocks = nnx.List(blocks)
         self.ln_f = LayerNorm(config.d_model, config)
+        if config.dropout:  # last: the params draw the same values with and without it
+            self.drop = nnx.Dropout(config.dropout, rngs=rngs)
 
     def __call__(self, idx: jax.Array) -> jax.Array:
         B, T = idx.shape
@@ -202,6 +209,8 @@ class GPT(nnx.Module):
         # no out_sharding when the batch is explicitly sharded over a mesh.
         tok = jax.nn.one_hot(idx, self.config.vocab_size, dtype=self.wte.dtype) @ self.wte[...]
         x = tok + self.wpe[...][:T]
+        if self.config.dropout:
+            x = self.drop(x)
         if self.config.scan_layers:
             graphdef, stacked = nnx.split(self.blocks)
 

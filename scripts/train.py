@@ -13,6 +13,7 @@ Usage:
     python scripts/train.py --strategy optim         # ZeRO-1: optimizer state sharded
     python scripts/train.py --strategy optim_grads_params --dtype bfloat16  # FSDP, bf16
     python scripts/train.py --steps 2000 --n-layer 6 --d-model 256 --block-size 128
+    python scripts/train.py --dropout 0.1            # embedding dropout: a key per step and device
     python scripts/train.py --save-every 100         # checkpoint to <out>/checkpoints
     python scripts/train.py --save-every 100 --resume  # continue after a crash, any strategy
     python -m jaxdp.launch -n 2 -d 4 -- scripts/train.py  # 2 processes x 4 CPU devices
@@ -63,6 +64,7 @@ bucket_size = 100_000   # elements per bucket; small so this small model has sev
                         # (Megatron's default is max(40M, 1M * dp): one bucket here)
 eval_every = 50         # steps between validation losses (also at step 0 and at the end)
 eval_batches = 4
+dropout = 0.0           # embedding dropout rate; > 0 trains with a key per step and device
 seed = 0
 out = "out/train"
 cpu_devices = 8         # simulated devices when JAX has no accelerator
@@ -103,6 +105,9 @@ parser.add_argument("--bucket-size", type=int, default=bucket_size,
                          "max(40M, 1M * dp), would give this small model one bucket)")
 parser.add_argument("--eval-every", type=int, default=eval_every,
                     help="steps between validation losses (also at step 0 and at the end)")
+parser.add_argument("--dropout", type=float, default=dropout,
+                    help="embedding dropout rate; > 0 puts a key in the train state, from which "
+                         "each step and device draws its masks")
 parser.add_argument("--seed", type=int, default=seed,
                     help="init and data seed (step k's batch depends on seed and k alone)")
 parser.add_argument("--out", default=out,
@@ -232,9 +237,11 @@ def to_mesh(batch: dict) -> dict:
 
 gpt_config = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                        d_model=args.d_model, param_dtype=jnp.dtype(args.dtype),
-                       scan_layers=args.scan_layers)
+                       scan_layers=args.scan_layers, dropout=args.dropout)
 model = GPT(gpt_config, rngs=nnx.Rngs(args.seed))
 params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
+model.eval()  # validation without dropout
+_, eval_fn = jaxdp.nnx_split(model, gpt_loss)
 n_params = sum(x.size for x in jax.tree.leaves(params))
 
 schedule = optax.warmup_cosine_decay_schedule(
@@ -254,11 +261,14 @@ ddp_config = jaxdp.DDPConfig(data_parallel_sharding_strategy=args.strategy,
 fsdp = None
 if args.strategy == "optim_grads_params" and args.scan_layers:
     fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
-state = jaxdp.init_state(params, tx, mesh, ddp_config, fsdp=fsdp)
+# With dropout the state holds a key: each step's masks come from it, the step number and
+# the device's data shard (the same masks again after --resume).
+rng = jax.random.key(args.seed) if args.dropout else None
+state = jaxdp.init_state(params, tx, mesh, ddp_config, fsdp=fsdp, rng=rng)
 train_step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp_config, fsdp=fsdp)
 # params replicated, batches split over "data"; all batches in one program, not one each: in
 # a multi-process job every program spans the processes, and fewer in flight is safer
-eval_loss = jax.jit(lambda p, batches: jnp.mean(jnp.stack([loss_fn(p, b) for b in batches])))
+eval_loss = jax.jit(lambda p, batches: jnp.mean(jnp.stack([eval_fn(p, b) for b in batches])))
 
 print(f"devices: {n_dev} x {devices[0].platform} | strategy: {args.strategy} | "
       f"params: {n_params:,} ({args.dtype}) | corpus: {len(train_data):,} train bytes, "

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
 
 import jaxdp
 from jaxdp._src import distributed_optimizer
@@ -433,9 +434,11 @@ def test_shape_dependent_transformations_are_refused_on_padded_leaves():
   jaxdp.init_state(params, optax.adafactor(1e-3), mesh, jaxdp.DDPConfig())
 
 
-def test_shape_dependent_transformation_runs_where_nothing_is_padded():
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_shape_dependent_transformation_runs_where_nothing_is_padded(axis_type):
   """adafactor factors (256, 128) leaves: shape-dependent, but exact when dp divides every
-  leading dim (the optimizer then sees the true shapes)."""
+  leading dim (the optimizer then sees the true shapes); on meshes with Explicit axes (the
+  update runs with them made automatic) and with Auto axes."""
   k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
   params = {"w": jax.random.normal(k1, (256, 128)) * 0.05, "b": jnp.zeros((128,))}
   batch = {"x": jax.random.normal(k2, (16, 256)), "y": jax.random.normal(k3, (16, 128))}
@@ -445,18 +448,22 @@ def test_shape_dependent_transformation_runs_where_nothing_is_padded():
       tx, jaxdp.make_layout(params, dp=DP))
   ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
-  state, _, losses, _ = train(params, loss_fn, batch, tx, config, steps=5)
+  mesh = jax.make_mesh((DP,), ("data",), axis_types=(axis_type,))
+  state, _, losses, _ = train(params, loss_fn, batch, tx, config, mesh=mesh, steps=5)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
 
 
-def test_lamb_is_exact_on_padded_leaves():
-  """lamb's per-leaf trust ratio uses norms, which zero padding rows leave unchanged."""
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_lamb_is_exact_on_padded_leaves(axis_type):
+  """lamb's per-leaf trust ratio uses norms, which zero padding rows leave unchanged (on
+  either kind of mesh)."""
   params, loss_fn, batch = mlp_problem()
   tx = optax.lamb(schedule(), weight_decay=0.1)
   ref, ref_losses, _ = reference(params, loss_fn, batch, tx)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads", bucket_size=BUCKET)
-  state, _, losses, _ = train(params, loss_fn, batch, tx, config)
+  mesh = jax.make_mesh((DP,), ("data",), axis_types=(axis_type,))
+  state, _, losses, _ = train(params, loss_fn, batch, tx, config, mesh=mesh)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
 

@@ -52,7 +52,8 @@ def test_doctests(name):
 
 @pytest.mark.parametrize("name", ["jaxdp._src.layout", "jaxdp._src.buffer", "jaxdp._src.train",
                                   "jaxdp._src.config", "jaxdp._src.mesh", "jaxdp._src.state",
-                                  "jaxdp._src.units", "jaxdp._src.nnx", "jaxdp._src.plot"])
+                                  "jaxdp._src.units", "jaxdp._src.nnx", "jaxdp._src.plot",
+                                  "jaxdp._src.eval"])
 def test_public_api_has_examples(name):
   module = importlib.import_module(name)
   tests = doctest.DocTestFinder().find(module, name)

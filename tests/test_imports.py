@@ -28,13 +28,14 @@ LAYERS = (
     ("layout",),
     ("buffer",),
     ("collectives",),
+    ("loop",),
     ("state",),
     ("checks",),
     ("distributed_optimizer",),
     ("units", "fsdp_program"),
     ("ddp", "fsdp"),
     ("train",),
-    ("aot", "inspect", "distributed"),
+    ("aot", "inspect", "distributed", "eval"),
     ("ledger", "checkpoint", "nnx", "launch", "plot"),
 )
 """Bottom to top; the modules of one layer are peers and import none of each other."""

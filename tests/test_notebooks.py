@@ -36,6 +36,7 @@ IMAGES = {  # figures each notebook draws (at least)
     "02_overlap": 5,
     "03_memory_ledger": 5,
     "04_fsdp_units": 4,
+    "05_flax_loop": 3,
 }
 GPU_TARGET = {"02_overlap", "03_memory_ledger", "04_fsdp_units"}
 GPU_MARKER = "H100"  # what the first cell prints when it compiles for the GPU target

@@ -1,4 +1,5 @@
-"""scripts/train.py --save-every / --resume: a resumed run redoes exactly the lost steps."""
+"""scripts/train.py --save-every / --resume: a resumed run redoes exactly the lost steps (with
+dropout: the same masks)."""
 
 import json
 import os
@@ -11,7 +12,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size", "16",
-        "--batch-size", "16", "--steps", "8", "--eval-every", "4", "--save-every", "3"]
+        "--batch-size", "16", "--steps", "8", "--eval-every", "4", "--save-every", "3",
+        "--dropout", "0.1"]
 
 
 def _train(out, *args):

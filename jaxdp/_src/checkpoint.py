@@ -11,6 +11,9 @@ which depends only on the model and the optimizer:
   param's shape. A trainable param whose dtype is already fp32 or wider *is* its master
   (every strategy keeps the two bitwise equal), so it is stored once, under `params`;
 * `opt_state`: every optax state leaf, per-param leaves unpadded to the param's shape;
+* `model_state` (mutable model state: BatchNorm statistics) as it is (it is replicated), and
+  the raw data of the state's key (`rng`), so that a resumed run draws the keys of the
+  uninterrupted one;
 * the state's step counter and the caller's data position (any JSON value).
 
 So a checkpoint saved with dp=8 under `optim` restores with dp=4 under `optim_grads_params`
@@ -110,6 +113,10 @@ def _describe(state: TrainState) -> dict[str, Any]:
       "opt_state": [[jax.tree_util.keystr(path), list(shape), np.dtype(x.dtype).name]
                     for (path, x), (shape, _) in zip(keyed, _opt_forms(state))],
       "opt_state_structure": str(jax.tree.structure(state.opt_state)),
+      "model_state": [[jax.tree_util.keystr(path), list(np.shape(x)), np.dtype(x.dtype).name]
+                      for path, x in jax.tree_util.tree_flatten_with_path(
+                          state.model_state)[0]],
+      "rng": state.rng is not None,
   }
 
 
@@ -141,6 +148,12 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
     return ("the optimizer state has the structure "
             f"{saved['opt_state_structure']} in the checkpoint but "
             f"{want['opt_state_structure']} in `like` (another optimizer?)")
+  if msg := leaf("model_state", saved.get("model_state", []), want["model_state"]):
+    return msg + " (init_state(..., model_state=) for the same model?)"
+  if saved.get("rng", False) != want["rng"]:
+    return ("the checkpoint holds a key (init_state(..., rng=)) and `like` does not" if
+            want["rng"] is False else "`like` holds a key (init_state(..., rng=)) and the "
+            "checkpoint does not; build `like` without rng=")
   return None
 
 
@@ -178,7 +191,40 @@ def _canonical_program(state: TrainState, mesh) -> dict[str, jax.Array]:
                                              _opt_forms(state))):
     out[f"opt_{j}"] = x if tuple(x.shape) == shape else \
         _unpad(x, shape, axis, mesh)
+  for j, x in enumerate(jax.tree.leaves(state.model_state)):
+    out[f"model_state_{j}"] = x
+  if state.rng is not None:
+    out["rng"] = state.rng
   return out
+
+
+def get_opt_state(state: TrainState) -> PyTree:
+  """The optax state of `state` as one device would hold it: per-param leaves in their
+  param's shape (the sharded strategies' padding rows dropped), the rest as they are.
+
+  What optax helpers that read the state need, on every strategy: `schedule_free`'s
+  `optax.contrib.schedule_free_eval_params(jaxdp.get_opt_state(state),
+  jaxdp.get_params(state))`, `inject_hyperparams`' `.hyperparams`. The unpadded leaves are
+  replicated copies (gathered for the view); the state itself is not changed.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((30,))}, optax.adam(1e-3), mesh, config)
+    >>> state.opt_state[0].mu["w"].shape, jaxdp.get_opt_state(state)[0].mu["w"].shape
+    ((32,), (30,))
+  """
+  return _opt_state_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _opt_state_program(state: TrainState, mesh) -> PyTree:
+  """One program (see `_canonical`); copies, so the view outlives the next donated step."""
+  leaves, treedef = jax.tree.flatten(state.opt_state)
+  return jax.tree.unflatten(treedef, [
+      jnp.copy(x) if tuple(x.shape) == tuple(shape) else _unpad(x, shape, axis, mesh)
+      for x, (shape, axis) in zip(leaves, _opt_forms(state))])
 
 
 def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding,
@@ -325,7 +371,7 @@ class CheckpointManager:
 
     Returns:
       A `TrainState` with `like`'s layout, config and shardings, holding the checkpoint's
-      params, master params, optimizer state and step counter.
+      params, master params, optimizer state, step counter, model state and key.
 
     Raises:
       FileNotFoundError: there is no committed checkpoint (at `step`).
@@ -366,6 +412,10 @@ class CheckpointManager:
                                  place(meta["params"][i][1], masters[i]))
     for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
       abstract[f"opt_{j}"] = (shape, dtype, place(shape, opt[j]))
+    for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
+      abstract[f"model_state_{j}"] = (shape, dtype, replicated)
+    if meta.get("rng"):
+      abstract["rng"] = ((2,), "uint32", replicated)
     abstract = {k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=sh)
                 for k, (s, d, sh) in abstract.items()}
     stored = self._mgr.restore(step, args=ocp.args.Composite(
@@ -388,11 +438,15 @@ class CheckpointManager:
       opt_leaves, treedef = jax.tree.flatten(like.opt_state)
       new_opt = [_pad_from(stored[f"opt_{j}"], x, opt_shardings[j], opt_forms[j][1])
                  for j, x in enumerate(opt_leaves)]
+      ms_leaves, ms_def = jax.tree.flatten(like.model_state)
       return dataclasses.replace(
           like, step=jnp.asarray(meta["state_step"], like.step.dtype),
           params=jax.tree.unflatten(layout.treedef, new_params),
           master=jax.tree.unflatten(layout.treedef, new_master),
-          opt_state=jax.tree.unflatten(treedef, new_opt))
+          opt_state=jax.tree.unflatten(treedef, new_opt),
+          model_state=jax.tree.unflatten(ms_def, [stored[f"model_state_{j}"]
+                                                  for j in range(len(ms_leaves))]),
+          rng=stored["rng"] if like.rng is not None else None)
 
     shardings = jax.tree.map(lambda x: x.sharding, like)
     return jax.jit(build, out_shardings=shardings)(stored, like)

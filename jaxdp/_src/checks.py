@@ -188,12 +188,14 @@ def check_batch(batch, divisor: int):
 # ----------------------------------------------------------------------------- the step's ends
 
 def finish_step(new_state: TrainState, specs: TrainState, mesh, config: DDPConfig, loss,
-                grad_norm, grads):
+                grad_norm, grads, aux=None):
   """The end of every strategy's step: the new state placed as `specs` say (as
-  `init_state` placed it), the metrics, and with the NaN check on one "finite" flag per
-  grad leaf (read on the host by `TrainStep`)."""
+  `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
+  the NaN check on one "finite" flag per grad leaf (read on the host by `TrainStep`)."""
   new_state = jax.tree.map(lambda x, s: constrain(x, mesh, s), new_state, specs)
   metrics = {"loss": loss, "grad_norm": grad_norm}
+  if aux is not None:
+    metrics["aux"] = aux
   if config.check_for_nan_in_grad:
     return new_state, metrics, finite_leaves(grads)
   return new_state, metrics

@@ -34,6 +34,46 @@ def mean_over(x, axes: Sequence[str]):
   return jax.lax.pmean(x, tuple(axes))
 
 
+def data_index(axes: Sequence[str]) -> jax.Array:
+  """This device's index among the data-parallel shards of the batch (row-major over `axes`,
+  as the batch is split by `P(axes)`)."""
+  index = jnp.zeros((), jnp.int32)
+  for a in axes:
+    index = index * jax.lax.axis_size(a) + jax.lax.axis_index(a)
+  return index
+
+
+def _vary(x, axes: Sequence[str]):
+  missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def average_aux(tree, axes: Sequence[str]):
+  """The mean of every leaf over `axes` (aux metrics), in float32 for non-float leaves."""
+  def mean(x):
+    x = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+    return jax.lax.pmean(_vary(x, axes), tuple(axes))
+  return jax.tree.map(mean, tree)
+
+
+def sync_model_state(tree, axes: Sequence[str]):
+  """Mutable model state made equal on every device: a float leaf that differs across
+  `axes` (each device updated it from its own shard) is averaged over the axes it varies
+  over; a non-float leaf that differs takes the first shard's value (torch DDP's buffer
+  broadcast); a leaf that is already the same everywhere (the model reduced it itself, e.g.
+  SyncBatchNorm's `pmean`, or left it alone) is kept as it is."""
+  def sync(x):
+    varying = tuple(a for a in axes if a in jax.typeof(x).manual_axis_type.varying)
+    if not varying:
+      return x
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return jax.lax.pmean(x, varying)
+    first = data_index(varying) == 0
+    y = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
+    return jax.lax.psum(jnp.where(first, y, jnp.zeros_like(y)), varying).astype(x.dtype)
+  return jax.tree.map(sync, tree)
+
+
 def all_gather_bucket(local: Sequence[jax.Array], bucket: Bucket, dp: int,
                       to: str = "varying") -> list[jax.Array]:
   """All-gathers a bucket from every device's row blocks: one collective per bucket.

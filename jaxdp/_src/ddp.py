@@ -35,7 +35,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives
+from jaxdp._src import checks, collectives, loop
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
@@ -44,8 +44,8 @@ from jaxdp._src.distributed_optimizer import (check_exact, check_expert_rows, ga
 from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
 from jaxdp._src.mesh import (DATA, EXPERT, ModelSpec, constrain, data_axes, dp_size, experts_of,
                              manual_spec, model_specs_of, own_axes, pspec, with_data)
-from jaxdp._src.state import (TrainState, leaf_specs, leaves_of, model_spec, opt_params_of,
-                              state_specs, tree_of)
+from jaxdp._src.state import (TrainState, extra_specs, leaf_specs, leaves_of, model_spec,
+                              opt_params_of, state_specs, tree_of)
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -189,6 +189,8 @@ class _Plan:
   """optim* with overlap_param_gather: the params are gathered at the start of the step."""
   grad_accum_steps: int
   average: bool
+  has_aux: bool = False
+  """`loss_fn` returns `(loss, aux)` (see `loop`)."""
 
   def reduce_axes(self, buf) -> tuple[str, ...]:
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
@@ -221,17 +223,26 @@ def register_grad_ready_hooks(layout: Layout, plan: _Plan):
 
 
 def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, plan: _Plan,
-                     buckets, hooks, sinks):
-  """`(local loss, reduced buckets)` of the step's micro-batches.
+                     buckets, hooks, sinks, key=None, model_state=None):
+  """`(local loss, reduced buckets, aux, model state)` of the step's micro-batches.
 
   Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
   accumulated grads sum to the grad of the mean loss over the k× batch. `optim_grads`
   reduces every micro-batch through the hooks and sums the shards; the others accumulate
   the local grads of the first k-1 (`no_sync`) and carry them into the hooks with the last.
+  `loss_fn` is called through `loop.call_loss`: micro-batch `j` gets `fold_in(key, j)` and
+  the model state the one before it left (synced over the data axes); the aux is the mean
+  over the micro-batches (None without `has_aux`).
   """
   k = plan.grad_accum_steps
+  sync = lambda ms: collectives.sync_model_state(ms, plan.axes)
 
-  def hooked_loss(sinks, accs, mb):
+  def scaled_loss(leaves, mb, j, ms):
+    loss, extra = loop.call_loss(loss_fn, plan.has_aux, tree_of(layout, leaves), mb,
+                                 loop.micro_key(key, j), ms)
+    return loss / k, extra
+
+  def hooked_loss(sinks, accs, mb, j, ms):
     """The loss with every bucket's params passed through its hook: its grad w.r.t. the
     sinks is the reduced buckets (plus `accs`)."""
     leaves = list(full)
@@ -239,19 +250,20 @@ def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, pl
       out = hook([leaves[p.index] for p in b.params], sink, acc)
       for p, x in zip(b.params, out):
         leaves[p.index] = x
-    return loss_fn(tree_of(layout, leaves), mb) / k
+    return scaled_loss(leaves, mb, j, ms)
 
-  def local_accum(mb):
+  def local_accum(mb, j, ms):
     """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
     def loss_of_trainable(tleaves):
       leaves = list(full)
       for p, x in zip(layout.params, tleaves):
         leaves[p.index] = x
-      return loss_fn(tree_of(layout, leaves), mb) / k
-    loss, g = jax.value_and_grad(loss_of_trainable)([full[p.index] for p in layout.params])
+      return scaled_loss(leaves, mb, j, ms)
+    (loss, extra), g = jax.value_and_grad(loss_of_trainable, has_aux=True)(
+        [full[p.index] for p in layout.params])
     g = dict(zip((p.index for p in layout.params), g))
-    return loss, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
-                  for buf, b in buckets]
+    return loss, extra, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp,
+                                      buf.grad_dtype) for buf, b in buckets]
 
   micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
   zeros = [jnp.zeros_like(s) for s in sinks]
@@ -260,24 +272,31 @@ def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, pl
   last = jax.tree.map(lambda x: x[-1], micro)
   loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), plan.axes)  # a scan carry
   if plan.scatter_each_microbatch:
-    def body(carry, mb):
-      loss_sum, red_sum = carry
-      loss, red = jax.value_and_grad(hooked_loss)(sinks, acc_zero, mb)
-      return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)]), None
-    init = (loss_zero, zeros)
-    (loss, reduced), _ = jax.lax.scan(body, init, micro) if k > 1 else \
-        (body(init, last)[0], None)
-    return loss, reduced
-  loss, accs = loss_zero, acc_zero
+    def body(carry, xs):
+      loss_sum, red_sum, ms = carry
+      mb, j = xs
+      (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
+          sinks, acc_zero, mb, j, ms)
+      return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)], sync(ms)), aux
+    init = (loss_zero, zeros, model_state)
+    if k > 1:  # the aux of every micro-batch, stacked
+      (loss, reduced, model_state), auxs = jax.lax.scan(body, init, (micro, jnp.arange(k)))
+      return loss, reduced, loop.mean_micro(auxs, None, k), model_state
+    (loss, reduced, model_state), aux = body(init, (last, 0))
+    return loss, reduced, loop.mean_micro(None, aux, 1), model_state
+  loss, accs, first_aux = loss_zero, acc_zero, None
   if k > 1:
-    def body(carry, mb):
-      loss_sum, acc = carry
-      mb_loss, g = local_accum(mb)
-      return (loss_sum + mb_loss, [a + x for a, x in zip(acc, g)]), None
+    def body(carry, xs):
+      loss_sum, acc, ms = carry
+      mb, j = xs
+      mb_loss, (aux, ms), g = local_accum(mb, j, ms)
+      return (loss_sum + mb_loss, [a + x for a, x in zip(acc, g)], sync(ms)), aux
     first = jax.tree.map(lambda x: x[:-1], micro)
-    (loss, accs), _ = jax.lax.scan(body, (loss, accs), first)
-  mb_loss, reduced = jax.value_and_grad(hooked_loss)(sinks, accs, last)
-  return loss + mb_loss, reduced
+    (loss, accs, model_state), first_aux = jax.lax.scan(
+        body, (loss, accs, model_state), (first, jnp.arange(k - 1)))
+  (mb_loss, (aux, model_state)), reduced = jax.value_and_grad(hooked_loss, has_aux=True)(
+      sinks, accs, last, k - 1, model_state)
+  return loss + mb_loss, reduced, loop.mean_micro(first_aux, aux, k), sync(model_state)
 
 
 def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
@@ -314,24 +333,30 @@ def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
   return loss, jnp.sqrt(sq)
 
 
-def local_grads(loss_fn: LossFn, plan: _Plan, params, master, batch, layout: Layout,
-                own_axes):
+def local_grads(loss_fn: LossFn, plan: _Plan, params, master, batch, key, model_state,
+                layout: Layout, own_axes):
   """Per device, inside the step's `shard_map`: the reduced grad of every trainable param
-  (`finish_grad_sync`), the global mean loss and the global grad norm.
+  (`finish_grad_sync`), the global mean loss and the global grad norm, the aux averaged
+  over the data axes and the new model state (see `loop`).
 
+  `key`: the step's key data (None without one), folded here with this device's shard.
   `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
   """
+  key = loop.device_key(key, collectives.data_index(plan.axes))
   full = start_param_sync(params, master, layout, plan, own_axes)
   buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
-  loss, reduced = forward_backward(loss_fn, full, batch, layout, plan, buckets, hooks, sinks)
+  loss, reduced, aux, model_state = forward_backward(
+      loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state)
   loss, grad_norm = grad_metrics(loss, reduced, layout, plan, buckets)
-  return finish_grad_sync(reduced, layout, plan, buckets), loss, grad_norm
+  return (finish_grad_sync(reduced, layout, plan, buckets), loss, grad_norm,
+          collectives.average_aux(aux, plan.axes), model_state)
 
 
 # ----------------------------------------------------------------------------- step
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1) -> checks.TrainStep:
+                    config: DDPConfig, *, grad_accum_steps: int = 1,
+                    has_aux: bool = False) -> checks.TrainStep:
   """`jaxdp.make_train_step` for `no_shard`, `optim` and `optim_grads`, after its argument
   checks (see the module docstring)."""
   axes = data_axes(mesh)
@@ -341,7 +366,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
       axes=axes, axis_sizes=tuple(mesh.shape.items()), dp=dp, sharded=sharded,
       scatter_each_microbatch=config.data_parallel_sharding_strategy == "optim_grads",
       gather_in_step=sharded and config.overlap_param_gather,
-      grad_accum_steps=grad_accum_steps, average=config.average_in_collective)
+      grad_accum_steps=grad_accum_steps, average=config.average_in_collective,
+      has_aux=has_aux)
   batch_spec = P(axes)
 
   def step(state: TrainState, batch):
@@ -356,15 +382,17 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     grad_specs = [manual_spec(with_data(d, axes, layout.shard_axes[i]) if sharded else d, axes)
                   if t else None for i, (t, d) in enumerate(zip(layout.trainable, model_dims))]
     own = tuple(own_axes(d, axes) for d in model_dims)
-    grads, loss, grad_norm = jax.shard_map(
+    extras = extra_specs(state)
+    grads, loss, grad_norm, aux, model_state = jax.shard_map(
         functools.partial(local_grads, loss_fn, plan, layout=layout, own_axes=own), mesh=mesh,
         in_specs=(tree_of(layout, manual(param_dims)), tree_of(layout, manual(master_dims)),
-                  batch_spec),
-        out_specs=(tree_of(layout, grad_specs), P(), P()),
-        axis_names=set(axes))(state.params, state.master, batch)
+                  batch_spec, extras["rng"], extras["model_state"]),
+        out_specs=(tree_of(layout, grad_specs), P(), P(), P(), extras["model_state"]),
+        axis_names=set(axes))(state.params, state.master, batch,
+                              loop.step_key(state.rng, state.step), state.model_state)
 
     opt_params = opt_params_of(layout, state.params, state.master)
-    updates, opt_state = tx.update(grads, state.opt_state, opt_params)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
     new = leaves_of(optax.apply_updates(opt_params, updates))
 
     params, master = leaves_of(state.params), leaves_of(state.master)
@@ -378,8 +406,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     if sharded and not config.overlap_param_gather:
       params = gather_params(master, layout, mesh, params, state)
     new_state = dataclasses.replace(state, step=state.step + 1, params=tree_of(layout, params),
-                                    master=tree_of(layout, master), opt_state=opt_state)
+                                    master=tree_of(layout, master), opt_state=opt_state,
+                                    model_state=model_state)
     return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
-                              grads)
+                              grads, aux if has_aux else None)
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))

@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives, fsdp_program
+from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src.buffer import pad_rows, unpad_rows
 from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import check_exact
 from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype
 from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of
-from jaxdp._src.state import TrainState, leaves_of, opt_params_of, tree_of
+from jaxdp._src.state import TrainState, extra_specs, leaves_of, opt_params_of, tree_of
 from jaxdp._src.units import assign_units, param_specs, units_of
 
 PyTree = Any
@@ -98,7 +98,7 @@ def state_specs(state: TrainState) -> TrainState:
   return dataclasses.replace(
       state, step=P(), params=tree_of(layout, params), master=tree_of(layout, master),
       opt_state=jax.tree.map(lambda x: _spec(x.ndim, by_shape.get(tuple(x.shape))),
-                             state.opt_state))
+                             state.opt_state), **extra_specs(state))
 
 
 def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
@@ -164,71 +164,102 @@ def whole_params(state: TrainState, mesh) -> PyTree:
 
 # ----------------------------------------------------------------------------- step
 
+def call_with_units(call: Callable, layout: Layout, stored: list, tmaster: dict,
+                    units: list, fsdp: FSDPConfig, axes, *args):
+  """Inside the step: `call(params, *args)` with every unit gathered where the traced program
+  uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
+  values = dict(enumerate(stored))
+  values.update(tmaster)
+  leaf_avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+  return fsdp_program.run_loss(lambda tree, a: call(tree, *a), layout.treedef, leaf_avals,
+                               values, units, args, axes, reshard=fsdp.reshard_after_forward,
+                               prefetch=fsdp.prefetch)
+
+
+def unit_collectives(layout: Layout, mesh, config: DDPConfig) -> list:
+  """Inside the step: each unit's gather (forward all-gather) and scatter (backward
+  reduce-scatter), as `fsdp_program.run_loss` takes them."""
+  return [fsdp_program.UnitIO(u.name, u.trainable, u.frozen, bool(u.layers),
+                              *collectives.unit_collectives(
+                                  u.gather, u.grad,
+                                  {i: master_dtype(layout.dtypes[i]) for i in u.trainable},
+                                  dp=dp_size(mesh), axes=data_axes(mesh),
+                                  average=config.average_in_collective))
+          for u in units_of(layout)]
+
+
 def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: int = 1,
-                 fsdp: FSDPConfig | None = None):
-  """`grad_fn(state, batch) -> (grads, loss, grad_norm)`: what an FSDP step hands the optimizer.
+                 fsdp: FSDPConfig | None = None, has_aux: bool = False):
+  """`grad_fn(state, batch) -> (grads, loss, grad_norm, aux, model_state)`: what an FSDP step
+  hands the optimizer.
 
   `grads` is a tree like `state.master`: each trainable param's reduced (mean over the
   global batch) gradient, padded like the master and sharded over "data" like it, so every
   device holds 1/dp of it; `loss` is the global mean and `grad_norm` the global norm of
-  `grads`, both from one scalar all-reduce. Traceable; `make_train_step` calls it inside
-  its jitted step.
+  `grads`, both from one scalar all-reduce; `aux` (None without `has_aux`) and the new
+  `model_state` (None when the state holds none) are as `jaxdp.make_train_step` describes.
+  Traceable; `make_train_step` calls it inside its jitted step.
   """
   fsdp = fsdp or FSDPConfig()
   axes, dp, k = data_axes(mesh), dp_size(mesh), grad_accum_steps
 
-  def local_grads(master, params, batch, layout: Layout):
-    """Per device: this device's rows of every trainable param's grad, and the loss."""
+  def local_grads(master, params, batch, key, model_state, layout: Layout):
+    """Per device: this device's rows of every trainable param's grad, the loss, the aux and
+    the new model state."""
+    key = loop.device_key(key, collectives.data_index(axes))
     stored, trainable = leaves_of(params), layout.trainable
-    units = [fsdp_program.UnitIO(u.name, u.trainable, u.frozen, bool(u.layers),
-                                 *collectives.unit_collectives(
-                                     u.gather, u.grad,
-                                     {i: master_dtype(layout.dtypes[i]) for i in u.trainable},
-                                     dp=dp, axes=axes, average=config.average_in_collective))
-             for u in units_of(layout)]
-    leaf_avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+    units = unit_collectives(layout, mesh, config)
 
-    def loss_of(tmaster, mb):
-      values = dict(enumerate(stored))
-      values.update(tmaster)
-      loss = fsdp_program.run_loss(loss_fn, layout.treedef, leaf_avals, values, units, mb,
-                                   axes, reshard=fsdp.reshard_after_forward,
-                                   prefetch=fsdp.prefetch)
-      return loss / k
+    def loss_of(tmaster, mb, j, ms):
+      loss, extra = call_with_units(
+          lambda tree, mb, key, ms: loop.call_loss(loss_fn, has_aux, tree, mb, key, ms),
+          layout, stored, tmaster, units, fsdp, axes, mb, loop.micro_key(key, j), ms)
+      return loss / k, extra
 
-    grad_fn = jax.value_and_grad(loss_of)
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+    sync = lambda ms: collectives.sync_model_state(ms, axes)
     tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
     if k == 1:
-      loss, grads = grad_fn(tmaster, batch)
+      (loss, (aux, model_state)), grads = grad_fn(tmaster, batch, 0, model_state)
+      model_state, aux = sync(model_state), loop.mean_micro(None, aux, 1)
     elif not fsdp.reshard_after_backward:  # one gather and one reduce-scatter per step
       micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
       values = dict(enumerate(stored))
       values.update(tmaster)
       full = {**values, **fsdp_program.gather_units(units, values)}
 
-      def micro_loss(ftrain, mb):
+      def micro_loss(ftrain, mb, j, ms):
         leaves = [ftrain.get(i, full[i]) for i in range(len(trainable))]
-        return loss_fn(tree_of(layout, leaves), mb) / k
+        loss, extra = loop.call_loss(loss_fn, has_aux, tree_of(layout, leaves), mb,
+                                     loop.micro_key(key, j), ms)
+        return loss / k, extra
 
-      def body(carry, mb):
-        loss, g = jax.value_and_grad(micro_loss)({i: full[i] for i in tmaster}, mb)
-        return jax.tree.map(jnp.add, carry, (loss, jax.tree.map(
-            lambda x: x.astype(jnp.float32), g))), None
+      def body(carry, xs):
+        loss_sum, grad_sum, ms = carry
+        (loss, (aux, ms)), g = jax.value_and_grad(micro_loss, has_aux=True)(
+            {i: full[i] for i in tmaster}, *xs, ms)
+        grad_sum = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grad_sum, g)
+        return (loss_sum + loss, grad_sum, sync(ms)), aux
 
       zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
               collectives.make_varying({i: jnp.zeros(full[i].shape, jnp.float32)
-                                        for i in tmaster}, axes))
-      (loss, whole), _ = jax.lax.scan(body, zero, micro)
+                                        for i in tmaster}, axes), model_state)
+      (loss, whole, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
+      aux = loop.mean_micro(auxs, None, k)
       grads = fsdp_program.scatter_units(units, whole)
     else:  # every micro-batch gathers and reduce-scatters; the shards add up
       micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
-      def body(carry, mb):
-        return jax.tree.map(jnp.add, carry, grad_fn(tmaster, mb)), None
+      def body(carry, xs):
+        loss_sum, grad_sum, ms = carry
+        (loss, (aux, ms)), grads = grad_fn(tmaster, *xs, ms)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sync(ms)), aux
 
       zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
-              jax.tree.map(jnp.zeros_like, tmaster))
-      (loss, grads), _ = jax.lax.scan(body, zero, micro)
+              jax.tree.map(jnp.zeros_like, tmaster), model_state)
+      (loss, grads, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
+      aux = loop.mean_micro(auxs, None, k)
+    aux = collectives.average_aux(aux, axes)
     # The global mean loss and grad norm in one collective: every device holds a distinct
     # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards, so the
     # norm² of the local shards summed over all devices counts each element `replicas` times.
@@ -238,7 +269,7 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
     return (tree_of(layout, [grads.get(i) for i in range(len(trainable))]), loss / dp,
-            jnp.sqrt(sq / replicas))
+            jnp.sqrt(sq / replicas), aux, model_state)
 
   def grad_fn(state: TrainState, batch):
     specs = state_specs(state)
@@ -246,33 +277,36 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     return jax.shard_map(
         functools.partial(local_grads, layout=state.layout), mesh=mesh,
-        in_specs=(specs.master, specs.params, batch_spec),
-        out_specs=(specs.master, P(), P()), axis_names=set(axes))(state.master, state.params, batch)
+        in_specs=(specs.master, specs.params, batch_spec, specs.rng, specs.model_state),
+        out_specs=(specs.master, P(), P(), P(), specs.model_state),
+        axis_names=set(axes))(state.master, state.params, batch,
+                              loop.step_key(state.rng, state.step), state.model_state)
 
   return grad_fn
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                     config: DDPConfig, *, grad_accum_steps: int = 1,
-                    fsdp: FSDPConfig | None = None):
+                    fsdp: FSDPConfig | None = None, has_aux: bool = False):
   """`jaxdp.make_train_step` for `optim_grads_params`, after its argument checks (see the
   module docstring)."""
   fsdp = fsdp or FSDPConfig()
   k = grad_accum_steps
-  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp)
+  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp,
+                         has_aux=has_aux)
 
   def step(state: TrainState, batch):
     layout = state.layout
     _check_state(state, mesh, config, fsdp)
     checks.check_batch(batch, dp_size(mesh) * k)
-    grads, loss, grad_norm = grad_fn(state, batch)
+    grads, loss, grad_norm, aux, model_state = grad_fn(state, batch)
     opt_params = opt_params_of(layout, state.params, state.master)
-    updates, opt_state = tx.update(grads, state.opt_state, opt_params)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
     master = optax.apply_updates(opt_params, updates)
     new_state = dataclasses.replace(state, step=state.step + 1, master=master,
-                                    opt_state=opt_state)
+                                    opt_state=opt_state, model_state=model_state)
     return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
-                              grads)
+                              grads, aux if has_aux else None)
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform,
                                                               fsdp.prefetch))

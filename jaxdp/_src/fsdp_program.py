@@ -434,8 +434,10 @@ class _Op:
 
 def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStruct],
              values: dict, units: Sequence[UnitIO], batch: PyTree, axes: Sequence[str], *,
-             reshard: bool = True, prefetch: int = 1) -> jax.Array:
-  """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring).
+             reshard: bool = True, prefetch: int = 1) -> PyTree:
+  """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring);
+  its output may be any pytree (a loss, or a loss with aux and model state; an eval step's
+  outputs), and `batch` any pytree of the other inputs (the batch, a key, model state).
 
   Args:
     loss_fn: the user's loss.
@@ -457,7 +459,8 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
     return collectives.make_varying(x, tuple(axes)) if axes else x
 
   args = [stand_in(a) if i in unit_of else values[i] for i, a in enumerate(leaf_avals)]
-  closed = jax.make_jaxpr(lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b))(
+  closed, out_shape = jax.make_jaxpr(
+      lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True)(
       args, batch)
   flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
       *args, *jax.tree.leaves(batch))
@@ -593,5 +596,5 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
       defined = dict(zip(eqn.outvars, outs_all))
       outs = [defined[v] for v in op.outs]
     env.update(zip(op.outs, outs))
-  (loss,) = [_read(env, v) for v in jaxpr.outvars]
-  return loss
+  return jax.tree.unflatten(jax.tree.structure(out_shape),
+                           [_read(env, v) for v in jaxpr.outvars])

@@ -13,27 +13,45 @@ model:
     state, metrics = train_step(state, batch)
   jaxdp.nnx_merge(model, jaxdp.get_params(state))
 
-Non-param state (`nnx.Rngs` streams, `nnx.BatchStat` running statistics, any other
-`nnx.Variable` that is not an `nnx.Param`) is *frozen at split time*: `loss_fn`
-reads the values the model held when `nnx_split` was called and never updates
-them (`loss_fn` is pure, so it cannot). That is exact for models without such state
-(the GPT and MLP in `models/`) and for BatchNorm/Dropout in eval mode; a model that
-must advance RNG streams or running statistics while training does not fit this
-adapter.
+Non-param state takes one of two routes, depending on what the train state holds:
+
+* `nnx.Rngs` streams (`nnx.RngState`): with `init_state(..., rng=key)` the step hands
+  `loss_fn` a fresh key per step and per data shard (`rng=`), and every stream of the
+  rebuilt model restarts from it (stream `j` in tree order from `fold_in(rng, j)`, count
+  0): dropout draws new masks every step and on every device. Without a key the streams
+  are frozen at split time: the same masks every step, on every device.
+* Everything else (`nnx.BatchStat` running statistics, any other non-`Param`
+  `nnx.Variable`): with `init_state(..., model_state=jaxdp.nnx_model_state(model))` it is
+  the train state's `model_state`: `loss_fn` gets it (`model_state=`), returns what the
+  forward wrote (`(loss, new_model_state)`), and the step averages it over the data axes
+  (see `make_train_step`); `nnx_merge(model, state)` writes it back. Without it, it is frozen
+  at split time (exact for BatchNorm in eval mode, and for models without such state).
+
+With both::
+
+  params, loss_fn = jaxdp.nnx_split(model, model_loss)
+  state = jaxdp.init_state(params, tx, mesh, config, rng=jax.random.key(0),
+                           model_state=jaxdp.nnx_model_state(model))
+  ...
+  jaxdp.nnx_merge(model, state)  # params and running statistics
 """
 
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
+from jaxdp._src.state import TrainState
+from jaxdp._src.train import get_params, init_state, make_train_step
 from jaxdp._src.units import sharded_paths
 
 PyTree = Any
 
 
 def _check_like(params: PyTree, template: PyTree, what: str, check_dtype: bool = True,
-                skip_shape: frozenset[str] = frozenset()) -> None:
+                skip_shape: frozenset[str] = frozenset(),
+                what_tree: str = "nnx.Param tree") -> None:
   """Raise ValueError naming the first leaf where `params` differs from `template`.
 
   Leaves whose path is in `skip_shape` (FSDP layer shards) are not shape-checked.
@@ -44,7 +62,7 @@ def _check_like(params: PyTree, template: PyTree, what: str, check_dtype: bool =
             for p, _ in jax.tree_util.tree_leaves_with_path(template)}
     missing, extra = sorted(want - got), sorted(got - want)
     raise ValueError(
-        f"{what}: params do not match the model's nnx.Param tree "
+        f"{what}: params do not match the model's {what_tree} "
         f"(missing {missing[:5]}, unexpected {extra[:5]}); pass the params that "
         "jaxdp.nnx_split returned (or jaxdp.get_params of their train state)")
   for (path, p), t in zip(jax.tree_util.tree_leaves_with_path(params),
@@ -71,9 +89,12 @@ def nnx_split(model: nnx.Module,
     `(params, loss_fn)`: `params` is a nested `dict` of the model's
     `nnx.Param` arrays (`nnx.to_pure_dict` form: attribute names and list
     indices as keys; the arrays are the model's own, not copies), and
-    `loss_fn(params, batch)` rebuilds the model from `params` and returns
-    `model_loss(model, batch)`. Non-param state is frozen at split time (see the
-    module docstring).
+    `loss_fn(params, batch, *, rng=None, model_state=None)` rebuilds the model from
+    `params` and returns `model_loss(model, batch)`: with `rng` its RNG streams restart
+    from that key, with `model_state` (in `nnx_model_state` form) its other non-param
+    variables are set from it and `loss_fn` returns `(loss, new_model_state)`, or
+    `(loss, (aux, new_model_state))` when `model_loss` returns `(loss, aux)` (see the
+    module docstring; `make_train_step` passes both when the state holds them).
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -89,41 +110,97 @@ def nnx_split(model: nnx.Module,
     >>> bool(loss_fn(params, batch) == model_loss(model, batch))
     True
   """
-  graphdef, param_state, rest = nnx.split(model, nnx.Param, ...)
+  graphdef, param_state, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   params = nnx.to_pure_dict(param_state)
   state_def = jax.tree.structure(param_state)
   template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
 
+  rng_leaves, rng_def = jax.tree.flatten(rng_state)
   rest_leaves, rest_def = jax.tree.flatten(rest)
+  rest_template = _shapes(nnx.to_pure_dict(rest))
 
-  def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
+  def loss_fn(params: PyTree, batch: PyTree, *, rng=None, model_state=None):
     _check_like(params, template, "loss_fn", check_dtype=False,  # trace time only
                 skip_shape=sharded_paths())
     # Fresh Variables on every call, so whatever model_loss writes into the rebuilt
     # model (stats, RNG counts) dies with it and never leaks out, not even tracers.
     state = jax.tree.unflatten(state_def, jax.tree.leaves(params))
-    frozen = jax.tree.unflatten(rest_def, rest_leaves)
-    return model_loss(nnx.merge(graphdef, state, frozen), batch)
+    rngs = jax.tree.unflatten(rng_def, rng_leaves if rng is None else _reseed(rng_leaves, rng))
+    if model_state is not None:
+      _check_like(model_state, rest_template, "loss_fn's model_state", check_dtype=False,
+                  what_tree="non-param variables (jaxdp.nnx_model_state)")
+    rest = jax.tree.unflatten(rest_def, rest_leaves if model_state is None
+                              else jax.tree.leaves(model_state))
+    model = nnx.merge(graphdef, state, rngs, rest)
+    out = model_loss(model, batch)
+    if model_state is None:
+      return out
+    written = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]
+    new = jax.tree.unflatten(jax.tree.structure(model_state), jax.tree.leaves(written))
+    if isinstance(out, (tuple, list)) and len(out) == 2:  # (loss, aux)
+      return out[0], (out[1], new)
+    return out, new
 
   return params, loss_fn
 
 
-def nnx_merge(model: nnx.Module, params: PyTree) -> nnx.Module:
-  """Write trained `params` back into `model` (in place) and return it.
+@jax.jit
+def _copied(tree: PyTree) -> PyTree:
+  """Fresh copies of `tree`'s arrays, in one program (not one eager op per leaf)."""
+  return jax.tree.map(jnp.copy, tree)
+
+
+def _shapes(tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
+def _reseed(leaves: list, rng) -> list:
+  """RNG stream leaves (keys and counts, in tree order) restarted from `rng`: stream `j`'s
+  key is `fold_in(rng, j)` (split to the stream's shape for batched keys), counts 0."""
+  out, j = [], 0
+  for x in leaves:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      key = jax.random.fold_in(rng, j)
+      out.append(jax.random.split(key, x.shape) if x.shape else key)
+      j += 1
+    else:
+      out.append(jnp.zeros_like(x))
+  return out
+
+
+def nnx_model_state(model: nnx.Module) -> PyTree:
+  """The model's non-param, non-RNG variables (`nnx.BatchStat` running statistics, ...) as a
+  nested dict of arrays: the `model_state` to give `init_state` for an `nnx_split` loss.
+
+  Examples:
+    >>> from flax import nnx
+    >>> import jaxdp
+    >>> model = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+    >>> jaxdp.nnx_model_state(model)
+    {'mean': Array([0., 0., 0.], dtype=float32), 'var': Array([1., 1., 1.], dtype=float32)}
+  """
+  return nnx.to_pure_dict(nnx.split(model, nnx.Param, nnx.RngState, ...)[3])
+
+
+def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> nnx.Module:
+  """Write trained `params` (and `model_state`) back into `model` (in place) and return it.
 
   Args:
     model: the `nnx.Module` that `params` were split from (or one of the same
       structure).
     params: a nested dict of arrays in `nnx_split` form, e.g.
-      `jaxdp.get_params(state)`.
+      `jaxdp.get_params(state)`; or a `TrainState`, for its params and its
+      `model_state`.
+    model_state: the non-param variables in `nnx_model_state` form (e.g.
+      `state.model_state`); None leaves them as they are.
 
   Returns:
-    `model`, its `nnx.Param` values replaced by `params`. Non-param state is
-    left as it was.
+    `model`, its `nnx.Param` values replaced by `params` (and its other non-RNG
+    variables by `model_state`). RNG streams are left as they were.
 
   Raises:
-    ValueError: if `params` is missing a param, has an extra one, or a leaf's
-      shape or dtype differs from the model's.
+    ValueError: if `params` (`model_state`) is missing a leaf, has an extra one, or a
+      leaf's shape or dtype differs from the model's.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -136,8 +213,122 @@ def nnx_merge(model: nnx.Module, params: PyTree) -> nnx.Module:
     >>> model.kernel[...].tolist()
     [[0.0], [0.0]]
   """
+  if isinstance(params, TrainState):  # fresh copies: the next step donates the state
+    model_state = _copied(params.model_state) if model_state is None else model_state
+    params = get_params(params)
   param_state = nnx.state(model, nnx.Param)
   _check_like(params, nnx.to_pure_dict(param_state), "nnx_merge")
   state = jax.tree.unflatten(jax.tree.structure(param_state), jax.tree.leaves(params))
   nnx.update(model, state)
+  if model_state is not None:
+    rest = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]
+    _check_like(model_state, nnx.to_pure_dict(rest), "nnx_merge's model_state",
+                what_tree="non-param variables (jaxdp.nnx_model_state)")
+    nnx.update(model, jax.tree.unflatten(jax.tree.structure(rest),
+                                         jax.tree.leaves(model_state)))
   return model
+
+
+# ----------------------------------------------------------------------------- the NNX loop
+
+def _model_key(model: nnx.Module):
+  """The key of the model's first RNG stream (None without streams): the default train key."""
+  keys = [x for x in jax.tree.leaves(nnx.state(model, nnx.RngKey))
+          if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  return keys[0] if keys and not keys[0].shape else None
+
+
+class NNXOptimizer:
+  """`nnx.Optimizer` for jaxdp: holds the `TrainState` of an NNX model on a mesh.
+
+  Built like `nnx.Optimizer(model, tx)` plus the mesh and config; `nnx_train_step` makes
+  the step that trains the model with it and writes the result back into the model
+  (model in, model out), so an NNX loop changes a few lines (README, "The NNX loop").
+
+  The state holds the model's `nnx.Param`s (trained), its other non-RNG variables as
+  `model_state` (BatchNorm statistics: averaged over the data axes each step, see
+  `make_train_step`) and a key (`rng`; default: the key of the model's first RNG stream),
+  from which every step's dropout keys are derived per step and per data shard.
+
+  Args:
+    model: the `nnx.Module` to train. Its arrays are copied, not donated.
+    tx: the optax transformation.
+    mesh, config: as `init_state` takes them.
+    rng: the key of the train state (see `init_state`); None: the model's first stream's.
+    frozen, fsdp: as `init_state` takes them.
+
+  Attributes:
+    state: the `TrainState` (checkpoint it with `CheckpointManager`).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    >>> mesh, config = jax.make_mesh((8,), ("data",)), jaxdp.DDPConfig()
+    >>> optimizer = jaxdp.NNXOptimizer(model, optax.sgd(0.1), mesh, config)
+    >>> def loss_fn(model, batch):
+    ...   return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+    >>> train_step = jaxdp.nnx_train_step(loss_fn)
+    >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.zeros((16, 1))}
+    >>> metrics = train_step(model, optimizer, batch)  # model now holds the new params
+    >>> int(optimizer.step), bool(metrics["loss"] > loss_fn(model, batch))
+    (1, True)
+  """
+
+  def __init__(self, model: nnx.Module, tx, mesh, config, *, rng=None, frozen=None,
+               fsdp=None):
+    self.tx, self.mesh, self.config, self.fsdp = tx, mesh, config, fsdp
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    self.state = init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp,
+                            rng=_model_key(model) if rng is None else rng,
+                            model_state=nnx_model_state(model))
+
+  @property
+  def step(self) -> jax.Array:
+    """Number of steps taken."""
+    return self.state.step
+
+  def update_model(self, model: nnx.Module) -> nnx.Module:
+    """Writes the state's params and model state into `model` (copies: they outlive the
+    next step, which donates the state)."""
+    return nnx_merge(model, self.state)
+
+
+def nnx_train_step(model_loss: Callable, *, has_aux: bool = False, grad_accum_steps: int = 1,
+                   update_model: bool = True) -> Callable:
+  """The NNX train step: `train_step(model, optimizer, batch) -> metrics`.
+
+  Replaces an `@nnx.jit` function that calls `nnx.value_and_grad(loss_fn)(model)` and
+  `optimizer.update(model, grads)`: it runs the jaxdp step of `optimizer`'s strategy
+  (`make_train_step`, built at the first call from the model's structure) and, with
+  `update_model`, writes the new params and BatchNorm statistics back into `model` so that
+  it is current after every step (under the sharded strategies that gathers the params:
+  pass False and call `optimizer.update_model(model)` when you need it).
+
+  Args:
+    model_loss: `model_loss(model, batch) -> loss`, or `(loss, aux)` with `has_aux`
+      (`aux` averaged over the data axes into `metrics["aux"]`). The model it gets is in
+      the mode the model passed in was (`model.train()`): dropout draws from keys the step
+      derives per step and per data shard.
+    has_aux, grad_accum_steps: as `make_train_step` takes them.
+    update_model: write the trained state back into the model after each step.
+
+  Returns:
+    `train_step(model, optimizer, batch) -> metrics` (see `make_train_step`).
+  """
+  cache: dict[Any, Any] = {}
+
+  def train_step(model: nnx.Module, optimizer: NNXOptimizer, batch: PyTree):
+    graphdef = nnx.graphdef(model)
+    key = (graphdef, id(optimizer))
+    if key not in cache:
+      _, loss_fn = nnx_split(model, model_loss)
+      cache[key] = make_train_step(loss_fn, optimizer.tx, optimizer.mesh, optimizer.config,
+                                   grad_accum_steps=grad_accum_steps, fsdp=optimizer.fsdp,
+                                   has_aux=has_aux)
+    optimizer.state, metrics = cache[key](optimizer.state, batch)
+    if update_model:
+      optimizer.update_model(model)
+    return metrics
+
+  return train_step

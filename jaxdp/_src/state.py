@@ -23,7 +23,8 @@ PyTree = Any
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["step", "params", "master", "opt_state"],
+                   data_fields=["step", "params", "master", "opt_state", "rng",
+                                "model_state"],
                    meta_fields=["layout", "config", "mesh_shape", "model_specs"])
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -63,6 +64,13 @@ class TrainState:
   model_specs: tuple[ModelSpec, ...] = ()
   """Per leaf in tree order: the mesh axes the caller sharded each dim of the param over
   (tensor or expert parallel; see `model_specs_of`); () = every leaf replicated."""
+  rng: jax.Array | None = None
+  """`init_state(..., rng=)`: the raw data (`uint32[2]`) of the key every step's keys are
+  derived from (with the step counter and the data shard; see `make_train_step`), replicated;
+  None: `loss_fn` gets no key."""
+  model_state: PyTree = None
+  """`init_state(..., model_state=)`: the model's mutable non-trainable state (BatchNorm
+  running statistics), replicated, updated by every step; None: the step carries none."""
 
 
 def leaves_of(tree) -> list[Any]:
@@ -176,6 +184,13 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
   return jax.tree_util.tree_map_with_path(spec_of, state.opt_state)
 
 
+def extra_specs(state: TrainState) -> dict[str, Any]:
+  """The specs of the fields every strategy places alike: `rng` and `model_state`,
+  replicated."""
+  return {"rng": None if state.rng is None else P(),
+          "model_state": jax.tree.map(lambda _: P(), state.model_state)}
+
+
 def state_specs(state: TrainState) -> TrainState:
   """The PartitionSpec of every leaf of a bucketed (`no_shard`, `optim`, `optim_grads`) state
   (a tree like `state`)."""
@@ -186,4 +201,4 @@ def state_specs(state: TrainState) -> TrainState:
       step=P(),
       params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
       master=tree_of(layout, [None if d is None else pspec(d) for d in master]),
-      opt_state=opt_state_specs(state, master))
+      opt_state=opt_state_specs(state, master), **extra_specs(state))

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import jax
 import optax
 
-from jaxdp._src import checks, ddp, fsdp as fsdp_lib, state as state_lib
+from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import Frozen
 from jaxdp._src.state import TrainState
@@ -34,7 +34,8 @@ def _fsdp_branch(config: DDPConfig, fsdp) -> bool:
 
 
 def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
-               *, frozen: Frozen = None, fsdp: FSDPConfig | None = None) -> TrainState:
+               *, frozen: Frozen = None, fsdp: FSDPConfig | None = None, rng=None,
+               model_state: PyTree = None) -> TrainState:
   """Places params on the mesh and builds the optimizer state for `config`'s strategy.
 
   The caller's arrays are copied, never donated.
@@ -57,6 +58,12 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
     fsdp: `optim_grads_params` only: its `FSDPConfig` (units); None for the default.
+    rng: a key (`jax.random.key(seed)`, raw `PRNGKey` data or an int seed): each step
+      derives its keys from it, the step counter and the device's data shard, and
+      `loss_fn` gets them as `rng=` (dropout; see `make_train_step`). None: no key.
+    model_state: mutable non-trainable model state (BatchNorm running statistics: Linen's
+      `variables["batch_stats"]`, `jaxdp.nnx_model_state(model)`), a pytree of arrays kept
+      replicated: `loss_fn` gets it as `model_state=` and returns the updated one.
 
   Returns:
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
@@ -77,8 +84,10 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
   """
   checks.check_mesh(mesh, config)
   if _fsdp_branch(config, fsdp):
-    return fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
-  return ddp.init_state(params, tx, mesh, config, frozen=frozen)
+    state = fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
+  else:
+    state = ddp.init_state(params, tx, mesh, config, frozen=frozen)
+  return loop.with_extras(state, mesh, rng, model_state)
 
 
 def get_params(state: TrainState) -> PyTree:
@@ -110,17 +119,33 @@ def whole_params(state: TrainState, mesh) -> PyTree:
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
                     config: DDPConfig, *, grad_accum_steps: int = 1,
-                    fsdp: FSDPConfig | None = None) -> checks.TrainStep:
+                    fsdp: FSDPConfig | None = None, has_aux: bool = False) -> checks.TrainStep:
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, the mean loss over the batch it gets.
-    tx: the optax transformation `init_state` was given.
+      What the state carries adds arguments and outputs (`jaxdp._src.loop`): with
+      `init_state(..., rng=)` it is called with `rng=` (a typed key: the state's key
+      folded with the step counter, the device's data shard and the micro-batch index:
+      other dropout masks every step and on every shard, the same ones in a resumed run);
+      with `init_state(..., model_state=)` with `model_state=`, and it returns
+      `(loss, new_model_state)`. The new model state is averaged over the data axes after
+      each micro-batch where it differs across devices (Flax's `pmean(batch_stats)`; a
+      model that syncs it itself, such as SyncBatchNorm, is left as it computed it; torch
+      DDP broadcasts rank 0's buffers instead, keeping one shard's statistics: the mean
+      keeps all of them). Integer leaves take the first shard's value.
+    tx: the optax transformation `init_state` was given. Its update runs in the global view
+      with the mesh's Explicit axes made automatic, so shape-dependent transformations
+      (`optax.contrib.muon`) run on sharded leaves as on an Auto mesh.
     mesh: the mesh `init_state` was given.
     config: the `DDPConfig` `init_state` was given.
     grad_accum_steps: micro-batches per step; gradients are communicated once per step
       (every micro-batch under `optim_grads`, which keeps only its shard).
     fsdp: `optim_grads_params` only: the `FSDPConfig` given to `init_state`.
+    has_aux: `loss_fn` returns `(loss, aux)` (`(loss, (aux, new_model_state))` with model
+      state); every leaf of `aux` is averaged over the micro-batches and the data axes
+      (a per-shard mean becomes the global mean; non-float leaves in float32) and returned
+      as `metrics["aux"]`. Per-example outputs belong in `make_eval_step(per_example=True)`.
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`: a `jax.jit` function that donates
@@ -128,10 +153,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     `batch` is a pytree of global arrays whose leading dim (the same for every leaf,
     divisible by data-parallel size × `grad_accum_steps`) is split over the data axes.
     `metrics` holds the global mean `loss` and the global `grad_norm` (before any
-    clipping). With `config.check_for_nan_in_grad` the state is not donated, each step
-    waits for its grads to be checked, and a NaN/Inf raises `NonFiniteGradError` naming the
-    params and the step, the state passed in left as it was (the jitted function then also
-    returns one "finite" flag per trainable leaf).
+    clipping), and `aux` with `has_aux`. With `config.check_for_nan_in_grad` the state is
+    not donated, each step waits for its grads to be checked, and a NaN/Inf raises
+    `NonFiniteGradError` naming the params and the step, the state passed in left as it was
+    (the jitted function then also returns one "finite" flag per trainable leaf).
 
   Raises:
     ValueError: (when called) a batch whose leading dims differ or do not divide, a state
@@ -156,8 +181,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
   if _fsdp_branch(config, fsdp):
     return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
-                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp)
-  return ddp.make_train_step(loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps)
+                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp,
+                                    has_aux=has_aux)
+  return ddp.make_train_step(loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps,
+                             has_aux=has_aux)
 
 
 def state_specs(state: TrainState) -> TrainState:

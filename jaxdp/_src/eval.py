@@ -1,0 +1,134 @@
+"""The eval step: a jitted forward of the train state's params on a sharded batch."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from jaxdp._src import checks, collectives, fsdp as fsdp_lib, train
+from jaxdp._src.compiler import compiler_options
+from jaxdp._src.config import DDPConfig, FSDPConfig
+from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
+from jaxdp._src.state import TrainState, extra_specs, leaf_specs, leaves_of, tree_of
+
+PyTree = Any
+
+
+def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_example: bool = False):
+  """Builds `eval_step(state, batch) -> outputs`: `fn` on the state's params, jitted, on a
+  batch split over the data axes like the train step's. No grads, no update, no donation.
+
+  The params are used where they live: `no_shard` reads the replicated params, the other
+  sharded strategies all-gather each bucket from the master shards inside the step (as the
+  train step does with `overlap_param_gather`), and `optim_grads_params` gathers unit by unit
+  with the train step's unit gathers (stacked units inside the model's scan, through
+  `gather_unit`), so the whole model is never held gathered at once.
+
+  Args:
+    fn: `fn(params, batch) -> outputs` (a pytree of arrays). When the state holds
+      `model_state` (BatchNorm statistics) it is called as `fn(params, batch,
+      model_state=...)` and returns `(outputs, new_model_state)`, the train step's
+      convention (an `nnx_split` function does); the new model state is dropped: an eval
+      does not update the state. `fn` should run the model in eval mode (running averages,
+      no dropout): it gets no key.
+    mesh, config, fsdp: those of `init_state` and `make_train_step`.
+    per_example: False: every leaf of `outputs` is averaged over the data shards (each
+      shard's `fn` returns its own means: accuracy, loss) and returned replicated, non-float
+      leaves in float32. True: every leaf has the batch's leading dim and comes back as one
+      global array sharded over the data axes (logits, predictions).
+
+  Returns:
+    `eval_step(state, batch) -> outputs`, a `jax.jit` function.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+    >>> state = jaxdp.init_state({"w": jnp.ones((3, 2))}, optax.sgd(0.1), mesh, config)
+    >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.zeros((16,), jnp.int32)}
+    >>> def accuracy(params, batch):
+    ...   return {"acc": jnp.mean(jnp.argmax(batch["x"] @ params["w"], -1) == batch["y"])}
+    >>> float(jaxdp.make_eval_step(accuracy, mesh, config)(state, batch)["acc"])
+    1.0
+    >>> logits = jaxdp.make_eval_step(lambda p, b: b["x"] @ p["w"], mesh, config,
+    ...                               per_example=True)(state, batch)
+    >>> logits.shape, logits.sharding.spec
+    ((16, 2), P('data', None))
+  """
+  checks.check_mesh(mesh, config)
+  fsdp_branch = config.data_parallel_sharding_strategy == "optim_grads_params"
+  if fsdp is not None and not fsdp_branch:
+    raise ValueError(
+      f"fsdp={fsdp} is for data_parallel_sharding_strategy="
+      "'optim_grads_params'; leave it out for "
+      f"{config.data_parallel_sharding_strategy!r}"
+    )
+  fsdp = fsdp or FSDPConfig()
+  axes = data_axes(mesh)
+  batch_spec = P(axes)
+  gather_in_step = config.use_distributed_optimizer and config.overlap_param_gather
+
+  def call(tree, batch, model_state):
+    if model_state is None:
+      return fn(tree, batch)
+    out = fn(tree, batch, model_state=model_state)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+      raise TypeError(
+        "eval fn must return (outputs, new_model_state) when the state holds "
+        "model_state (the train step's convention); it returned "
+        f"{type(out).__name__}"
+      )
+    return out[0]
+
+  def finish(out):
+    return out if per_example else collectives.average_aux(out, axes)
+
+  def local(params, master, batch, model_state, layout):
+    if fsdp_branch:
+      tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
+      return finish(
+        fsdp_lib.call_with_units(
+          call,
+          layout,
+          leaves_of(params),
+          tmaster,
+          fsdp_lib.unit_collectives(layout, mesh, config),
+          fsdp,
+          data_axes(mesh),
+          batch,
+          model_state,
+        )
+      )
+    full = leaves_of(params)
+    if gather_in_step:
+      full = collectives.all_gather_params(leaves_of(master), layout, full)
+    return finish(call(tree_of(layout, full), batch, model_state))
+
+  def step(state, batch):
+    if not isinstance(state, TrainState):
+      raise TypeError(
+        f"eval_step expects the TrainState from jaxdp.init_state, got {type(state).__name__}"
+      )
+    checks.check_batch(batch, dp_size(mesh))
+    batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
+    if fsdp_branch:
+      specs = train.state_specs(state)
+      param_specs, master_specs = specs.params, specs.master
+    else:
+      param_dims, master_dims = leaf_specs(state)
+      manual = lambda dims: tree_of(
+        state.layout, [None if d is None else manual_spec(d, axes) for d in dims]
+      )
+      param_specs, master_specs = manual(param_dims), manual(master_dims)
+    return jax.shard_map(
+      functools.partial(local, layout=state.layout),
+      mesh=mesh,
+      in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
+      out_specs=batch_spec if per_example else P(),
+      axis_names=set(axes),
+    )(state.params, state.master, batch, state.model_state)
+
+  return jax.jit(step, compiler_options=compiler_options(mesh.devices.flat[0].platform))

@@ -1,0 +1,211 @@
+"""What a real training loop carries besides params: a key, mutable model state, aux outputs.
+
+Every strategy's step calls `loss_fn` through `call_loss`, which is where the three meet:
+
+* **RNG.** A state built with `init_state(..., rng=key)` holds the key's raw data. Step `s`
+  draws `fold_in(key, s)`; inside the step each device folds in its data-shard index
+  (`collectives.data_index`: the shard of the batch it holds) and each micro-batch its
+  index, and `loss_fn` gets the result as `rng=` (a typed key). So masks differ across
+  steps, shards and micro-batches, and depend on nothing but the key, the step counter
+  and the shard: a run resumed from a checkpoint (which stores both) draws the masks of
+  the uninterrupted run.
+* **Mutable model state** (`init_state(..., model_state=tree)`: BatchNorm running
+  statistics, Linen's `batch_stats`, NNX `BatchStat`s): `loss_fn` gets it as
+  `model_state=` and returns `(loss, new_model_state)`, as Flax's examples write it for
+  `jax.value_and_grad(..., has_aux=True)`. After each micro-batch's forward the new state
+  is made equal on every device by `collectives.sync_model_state`: a float leaf that
+  differs across devices is
+  averaged over them (what Flax's examples do with `pmean(batch_stats)`); a leaf the model
+  already reduced itself (SyncBatchNorm: `nnx.BatchNorm(axis_name="data")`) is not varying
+  over the data axes and is kept as it is, so its running statistics equal the
+  single-device run's. torch DDP broadcasts rank 0's buffers instead: that keeps one
+  shard's statistics and throws away the others', where the mean keeps every shard's (for
+  a mean statistic, the mean over shards *is* the global batch's statistic; for a variance,
+  it misses only the spread of the shard means). Non-float leaves that differ (counters)
+  take the first shard's value, as torch does.
+* **Aux.** With `has_aux=True`, `loss_fn` returns `(loss, aux)`; every leaf of `aux` is
+  averaged over the micro-batches and then over the data axes (non-float leaves in
+  float32), and returned as `metrics["aux"]`. Per-example outputs do not fit this (they
+  would be averaged across shards): return them from `make_eval_step` instead.
+
+With both, `loss_fn` returns `(loss, (aux, new_model_state))`: whatever the step carries,
+`jax.value_and_grad(loss_fn, has_aux=True)` takes `loss_fn` as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+PyTree = Any
+
+
+# ----------------------------------------------------------------------------- init
+
+
+def key_data(rng) -> jax.Array | None:
+  """The raw data (`uint32[2]`, threefry) of a key given as a typed key, raw key data or an
+  int seed, for `TrainState.rng`; None stays None."""
+  if rng is None:
+    return None
+  if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+    return jax.random.key_data(jax.random.key(int(rng)))
+  x = jnp.asarray(rng) if not hasattr(rng, "dtype") else rng
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    impl = jax.random.key_impl(x)
+    if x.shape or "threefry" not in str(impl):
+      raise ValueError(
+        f"rng: a key of shape {x.shape} and impl {impl}; pass one threefry "
+        "key, e.g. jax.random.key(0)"
+      )
+    return jax.random.key_data(x)
+  if x.shape != (2,) or x.dtype != jnp.uint32:
+    raise ValueError(
+      f"rng: {x.dtype}{list(x.shape)} is not a key; pass jax.random.key(seed), "
+      "jax.random.PRNGKey(seed) or an int seed"
+    )
+  return x
+
+
+def step_key(data: jax.Array | None, step: jax.Array) -> jax.Array | None:
+  """Traced: the raw key of step `step` (the same on every device)."""
+  if data is None:
+    return None
+  return jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(data), step))
+
+
+def device_key(data: jax.Array | None, index: jax.Array):
+  """Inside the step: the typed key of this device's shard `index` (None without a key)."""
+  if data is None:
+    return None
+  return jax.random.fold_in(jax.random.wrap_key_data(data), index)
+
+
+def micro_key(key, j):
+  return None if key is None else jax.random.fold_in(key, j)
+
+
+# ----------------------------------------------------------------------------- the call
+
+
+def _pair(out, what: str):
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(
+      f"loss_fn must return {what}; it returned {type(out).__name__}"
+      + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+    )
+  return out
+
+
+def call_loss(
+  loss_fn: Callable, has_aux: bool, params: PyTree, batch: PyTree, rng, model_state: PyTree
+) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
+  """`loss_fn` called the way the step was made: `(loss, (aux, new_model_state))`, with None
+  for what the step does not carry (a `jax.value_and_grad(..., has_aux=True)` function)."""
+  kwargs = {}
+  if rng is not None:
+    kwargs["rng"] = rng
+  if model_state is not None:
+    kwargs["model_state"] = model_state
+  out = loss_fn(params, batch, **kwargs)
+  aux = new_state = None
+  if model_state is not None:
+    what = (
+      "(loss, (aux, new_model_state)) with has_aux=True" if has_aux else "(loss, new_model_state)"
+    )
+    out, new_state = _pair(
+      out, what + " when the state holds model_state (init_state(..., model_state=))"
+    )
+    if has_aux:
+      aux, new_state = _pair(new_state, what)
+    if jax.tree.structure(new_state) != jax.tree.structure(model_state):
+      raise ValueError(
+        f"loss_fn returned a new model_state with the structure "
+        f"{jax.tree.structure(new_state)}, but the state holds "
+        f"{jax.tree.structure(model_state)}; return the whole model state, updated"
+      )
+    new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
+  elif has_aux:
+    out, aux = _pair(out, "(loss, aux) with has_aux=True")
+  if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
+    got = f"a {type(out).__name__}" if isinstance(out, (tuple, list)) else f"shape {jnp.shape(out)}"
+    raise TypeError(
+      f"loss_fn must return a scalar loss, got {got}"
+      + ("; with has_aux=True return (loss, aux)" if not has_aux else "")
+    )
+  return out, (aux, new_state)
+
+
+def mean_micro(stacked: PyTree, last: PyTree, k: int) -> PyTree:
+  """The mean over k micro-batches of aux leaves: `stacked` holds the first k-1 on a leading
+  axis and `last` the last one; or `stacked` all k and `last` is None; or (k = 1) `stacked`
+  is None."""
+
+  def f32(x):
+    return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
+
+  if stacked is None:
+    return jax.tree.map(f32, last)
+  if last is None:
+    return jax.tree.map(lambda s: jnp.sum(f32(s), 0) / k, stacked)
+  return jax.tree.map(lambda s, x: (jnp.sum(f32(s), 0) + f32(x)) / k, stacked, last)
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def with_extras(state, mesh, rng, model_state):
+  """`state` (from `init_state`) holding the key data of `rng` and a replicated copy of
+  `model_state` (the caller's arrays are copied, never donated)."""
+  if rng is None and model_state is None:
+    return state
+  data = key_data(rng)
+  if model_state is not None:
+    for path, x in jax.tree_util.tree_flatten_with_path(model_state)[0]:
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise ValueError(
+          f"model_state{jax.tree_util.keystr(path)}: {type(x).__name__} is "
+          "not an array; pass a pytree of arrays (e.g. Linen's "
+          "variables['batch_stats'], or jaxdp.nnx_model_state(model))"
+        )
+      if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        raise ValueError(
+          f"model_state{jax.tree_util.keystr(path)} is a PRNG key: keys go "
+          "in init_state(..., rng=), which derives one per step and device"
+        )
+  replicated = NamedSharding(mesh, P())
+  extras = jax.device_put((data, model_state), replicated, may_alias=False)
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  # placed the way the step places its output state, so step 2 reuses step 1's program
+  constrain = jax.sharding.reshard if explicit else jax.lax.with_sharding_constraint
+  data, model_state = jax.jit(lambda t: jax.tree.map(lambda x: constrain(x, replicated), t))(extras)
+  return dataclasses.replace(state, rng=data, model_state=model_state)
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
+  """`tx.update(grads, opt_state, opt_params)`, in the global view, on any mesh.
+
+  On a mesh with Explicit axes (`jax.make_mesh`'s default) every operation of `tx` must
+  type-check its shardings: a shape-dependent transformation (muon's Newton-Schulz
+  `x @ x.T` of a leaf sharded on its rows) would raise a `ShardingTypeError`. The update
+  therefore runs with those axes Automatic (`jax.sharding.auto_axes`), the compiler
+  choosing the collectives, exactly as on a mesh with Auto axes; its outputs come back
+  sharded like its inputs (updates like the grads, the state like the old state).
+  """
+  explicit = tuple(
+    a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
+  )
+  if not explicit:
+    return tx.update(grads, opt_state, opt_params)
+  shardings = jax.tree.map(lambda x: jax.typeof(x).sharding, (grads, opt_state))
+  return jax.sharding.auto_axes(
+    lambda g, s, p: tx.update(g, s, p), axes=explicit, out_sharding=shardings
+  )(grads, opt_state, opt_params)
