@@ -148,22 +148,33 @@ def _residual_mask(f, args, tainted: Sequence[bool]) -> list[bool]:
 
 
 def _ct_or_none(x, ct):
-  """A custom_vjp cotangent for input `x`: None (zero) for integer inputs."""
-  return ct if _is_float(x) else None
+  """A custom_vjp cotangent for input `x` (a value or its type): None (zero) for integer
+  inputs; summed over the mesh axes it varies over and `x` does not (an input replicated
+  over "data", like a model state, used by every device: the transpose of its implicit
+  `pvary`), so that it has `x`'s type."""
+  if not _is_float(x) or ct is None:
+    return None
+  aval = x.aval if hasattr(x, "aval") else jax.typeof(x) if isinstance(x, jax.Array) else x
+  extra = _varying(jax.typeof(ct)) - _varying(aval)
+  return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
 
 
 def _together(a, b):
   """`(a, b)` through one `optimization_barrier`: XLA computes nothing from either result
   before both of `a` and `b` exist. The caller must use both results (XLA drops the operands
   of a barrier whose results are unused, and with them the ordering). Integer leaves pass
-  outside the barrier.
+  outside the barrier, and so do leaves that vary over fewer mesh axes than the others (the
+  barrier's results vary over every axis any operand varies over: a replicated model state
+  would come out varying).
 
   Differentiated, it is the identity on the cotangents (JAX's own rule for the barrier would
   put them through one too, with zeros materialized for unused results)."""
   la, ta = jax.tree.flatten(a)
   lb, tb = jax.tree.flatten(b)
-  ia = [n for n, x in enumerate(la) if _is_float(x)]
-  ib = [n for n, x in enumerate(lb) if _is_float(x)]
+  vma = lambda x: _varying(jax.typeof(x))
+  every = frozenset().union(*[vma(x) for x in la + lb if _is_float(x)])
+  ia = [n for n, x in enumerate(la) if _is_float(x) and vma(x) == every]
+  ib = [n for n, x in enumerate(lb) if _is_float(x) and vma(x) == every]
   if not ia or not ib:
     return a, b
   xa, xb = _barrier_vjp([la[n] for n in ia], [lb[n] for n in ib])
@@ -201,11 +212,16 @@ def _avals(tree):
   return jax.tree.map(jax.typeof, tree)
 
 
+def _varying(aval) -> frozenset:
+  """The mesh axes a value of type `aval` varies over (inside `shard_map`)."""
+  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()) or ())
+
+
 def _stand_in(aval):
   """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
   residuals are saved, so only dead code reads it."""
   x = jnp.zeros(aval.shape, aval.dtype)
-  vma = tuple(sorted(getattr(getattr(aval, "mat", None), "varying", ()) or ()))
+  vma = tuple(sorted(_varying(aval)))
   return collectives.make_varying(x, vma) if vma else x
 
 
