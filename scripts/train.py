@@ -266,9 +266,17 @@ if args.strategy == "optim_grads_params" and args.scan_layers:
 rng = jax.random.key(args.seed) if args.dropout else None
 state = jaxdp.init_state(params, tx, mesh, ddp_config, fsdp=fsdp, rng=rng)
 train_step = jaxdp.make_train_step(loss_fn, tx, mesh, ddp_config, fsdp=fsdp)
-# params replicated, batches split over "data"; all batches in one program, not one each: in
-# a multi-process job every program spans the processes, and fewer in flight is safer
-eval_loss = jax.jit(lambda p, batches: jnp.mean(jnp.stack([eval_fn(p, b) for b in batches])))
+
+
+def eval_all(params, batch):
+    """The mean loss over this device's rows of every validation batch (side by side)."""
+    return eval_fn(params, {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()})
+
+
+# The validation batches side by side, (batch, eval_batches, block), in one eval step: one
+# program, not one per batch (in a multi-process job every program spans the processes, and
+# fewer in flight is safer), run on the state where it lives (FSDP: unit by unit).
+eval_step = jaxdp.make_eval_step(eval_all, mesh, ddp_config, fsdp=fsdp)
 
 print(f"devices: {n_dev} x {devices[0].platform} | strategy: {args.strategy} | "
       f"params: {n_params:,} ({args.dtype}) | corpus: {len(train_data):,} train bytes, "
@@ -288,11 +296,12 @@ if args.save_every or args.resume:
         print(f"--resume: no checkpoint in {args.out}/checkpoints; starting from step 0")
 
 val_rng = np.random.default_rng([args.seed, 0])  # the same validation windows every time
-val_batches = [to_mesh(get_batch(val_data, val_rng)) for _ in range(eval_batches)]
+val_host = [get_batch(val_data, val_rng) for _ in range(eval_batches)]
+val_batch = to_mesh({k: np.stack([b[k] for b in val_host], axis=1) for k in val_host[0]})
 
 
 def val_loss() -> float:
-    return float(eval_loss(jaxdp.get_params(state), val_batches))
+    return float(eval_step(state, val_batch))
 
 
 # ----------------------------------------------------------------------------- train
