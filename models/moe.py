@@ -54,130 +54,132 @@ __all__ = ["MoEConfig", "MoE", "MoEBlock", "MoEGPT", "gpt_loss", "is_expert", "p
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(GPTConfig):
-    """`GPTConfig` plus the experts (unrolled layers, no LoRA)."""
+  """`GPTConfig` plus the experts (unrolled layers, no LoRA)."""
 
-    n_experts: int = 4
-    """Expert MLPs per block."""
-    top_k: int = 2
-    """Experts each token is routed to."""
-    expert_axis: str | None = None
-    """Mesh axis the experts are sharded over (tokens are exchanged over it); None: all
+  n_experts: int = 4
+  """Expert MLPs per block."""
+  top_k: int = 2
+  """Experts each token is routed to."""
+  expert_axis: str | None = None
+  """Mesh axis the experts are sharded over (tokens are exchanged over it); None: all
     experts local."""
-    expert_parallel: int = 1
-    """Size of `expert_axis`: this model holds `n_experts / expert_parallel` experts."""
+  expert_parallel: int = 1
+  """Size of `expert_axis`: this model holds `n_experts / expert_parallel` experts."""
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
-        if self.expert_parallel < 1 or self.n_experts % self.expert_parallel:
-            raise ValueError(f"expert_parallel={self.expert_parallel} must divide "
-                             f"n_experts={self.n_experts}")
-        if self.expert_parallel > 1 and self.expert_axis is None:
-            raise ValueError("expert_parallel > 1 needs expert_axis, the mesh axis to "
-                             "exchange tokens over")
-        if self.scan_layers or self.lora_rank:
-            raise ValueError("MoEConfig: scan_layers and lora_rank are not supported; leave them "
-                             "at their defaults")
+  def __post_init__(self):
+    super().__post_init__()
+    if not 1 <= self.top_k <= self.n_experts:
+      raise ValueError(f"top_k={self.top_k}: must be in [1, n_experts={self.n_experts}]")
+    if self.expert_parallel < 1 or self.n_experts % self.expert_parallel:
+      raise ValueError(
+        f"expert_parallel={self.expert_parallel} must divide n_experts={self.n_experts}"
+      )
+    if self.expert_parallel > 1 and self.expert_axis is None:
+      raise ValueError(
+        "expert_parallel > 1 needs expert_axis, the mesh axis to exchange tokens over"
+      )
+    if self.scan_layers or self.lora_rank:
+      raise ValueError(
+        "MoEConfig: scan_layers and lora_rank are not supported; leave them at their defaults"
+      )
 
 
 class MoE(nnx.Module):
-    """Top-k routed expert MLPs; `x: [B, T, d] -> [B, T, d]`."""
+  """Top-k routed expert MLPs; `x: [B, T, d] -> [B, T, d]`."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
-        d, h, dtype = config.d_model, 4 * config.d_model, config.param_dtype
-        e = config.n_experts // config.expert_parallel  # this rank's experts
-        self.top_k, self.expert_axis = config.top_k, config.expert_axis
-        self.router = nnx.Param(normal(rngs, (d, config.n_experts), 0.02, dtype))
-        self.w_fc = nnx.Param(normal(rngs, (e, d, h), 0.02, dtype))
-        self.b_fc = nnx.Param(jnp.zeros((e, h), dtype))
-        self.w_proj = nnx.Param(normal(rngs, (e, h, d), 0.02 / math.sqrt(2 * config.n_layer),
-                                       dtype))
-        self.b_proj = nnx.Param(jnp.zeros((e, d), dtype))
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    d, h, dtype = config.d_model, 4 * config.d_model, config.param_dtype
+    e = config.n_experts // config.expert_parallel  # this rank's experts
+    self.top_k, self.expert_axis = config.top_k, config.expert_axis
+    self.router = nnx.Param(normal(rngs, (d, config.n_experts), 0.02, dtype))
+    self.w_fc = nnx.Param(normal(rngs, (e, d, h), 0.02, dtype))
+    self.b_fc = nnx.Param(jnp.zeros((e, h), dtype))
+    self.w_proj = nnx.Param(normal(rngs, (e, h, d), 0.02 / math.sqrt(2 * config.n_layer), dtype))
+    self.b_proj = nnx.Param(jnp.zeros((e, d), dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        B, T, C = x.shape
-        tokens = x.reshape(B * T, C)                                       # [n, d]
-        probs = jax.nn.softmax((tokens @ self.router[...]).astype(jnp.float32), axis=-1)
-        n_experts = probs.shape[-1]
-        top_p, top_e = jax.lax.top_k(probs, self.top_k)                   # [n, k]
-        weights = top_p / top_p.sum(-1, keepdims=True)
-        combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(top_e, n_experts), weights)
-        expert_in = jnp.broadcast_to(tokens, (n_experts, *tokens.shape))  # [e, n, d]
-        if self.expert_axis:  # [e, n, d] -> [e / ep, ep * n, d]: my experts, everyone's tokens
-            expert_in = jax.lax.all_to_all(expert_in, self.expert_axis, 0, 1, tiled=True)
-        h = jax.nn.gelu(jnp.einsum("end,edh->enh", expert_in, self.w_fc[...])
-                        + self.b_fc[...][:, None])
-        out = jnp.einsum("enh,ehd->end", h, self.w_proj[...]) + self.b_proj[...][:, None]
-        if self.expert_axis:  # back: every expert's output for my tokens, [e, n, d]
-            out = jax.lax.all_to_all(out, self.expert_axis, 1, 0, tiled=True)
-        y = jnp.einsum("ne,end->nd", combine.astype(out.dtype), out)
-        return y.reshape(B, T, C)
+  def __call__(self, x: jax.Array) -> jax.Array:
+    B, T, C = x.shape
+    tokens = x.reshape(B * T, C)  # [n, d]
+    probs = jax.nn.softmax((tokens @ self.router[...]).astype(jnp.float32), axis=-1)
+    n_experts = probs.shape[-1]
+    top_p, top_e = jax.lax.top_k(probs, self.top_k)  # [n, k]
+    weights = top_p / top_p.sum(-1, keepdims=True)
+    combine = jnp.einsum("nke,nk->ne", jax.nn.one_hot(top_e, n_experts), weights)
+    expert_in = jnp.broadcast_to(tokens, (n_experts, *tokens.shape))  # [e, n, d]
+    if self.expert_axis:  # [e, n, d] -> [e / ep, ep * n, d]: my experts, everyone's tokens
+      expert_in = jax.lax.all_to_all(expert_in, self.expert_axis, 0, 1, tiled=True)
+    h = jax.nn.gelu(jnp.einsum("end,edh->enh", expert_in, self.w_fc[...]) + self.b_fc[...][:, None])
+    out = jnp.einsum("enh,ehd->end", h, self.w_proj[...]) + self.b_proj[...][:, None]
+    if self.expert_axis:  # back: every expert's output for my tokens, [e, n, d]
+      out = jax.lax.all_to_all(out, self.expert_axis, 1, 0, tiled=True)
+    y = jnp.einsum("ne,end->nd", combine.astype(out.dtype), out)
+    return y.reshape(B, T, C)
 
 
 class MoEBlock(nnx.Module):
-    """Pre-LN block: `x + attn(ln_1(x))`, then `x + moe(ln_2(x))`."""
+  """Pre-LN block: `x + attn(ln_1(x))`, then `x + moe(ln_2(x))`."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
-        self.ln_1 = LayerNorm(config.d_model, config)
-        self.attn = CausalSelfAttention(config, rngs=rngs)
-        self.ln_2 = LayerNorm(config.d_model, config)
-        self.moe = MoE(config, rngs=rngs)
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    self.ln_1 = LayerNorm(config.d_model, config)
+    self.attn = CausalSelfAttention(config, rngs=rngs)
+    self.ln_2 = LayerNorm(config.d_model, config)
+    self.moe = MoE(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.moe(self.ln_2(x))
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + self.attn(self.ln_1(x))
+    return x + self.moe(self.ln_2(x))
 
 
 class MoEGPT(nnx.Module):
-    """Token ids `int32[B, T]` -> logits `float32[B, T, vocab]`; tied embedding."""
+  """Token ids `int32[B, T]` -> logits `float32[B, T, vocab]`; tied embedding."""
 
-    def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
-        self.config = config
-        dtype = config.param_dtype
-        self.wte = nnx.Param(normal(rngs, (config.vocab_size, config.d_model), 0.02, dtype))
-        self.wpe = nnx.Param(normal(rngs, (config.block_size, config.d_model), 0.02, dtype))
-        self.blocks = nnx.List([MoEBlock(config, rngs=rngs) for _ in range(config.n_layer)])
-        self.ln_f = LayerNorm(config.d_model, config)
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    dtype = config.param_dtype
+    self.wte = nnx.Param(normal(rngs, (config.vocab_size, config.d_model), 0.02, dtype))
+    self.wpe = nnx.Param(normal(rngs, (config.block_size, config.d_model), 0.02, dtype))
+    self.blocks = nnx.List([MoEBlock(config, rngs=rngs) for _ in range(config.n_layer)])
+    self.ln_f = LayerNorm(config.d_model, config)
 
-    def __call__(self, idx: jax.Array) -> jax.Array:
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
-        x = jax.nn.one_hot(idx, self.config.vocab_size, dtype=self.wte.dtype) @ self.wte[...]
-        x = x + self.wpe[...][:T]
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        return jnp.einsum("btd,vd->btv", x, self.wte[...], preferred_element_type=jnp.float32)
+  def __call__(self, idx: jax.Array) -> jax.Array:
+    T = idx.shape[1]
+    if T > self.config.block_size:
+      raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
+    x = jax.nn.one_hot(idx, self.config.vocab_size, dtype=self.wte.dtype) @ self.wte[...]
+    x = x + self.wpe[...][:T]
+    for block in self.blocks:
+      x = block(x)
+    x = self.ln_f(x)
+    return jnp.einsum("btd,vd->btv", x, self.wte[...], preferred_element_type=jnp.float32)
 
 
 def is_expert(path: str, _=None) -> bool:
-    """Whether the param at `path` (a `jax.tree_util.keystr`) is an expert leaf.
+  """Whether the param at `path` (a `jax.tree_util.keystr`) is an expert leaf.
 
-    Examples:
-        >>> is_expert("['blocks'][0]['moe']['w_fc']"), is_expert("['blocks'][0]['moe']['router']")
-        (True, False)
-    """
-    return any(path.endswith(f"[{name!r}]") for name in EXPERT_NAMES)
+  Examples:
+      >>> is_expert("['blocks'][0]['moe']['w_fc']"), is_expert("['blocks'][0]['moe']['router']")
+      (True, False)
+  """
+  return any(path.endswith(f"[{name!r}]") for name in EXPERT_NAMES)
 
 
 def place_experts(params, mesh, axis: str = "expert"):
-    """Puts expert leaves on `mesh` sharded over `axis` on their expert dim, the rest
-    replicated: the placement jaxdp reads expert parallelism from.
+  """Puts expert leaves on `mesh` sharded over `axis` on their expert dim, the rest
+  replicated: the placement jaxdp reads expert parallelism from.
 
-    Examples:
-        >>> import jax
-        >>> from flax import nnx
-        >>> config = MoEConfig(block_size=8, n_layer=1, n_head=2, d_model=16, n_experts=4)
-        >>> params = nnx.to_pure_dict(nnx.state(MoEGPT(config, rngs=nnx.Rngs(0)), nnx.Param))
-        >>> mesh = jax.make_mesh((4, 2), ("data", "expert"))
-        >>> placed = place_experts(params, mesh)
-        >>> placed["blocks"][0]["moe"]["w_fc"].sharding.spec
-        P('expert',)
-    """
-    def place(path, x):
-        spec = P(axis) if is_expert(jax.tree_util.keystr(path)) else P()
-        return jax.device_put(x, NamedSharding(mesh, spec))
+  Examples:
+      >>> import jax
+      >>> from flax import nnx
+      >>> config = MoEConfig(block_size=8, n_layer=1, n_head=2, d_model=16, n_experts=4)
+      >>> params = nnx.to_pure_dict(nnx.state(MoEGPT(config, rngs=nnx.Rngs(0)), nnx.Param))
+      >>> mesh = jax.make_mesh((4, 2), ("data", "expert"))
+      >>> placed = place_experts(params, mesh)
+      >>> placed["blocks"][0]["moe"]["w_fc"].sharding.spec
+      P('expert',)
+  """
 
-    return jax.tree_util.tree_map_with_path(place, params)
+  def place(path, x):
+    spec = P(axis) if is_expert(jax.tree_util.keystr(path)) else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map_with_path(place, params)

@@ -47,15 +47,21 @@ from jaxdp._src import inspect as jinspect
 from jaxdp import FSDPConfig
 from models.gpt import GPT, GPTConfig, gpt_loss
 
-PROGRAMS = ("GSPMD DDP", "GSPMD ZeRO-1", "GSPMD FSDP", "jaxdp no_shard", "jaxdp optim",
-            "jaxdp FSDP")
-JAXDP = {"jaxdp no_shard": "no_shard", "jaxdp optim": "optim",
-         "jaxdp FSDP": "optim_grads_params"}
+PROGRAMS = (
+  "GSPMD DDP",
+  "GSPMD ZeRO-1",
+  "GSPMD FSDP",
+  "jaxdp no_shard",
+  "jaxdp optim",
+  "jaxdp FSDP",
+)
+JAXDP = {"jaxdp no_shard": "no_shard", "jaxdp optim": "optim", "jaxdp FSDP": "optim_grads_params"}
 MiB = 2**20
 DP = 8
 
 
 # ----------------------------------------------------------------------------- models
+
 
 def mlp_block(h, w):
   return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
@@ -65,11 +71,15 @@ def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256,
   """The residual MLP: abstract params, loss_fn, abstract global batch."""
   f32 = jnp.float32
   if scanned:
-    blocks = {"w1": jax.ShapeDtypeStruct((n_layer, d, ffn), f32),
-              "w2": jax.ShapeDtypeStruct((n_layer, ffn, d), f32)}
+    blocks = {
+      "w1": jax.ShapeDtypeStruct((n_layer, d, ffn), f32),
+      "w2": jax.ShapeDtypeStruct((n_layer, ffn, d), f32),
+    }
   else:
-    blocks = [{"w1": jax.ShapeDtypeStruct((d, ffn), f32),
-               "w2": jax.ShapeDtypeStruct((ffn, d), f32)} for _ in range(n_layer)]
+    blocks = [
+      {"w1": jax.ShapeDtypeStruct((d, ffn), f32), "w2": jax.ShapeDtypeStruct((ffn, d), f32)}
+      for _ in range(n_layer)
+    ]
   block = jax.checkpoint(mlp_block) if remat else mlp_block
 
   def loss_fn(params, batch):
@@ -79,15 +89,21 @@ def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256,
     else:
       for w in params["blocks"]:
         h = block(h, w)
-    return jnp.mean(h ** 2)
+    return jnp.mean(h**2)
 
   return {"blocks": blocks}, loss_fn, {"x": jax.ShapeDtypeStruct((batch, seq, d), f32)}
 
 
-def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=128,
-                batch=8):
-  config = GPTConfig(vocab_size=vocab, block_size=seq, n_layer=n_layer, n_head=n_head,
-                     d_model=d, scan_layers=scanned, remat=remat)
+def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=128, batch=8):
+  config = GPTConfig(
+    vocab_size=vocab,
+    block_size=seq,
+    n_layer=n_layer,
+    n_head=n_head,
+    d_model=d,
+    scan_layers=scanned,
+    remat=remat,
+  )
   model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
   params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
@@ -95,8 +111,10 @@ def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=1
   return params, loss_fn, {"x": tokens, "y": tokens}
 
 
-SMALL = {"mlp": dict(d=64, ffn=256, batch=8, seq=16),
-         "gpt": dict(d=64, n_head=4, vocab=256, seq=16, batch=8)}
+SMALL = {
+  "mlp": dict(d=64, ffn=256, batch=8, seq=16),
+  "gpt": dict(d=64, n_head=4, vocab=256, seq=16, batch=8),
+}
 
 
 def problem(model, n_layer, *, scanned, remat, small=False, **kw):
@@ -105,6 +123,7 @@ def problem(model, n_layer, *, scanned, remat, small=False, **kw):
 
 
 # ----------------------------------------------------------------------------- programs
+
 
 def _first_dim(x, stacked):
   """P("data") on the first non-layer dim of `x` that DP divides; replicated if none."""
@@ -117,6 +136,7 @@ def _first_dim(x, stacked):
 
 def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
   """GSPMD DDP / ZeRO-1 / FSDP: one jitted step, shardings on its arguments."""
+
   def spec(path, x):
     stacked = scanned and "blocks" in jax.tree_util.keystr(path)
     return _first_dim(x, stacked)
@@ -144,21 +164,28 @@ def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
     return optax.apply_updates(params, updates), opt_state, loss
 
   shard = lambda t, s: jax.tree.map(
-      lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(p)), t, s)
-  args = (shard(params, param_specs), shard(opt_abstract, opt_specs),
-          jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-              x.shape, x.dtype, sharding=named(P("data"))), batch))
-  jitted = jax.jit(step, out_shardings=(jax.tree.map(named, param_specs),
-                                        jax.tree.map(named, opt_specs), named(P())),
-                   donate_argnums=(0, 1))
+    lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(p)), t, s
+  )
+  args = (
+    shard(params, param_specs),
+    shard(opt_abstract, opt_specs),
+    jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(P("data"))), batch
+    ),
+  )
+  jitted = jax.jit(
+    step,
+    out_shardings=(jax.tree.map(named, param_specs), jax.tree.map(named, opt_specs), named(P())),
+    donate_argnums=(0, 1),
+  )
   return jitted.lower(*args).compile()
 
 
-def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsdp=None,
-                    prefetch=1, **kw):
+def compile_program(
+  program, model, n_layer, *, scanned, remat, small=False, fsdp=None, prefetch=1, **kw
+):
   """One program compiled for 8 x H100 (`kw`: the model's sizes)."""
-  params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small,
-                                   **kw)
+  params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
   tx = optax.adam(1e-4)
   mesh = aot.gpu_mesh((DP,), ("data",))
   if program.startswith("GSPMD"):
@@ -167,8 +194,7 @@ def compile_program(program, model, n_layer, *, scanned, remat, small=False, fsd
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   if strategy == "optim_grads_params":
     fsdp = fsdp or FSDPConfig(stacked=["blocks"] if scanned else [], prefetch=prefetch)
-  return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh,
-                                fsdp=fsdp)
+  return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh, fsdp=fsdp)
 
 
 def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True, **kw):
@@ -177,13 +203,15 @@ def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, lo
   for program in programs:
     for n in layers:
       t = time.time()
-      compiled = compile_program(program, model, n, scanned=scanned, remat=remat, small=small,
-                                 **kw)
+      compiled = compile_program(program, model, n, scanned=scanned, remat=remat, small=small, **kw)
       out[program, n] = jinspect.memory_stats(compiled).peak_bytes
       if log:
-        print(f"  {model} {'scanned' if scanned else 'unrolled'} remat={remat} {program:<15}"
-              f" L={n:>2}: {out[program, n] / MiB:8.1f} MiB ({time.time() - t:.0f} s)",
-              file=sys.stderr, flush=True)
+        print(
+          f"  {model} {'scanned' if scanned else 'unrolled'} remat={remat} {program:<15}"
+          f" L={n:>2}: {out[program, n] / MiB:8.1f} MiB ({time.time() - t:.0f} s)",
+          file=sys.stderr,
+          flush=True,
+        )
   return out
 
 
@@ -197,11 +225,17 @@ def growth(stats, program, layers):
 
 def table(stats, layers, programs=PROGRAMS, title="") -> str:
   digits = 0 if min(stats.values()) > 50 * MiB else 2
-  lines = [title, "| program | " + " | ".join(f"L = {n}" for n in layers)
-           + " | MiB per added layer |", "|---|" + "---:|" * (len(layers) + 1)]
+  lines = [
+    title,
+    "| program | " + " | ".join(f"L = {n}" for n in layers) + " | MiB per added layer |",
+    "|---|" + "---:|" * (len(layers) + 1),
+  ]
   for p in programs:
-    lines.append(f"| {p} | " + " | ".join(f"{stats[p, n] / MiB:.{digits}f}" for n in layers)
-                 + f" | {growth(stats, p, layers) / MiB:.1f} |")
+    lines.append(
+      f"| {p} | "
+      + " | ".join(f"{stats[p, n] / MiB:.{digits}f}" for n in layers)
+      + f" | {growth(stats, p, layers) / MiB:.1f} |"
+    )
   return "\n".join(lines)
 
 
@@ -228,12 +262,21 @@ def main():
     for remat in remats:
       kw = {"vocab": args.vocab} if args.model == "gpt" and not args.small else {}
       kw["prefetch"] = args.prefetch
-      stats = measure(args.model, args.layers, scanned=scanned, remat=remat,
-                      programs=args.programs, small=args.small, **kw)
-      title = (f"\n{args.model}{f' (vocab {args.vocab})' if kw else ''}, "
-               f"{'scanned' if scanned else 'unrolled'}, "
-               f"{'each block under jax.checkpoint' if remat else 'no remat'}: peak MiB per "
-               "device, 8 x H100, Adam, fp32")
+      stats = measure(
+        args.model,
+        args.layers,
+        scanned=scanned,
+        remat=remat,
+        programs=args.programs,
+        small=args.small,
+        **kw,
+      )
+      title = (
+        f"\n{args.model}{f' (vocab {args.vocab})' if kw else ''}, "
+        f"{'scanned' if scanned else 'unrolled'}, "
+        f"{'each block under jax.checkpoint' if remat else 'no remat'}: peak MiB per "
+        "device, 8 x H100, Adam, fp32"
+      )
       print(table(stats, args.layers, args.programs, title), flush=True)
 
 

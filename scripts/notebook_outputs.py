@@ -56,21 +56,28 @@ def shrink(nb, colors: int, max_lines: int) -> None:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("notebooks", nargs="*", type=pathlib.Path,
-                      default=sorted((ROOT / "notebooks").glob("*.ipynb")),
-                      help="notebooks to run and store")
+  parser = argparse.ArgumentParser(
+    description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+  )
+  parser.add_argument(
+    "notebooks",
+    nargs="*",
+    type=pathlib.Path,
+    default=sorted((ROOT / "notebooks").glob("*.ipynb")),
+    help="notebooks to run and store",
+  )
   parser.add_argument("--colors", type=int, default=64, help="palette size of the figures")
-  parser.add_argument("--max-lines", type=int, default=60,
-                      help="lines kept of each text output")
+  parser.add_argument("--max-lines", type=int, default=60, help="lines kept of each text output")
   parser.add_argument("--timeout", type=int, default=900, help="seconds per cell")
   args = parser.parse_args()
   for path in args.notebooks:
     nb = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(nb, timeout=args.timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(path.parent)}}
-                            ).execute(env=kernel_env())
+    nbclient.NotebookClient(
+      nb,
+      timeout=args.timeout,
+      kernel_name="python3",
+      resources={"metadata": {"path": str(path.parent)}},
+    ).execute(env=kernel_env())
     shrink(nb, args.colors, args.max_lines)
     nbformat.validate(nb)
     nbformat.write(nb, path)

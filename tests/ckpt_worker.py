@@ -16,8 +16,9 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + \
-    " --xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+)
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 def params0():
   k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": jax.random.normal(k1, (12, 20)) * 0.3, "b1": jnp.zeros((20,)),
-          "w2": jax.random.normal(k2, (20, 3)) * 0.3}
+  return {
+    "w1": jax.random.normal(k1, (12, 20)) * 0.3,
+    "b1": jnp.zeros((20,)),
+    "w2": jax.random.normal(k2, (20, 3)) * 0.3,
+  }
 
 
 def loss_fn(p, batch):
@@ -42,12 +46,15 @@ def loss_fn(p, batch):
 
 def batch_at(i):
   rng = np.random.default_rng(i)
-  return {"x": jnp.asarray(rng.normal(size=(32, 12)), jnp.float32),
-          "y": jnp.asarray(rng.normal(size=(32, 3)), jnp.float32)}
+  return {
+    "x": jnp.asarray(rng.normal(size=(32, 12)), jnp.float32),
+    "y": jnp.asarray(rng.normal(size=(32, 3)), jnp.float32),
+  }
 
 
 def hold_commit(step):
   from orbax.checkpoint._src.path import atomicity
+
   finalize = atomicity.AtomicRenameTemporaryPath.finalize
 
   async def slow(self):

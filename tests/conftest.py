@@ -6,7 +6,7 @@ import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
 # JAX's CUDA plugin (the [aot] extra) writes "Could not find cuda drivers" to fd 2 from C++

@@ -29,8 +29,9 @@ def main(directory: str) -> None:
   state = jaxdp.init_state(mp_worker.init_params(), tx, mesh, config)
   step = jaxdp.make_train_step(mp_worker.loss_fn, tx, mesh, config)
   for batch in mp_worker.train_batches():
-    state, _ = step(state, jaxdp.host_local_batch_to_global(
-        mp_worker.local_slice(batch, me, n), mesh))
+    state, _ = step(
+      state, jaxdp.host_local_batch_to_global(mp_worker.local_slice(batch, me, n), mesh)
+    )
   with jaxdp.CheckpointManager(directory) as mgr:
     mgr.save(mp_worker.STEPS, state, data_position=mp_worker.STEPS)
     mgr.wait_until_finished()

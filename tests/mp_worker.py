@@ -39,13 +39,15 @@ FEATURES = 4
 
 def global_batch() -> dict[str, np.ndarray]:
   rng = np.random.default_rng(0)
-  return {"x": rng.standard_normal((GLOBAL_BATCH, FEATURES)).astype(np.float32),
-          "y": np.arange(GLOBAL_BATCH, dtype=np.int32)}
+  return {
+    "x": rng.standard_normal((GLOBAL_BATCH, FEATURES)).astype(np.float32),
+    "y": np.arange(GLOBAL_BATCH, dtype=np.int32),
+  }
 
 
 def local_slice(batch, process_index: int, process_count: int):
   rows = GLOBAL_BATCH // process_count
-  return jax.tree.map(lambda a: a[process_index * rows:(process_index + 1) * rows], batch)
+  return jax.tree.map(lambda a: a[process_index * rows : (process_index + 1) * rows], batch)
 
 
 def compute(batch, mesh):
@@ -66,10 +68,16 @@ STEPS = 3
 
 def init_params() -> dict:
   rng = np.random.default_rng(1)
-  return {"l0": {"w": 0.5 * rng.standard_normal((FEATURES, 16)).astype(np.float32),
-                 "b": np.zeros(16, np.float32)},
-          "l1": {"w": 0.5 * rng.standard_normal((16, 2)).astype(np.float32),
-                 "b": np.zeros(2, np.float32)}}
+  return {
+    "l0": {
+      "w": 0.5 * rng.standard_normal((FEATURES, 16)).astype(np.float32),
+      "b": np.zeros(16, np.float32),
+    },
+    "l1": {
+      "w": 0.5 * rng.standard_normal((16, 2)).astype(np.float32),
+      "b": np.zeros(2, np.float32),
+    },
+  }
 
 
 def loss_fn(params, batch):
@@ -136,15 +144,26 @@ def main(mode: str, out_dir: str) -> None:
     to_global = lambda b: jaxdp.host_local_batch_to_global(local_slice(b, me, n), mesh)
     for strategy in STRATEGIES:
       params, losses = train(strategy, mesh, to_global)
-      flat = {jax.tree_util.keystr(path): gather(x)
-              for path, x in jax.tree_util.tree_leaves_with_path(params)}
-      np.savez(pathlib.Path(out_dir) / f"train.{strategy}.p{me}.npz",
-               losses=np.array([gather(l) for l in losses]), **flat)
-      print(f"process {me}/{n}: {strategy}: losses {[float(gather(l)) for l in losses]}",
-            flush=True)
+      flat = {
+        jax.tree_util.keystr(path): gather(x)
+        for path, x in jax.tree_util.tree_leaves_with_path(params)
+      }
+      np.savez(
+        pathlib.Path(out_dir) / f"train.{strategy}.p{me}.npz",
+        losses=np.array([gather(l) for l in losses]),
+        **flat,
+      )
+      print(
+        f"process {me}/{n}: {strategy}: losses {[float(gather(l)) for l in losses]}", flush=True
+      )
   elif mode == "psum":
-    np.savez(pathlib.Path(out_dir) / f"psum.p{me}.npz", rows=rows, total=total,
-             process_count=n, device_count=jax.device_count())
+    np.savez(
+      pathlib.Path(out_dir) / f"psum.p{me}.npz",
+      rows=rows,
+      total=total,
+      process_count=n,
+      device_count=jax.device_count(),
+    )
     print(f"process {me}/{n}: wrote psum.p{me}.npz", flush=True)
   elif mode in ("crash", "raise", "hang"):
     print(f"process {me}/{n}: first collective done", flush=True)

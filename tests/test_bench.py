@@ -15,10 +15,16 @@ VARIANTS = ["gspmd", "psum_leaf", "psum_flat", "no_shard", "optim", "optim_grads
 def bench(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench")
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  command = [sys.executable, os.path.join(ROOT, "scripts", "bench.py"), "--quick",
-             "--dps", "8", "--out", str(out)]
-  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=1800)
+  command = [
+    sys.executable,
+    os.path.join(ROOT, "scripts", "bench.py"),
+    "--quick",
+    "--dps",
+    "8",
+    "--out",
+    str(out),
+  ]
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
   assert done.returncode == 0, done.stderr[-4000:]
   return out, done.stdout
 
@@ -29,8 +35,7 @@ def test_bench_writes_table_plot_and_samples(bench):
   table = (out / "bench.md").read_text()
   assert table.startswith("Command: `python scripts/bench.py --quick --dps 8 --out ")
   assert table in stdout
-  rows = [line.split("|")[1:-1] for line in table.splitlines()
-          if line.startswith("| tiny ")]
+  rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| tiny ")]
   assert [r[3].strip() for r in rows] == VARIANTS
   assert all(r[2].strip() == "8" for r in rows)
   assert rows[0][5].strip() == "1.00"  # the baseline's ratio to itself
@@ -69,8 +74,8 @@ def table_rows(text):
 def test_readme_table_is_the_dp8_rows_of_docs_bench():
   readme = open(os.path.join(ROOT, "README.md")).read()
   docs = open(os.path.join(ROOT, "docs", "bench.md")).read()
-  section = readme[readme.index("<!-- BEGIN benchmarks"):readme.index("<!-- END benchmarks")]
-  command = docs[docs.index("Command: `") + 10:].split("`")[0]
+  section = readme[readme.index("<!-- BEGIN benchmarks") : readme.index("<!-- END benchmarks")]
+  command = docs[docs.index("Command: `") + 10 :].split("`")[0]
   assert f"\n{command}\n" in section  # the README names the command that made the table
   # README: size (params) | variant | step ms | ratio | collectives | comm | state
   ours = {(r[0].split(" ")[0], r[1]): r for r in table_rows(section)}

@@ -41,9 +41,12 @@ def _config(strategy):
 def _params():
   """Odd leading dims (padded at every dp), a bf16 leaf (its own master), an int leaf."""
   k1, k2 = jax.random.split(jax.random.key(0))
-  return {"w1": jax.random.normal(k1, (5, 7)) * 0.5, "b1": jnp.zeros((7,)),
-          "w2": (jax.random.normal(k2, (7, 3)) * 0.5).astype(jnp.bfloat16),
-          "count": jnp.array(3, jnp.int32)}
+  return {
+    "w1": jax.random.normal(k1, (5, 7)) * 0.5,
+    "b1": jnp.zeros((7,)),
+    "w2": (jax.random.normal(k2, (7, 3)) * 0.5).astype(jnp.bfloat16),
+    "count": jnp.array(3, jnp.int32),
+  }
 
 
 def _loss(p, batch):
@@ -53,8 +56,10 @@ def _loss(p, batch):
 
 def _batch(i):
   rng = np.random.default_rng(i)
-  return {"x": jnp.asarray(rng.normal(size=(16, 5)), jnp.float32),
-          "y": jnp.asarray(rng.normal(size=(16, 3)), jnp.float32)}
+  return {
+    "x": jnp.asarray(rng.normal(size=(16, 5)), jnp.float32),
+    "y": jnp.asarray(rng.normal(size=(16, 3)), jnp.float32),
+  }
 
 
 def _host(tree):
@@ -70,8 +75,7 @@ def _adam_bound(steps, exact):
   bound = AdamBound(1e-2, 16 * 3, {k: master[k] for k in ("w1", "b1")})
   opt_state = TX.init(master)
   for i in range(steps):
-    grads = jax.grad(lambda m: _loss({**m, "w2": m["w2"].astype(jnp.bfloat16)}, _batch(i)))(
-        master)
+    grads = jax.grad(lambda m: _loss({**m, "w2": m["w2"].astype(jnp.bfloat16)}, _batch(i)))(master)
     bound.add({k: grads[k] for k in ("w1", "b1")}, exact=i < exact)
     updates, opt_state = TX.update(grads, opt_state, master)
     master = optax.apply_updates(master, updates)
@@ -117,8 +121,11 @@ def source(tmp_path_factory):
 
 # ----------------------------------------------------------------------------- any dp, any strategy
 
-@pytest.mark.parametrize("dp,strategy,auto", [(4, "optim_grads_params", False),
-                                              (4, "optim_grads", True), (2, "no_shard", False)])
+
+@pytest.mark.parametrize(
+  "dp,strategy,auto",
+  [(4, "optim_grads_params", False), (4, "optim_grads", True), (2, "no_shard", False)],
+)
 def test_restore_on_other_dp_and_strategy(source, dp, strategy, auto):
   mgr, (saved, saved_params), continued = source
   mesh, config = _mesh(dp, auto), _config(strategy)
@@ -145,12 +152,14 @@ def test_restore_on_other_dp_and_strategy(source, dp, strategy, auto):
     assert step._cache_size() == 1, "the restored state recompiled the step"
   final = jaxdp.get_params(state)
   # Steps 1-3 are the same bits (restored); steps 4-5 reduce in another order.
-  _adam_bound(5, exact=3).check({k: final[k] for k in ("w1", "b1")},
-                                {k: continued[k] for k in ("w1", "b1")})
+  _adam_bound(5, exact=3).check(
+    {k: final[k] for k in ("w1", "b1")}, {k: continued[k] for k in ("w1", "b1")}
+  )
   # w2 is bf16, its fp32 master within the same kind of bound: where the two masters round
   # to neighbouring bf16 values the params differ by one bf16 ulp, at most 2^-7 relative.
-  np.testing.assert_allclose(np.asarray(final["w2"], np.float32),
-                             np.asarray(continued["w2"], np.float32), rtol=1e-2)
+  np.testing.assert_allclose(
+    np.asarray(final["w2"], np.float32), np.asarray(continued["w2"], np.float32), rtol=1e-2
+  )
 
 
 def test_restore_on_same_mesh_continues_bitwise(source):
@@ -176,8 +185,9 @@ def test_no_shard_to_sharded(tmp_path):
   got = mgr.restore(jaxdp.init_state(_params(), TX, _mesh(8), _config("optim")))
   _assert_same_rows(saved.params["w1"], got.master["w1"], "w1 master from params")
   _assert_same_rows(saved.master["w2"], got.master["w2"], "w2 master")
-  for j, (a, b) in enumerate(zip(jax.tree.leaves(saved.opt_state),
-                                 jax.tree.leaves(_host(got.opt_state)))):
+  for j, (a, b) in enumerate(
+    zip(jax.tree.leaves(saved.opt_state), jax.tree.leaves(_host(got.opt_state)))
+  ):
     _assert_same_rows(a, b, f"opt_state leaf {j}")
 
 
@@ -205,13 +215,16 @@ def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
   from jaxdp._src.units import gather_unit
 
   k1, k2 = jax.random.split(jax.random.key(1))
-  params = {"blocks": {"w": jax.random.normal(k1, (3, 5, 5)) * 0.3, "b": jnp.zeros((3, 5))},
-            "head": jax.random.normal(k2, (5, 3))}
+  params = {
+    "blocks": {"w": jax.random.normal(k1, (3, 5, 5)) * 0.3, "b": jnp.zeros((3, 5))},
+    "head": jax.random.normal(k2, (5, 3)),
+  }
 
   def loss(p, batch):
     def body(h, layer):
       layer = gather_unit(layer)
       return jnp.tanh(h @ layer["w"] + layer["b"]), None
+
     h, _ = jax.lax.scan(body, batch["x"], p["blocks"])
     return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
 
@@ -235,14 +248,16 @@ def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
     mu = np.asarray(got.opt_state[0].mu["blocks"]["w"])
     rows = mu[:3] if target == "optim" else mu[:, :5]  # (4, 5, 5) or (3, 8, 5)
     np.testing.assert_array_equal(rows, saved.opt_state[0].mu["blocks"]["w"][:, :5])
-    _, metrics = jaxdp.make_train_step(loss, TX, _mesh(4), _config(target),
-                                       fsdp=target_fsdp)(got, _batch(2))
+    _, metrics = jaxdp.make_train_step(loss, TX, _mesh(4), _config(target), fsdp=target_fsdp)(
+      got, _batch(2)
+    )
     # The same params (restored bit for bit), the mean of 16 x 3 squared errors through 3
     # layers of 5 summed over 4 devices instead of 8: rtol_sum (tests/tolerances.py).
     np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=rtol_sum(16 * 3) + rtol_sum(15))
 
 
 # ----------------------------------------------------------------------------- mismatches
+
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
@@ -273,35 +288,45 @@ def _restore_error(mgr, like):
 
 def test_other_model_names_the_leaf(small):
   mgr, _ = small
-  like = jaxdp.init_state({"a": jnp.ones((3, 4)), "b": jnp.zeros((2,))}, optax.adam(1e-3),
-                          _mesh(4), _config("no_shard"))
+  like = jaxdp.init_state(
+    {"a": jnp.ones((3, 4)), "b": jnp.zeros((2,))}, optax.adam(1e-3), _mesh(4), _config("no_shard")
+  )
   msg = _restore_error(mgr, like)
-  assert "does not fit `like`: params['a']: shape (3, 2) in the checkpoint, (3, 4) in " \
-         "`like`" in msg
+  assert "does not fit `like`: params['a']: shape (3, 2) in the checkpoint, (3, 4) in `like`" in msg
 
 
 def test_other_leaf_names_the_leaf(small):
   mgr, _ = small
-  like = jaxdp.init_state({"a": jnp.ones((3, 2)), "c": jnp.zeros((2,))}, optax.adam(1e-3),
-                          _mesh(8), _config("optim"))
-  assert "params['c']: `like` has this leaf where the checkpoint has params['b']" in \
-         _restore_error(mgr, like)
+  like = jaxdp.init_state(
+    {"a": jnp.ones((3, 2)), "c": jnp.zeros((2,))}, optax.adam(1e-3), _mesh(8), _config("optim")
+  )
+  assert "params['c']: `like` has this leaf where the checkpoint has params['b']" in _restore_error(
+    mgr, like
+  )
 
 
 def test_other_dtype_names_the_leaf(small):
   mgr, _ = small
-  like = jaxdp.init_state({"a": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.zeros((2,))},
-                          optax.adam(1e-3), _mesh(8), _config("optim"))
-  assert "params['a']: dtype float32 in the checkpoint, bfloat16 in `like`" in \
-         _restore_error(mgr, like)
+  like = jaxdp.init_state(
+    {"a": jnp.ones((3, 2), jnp.bfloat16), "b": jnp.zeros((2,))},
+    optax.adam(1e-3),
+    _mesh(8),
+    _config("optim"),
+  )
+  assert "params['a']: dtype float32 in the checkpoint, bfloat16 in `like`" in _restore_error(
+    mgr, like
+  )
 
 
 def test_other_optimizer_names_the_leaf(small):
   mgr, params = small
   like = jaxdp.init_state(params, optax.sgd(1e-3, momentum=0.9), _mesh(8), _config("optim"))
   msg = _restore_error(mgr, like)
-  assert "opt_state[0].trace['a']: `like` has this leaf where the checkpoint has " \
-         "opt_state[0].count" in msg and "another optimizer" in msg
+  assert (
+    "opt_state[0].trace['a']: `like` has this leaf where the checkpoint has opt_state[0].count"
+    in msg
+    and "another optimizer" in msg
+  )
 
 
 def test_optimizer_with_same_leaves_other_structure(small):
@@ -312,10 +337,10 @@ def test_optimizer_with_same_leaves_other_structure(small):
 
 def test_other_frozen_set(small):
   mgr, params = small
-  like = jaxdp.init_state(params, optax.adam(1e-3), _mesh(8), _config("optim"),
-                          frozen={"a": False, "b": True})
-  assert "params['b']: trainable in the checkpoint, frozen in `like`" in \
-         _restore_error(mgr, like)
+  like = jaxdp.init_state(
+    params, optax.adam(1e-3), _mesh(8), _config("optim"), frozen={"a": False, "b": True}
+  )
+  assert "params['b']: trainable in the checkpoint, frozen in `like`" in _restore_error(mgr, like)
 
 
 def test_nothing_to_restore(tmp_path):
@@ -328,6 +353,7 @@ def test_nothing_to_restore(tmp_path):
 
 
 # ----------------------------------------------------------------------------- async, atomic
+
 
 @pytest.fixture
 def tiny():
@@ -369,8 +395,9 @@ def test_state_may_be_donated_right_after_save(tmp_path, tiny):
   step(state, batch)  # donates `state` while the write is in flight
   assert state.master["w"].is_deleted()
   mgr.wait_until_finished()
-  got = mgr.restore(jaxdp.init_state({"w": jnp.zeros((5, 2))}, optax.adam(0.1), _mesh(8),
-                                     _config("optim")))
+  got = mgr.restore(
+    jaxdp.init_state({"w": jnp.zeros((5, 2))}, optax.adam(0.1), _mesh(8), _config("optim"))
+  )
   np.testing.assert_array_equal(np.asarray(got.master["w"]), before.master["w"])
 
 
@@ -405,14 +432,25 @@ def test_interval_and_max_to_keep(tmp_path, tiny):
 
 # ----------------------------------------------------------------------------- SIGKILL
 
+
 def _worker(directory, out, *extra, kill_when=None):
   """Runs tests/ckpt_worker.py (12 steps, a checkpoint every 3); SIGKILLs it when
   `kill_when(line)` holds. Returns the lines it printed."""
-  cmd = [sys.executable, os.path.join(HERE, "ckpt_worker.py"), str(directory), str(out),
-         "--steps", "12", "--save-every", "3", *extra]
+  cmd = [
+    sys.executable,
+    os.path.join(HERE, "ckpt_worker.py"),
+    str(directory),
+    str(out),
+    "--steps",
+    "12",
+    "--save-every",
+    "3",
+    *extra,
+  ]
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                          env=env)
+  proc = subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+  )
   lines = []
   try:
     for line in proc.stdout:
@@ -467,8 +505,13 @@ def test_sigkill_mid_run_then_resume_is_bitwise(tmp_path, uninterrupted):
 @pytest.mark.slow
 def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, uninterrupted):
   ckpt = tmp_path / "ckpt"
-  lines = _worker(ckpt, tmp_path / "params.npz", "--hold-commit", "6",
-                  kill_when=lambda line: line == "committing 6")
+  lines = _worker(
+    ckpt,
+    tmp_path / "params.npz",
+    "--hold-commit",
+    "6",
+    kill_when=lambda line: line == "committing 6",
+  )
   # Killed with checkpoint 6 fully written but not committed: 3 is the latest.
   assert "6.orbax-checkpoint-tmp" in os.listdir(ckpt) and _committed(ckpt) == [3], lines
   lines = _worker(ckpt, tmp_path / "params.npz", "--resume")
@@ -481,5 +524,6 @@ def test_doctests():
   import doctest
 
   from jaxdp._src import checkpoint
+
   result = doctest.testmod(checkpoint, optionflags=doctest.ELLIPSIS)
   assert result.attempted and not result.failed

@@ -20,8 +20,9 @@ LR = 3e-3
 
 
 def mlp_problem(dtype=jnp.float32):
-  params, loss_fn = jaxdp.nnx_split(MLP(6, 32, 3, n_layers=4, rngs=nnx.Rngs(0),
-                                        param_dtype=dtype), mlp_loss)
+  params, loss_fn = jaxdp.nnx_split(
+    MLP(6, 32, 3, n_layers=4, rngs=nnx.Rngs(0), param_dtype=dtype), mlp_loss
+  )
   k1, k2 = jax.random.split(jax.random.key(1))
   batch = {"x": jax.random.normal(k1, (32, 6)), "y": jax.random.normal(k2, (32, 3))}
   return params, loss_fn, batch
@@ -50,6 +51,7 @@ def adamw_clip():
 def reference(params, loss_fn, batch, tx, steps=STEPS, bound=None):
   """Plain jax.grad + optax on the whole global batch, one device; each step's gradients
   go to `bound` (an AdamBound)."""
+
   @jax.jit  # one compile instead of op-by-op dispatch: the same arithmetic, fused by XLA
   def step(params, opt_state):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -78,12 +80,18 @@ def train(params, loss_fn, batch, tx, config, mesh=None, steps=STEPS, **step_kw)
 
 def assert_trees_close(a, b, atol, rtol=0.0):
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                               atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32),
+      np.asarray(y, np.float32),
+      atol=atol,
+      rtol=rtol,
+      err_msg=jax.tree_util.keystr(path),
+    )
 
 
-@pytest.mark.parametrize("problem", [mlp_problem,
-                                     pytest.param(gpt_problem, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "problem", [mlp_problem, pytest.param(gpt_problem, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("bucket_size", [None, 100])
 def test_ddp_equals_single_device(problem, bucket_size):
   params, loss_fn, batch = problem()
@@ -102,9 +110,16 @@ def test_ddp_equals_single_device(problem, bucket_size):
 
 def test_averaging_in_collective_equals_prescaling():
   params, loss_fn, batch = mlp_problem()
-  runs = [train(params, loss_fn, batch, adamw_clip(),
-                jaxdp.DDPConfig(bucket_size=300, average_in_collective=avg))[0]
-          for avg in (False, True)]
+  runs = [
+    train(
+      params,
+      loss_fn,
+      batch,
+      adamw_clip(),
+      jaxdp.DDPConfig(bucket_size=300, average_in_collective=avg),
+    )[0]
+    for avg in (False, True)
+  ]
   # Dividing by dp = 8 before or after the sum is exact (a power of two) unless a partial
   # sum under- or overflows, so the two runs differ only where the collective itself sums
   # in another order: the same Adam bound as against one device.
@@ -121,8 +136,9 @@ def test_grad_norm_is_global_and_before_clipping():
   state = jaxdp.init_state(params, adamw_clip(), mesh, config)
   _, metrics = jaxdp.make_train_step(loss_fn, adamw_clip(), mesh, config)(state, batch)
   _, norm_rtol, _ = tolerances(mlp_problem, params)  # a sum of squares, tests/tolerances.py
-  np.testing.assert_allclose(float(metrics["grad_norm"]), float(optax.tree.norm(grads)),
-                             rtol=norm_rtol)
+  np.testing.assert_allclose(
+    float(metrics["grad_norm"]), float(optax.tree.norm(grads)), rtol=norm_rtol
+  )
   assert float(metrics["grad_norm"]) > 0.5  # so clipping at 0.5 did act
 
 
@@ -130,10 +146,11 @@ def test_auto_axis_mesh_and_other_mesh_axes_work():
   params, loss_fn, batch = mlp_problem()
   _, _, bound = tolerances(mlp_problem, params)
   ref_params, _ = reference(params, loss_fn, batch, adamw_clip(), steps=2, bound=bound)
-  for mesh in (jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
-               jax.make_mesh((4, 2), ("data", "model"))):
-    state, _, _ = train(params, loss_fn, batch, adamw_clip(), jaxdp.DDPConfig(), mesh=mesh,
-                        steps=2)
+  for mesh in (
+    jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,)),
+    jax.make_mesh((4, 2), ("data", "model")),
+  ):
+    state, _, _ = train(params, loss_fn, batch, adamw_clip(), jaxdp.DDPConfig(), mesh=mesh, steps=2)
     bound.check(jaxdp.get_params(state), ref_params)
 
 
@@ -150,8 +167,9 @@ def test_bf16_params_fp32_reduction_returns_fp32_grads():
   opt_state = tx.init(master)
   for _ in range(STEPS):
     grads = jax.grad(loss_fn)(jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), batch)
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads),
-                                   opt_state, master)
+    updates, opt_state = tx.update(
+      jax.tree.map(lambda g: g.astype(jnp.float32), grads), opt_state, master
+    )
     master = optax.apply_updates(master, updates)
   # bf16 forward/backward: each device's bf16 grads are summed in fp32 in another order
   # than the single-device bf16 backward, so grads differ by ~bf16 eps (2^-8) relative;
@@ -160,14 +178,16 @@ def test_bf16_params_fp32_reduction_returns_fp32_grads():
 
 
 def _collectives(hlo: str, kind: str) -> list[str]:
-  return [line for line in hlo.splitlines()
-          if re.search(rf"= \S+ {kind}(-start)?\(", line)]
+  return [line for line in hlo.splitlines() if re.search(rf"= \S+ {kind}(-start)?\(", line)]
 
 
 def _bucket_all_reduces(hlo):
   """All-reduces of a non-scalar buffer (the loss and norms are scalars)."""
-  return [line for line in _collectives(hlo, "all-reduce") if not re.search(r"= \S+\[\] ", line)
-          and not re.search(r"= \(", line)]
+  return [
+    line
+    for line in _collectives(hlo, "all-reduce")
+    if not re.search(r"= \S+\[\] ", line) and not re.search(r"= \(", line)
+  ]
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -181,8 +201,9 @@ def test_one_all_reduce_per_bucket(overlap):
   hlo = step.lower(state, batch).compile().as_text()
   buckets = state.layout.buffers[0].buckets
   sizes = sorted(b.shard_size * 8 for b in buckets)
-  found = sorted(int(re.search(r"f32\[(\d+)\]", line).group(1))
-                 for line in _bucket_all_reduces(hlo))
+  found = sorted(
+    int(re.search(r"f32\[(\d+)\]", line).group(1)) for line in _bucket_all_reduces(hlo)
+  )
   assert found == sizes
   assert len(buckets) >= 4 if overlap else len(buckets) == 1
   assert not _collectives(hlo, "reduce-scatter") and not _collectives(hlo, "all-gather")
@@ -223,8 +244,9 @@ def test_frozen_params_are_not_trained_or_reduced():
   hlo = step.lower(state, batch).compile().as_text()
   state, _ = step(state, batch)
   new = jaxdp.get_params(state)
-  n_trainable = sum(x.size for x, f in zip(jax.tree.leaves(params), jax.tree.leaves(frozen))
-                    if not f)
+  n_trainable = sum(
+    x.size for x, f in zip(jax.tree.leaves(params), jax.tree.leaves(frozen)) if not f
+  )
   (line,) = _bucket_all_reduces(hlo)
   assert int(re.search(r"f32\[(\d+)\]", line).group(1)) == -(-n_trainable // 128) * 128
   for x, y, f in zip(jax.tree.leaves(new), jax.tree.leaves(params), jax.tree.leaves(frozen)):

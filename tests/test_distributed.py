@@ -37,8 +37,13 @@ WORKER = str(REPO / "tests" / "mp_worker.py")
 
 def run_launcher(*args: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess, float]:
   start = time.monotonic()
-  result = subprocess.run([sys.executable, "-m", "jaxdp.launch", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+  result = subprocess.run(
+    [sys.executable, "-m", "jaxdp.launch", *args],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   return result, time.monotonic() - start
 
 
@@ -46,8 +51,13 @@ def run_launcher(*args: str, timeout: float = 60.0) -> tuple[subprocess.Complete
 def launcher_process(*args: str, deadline_s: float = 120.0, stderr=subprocess.PIPE):
   """``python -m jaxdp.launch ARGS`` as a text Popen, killed after `deadline_s` so that a
   hung launcher fails the test instead of hanging it."""
-  proc = subprocess.Popen([sys.executable, "-m", "jaxdp.launch", *args], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=stderr, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "jaxdp.launch", *args],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=stderr,
+    text=True,
+  )
   watchdog = threading.Timer(deadline_s, proc.kill)
   watchdog.start()
   try:
@@ -70,8 +80,17 @@ def launch_quiet(command, num_processes, **kwargs) -> tuple[int, str, str]:
 
 
 def test_two_processes_psum_equals_single_process(tmp_path):
-  result, elapsed = run_launcher("--num-processes", "2", "--devices-per-process", "4", "--",
-                                 WORKER, "psum", str(tmp_path), timeout=120)
+  result, elapsed = run_launcher(
+    "--num-processes",
+    "2",
+    "--devices-per-process",
+    "4",
+    "--",
+    WORKER,
+    "psum",
+    str(tmp_path),
+    timeout=120,
+  )
   assert result.returncode == 0, result.stdout + result.stderr
   print(f"2 processes x 4 devices, psum: {elapsed:.1f} s")
   assert "process 0 of 2" in result.stderr and "process 1 of 2" in result.stderr
@@ -87,8 +106,9 @@ def test_two_processes_psum_equals_single_process(tmp_path):
     # sums (each device's, the same in both runs) in an order gloo chooses: a sum of 8
     # terms of either sign moves by at most 7 eps32 times the sum of their magnitudes.
     np.testing.assert_array_equal(got["rows"], want_rows)
-    np.testing.assert_allclose(got["total"], want_total, rtol=0,
-                               atol=8 * EPS32 * float(np.abs(want_rows).sum()))
+    np.testing.assert_allclose(
+      got["total"], want_total, rtol=0, atol=8 * EPS32 * float(np.abs(want_rows).sum())
+    )
 
 
 @pytest.fixture(scope="module")
@@ -99,23 +119,25 @@ def trained_by_two_processes(tmp_path_factory):
   calling test with the job's log if that strategy did not finish.
   """
   out = tmp_path_factory.mktemp("train")
-  result, elapsed = run_launcher("-n", "2", "-d", "4", "--", WORKER, "train", str(out),
-                                 timeout=180)
+  result, elapsed = run_launcher("-n", "2", "-d", "4", "--", WORKER, "train", str(out), timeout=180)
   print(f"2 processes x 4 devices, {len(mp_worker.STRATEGIES)} strategies: {elapsed:.1f} s")
 
   def get(strategy):
     files = [out / f"train.{strategy}.p{p}.npz" for p in range(2)]
     if not all(f.exists() for f in files):
-      pytest.fail(f"{strategy}: the 2-process job did not finish it (launcher exit "
-                  f"{result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+      pytest.fail(
+        f"{strategy}: the 2-process job did not finish it (launcher exit "
+        f"{result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+      )
     return [dict(np.load(f)) for f in files]
 
   return get
 
 
 def _flat(params) -> dict[str, np.ndarray]:
-  return {jax.tree_util.keystr(k): np.asarray(x)
-          for k, x in jax.tree_util.tree_leaves_with_path(params)}
+  return {
+    jax.tree_util.keystr(k): np.asarray(x) for k, x in jax.tree_util.tree_leaves_with_path(params)
+  }
 
 
 @pytest.mark.slow
@@ -124,7 +146,8 @@ def test_two_processes_train_equal_to_single_process(trained_by_two_processes, s
   got = trained_by_two_processes(strategy)
   mesh = jax.make_mesh((8,), ("data",))
   params, losses = mp_worker.train(
-      strategy, mesh, lambda b: jaxdp.host_local_batch_to_global(b, mesh))
+    strategy, mesh, lambda b: jaxdp.host_local_batch_to_global(b, mesh)
+  )
   # The 8 partial grads are summed by gloo in another order than in one process, and than
   # one device sums the whole batch: float32 rounding only, which Adam amplifies where a
   # gradient is near zero: the per-element Adam bound (tests/tolerances.py; the loss is a
@@ -144,8 +167,19 @@ def test_two_processes_train_equal_to_single_process(trained_by_two_processes, s
 def test_failed_process_stops_the_job_and_is_named(tmp_path, mode):
   """Process 1 dies (SIGKILL, or an uncaught exception) while process 0 is blocked in a
   collective that needs it: the launcher stops process 0 and names process 1."""
-  with launcher_process("-n", "2", "-d", "4", "--grace-period", "3", "--",
-                        WORKER, mode, str(tmp_path), stderr=subprocess.STDOUT) as proc:
+  with launcher_process(
+    "-n",
+    "2",
+    "-d",
+    "4",
+    "--grace-period",
+    "3",
+    "--",
+    WORKER,
+    mode,
+    str(tmp_path),
+    stderr=subprocess.STDOUT,
+  ) as proc:
     log, failed_at = [], None
     for line in proc.stdout:  # Ends when the launcher exits.
       log.append(line)
@@ -162,8 +196,10 @@ def test_failed_process_stops_the_job_and_is_named(tmp_path, mode):
   assert "process 0: entering a collective that cannot finish" in log  # p0 really blocked.
   assert f"failed with {how}; stopping the others" in log, log
   assert f"FAILED: process 1 failed with {how}" in log, log
-  assert "p0: signal SIGTERM (stopped by the launcher)" in log or \
-      "p0: signal SIGKILL (stopped by the launcher)" in log, log
+  assert (
+    "p0: signal SIGTERM (stopped by the launcher)" in log
+    or "p0: signal SIGKILL (stopped by the launcher)" in log
+  ), log
   if mode == "raise":
     assert "RuntimeError: process 1 fails on purpose" in log
     assert "process 1 of 2: uncaught RuntimeError; exiting with code 1" in log
@@ -177,11 +213,17 @@ _PID = "int(os.environ['JAXDP_PROCESS_ID'])"
 
 def test_launcher_sets_env_and_prefixes_output():
   code, out, err = launch_quiet(
-      ["-c", "import os; e = os.environ; "
-             "print(e['JAXDP_PROCESS_ID'], e['JAXDP_NUM_PROCESSES'], e['JAXDP_LOCAL_DEVICES'], "
-             "e['JAXDP_COORDINATOR'], e['JAX_PLATFORMS']); "
-             "import sys; print('to stderr', file=sys.stderr, end='')"],
-      3, devices_per_process=4, port=12345)
+    [
+      "-c",
+      "import os; e = os.environ; "
+      "print(e['JAXDP_PROCESS_ID'], e['JAXDP_NUM_PROCESSES'], e['JAXDP_LOCAL_DEVICES'], "
+      "e['JAXDP_COORDINATOR'], e['JAX_PLATFORMS']); "
+      "import sys; print('to stderr', file=sys.stderr, end='')",
+    ],
+    3,
+    devices_per_process=4,
+    port=12345,
+  )
   assert code == 0, err
   for p in range(3):
     assert f"[p{p}] {p} 3 4 127.0.0.1:12345 cpu\n" in out
@@ -192,9 +234,10 @@ def test_launcher_sets_env_and_prefixes_output():
 def test_launcher_names_failed_process_and_its_exit_code():
   start = time.monotonic()
   code, _, err = launch_quiet(
-      ["-c", f"import os, sys, time; pid = {_PID}; "
-             "sys.exit(3) if pid == 1 else time.sleep(600)"],
-      3, grace_period_s=2.0)
+    ["-c", f"import os, sys, time; pid = {_PID}; sys.exit(3) if pid == 1 else time.sleep(600)"],
+    3,
+    grace_period_s=2.0,
+  )
   assert code == 3
   assert time.monotonic() - start < 10
   assert "process 1 (pid" in err and "failed with exit code 3" in err
@@ -204,12 +247,17 @@ def test_launcher_names_failed_process_and_its_exit_code():
 def test_launcher_sigkills_processes_that_ignore_sigterm():
   start = time.monotonic()
   code, _, err = launch_quiet(
-      ["-c", f"import os, signal, sys, time; pid = {_PID}; "
-             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-             "print('ready', flush=True); "
-             "(time.sleep(0.5), os.kill(os.getpid(), signal.SIGKILL)) if pid == 0 "
-             "else time.sleep(600)"],
-      2, grace_period_s=1.0)
+    [
+      "-c",
+      f"import os, signal, sys, time; pid = {_PID}; "
+      "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+      "print('ready', flush=True); "
+      "(time.sleep(0.5), os.kill(os.getpid(), signal.SIGKILL)) if pid == 0 "
+      "else time.sleep(600)",
+    ],
+    2,
+    grace_period_s=1.0,
+  )
   assert code == 128 + signal.SIGKILL
   assert time.monotonic() - start < 10
   assert "process 0 (pid" in err and "failed with signal SIGKILL" in err
@@ -217,16 +265,24 @@ def test_launcher_sigkills_processes_that_ignore_sigterm():
 
 
 def test_launcher_timeout():
-  code, _, err = launch_quiet(["-c", "import time; time.sleep(600)"], 2, timeout_s=0.5,
-                              grace_period_s=1.0)
+  code, _, err = launch_quiet(
+    ["-c", "import time; time.sleep(600)"], 2, timeout_s=0.5, grace_period_s=1.0
+  )
   assert code == 124
   assert "timeout after 0.5 s with processes [0, 1] still running" in err
 
 
 def test_ctrl_c_stops_the_job():
-  with launcher_process("-n", "2", "--grace-period", "3", "--",
-                        "-c", "import time; print('up', flush=True); time.sleep(600)",
-                        deadline_s=60) as proc:
+  with launcher_process(
+    "-n",
+    "2",
+    "--grace-period",
+    "3",
+    "--",
+    "-c",
+    "import time; print('up', flush=True); time.sleep(600)",
+    deadline_s=60,
+  ) as proc:
     started = ""
     while "pids" not in started:  # The launcher's first line names the workers.
       started = proc.stderr.readline()
@@ -255,8 +311,12 @@ def test_launcher_requires_a_script(capsys):
 
 
 def test_initialize_alone_is_a_no_op(monkeypatch):
-  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-               distributed.ENV_PROCESS_ID, distributed.ENV_LOCAL_DEVICES):
+  for name in (
+    distributed.ENV_COORDINATOR,
+    distributed.ENV_NUM_PROCESSES,
+    distributed.ENV_PROCESS_ID,
+    distributed.ENV_LOCAL_DEVICES,
+  ):
     monkeypatch.delenv(name, raising=False)
   if distributed._detected_cluster() is not None:
     pytest.skip("running inside a cluster environment")
@@ -272,8 +332,11 @@ def test_initialize_with_a_partial_cluster_description_says_what_is_missing(monk
   monkeypatch.setenv(distributed.ENV_COORDINATOR, "127.0.0.1:1234")
   monkeypatch.delenv(distributed.ENV_NUM_PROCESSES, raising=False)
   monkeypatch.delenv(distributed.ENV_PROCESS_ID, raising=False)
-  with pytest.raises(ValueError, match=r"no num_processes, process_id.*set "
-                                       r"JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID"):
+  with pytest.raises(
+    ValueError,
+    match=r"no num_processes, process_id.*set "
+    r"JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID",
+  ):
     jaxdp.initialize()
 
 
@@ -297,8 +360,11 @@ def test_host_local_batch_to_global_single_process():
   np.testing.assert_array_equal(batch["x"], local["x"])
   assert batch["x"].sharding.spec == P("data") and batch["w"].sharding.spec == P()
   assert [s.data.shape for s in batch["x"].addressable_shards] == [(2, 2)] * 8
-  with pytest.raises(ValueError, match=r"batch\['x'\]: dim 0 of the local batch is 12, not "
-                                       r"divisible by the 8 devices"):
+  with pytest.raises(
+    ValueError,
+    match=r"batch\['x'\]: dim 0 of the local batch is 12, not "
+    r"divisible by the 8 devices",
+  ):
     jaxdp.host_local_batch_to_global({"x": np.ones((12, 2))}, mesh)
 
 
@@ -315,8 +381,7 @@ def test_doctests_launch():
 # --- cross-process work: one program per call -------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads",
-                                      "optim_grads_params"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_get_params_is_one_program_and_outlives_the_next_step(strategy, caplog):
   """`get_params` compiles (and so runs) one program, however many leaves: eager per-leaf
   gathers hung 2-process jobs (issue 17). Its arrays are its own: the next step donates the
@@ -329,12 +394,16 @@ def test_get_params_is_one_program_and_outlives_the_next_step(strategy, caplog):
     module._params_program.clear_cache()
   with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
     params = jaxdp.get_params(state)
-  compiled = [r.getMessage().split(" ")[4] for r in caplog.records
-              if r.getMessage().startswith("Finished XLA compilation of")]
+  compiled = [
+    r.getMessage().split(" ")[4]
+    for r in caplog.records
+    if r.getMessage().startswith("Finished XLA compilation of")
+  ]
   assert compiled == ["jit(_params_program)"], compiled
   step(state, jaxdp.host_local_batch_to_global(mp_worker.global_batch(), mesh))  # Donates.
-  for (path, x), want in zip(jax.tree_util.tree_leaves_with_path(params),
-                             jax.tree.leaves(mp_worker.init_params())):
+  for (path, x), want in zip(
+    jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(mp_worker.init_params())
+  ):
     assert not x.is_deleted(), f"{strategy}: params{jax.tree_util.keystr(path)} was donated"
     np.testing.assert_array_equal(np.asarray(x), want)  # A gather and a copy: exact.
 
@@ -345,11 +414,9 @@ def test_get_params_is_one_program_and_outlives_the_next_step(strategy, caplog):
 def test_launcher_ends_a_hung_job_and_names_where_each_process_is():
   """Silent processes that never finish: after `hang_timeout_s` the launcher collects each
   one's Python stack, stops the job with 124 and says where each process was."""
-  script = ("import time\n"
-            "def wait_forever():\n"
-            "  time.sleep(600)\n"
-            "print('up', flush=True)\n"
-            "wait_forever()\n")
+  script = (
+    "import time\ndef wait_forever():\n  time.sleep(600)\nprint('up', flush=True)\nwait_forever()\n"
+  )
   start = time.monotonic()
   code, out, err = launch_quiet(["-c", script], 2, hang_timeout_s=2.0, grace_period_s=1.0)
   assert code == 124, err
@@ -358,18 +425,23 @@ def test_launcher_ends_a_hung_job_and_names_where_each_process_is():
   assert "no output and no train step from any process for 2 s" in err
   assert "FAILED: the job hung" in err
   for p in (0, 1):
-    assert f"[p{p}]   File \"<string>\", line 3 in wait_forever" in err, err  # The dump.
-    assert re.search(rf"  p{p} \(pid \d+\): wait_forever \(<string>:3\) <- "
-                     rf"<module> \(<string>:5\)", err), err
+    assert f'[p{p}]   File "<string>", line 3 in wait_forever' in err, err  # The dump.
+    assert re.search(
+      rf"  p{p} \(pid \d+\): wait_forever \(<string>:3\) <- "
+      rf"<module> \(<string>:5\)",
+      err,
+    ), err
 
 
 def test_launcher_counts_output_and_train_steps_as_progress():
   """A process that keeps writing, or keeps touching its `JAXDP_HEARTBEAT` file (each train
   step does) while silent, is not hung; with the guard off nothing is ended either."""
   chatty = "import time\nfor _ in range(12):\n  print('.', end='', flush=True); time.sleep(0.25)"
-  stepping = ("import os, time\nfor _ in range(12):\n"
-              "  open(os.environ['JAXDP_HEARTBEAT'], 'a').close()\n"
-              "  os.utime(os.environ['JAXDP_HEARTBEAT']); time.sleep(0.25)")
+  stepping = (
+    "import os, time\nfor _ in range(12):\n"
+    "  open(os.environ['JAXDP_HEARTBEAT'], 'a').close()\n"
+    "  os.utime(os.environ['JAXDP_HEARTBEAT']); time.sleep(0.25)"
+  )
   for script in (chatty, stepping):  # 3 s each, against a 1.5 s guard
     code, _, err = launch_quiet(["-c", script], 2, hang_timeout_s=1.5, grace_period_s=1.0)
     assert code == 0, err
@@ -392,17 +464,36 @@ def test_train_step_touches_the_heartbeat_file(tmp_path, monkeypatch):
 def test_launcher_names_the_collective_a_hung_jax_job_waits_in(tmp_path):
   """A real 2-process hang: process 1 never reaches a collective that process 0 waits in.
   The launcher's default guard (here 8 s) ends it and names both places."""
-  with launcher_process("-n", "2", "-d", "4", "--hang-timeout", "8", "--grace-period", "2",
-                        "--", WORKER, "hang", str(tmp_path), stderr=subprocess.STDOUT,
-                        deadline_s=180) as proc:
+  with launcher_process(
+    "-n",
+    "2",
+    "-d",
+    "4",
+    "--hang-timeout",
+    "8",
+    "--grace-period",
+    "2",
+    "--",
+    WORKER,
+    "hang",
+    str(tmp_path),
+    stderr=subprocess.STDOUT,
+    deadline_s=180,
+  ) as proc:
     log = proc.stdout.read()
     proc.wait(timeout=60)
   assert proc.returncode == 124, log
   assert "process 0: entering a collective that cannot finish" in log, log
-  assert re.search(r"  p0 \(pid \d+\): .*sync_global_devices \(jax/experimental/"
-                   r"multihost_utils.py:\d+\) <- main \(tests/mp_worker.py:\d+\)", log), log
-  assert re.search(r"  p1 \(pid \d+\): wait_forever \(tests/mp_worker.py:\d+\) <- "
-                   r"main \(tests/mp_worker.py:\d+\)", log), log
+  assert re.search(
+    r"  p0 \(pid \d+\): .*sync_global_devices \(jax/experimental/"
+    r"multihost_utils.py:\d+\) <- main \(tests/mp_worker.py:\d+\)",
+    log,
+  ), log
+  assert re.search(
+    r"  p1 \(pid \d+\): wait_forever \(tests/mp_worker.py:\d+\) <- "
+    r"main \(tests/mp_worker.py:\d+\)",
+    log,
+  ), log
   assert "unreachable" not in log
 
 
@@ -430,20 +521,60 @@ def test_train_script_under_the_launcher_survives_a_busy_machine(tmp_path):
       start = time.monotonic()
       try:
         result = subprocess.run(
-            [sys.executable, "-m", "jaxdp.launch", "-n", "2", "-d", "4",
-             "--timeout", str(STRESS_RUN_TIMEOUT_S), "--hang-timeout", "120", "--",
-             str(REPO / "scripts" / "train.py"), "--strategy", strategy, "--steps", "2",
-             "--eval-every", "1", "--save-every", "2", "--out", str(out), "--n-layer", "2",
-             "--n-head", "2", "--d-model", "32", "--block-size", "16", "--batch-size", "16",
-             "--bucket-size", "4000"],
-            cwd=REPO, env=env, capture_output=True, text=True,
-            timeout=STRESS_RUN_TIMEOUT_S + 30)
+          [
+            sys.executable,
+            "-m",
+            "jaxdp.launch",
+            "-n",
+            "2",
+            "-d",
+            "4",
+            "--timeout",
+            str(STRESS_RUN_TIMEOUT_S),
+            "--hang-timeout",
+            "120",
+            "--",
+            str(REPO / "scripts" / "train.py"),
+            "--strategy",
+            strategy,
+            "--steps",
+            "2",
+            "--eval-every",
+            "1",
+            "--save-every",
+            "2",
+            "--out",
+            str(out),
+            "--n-layer",
+            "2",
+            "--n-head",
+            "2",
+            "--d-model",
+            "32",
+            "--block-size",
+            "16",
+            "--batch-size",
+            "16",
+            "--bucket-size",
+            "4000",
+          ],
+          cwd=REPO,
+          env=env,
+          capture_output=True,
+          text=True,
+          timeout=STRESS_RUN_TIMEOUT_S + 30,
+        )
       except subprocess.TimeoutExpired as e:
-        pytest.fail(f"run {k} ({strategy}) did not end in {STRESS_RUN_TIMEOUT_S + 30} s:\n"
-                    f"{(e.stderr or b'')[-6000:]}")
+        pytest.fail(
+          f"run {k} ({strategy}) did not end in {STRESS_RUN_TIMEOUT_S + 30} s:\n"
+          f"{(e.stderr or b'')[-6000:]}"
+        )
       times.append(time.monotonic() - start)
-      assert result.returncode == 0, (f"run {k} ({strategy}) failed after {times[-1]:.0f} s:\n"
-                                      + result.stdout[-2000:] + result.stderr[-6000:])
+      assert result.returncode == 0, (
+        f"run {k} ({strategy}) failed after {times[-1]:.0f} s:\n"
+        + result.stdout[-2000:]
+        + result.stderr[-6000:]
+      )
       lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
       assert [e["step"] for e in lines if "val_loss" in e] == [0, 1, 2], lines
       with jaxdp.CheckpointManager(out / "checkpoints") as mgr:

@@ -39,10 +39,12 @@ SHARDED = ("optim", "optim_grads")
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def mlp_problem(dtype=jnp.float32):
   """MLP 6 -> 30 -> 30 -> 5: leading dims 6, 30, 5, none divisible by 8."""
-  params, loss_fn = jaxdp.nnx_split(MLP(6, 30, 5, n_layers=3, rngs=nnx.Rngs(0),
-                                        param_dtype=dtype), mlp_loss)
+  params, loss_fn = jaxdp.nnx_split(
+    MLP(6, 30, 5, n_layers=3, rngs=nnx.Rngs(0), param_dtype=dtype), mlp_loss
+  )
   k1, k2 = jax.random.split(jax.random.key(1))
   batch = {"x": jax.random.normal(k1, (32, 6)), "y": jax.random.normal(k2, (32, 5))}
   return params, loss_fn, batch
@@ -61,8 +63,9 @@ def adamw_tx(params, mask="callable", weight_decay=1.0):
     mask = jax.tree.map(lambda x: x.ndim > 1, params)
   elif mask == "callable":
     mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
-  return optax.chain(optax.clip_by_global_norm(0.5),
-                     optax.adamw(schedule(), weight_decay=weight_decay, mask=mask))
+  return optax.chain(
+    optax.clip_by_global_norm(0.5), optax.adamw(schedule(), weight_decay=weight_decay, mask=mask)
+  )
 
 
 def mlp_tolerances(params, lr=None):
@@ -113,29 +116,40 @@ def train(params, loss_fn, batch, tx, config, mesh=None, steps=STEPS, **step_kw)
 
 
 def max_diff(a, b) -> float:
-  return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 def assert_trees_close(a, b, atol, rtol=0.0):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
-                               atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32),
+      np.asarray(y, np.float32),
+      atol=atol,
+      rtol=rtol,
+      err_msg=jax.tree_util.keystr(path),
+    )
 
 
 def unpadded_master(state, like):
   """The state's master params cut back to the params' shapes (host copies): the padding
   is at the end of the one dim that is longer than the param's."""
+
   def cut(m, p):
     m, shape = np.asarray(m), tuple(p.shape) or (1,)
     return m[tuple(slice(0, n) for n in shape)].reshape(p.shape)
+
   return jax.tree.map(cut, state.master, like)
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\]\S*\s+"
-                         r"(all-reduce|reduce-scatter|all-gather)(?:-start)?\(")
+_COLLECTIVE = re.compile(
+  r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s*(\w+)\[([\d,]*)\]\S*\s+"
+  r"(all-reduce|reduce-scatter|all-gather)(?:-start)?\("
+)
 _WHILE = re.compile(r"body=%([\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"")
 
 
@@ -176,6 +190,7 @@ def bucket_sizes(layout):
 
 # ----------------------------------------------------------------------------- training
 
+
 @pytest.mark.parametrize("strategy", SHARDED)
 @pytest.mark.parametrize("mask", ["pytree", "callable"])
 def test_sharded_equals_single_device_f32(strategy, mask):
@@ -188,8 +203,11 @@ def test_sharded_equals_single_device_f32(strategy, mask):
   with pytest.raises(AssertionError):
     bound.check(decay_all, ref)
 
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
-                           overlap_param_gather=(mask == "pytree"))
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy,
+    bucket_size=BUCKET,
+    overlap_param_gather=(mask == "pytree"),
+  )
   state, step, losses, norms = train(params, loss_fn, batch, tx, config)
   assert state.layout.num_buckets == 3
   assert all(p.rows != (p.shape or (1,))[p.axis] for p in state.layout.params)  # all padded
@@ -225,10 +243,11 @@ def test_sharded_equals_single_device_bf16():
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.master))
     masters[strategy] = unpadded_master(state, params)
-    np.testing.assert_allclose(losses, ref_losses, rtol=2 ** -7)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2**-7)
     assert_trees_close(masters[strategy], ref, atol=1e-3)
-    assert_trees_close(got, jax.tree.map(lambda m: m.astype(jnp.bfloat16), ref),
-                       atol=1e-3, rtol=2 ** -8)
+    assert_trees_close(
+      got, jax.tree.map(lambda m: m.astype(jnp.bfloat16), ref), atol=1e-3, rtol=2**-8
+    )
   for strategy in SHARDED:
     assert_trees_close(masters[strategy], masters["no_shard"], atol=1e-6)
 
@@ -238,8 +257,7 @@ def test_sharded_equals_single_device_bf16():
 def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strategy):
   """A scanned GPT with 2 layers on 8 devices: each stacked `(2, ...)` weight is sharded on
   a dim that 8 divides, not padded from 2 layers to 8; training equals one device."""
-  gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16,
-                  scan_layers=True)
+  gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16, scan_layers=True)
   params, loss_fn = jaxdp.nnx_split(GPT(gpt, rngs=nnx.Rngs(0)), gpt_loss)
   tokens = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
   batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
@@ -252,11 +270,15 @@ def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strateg
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
   bound.check(jaxdp.get_params(state), ref)
 
-  stacked = [(jax.tree_util.keystr(k), x) for k, x in
-             jax.tree_util.tree_leaves_with_path(params) if "blocks" in jax.tree_util.keystr(k)]
+  stacked = [
+    (jax.tree_util.keystr(k), x)
+    for k, x in jax.tree_util.tree_leaves_with_path(params)
+    if "blocks" in jax.tree_util.keystr(k)
+  ]
   assert stacked and all(x.shape[0] == 2 for _, x in stacked)
-  masters = dict((jax.tree_util.keystr(k), m) for k, m in
-                 jax.tree_util.tree_leaves_with_path(state.master))
+  masters = dict(
+    (jax.tree_util.keystr(k), m) for k, m in jax.tree_util.tree_leaves_with_path(state.master)
+  )
   device = jax.devices()[0]
   for path, x in stacked:
     m = masters[path]
@@ -280,8 +302,9 @@ def test_grad_accumulation_equals_large_batch(strategy):
   loss_rtol, norm_rtol, bound = mlp_tolerances(params)
   ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=3, bound=bound)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET)
-  state, step, losses, norms = train(params, loss_fn, batch, tx, config, steps=3,
-                                     grad_accum_steps=k)
+  state, step, losses, norms = train(
+    params, loss_fn, batch, tx, config, steps=3, grad_accum_steps=k
+  )
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
   np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
   bound.check(jaxdp.get_params(state), ref)
@@ -307,8 +330,11 @@ def test_replica_data_mesh_equals_single_device():
   ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, bound=bound)
   mesh = jax.make_mesh((2, 4), ("replica", "data"))
   for strategy in SHARDED:
-    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
-                             num_distributed_optimizer_instances=2)
+    config = jaxdp.DDPConfig(
+      data_parallel_sharding_strategy=strategy,
+      bucket_size=BUCKET,
+      num_distributed_optimizer_instances=2,
+    )
     state, step, losses, norms = train(params, loss_fn, batch, tx, config, mesh=mesh)
     assert state.layout.dp == 4
     np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
@@ -322,14 +348,18 @@ def test_replica_data_mesh_equals_single_device():
 
 # ----------------------------------------------------------------------------- programs
 
+
 @pytest.mark.parametrize("strategy", SHARDED)
 @pytest.mark.parametrize("overlap_param_gather", [True, False])
 def test_one_reduce_scatter_and_one_all_gather_per_bucket(strategy, overlap_param_gather):
   params, loss_fn, batch = mlp_problem()
   tx = adamw_tx(params)
   mesh = jax.make_mesh((DP,), ("data",))
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
-                           overlap_param_gather=overlap_param_gather)
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy,
+    bucket_size=BUCKET,
+    overlap_param_gather=overlap_param_gather,
+  )
   state = jaxdp.init_state(params, tx, mesh, config)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
   ops = collectives(step, state, batch)
@@ -346,6 +376,7 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(strategy, overlap_para
 
 # ----------------------------------------------------------------------------- memory
 
+
 def opt_bytes(state):
   return measured_bytes(state)["opt_state"]
 
@@ -358,11 +389,13 @@ def test_opt_state_is_one_dp_th_and_ledger_matches_arrays(dtype):
   states = {}
   for strategy in ("no_shard",) + SHARDED:
     for overlap in (True, False):
-      config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=BUCKET,
-                               overlap_param_gather=overlap)
+      config = jaxdp.DDPConfig(
+        data_parallel_sharding_strategy=strategy, bucket_size=BUCKET, overlap_param_gather=overlap
+      )
       state = states[strategy, overlap] = jaxdp.init_state(params, tx, mesh, config)
-      ledger = memory_ledger(params, strategy, DP, tx, bucket_size=BUCKET,
-                             overlap_param_gather=overlap)
+      ledger = memory_ledger(
+        params, strategy, DP, tx, bucket_size=BUCKET, overlap_param_gather=overlap
+      )
       measured = measured_bytes(state)
       assert measured["step"] == 4
       assert {k: measured[k] for k in ledger.state} == ledger.state, (strategy, overlap)
@@ -385,13 +418,18 @@ def test_opt_state_is_one_dp_th_and_ledger_matches_arrays(dtype):
 
 def test_ledger_reproduces_the_design_table():
   """Mixed-precision Adam, bf16 params, no padding: psi = 2^20 params, N = 8."""
-  psi, n = 2 ** 20, DP
-  params = {"w": jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
-            "v": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)}
+  psi, n = 2**20, DP
+  params = {
+    "w": jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
+    "v": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
+  }
   # FSDP keeps no bf16 params between steps: it gathers (and casts) the fp32 master shards.
-  expected = {"no_shard": (2, 4, 4, 8), "optim": (2, 4, 4 / n, 8 / n),
-              "optim_grads": (2, 4 / n, 4 / n, 8 / n),
-              "optim_grads_params": (0, 4 / n, 4 / n, 8 / n)}
+  expected = {
+    "no_shard": (2, 4, 4, 8),
+    "optim": (2, 4, 4 / n, 8 / n),
+    "optim_grads": (2, 4 / n, 4 / n, 8 / n),
+    "optim_grads_params": (0, 4 / n, 4 / n, 8 / n),
+  }
   for strategy, (p, g, m, o) in expected.items():
     ledger = memory_ledger(params, strategy, n)
     assert ledger.params == p * psi and ledger.grads == g * psi
@@ -408,12 +446,13 @@ def test_ledger_reproduces_the_design_table():
 
 # ----------------------------------------------------------------------------- exactness
 
+
 def center_each_leaf() -> optax.GradientTransformation:
   """A shape-dependent transformation with no tell-tale state: subtracts each leaf's mean."""
   return optax.GradientTransformation(
-      lambda params: optax.EmptyState(),
-      lambda updates, state, params=None: (
-          jax.tree.map(lambda u: u - jnp.mean(u), updates), state))
+    lambda params: optax.EmptyState(),
+    lambda updates, state, params=None: (jax.tree.map(lambda u: u - jnp.mean(u), updates), state),
+  )
 
 
 def test_shape_dependent_transformations_are_refused_on_padded_leaves():
@@ -424,12 +463,23 @@ def test_shape_dependent_transformations_are_refused_on_padded_leaves():
     with pytest.raises(NotImplementedError) as e:
       jaxdp.init_state(params, optax.adafactor(1e-3), mesh, config)
     msg = str(e.value)
-    for part in ("params['layers']", "padded to", "dp=8", "adafactor", "no_shard",
-                 "shape-independent", "divides the leading dim"):
+    for part in (
+      "params['layers']",
+      "padded to",
+      "dp=8",
+      "adafactor",
+      "no_shard",
+      "shape-independent",
+      "divides the leading dim",
+    ):
       assert part in msg, (part, msg)
   with pytest.raises(NotImplementedError, match=r"depends on the leaf's shape"):
-    jaxdp.init_state(params, optax.chain(center_each_leaf(), optax.sgd(0.1)), mesh,
-                     jaxdp.DDPConfig(data_parallel_sharding_strategy="optim"))
+    jaxdp.init_state(
+      params,
+      optax.chain(center_each_leaf(), optax.sgd(0.1)),
+      mesh,
+      jaxdp.DDPConfig(data_parallel_sharding_strategy="optim"),
+    )
   # no_shard sees the true shapes: anything goes.
   jaxdp.init_state(params, optax.adafactor(1e-3), mesh, jaxdp.DDPConfig())
 
@@ -445,7 +495,8 @@ def test_shape_dependent_transformation_runs_where_nothing_is_padded(axis_type):
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
   tx = optax.adafactor(1e-2)
   assert distributed_optimizer._shape_dependent_state(  # really factored
-      tx, jaxdp.make_layout(params, dp=DP))
+    tx, jaxdp.make_layout(params, dp=DP)
+  )
   ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
   mesh = jax.make_mesh((DP,), ("data",), axis_types=(axis_type,))
@@ -469,11 +520,16 @@ def test_lamb_is_exact_on_padded_leaves(axis_type):
 
 
 def test_check_exact_accepts_elementwise_and_global_norm_transformations():
-  layout = jaxdp.make_layout({"w": jnp.zeros((130, 7)), "b": jnp.zeros((3,)),
-                              "s": jnp.zeros(())}, dp=DP)
-  for tx in (optax.sgd(0.1, momentum=0.9), optax.lion(1e-3), optax.adam(1e-3),
-             optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule())),
-             optax.lars(1e-3)):
+  layout = jaxdp.make_layout(
+    {"w": jnp.zeros((130, 7)), "b": jnp.zeros((3,)), "s": jnp.zeros(())}, dp=DP
+  )
+  for tx in (
+    optax.sgd(0.1, momentum=0.9),
+    optax.lion(1e-3),
+    optax.adam(1e-3),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule())),
+    optax.lars(1e-3),
+  ):
     check_exact(tx, layout)
   with pytest.raises(NotImplementedError) as e:
     check_exact(center_each_leaf(), layout)

@@ -56,18 +56,30 @@ def reader_env(tmp_path: Path) -> dict:
 
 
 def run(args, cwd, env, timeout=300):
-  return subprocess.run([sys.executable if a == "python" else a for a in args], cwd=cwd,
-                        env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable if a == "python" else a for a in args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def help_flags(script: str) -> set[str]:
-  proc = subprocess.run([sys.executable, str(ROOT / script), "--help"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120)
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / script), "--help"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert proc.returncode == 0, proc.stderr
   return set(re.findall(r"--[\w-]+", proc.stdout))
 
 
 # ----------------------------------------------------------------------------- README
+
 
 @pytest.mark.parametrize("i", range(len(blocks(README, "python"))))
 def test_readme_python_block_runs_from_any_folder(tmp_path, i):
@@ -94,7 +106,9 @@ def test_readme_bash_blocks_name_what_exists():
         expr = args[args.index("-m", 3) + 1]
         assert set(re.findall(r"\w+", expr)) - {"not", "and", "or"} <= markers, expr
     elif args[:1] == ["ruff"]:  # the lint step: ruff is pinned in dev, and CI runs it
-      assert any(d.startswith("ruff==") for d in PYPROJECT["project"]["optional-dependencies"]["dev"])
+      assert any(
+        d.startswith("ruff==") for d in PYPROJECT["project"]["optional-dependencies"]["dev"]
+      )
       assert " ".join(args) in (ROOT / ".ci" / "run").read_text(), args
     else:
       pytest.fail(f"README: a command this test does not know how to check: {args}")
@@ -109,9 +123,11 @@ def test_readme_links_exist():
 
 # ----------------------------------------------------------------------------- multi-host
 
+
 def launcher_commands(script: str) -> list[list[str]]:
-  return [a for a in commands(MULTI_HOST) if a[:3] == ["python", "-m", "jaxdp.launch"]
-          and script in a]
+  return [
+    a for a in commands(MULTI_HOST) if a[:3] == ["python", "-m", "jaxdp.launch"] and script in a
+  ]
 
 
 def replace_out(args, old, new):
@@ -154,16 +170,22 @@ def test_multi_host_cluster_commands_use_real_flags_and_arguments():
     flags = {a for a in args if a.startswith("--")}
     assert flags <= train_flags, flags - train_flags
   for match in re.findall(r"#SBATCH (--[\w-]+)", MULTI_HOST):
-    assert match in {"--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node",
-                     "--time"}, match
+    assert match in {"--job-name", "--nodes", "--ntasks-per-node", "--gpus-per-node", "--time"}, (
+      match
+    )
   # The timeouts table names jax.distributed.initialize's arguments and their defaults.
   params = inspect.signature(jax.distributed.initialize).parameters
   for name, default in re.findall(r"\| `(\w+)` \| (\d+) s \|", MULTI_HOST):
     assert params[name].default == int(default), name
   for name in re.findall(r"`(JAXDP_\w+)`", MULTI_HOST):
     from jaxdp._src import distributed
-    assert name in {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-                    distributed.ENV_PROCESS_ID, distributed.ENV_LOCAL_DEVICES}, name
+
+    assert name in {
+      distributed.ENV_COORDINATOR,
+      distributed.ENV_NUM_PROCESSES,
+      distributed.ENV_PROCESS_ID,
+      distributed.ENV_LOCAL_DEVICES,
+    }, name
 
 
 def test_ci_runs_the_readme_test_command_exactly():

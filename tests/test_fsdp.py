@@ -43,11 +43,11 @@ def gpt_problem(**kw):
 
 
 PROBLEMS = {
-    "mlp": (mlp_problem, {}, None),
-    "gpt": (gpt_problem, {}, None),
-    "gpt_scan": (gpt_problem, {"scan_layers": True}, None),
-    "gpt_lora": (gpt_problem, {"lora_rank": 2}, "lora"),
-    "gpt_lora_scan": (gpt_problem, {"lora_rank": 2, "scan_layers": True}, "lora"),
+  "mlp": (mlp_problem, {}, None),
+  "gpt": (gpt_problem, {}, None),
+  "gpt_scan": (gpt_problem, {"scan_layers": True}, None),
+  "gpt_lora": (gpt_problem, {"lora_rank": 2}, "lora"),
+  "gpt_lora_scan": (gpt_problem, {"lora_rank": 2, "scan_layers": True}, "lora"),
 }
 
 
@@ -66,8 +66,7 @@ def tolerances(name, params):
   the MLP's, 32 x 3 squared errors through 4 layers of 32."""
   if name == "mlp":
     return step_tolerances(params, 32 * 3, 4 * 32, LR, clip=0.5)
-  return step_tolerances(params, 16 * 16, GPT_KW["d_model"] + GPT_KW["vocab_size"], LR,
-                         clip=0.5)
+  return step_tolerances(params, 16 * 16, GPT_KW["d_model"] + GPT_KW["vocab_size"], LR, clip=0.5)
 
 
 def adamw_clip():
@@ -78,24 +77,35 @@ def reference(params, loss_fn, batch, tx, frozen=None, steps=STEPS, bound=None):
   """Plain jax.grad + optax on the whole global batch, one device; frozen leaves untouched
   (the optimizer sees None there, as under jaxdp). Feeds each step's gradients to
   `bound` (an AdamBound; zeros for frozen leaves, which must come back bit for bit)."""
-  keep = (lambda t: t) if frozen is None else (
-      lambda t: jax.tree.map(lambda x, f: None if f else x, t, frozen))
+  keep = (
+    (lambda t: t)
+    if frozen is None
+    else (lambda t: jax.tree.map(lambda x, f: None if f else x, t, frozen))
+  )
 
   @jax.jit  # one compile instead of op-by-op dispatch: the same arithmetic, fused by XLA
   def step(params, opt_state):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(keep(grads), opt_state, keep(params))
     new = optax.apply_updates(keep(params), updates)
-    params = new if frozen is None else jax.tree.map(
-        lambda n, p, f: p if f else n, new, params, frozen, is_leaf=lambda x: x is None)
+    params = (
+      new
+      if frozen is None
+      else jax.tree.map(
+        lambda n, p, f: p if f else n, new, params, frozen, is_leaf=lambda x: x is None
+      )
+    )
     return params, opt_state, loss, optax.tree.norm(keep(grads)), grads
 
   opt_state, losses, norms = tx.init(keep(params)), [], []
   for _ in range(steps):
     params, opt_state, loss, norm, grads = step(params, opt_state)
     if bound is not None:
-      bound.add(grads if frozen is None else
-                jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen))
+      bound.add(
+        grads
+        if frozen is None
+        else jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
+      )
     losses.append(float(loss))
     norms.append(float(norm))
   return params, losses, norms
@@ -114,21 +124,28 @@ def train(params, loss_fn, batch, tx, fsdp, frozen=None, steps=STEPS, config=FSD
 
 
 def max_diff(a, b):
-  return max(float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  return max(
+    float(jnp.max(jnp.abs(jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32))))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
 
 
 # ----------------------------------------------------------------------------- training
 
-@pytest.mark.parametrize("name,reshard", [("mlp", True)] + [
+
+@pytest.mark.parametrize(
+  "name,reshard",
+  [("mlp", True)]
+  + [
     pytest.param(*p, marks=pytest.mark.slow)  # a GPT: ~1 min each on 2 cores
-    for p in [("gpt", True), ("gpt_scan", True), ("gpt_scan", False), ("gpt_lora_scan", True)]])
+    for p in [("gpt", True), ("gpt_scan", True), ("gpt_scan", False), ("gpt_lora_scan", True)]
+  ],
+)
 def test_fsdp_equals_single_device(name, reshard):
   params, loss_fn, batch, frozen, fsdp = problem(name)
   fsdp = FSDPConfig(stacked=fsdp.stacked, reshard_after_forward=reshard)
   loss_rtol, norm_rtol, bound = tolerances(name, params)
-  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, adamw_clip(), frozen,
-                                         bound=bound)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, adamw_clip(), frozen, bound=bound)
   state, step, losses, norms = train(params, loss_fn, batch, adamw_clip(), fsdp, frozen)
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
   np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
@@ -153,10 +170,12 @@ def test_fsdp_grad_accumulation_and_average_in_collective():
   params, loss_fn, batch, frozen, fsdp = problem("gpt_scan")
   loss_rtol, _, bound = tolerances("gpt_scan", params)
   ref, ref_losses, _ = reference(params, loss_fn, batch, adamw_clip(), bound=bound)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params",
-                           average_in_collective=True)
-  state, _, losses, _ = train(params, loss_fn, batch, adamw_clip(), fsdp, config=config,
-                              grad_accum_steps=2)
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy="optim_grads_params", average_in_collective=True
+  )
+  state, _, losses, _ = train(
+    params, loss_fn, batch, adamw_clip(), fsdp, config=config, grad_accum_steps=2
+  )
   # Accumulating two micro-batches adds one more sum of two partial means per element:
   # within the same random-walk estimate (tests/tolerances.py).
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
@@ -179,8 +198,9 @@ def test_fsdp_bf16_gathers_bf16_reduces_fp32_keeps_fp32_master():
   # ZeRO-1 does the same arithmetic (fp32 master, bf16 compute, fp32 reduce-scatter).
   zero1 = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
   ref, _, ref_losses, _ = train(params, loss_fn, batch, tx, None, config=zero1)
-  keep, _, keep_losses, _ = train(params, loss_fn, batch, tx,
-                                  FSDPConfig(reshard_after_forward=False))
+  keep, _, keep_losses, _ = train(
+    params, loss_fn, batch, tx, FSDPConfig(reshard_after_forward=False)
+  )
   assert keep_losses == ref_losses and max_diff(keep.master, ref.master) == 0.0  # bitwise
   # Resharding recomputes the gathers, so XLA fuses the bf16 program differently: the
   # losses agree to fp32 rounding, the masters to what two bf16 programs differ by after 5
@@ -193,10 +213,15 @@ def test_fsdp_bf16_gathers_bf16_reduces_fp32_keeps_fp32_master():
 
 # ----------------------------------------------------------------------------- at rest
 
+
 def device0_bytes(tree):
   """Bytes of `tree`'s arrays that device 0 holds (its addressable shards)."""
-  return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards
-             if s.device == jax.devices()[0])
+  return sum(
+    s.data.nbytes
+    for x in jax.tree.leaves(tree)
+    for s in x.addressable_shards
+    if s.device == jax.devices()[0]
+  )
 
 
 def sharded(tree):
@@ -248,12 +273,14 @@ def test_fsdp_at_rest_device0_holds_one_dpth(name):
   assert sharded(grads) == jax.tree.leaves(grads)
   one_dpth(grads, n_train, pad_train)
   if frozen is not None:  # LoRA: optimizer state is the adapters' alone (/dp)
-    assert sum(x.nbytes for x in sharded(state.opt_state)) == \
-        2 * sum(x.nbytes for x in jax.tree.leaves(state.master))
+    assert sum(x.nbytes for x in sharded(state.opt_state)) == 2 * sum(
+      x.nbytes for x in jax.tree.leaves(state.master)
+    )
     assert 10 * n_train < n_frozen
 
 
 # ----------------------------------------------------------------------------- collectives
+
 
 def hlo_computations(text):
   """{name: body} of an HLO module text, and {name: names it calls}."""
@@ -292,8 +319,12 @@ def collectives_by_scope(text):
           out[m.group(2), m.group(1)] += 1
     return out
 
-  bodies = {b for lines in comps.values() for line in lines
-            for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)}
+  bodies = {
+    b
+    for lines in comps.values()
+    for line in lines
+    for b in re.findall(r"while\(.*body=%?([\w.\-]+)", line)
+  }
   in_loops = {n for b in bodies for n in reach(b, set())}
   loops = [count(reach(b, set())) for b in sorted(bodies)]
   return count(set(comps) - in_loops), [c for c in loops if c]
@@ -343,11 +374,15 @@ def test_fsdp_collectives_inside_scan_body(reshard):
   step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
   outside, loops = collectives_by_scope(step.lower(state, batch).as_text(dialect="hlo"))
   shard = unit_shard(state, "['blocks']")
+
   # A layer's params, whole: what its per-param all-gathers return (the GPT's dims divide 8).
   def gathered(keep):
-    return Counter(("all-gather", "f32[" + ",".join(map(str, x.shape[1:])) + "]")
-                   for path, x in jax.tree_util.tree_leaves_with_path(params["blocks"])
-                   if keep(path[-1].key))
+    return Counter(
+      ("all-gather", "f32[" + ",".join(map(str, x.shape[1:])) + "]")
+      for path, x in jax.tree_util.tree_leaves_with_path(params["blocks"])
+      if keep(path[-1].key)
+    )
+
   # Forward loop: one all-gather per param of the layer in each iteration. Backward loop:
   # one reduce-scatter of the layer's bucket per iteration, after, when resharding, the
   # all-gathers of the params whose values the backward needs: the kernels and LayerNorm
@@ -357,19 +392,20 @@ def test_fsdp_collectives_inside_scan_body(reshard):
   if reshard:
     backward.update(gathered(lambda name: name in ("kernel", "scale")))
   assert sorted(loops, key=len) == sorted([forward, backward], key=len)
-  assert not any(kind == "reduce-scatter" and size == f"f32[{shard}]"
-                 for kind, size in outside)  # none outside
+  assert not any(
+    kind == "reduce-scatter" and size == f"f32[{shard}]" for kind, size in outside
+  )  # none outside
   # Outside the loops only the unrolled units' 1-D bucket gathers: no kernel of a layer.
   assert not any(kind == "all-gather" and "," in size for kind, size in outside), outside
 
 
 # ----------------------------------------------------------------------------- units, errors
 
+
 def test_units_from_prefixes_and_function():
   params, _, _, _, _ = problem("gpt")
   mesh = jax.make_mesh((DP,), ("data",))
-  state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP,
-                           fsdp=FSDPConfig(units=["blocks"]))
+  state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP, fsdp=FSDPConfig(units=["blocks"]))
   assert sorted(u.name for u in units_of(state.layout)) == ["<root>", "['blocks']"]
   two = FSDPConfig(units=lambda path: "even" if "[0]" in path or "[2]" in path else "odd")
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh, FSDP, fsdp=two)
@@ -384,12 +420,14 @@ def test_fsdp_errors_name_the_fix():
   state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=FSDPConfig(stacked=["blocks"]))
   with pytest.raises(ValueError, match="same fsdp="):
     jaxdp.make_train_step(loss_fn, tx, mesh, FSDP)(state, batch)
+
   # A model that scans its stacked layers without scan_unit / gather_unit (once an error)
   # trains: d loss / d w = mean(x) = 1 everywhere, so one SGD step of 0.1 gives 0.9 (exact
   # up to f32 rounding of the sum over devices).
   def no_hook(p, b):
     _, per_layer = jax.lax.scan(lambda c, w: (c, jnp.sum(w)), None, p["w"])
     return jnp.sum(per_layer) * jnp.mean(b["x"])
+
   toy, cfg = {"w": jnp.ones((3, 16, 4))}, FSDPConfig(stacked=["w"])
   state = jaxdp.init_state(toy, tx, mesh, FSDP, fsdp=cfg)
   state, _ = jaxdp.make_train_step(no_hook, tx, mesh, FSDP, fsdp=cfg)(state, {"x": jnp.ones((8,))})
@@ -399,14 +437,16 @@ def test_fsdp_errors_name_the_fix():
   with pytest.raises(NotImplementedError, match="adafactor|factored|shape"):
     jaxdp.init_state(mlp_params, optax.adafactor(1e-3), mesh, FSDP)
   with pytest.raises(ValueError, match="layer axes"):
-    jaxdp.make_layout({"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}, dp=2,
-                      units=lambda p: "u", stacked={"['a']"})
+    jaxdp.make_layout(
+      {"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}, dp=2, units=lambda p: "u", stacked={"['a']"}
+    )
 
 
 # ----------------------------------------------------------------------------- GPU target
 
-needs_gpu_compile = pytest.mark.skipif(aot.gpu_compile_unavailable() is not None,
-                                       reason=str(aot.gpu_compile_unavailable()))
+needs_gpu_compile = pytest.mark.skipif(
+  aot.gpu_compile_unavailable() is not None, reason=str(aot.gpu_compile_unavailable())
+)
 
 
 def gpu_step(name, reshard=True):
@@ -416,8 +456,12 @@ def gpu_step(name, reshard=True):
   mesh = aot.gpu_mesh((DP,), ("data",))
   state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx, mesh, FSDP, fsdp=fsdp), params)
   batch = aot.abstract_like(jax.device_put(batch), mesh)
-  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.NamedSharding(mesh, jax.P("data"))), batch)
+  batch = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.NamedSharding(mesh, jax.P("data"))
+    ),
+    batch,
+  )
   step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
   return state, step.lower(state, batch).compile()
 
@@ -426,6 +470,7 @@ def gpu_step(name, reshard=True):
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_prefetches_next_unit():
   from jaxdp._src import inspect as jinspect
+
   state, compiled = gpu_step("gpt")
   s = jinspect.schedule(compiled)
   block = 4 * unit_shard(state, "['blocks'][0]")  # f32 bytes of a block's shard
@@ -439,8 +484,7 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
   # only once the backward of the unit after the last block (ln_f: no GEMM) has.
   assert all(c.overlaps_compute for c in gathers[1:]), [c.overlapped for c in gathers]
   forward, backward = gathers[:N_LAYER], gathers[N_LAYER:]
-  assert all(c.overlaps_gemm for c in forward[1:] + backward[1:]), [
-      c.overlapped for c in gathers]
+  assert all(c.overlaps_gemm for c in forward[1:] + backward[1:]), [c.overlapped for c in gathers]
   assert sum(c.overlaps_gemm for c in scatters) >= N_LAYER
 
 
@@ -448,6 +492,7 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
   from jaxdp._src import inspect as jinspect
+
   state, compiled = gpu_step("gpt_scan")
   s = jinspect.schedule(compiled)
   shard = 4 * unit_shard(state, "['blocks']")  # f32 bytes; a reduce-scatter takes dp shards
@@ -465,6 +510,8 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
     runs[c.kind] += c.trip_count
   # Per layer: a gather per param forward, one per kernel and LayerNorm scale backward (the
   # params whose values the backward needs), one reduce-scatter.
-  needed = sum(path[-1].key in ("kernel", "scale")
-               for path, _ in jax.tree_util.tree_leaves_with_path(state.master["blocks"]))
+  needed = sum(
+    path[-1].key in ("kernel", "scale")
+    for path, _ in jax.tree_util.tree_leaves_with_path(state.master["blocks"])
+  )
   assert runs == {"all-gather": (n_params + needed) * N_LAYER, "reduce-scatter": N_LAYER}, runs

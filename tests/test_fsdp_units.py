@@ -33,8 +33,7 @@ def mlp_params(layers, d=16, ffn=40, scanned=True, seed=0):
   w1 = [jax.random.normal(k[2 * i], (d, ffn)) / np.sqrt(d) for i in range(layers)]
   # W2 scaled by 1/layers (as GPT-2 scales its output projections): the residual stream and
   # the grads stay O(1) at any depth, so the absolute tolerance means the same at L=1 and 16.
-  w2 = [jax.random.normal(k[2 * i + 1], (ffn, d)) / np.sqrt(ffn) / layers
-        for i in range(layers)]
+  w2 = [jax.random.normal(k[2 * i + 1], (ffn, d)) / np.sqrt(ffn) / layers for i in range(layers)]
   head = jax.random.normal(k[-1], (d, 3)) / np.sqrt(d)
   if scanned:
     return {"blocks": {"w1": jnp.stack(w1), "w2": jnp.stack(w2)}, "head": head}
@@ -44,17 +43,22 @@ def mlp_params(layers, d=16, ffn=40, scanned=True, seed=0):
 def make_loss(scanned=True, remat="none"):
   """remat: "none", "body" (jax.checkpoint around the scan body / each block), "inner"
   (jax.checkpoint around the block inside the body)."""
+
   def loss_fn(params, batch):
     h = batch["x"]
     if scanned:
-      f = {"none": body, "body": remat_body,
-           "inner": lambda h, w: (jax.checkpoint(block)(h, w), None)}[remat]
+      f = {
+        "none": body,
+        "body": remat_body,
+        "inner": lambda h, w: (jax.checkpoint(block)(h, w), None),
+      }[remat]
       h, _ = jax.lax.scan(f, h, params["blocks"])
     else:
       f = jax.checkpoint(block) if remat != "none" else block
       for w in params["blocks"]:
         h = f(h, w)
     return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
   return loss_fn
 
 
@@ -95,8 +99,7 @@ def test_scanned_step_built_twice_and_next_to_ddp():
     bound.check(got, ref)
     np.testing.assert_allclose(loss, ref_loss, rtol=loss_rtol)
 
-  check(mlp_params(2), *train(mlp_params(2), make_loss(), b, tx, 2, None,
-                              config=jaxdp.DDPConfig()))
+  check(mlp_params(2), *train(mlp_params(2), make_loss(), b, tx, 2, None, config=jaxdp.DDPConfig()))
   for layers in (2, 2, 3):  # the same step built again, then another depth, same shapes
     params = mlp_params(layers)
     check(params, *train(params, make_loss(), b, tx, 2, FSDPConfig(stacked=["blocks"])))
@@ -112,15 +115,21 @@ def one_sgd_step(params, loss_fn, b, fsdp, **kw):
   grads = jax.grad(loss_fn)(params, b)
   n_terms = jax.tree.leaves(b)[0].shape[0]
   for (path, x), y, g, p, atol in zip(
-      jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(ref), jax.tree.leaves(grads),
-      jax.tree.leaves(params), jax.tree.leaves(tolerances.grad_atol(grads, n_terms))):
+    jax.tree_util.tree_leaves_with_path(got),
+    jax.tree.leaves(ref),
+    jax.tree.leaves(grads),
+    jax.tree.leaves(params),
+    jax.tree.leaves(tolerances.grad_atol(grads, n_terms)),
+  ):
     bound = atol + 2 * tolerances.EPS32 * float(jnp.max(jnp.abs(p) + jnp.abs(g)))
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=bound,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), rtol=0, atol=bound, err_msg=jax.tree_util.keystr(path)
+    )
 
 
-@pytest.mark.parametrize("layers,d,remat", [
-    (1, 16, "none"), (2, 12, "body"), (3, 16, "inner"), (16, 12, "none")])
+@pytest.mark.parametrize(
+  "layers,d,remat", [(1, 16, "none"), (2, 12, "body"), (3, 16, "inner"), (16, 12, "none")]
+)
 def test_scanned_any_layer_count_width_and_remat(layers, d, remat):
   """Layer counts 1-16; d = 12 does not divide by dp = 8 (padded shards); the user's
   jax.checkpoint around the scan body or inside it."""
@@ -152,6 +161,7 @@ def test_nnx_scan_model_with_nnx_remat():
       @nnx.vmap(in_axes=(0,), out_axes=0)
       def make(rngs):
         return Block(d, rngs)
+
       self.blocks = make(rngs)
       self.head = nnx.Linear(d, 3, rngs=rngs)
 
@@ -160,6 +170,7 @@ def test_nnx_scan_model_with_nnx_remat():
       @nnx.remat
       def run(x, block):
         return block(x)
+
       return self.head(run(x, self.blocks))
 
   def model_loss(model, b):
@@ -170,20 +181,21 @@ def test_nnx_scan_model_with_nnx_remat():
   # The blocks are gathered one layer per iteration inside the loops (forward: a gather per
   # param; backward: the same and a reduce-scatter), never whole outside them.
   from tests.test_fsdp import collectives_by_scope
+
   mesh, fsdp = jax.make_mesh((DP,), ("data",)), FSDPConfig(stacked=["blocks"])
   state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
   step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
   outside, loops = collectives_by_scope(step.lower(state, batch()).as_text(dialect="hlo"))
   layer = {("all-gather", "f32[16,16]"): 1, ("all-gather", "f32[16]"): 1}  # kernel, bias
   # (the reduce-scatter's shard: kernel 16 x 16 + bias 16 over 8 devices, padded to 48)
-  assert sorted(map(dict, loops), key=len) == [
-      layer, {**layer, ("reduce-scatter", "f32[48]"): 1}]
+  assert sorted(map(dict, loops), key=len) == [layer, {**layer, ("reduce-scatter", "f32[48]"): 1}]
   assert all(size not in ("f32[3,16,16]", "f32[3,16]") for _, size in outside)
 
 
 def _script():
   import importlib.util
   from pathlib import Path
+
   path = Path(__file__).parents[1] / "scripts" / "fsdp_memory.py"
   spec = importlib.util.spec_from_file_location("fsdp_memory", path)
   script = importlib.util.module_from_spec(spec)
@@ -192,8 +204,10 @@ def _script():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(__import__("jaxdp._src.aot", fromlist=["x"]).gpu_compile_unavailable()
-                    is not None, reason="no GPU compile here")
+@pytest.mark.skipif(
+  __import__("jaxdp._src.aot", fromlist=["x"]).gpu_compile_unavailable() is not None,
+  reason="no GPU compile here",
+)
 def test_memory_relations_on_the_residual_mlp():
   """scripts/fsdp_memory.py's relations on a half-width residual MLP (d 512, ffn 2048, each
   block under the user's jax.checkpoint, Adam, f32), 8 x H100. Unrolled, jaxdp's FSDP peaks
@@ -206,14 +220,17 @@ def test_memory_relations_on_the_residual_mlp():
   script, MiB = _script(), 2**20
   kw = dict(d=512, ffn=2048, batch=16, seq=128, log=False, remat=True)
   per_layer = 16 * 2 * 512 * 2048 / 8 + 16 * 128 * 512 * 4 / 8
-  unrolled = script.measure("mlp", (4, 8), scanned=False,
-                            programs=("GSPMD FSDP", "jaxdp FSDP"), **kw)
-  unrolled.update(script.measure("mlp", (4,), scanned=False,
-                                 programs=("jaxdp optim", "jaxdp no_shard"), **kw))
+  unrolled = script.measure(
+    "mlp", (4, 8), scanned=False, programs=("GSPMD FSDP", "jaxdp FSDP"), **kw
+  )
+  unrolled.update(
+    script.measure("mlp", (4,), scanned=False, programs=("jaxdp optim", "jaxdp no_shard"), **kw)
+  )
   scanned = script.measure("mlp", (4, 8), scanned=True, programs=("jaxdp FSDP",), **kw)
   scanned.update(script.measure("mlp", (4, 8), scanned=True, programs=("GSPMD FSDP",), **kw))
-  print({k: v / MiB for k, v in {**unrolled, **{("scan",) + k: v for k, v in scanned.items()}}
-         .items()})
+  print(
+    {k: v / MiB for k, v in {**unrolled, **{("scan",) + k: v for k, v in scanned.items()}}.items()}
+  )
   for n in (4, 8):
     assert unrolled["jaxdp FSDP", n] <= unrolled["GSPMD FSDP", n]
   assert unrolled["jaxdp FSDP", 4] < unrolled["jaxdp optim", 4] < unrolled["jaxdp no_shard", 4]
@@ -229,13 +246,15 @@ def test_grad_accumulation_keeps_units_gathered(scanned):
   """FSDPConfig(reshard_after_backward=False), 2 micro-batches: one all-gather and one
   reduce-scatter per unit and step, the same update as the single-device program."""
   import re
+
   params, d = mlp_params(3, d=12, scanned=scanned), 12
   fsdp = FSDPConfig(stacked=["blocks"] if scanned else [], reshard_after_backward=False)
   one_sgd_step(params, make_loss(scanned), batch(d), fsdp, grad_accum_steps=2)
   mesh = jax.make_mesh((DP,), ("data",))
   state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
-  step = jaxdp.make_train_step(make_loss(scanned), optax.sgd(1.0), mesh, FSDP, fsdp=fsdp,
-                               grad_accum_steps=2)
+  step = jaxdp.make_train_step(
+    make_loss(scanned), optax.sgd(1.0), mesh, FSDP, fsdp=fsdp, grad_accum_steps=2
+  )
   hlo = step.lower(state, batch(d)).as_text(dialect="hlo")
   units = 2 if scanned else 4  # blocks (stacked: one unit) + head
   assert len(re.findall(r" all-gather\(", hlo)) == units

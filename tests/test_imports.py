@@ -22,28 +22,31 @@ PACKAGE = "jaxdp._src"
 COLLECTIVES = frozenset({"psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "pcast"})
 
 LAYERS = (
-    ("config",),
-    ("mesh",),
-    ("compiler",),
-    ("layout",),
-    ("buffer",),
-    ("collectives",),
-    ("loop",),
-    ("state",),
-    ("checks",),
-    ("distributed_optimizer",),
-    ("units", "fsdp_program"),
-    ("ddp", "fsdp"),
-    ("train",),
-    ("aot", "inspect", "distributed", "eval"),
-    ("ledger", "checkpoint", "nnx", "launch", "plot"),
+  ("config",),
+  ("mesh",),
+  ("compiler",),
+  ("layout",),
+  ("buffer",),
+  ("collectives",),
+  ("loop",),
+  ("state",),
+  ("checks",),
+  ("distributed_optimizer",),
+  ("units", "fsdp_program"),
+  ("ddp", "fsdp"),
+  ("train",),
+  ("aot", "inspect", "distributed", "eval"),
+  ("ledger", "checkpoint", "nnx", "launch", "plot"),
 )
 """Bottom to top; the modules of one layer are peers and import none of each other."""
 
 
 def _modules() -> dict[str, ast.Module]:
-  return {p.stem: ast.parse(p.read_text(), str(p)) for p in sorted(SRC.glob("*.py"))
-          if p.stem != "__init__"}
+  return {
+    p.stem: ast.parse(p.read_text(), str(p))
+    for p in sorted(SRC.glob("*.py"))
+    if p.stem != "__init__"
+  }
 
 
 def _imports(tree: ast.Module) -> list[tuple[int, str, str | None, str | None]]:
@@ -53,14 +56,14 @@ def _imports(tree: ast.Module) -> list[tuple[int, str, str | None, str | None]]:
     if isinstance(node, ast.Import):
       for a in node.names:
         if a.name.startswith(PACKAGE + "."):
-          module = a.name[len(PACKAGE) + 1:].split(".")[0]
+          module = a.name[len(PACKAGE) + 1 :].split(".")[0]
           out.append((node.lineno, module, None, a.asname))
     elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       if node.module == PACKAGE:  # from jaxdp._src import ddp [as x]
         for a in node.names:
           out.append((node.lineno, a.name, None, a.asname or a.name))
       elif node.module.startswith(PACKAGE + "."):  # from jaxdp._src.ddp import x [as y]
-        module = node.module[len(PACKAGE) + 1:].split(".")[0]
+        module = node.module[len(PACKAGE) + 1 :].split(".")[0]
         for a in node.names:
           out.append((node.lineno, module, a.name, a.asname or a.name))
   return out
@@ -72,8 +75,9 @@ MODULES = _modules()
 def test_every_module_has_a_layer():
   placed = {m for layer in LAYERS for m in layer}
   assert set(MODULES) == placed, (
-      f"not in LAYERS: {sorted(set(MODULES) - placed)}; in LAYERS but gone: "
-      f"{sorted(placed - set(MODULES))}. Place a new module in the layer it belongs to")
+    f"not in LAYERS: {sorted(set(MODULES) - placed)}; in LAYERS but gone: "
+    f"{sorted(placed - set(MODULES))}. Place a new module in the layer it belongs to"
+  )
 
 
 def test_layers_import_only_downward():
@@ -84,18 +88,21 @@ def test_layers_import_only_downward():
       if module in level and name in level and level[module] >= level[name]:
         kind = "a peer" if level[module] == level[name] else "a higher layer"
         bad.append(f"{name}.py:{line} imports {module} ({kind})")
-  assert not bad, ("imports that go sideways or up (a cycle waits there):\n"
-                   + "\n".join(dict.fromkeys(bad)))
+  assert not bad, "imports that go sideways or up (a cycle waits there):\n" + "\n".join(
+    dict.fromkeys(bad)
+  )
 
 
 def test_no_import_cycle():
-  graph = {name: {m for _, m, _, _ in _imports(tree) if m in MODULES and m != name}
-           for name, tree in MODULES.items()}
+  graph = {
+    name: {m for _, m, _, _ in _imports(tree) if m in MODULES and m != name}
+    for name, tree in MODULES.items()
+  }
   seen, stack, cycles = set(), [], []
 
   def visit(node):
     if node in stack:
-      cycles.append(" -> ".join(stack[stack.index(node):] + [node]))
+      cycles.append(" -> ".join(stack[stack.index(node) :] + [node]))
       return
     if node in seen:
       return
@@ -120,12 +127,18 @@ def test_no_private_name_of_another_module():
       elif what.startswith("_") and not what.startswith("__"):
         bad.append(f"{name}.py:{line}: from jaxdp._src.{module} import {what}")
     for node in ast.walk(tree):
-      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-          and node.value.id in imported_modules and node.attr.startswith("_")
-          and not node.attr.startswith("__")):
+      if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id in imported_modules
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+      ):
         bad.append(f"{name}.py:{node.lineno}: {node.value.id}.{node.attr}")
-  assert not bad, ("private names taken from another module (make the name public in its "
-                   "module, or move the code):\n" + "\n".join(bad))
+  assert not bad, (
+    "private names taken from another module (make the name public in its "
+    "module, or move the code):\n" + "\n".join(bad)
+  )
 
 
 def test_collectives_only_in_collectives_py():
@@ -136,28 +149,39 @@ def test_collectives_only_in_collectives_py():
     for node in ast.walk(tree):
       if isinstance(node, ast.Call):
         f = node.func
-        called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) \
-            else None
+        called = (
+          f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+        )
         if called in COLLECTIVES:
           bad.append(f"{name}.py:{node.lineno}: {called}(...)")
       elif isinstance(node, ast.ImportFrom) and node.module in ("jax.lax", "jax._src.lax"):
-        bad += [f"{name}.py:{node.lineno}: from {node.module} import {a.name}"
-                for a in node.names if a.name in COLLECTIVES]
-  assert not bad, ("collectives outside collectives.py (ask collectives.py for them):\n"
-                   + "\n".join(bad))
+        bad += [
+          f"{name}.py:{node.lineno}: from {node.module} import {a.name}"
+          for a in node.names
+          if a.name in COLLECTIVES
+        ]
+  assert not bad, "collectives outside collectives.py (ask collectives.py for them):\n" + "\n".join(
+    bad
+  )
 
 
-@pytest.mark.parametrize("source,expect", [
+@pytest.mark.parametrize(
+  "source,expect",
+  [
     ("from jaxdp._src.ddp import _leaves", "private"),
     ("def f():\n  from jaxdp._src import ddp\n  return ddp._tree", "private"),
     ("import jax\njax.lax.pmean(1, 'data')", "collective"),
     ("'''>>> jax.lax.psum(x, \"data\")'''", None),
-])
+  ],
+)
 def test_the_checks_catch(source, expect):
   """The rules see what they are meant to (and leave docstring examples alone)."""
   tree = ast.parse(source)
   private = any(what and what.startswith("_") for _, _, what, _ in _imports(tree)) or any(
-      isinstance(n, ast.Attribute) and n.attr.startswith("_") for n in ast.walk(tree))
-  collective = any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                   and n.func.attr in COLLECTIVES for n in ast.walk(tree))
+    isinstance(n, ast.Attribute) and n.attr.startswith("_") for n in ast.walk(tree)
+  )
+  collective = any(
+    isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in COLLECTIVES
+    for n in ast.walk(tree)
+  )
   assert (expect == "private") == private and (expect == "collective") == collective

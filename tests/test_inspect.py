@@ -27,15 +27,15 @@ LAYERS = 4
 
 GPU_REASON = aot.gpu_compile_unavailable()
 needs_gpu_compile = pytest.mark.skipif(
-    GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}"
+  GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}"
 )
 
 ITEMSIZE = {jnp.float32: 4, jnp.bfloat16: 2}
 
 REDUCERS = {
-    "all-reduce": lambda g: jax.lax.psum(g, "data"),
-    "reduce-scatter": lambda g: jax.lax.psum_scatter(g, "data", tiled=True),
-    "all-gather": lambda g: jax.lax.all_gather(g, "data", tiled=True),
+  "all-reduce": lambda g: jax.lax.psum(g, "data"),
+  "reduce-scatter": lambda g: jax.lax.psum_scatter(g, "data", tiled=True),
+  "all-gather": lambda g: jax.lax.all_gather(g, "data", tiled=True),
 }
 
 
@@ -57,13 +57,11 @@ def backward_like(mesh, kind):
     return buckets
 
   out = P("data") if kind == "reduce-scatter" else P()
-  return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()),
-                       out_specs=out, check_vma=False)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=out, check_vma=False)
 
 
 def abstract_args(mesh, dtype=jnp.float32):
-  x = jax.ShapeDtypeStruct((N * ROWS, D), dtype,
-                           sharding=NamedSharding(mesh, P("data")))
+  x = jax.ShapeDtypeStruct((N * ROWS, D), dtype, sharding=NamedSharding(mesh, P("data")))
   w = jax.ShapeDtypeStruct((D, D), dtype, sharding=NamedSharding(mesh, P()))
   return x, [w] * LAYERS
 
@@ -75,18 +73,18 @@ def bucket_bytes(dtype=jnp.float32):
 def expected_operand_and_result(kind, dtype=jnp.float32):
   b = bucket_bytes(dtype)
   return {
-      "all-reduce": (b, b),
-      "reduce-scatter": (b, b // N),
-      "all-gather": (b, b * N),
+    "all-reduce": (b, b),
+    "reduce-scatter": (b, b // N),
+    "all-gather": (b, b * N),
   }[kind]
 
 
 def expected_ring(kind, dtype=jnp.float32):
   b = bucket_bytes(dtype)
   return {
-      "all-reduce": 2 * (N - 1) / N * b,
-      "reduce-scatter": (N - 1) / N * b,
-      "all-gather": (N - 1) / N * (b * N),  # of the gathered buffer
+    "all-reduce": 2 * (N - 1) / N * b,
+    "reduce-scatter": (N - 1) / N * b,
+    "all-gather": (N - 1) / N * (b * N),  # of the gathered buffer
   }[kind]
 
 
@@ -116,8 +114,7 @@ def check_buckets(s, kind, dtype=jnp.float32):
   volume = s.comm_bytes()
   assert volume[kind]["count"] == LAYERS
   assert volume[kind]["operand_bytes"] == LAYERS * operand
-  assert volume[kind]["ring_bytes"] == pytest.approx(
-      LAYERS * expected_ring(kind, dtype))
+  assert volume[kind]["ring_bytes"] == pytest.approx(LAYERS * expected_ring(kind, dtype))
   assert volume["total"]["ring_bytes"] == volume[kind]["ring_bytes"]
 
 
@@ -126,8 +123,7 @@ def check_buckets(s, kind, dtype=jnp.float32):
 
 
 def test_compiler_options():
-  assert compiler.compiler_options("cpu") == {
-      "xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+  assert compiler.compiler_options("cpu") == {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
   gpu = compiler.compiler_options("cuda")
   for kind in ("all_reduce", "reduce_scatter", "all_gather"):
     assert gpu[f"xla_gpu_{kind}_combine_threshold_bytes"] == 0
@@ -175,11 +171,11 @@ def test_schedule_accepts_every_form(cpu_mesh):
   lowered = jax.jit(f).lower(*args)
   compiled = lowered.compile(compiler_options=opts)
   forms = [
-      ji.schedule(compiled),
-      ji.schedule(compiled.as_text()),
-      ji.schedule(lowered, compiler_options=opts),
-      ji.schedule(f, *args, compiler_options=opts),  # not jitted
-      ji.schedule(jax.jit(f, compiler_options=opts), *args),
+    ji.schedule(compiled),
+    ji.schedule(compiled.as_text()),
+    ji.schedule(lowered, compiler_options=opts),
+    ji.schedule(f, *args, compiler_options=opts),  # not jitted
+    ji.schedule(jax.jit(f, compiler_options=opts), *args),
   ]
   assert all(s.collectives == forms[0].collectives for s in forms)
   assert ji.schedule(forms[0]) is forms[0]
@@ -194,13 +190,12 @@ def test_cpu_loop_collectives_count_trip_times(cpu_mesh):
     def layer(h, w):
       h = jnp.tanh(h @ w)
       return h, jax.lax.psum(h.T @ h, "data")
+
     return jax.lax.scan(layer, h, ws)[1]
 
-  f = jax.shard_map(body, mesh=cpu_mesh, in_specs=(P("data"), P()),
-                    out_specs=P(), check_vma=False)
+  f = jax.shard_map(body, mesh=cpu_mesh, in_specs=(P("data"), P()), out_specs=P(), check_vma=False)
   x, _ = abstract_args(cpu_mesh)
-  ws = jax.ShapeDtypeStruct((3, D, D), jnp.float32,
-                            sharding=NamedSharding(cpu_mesh, P()))
+  ws = jax.ShapeDtypeStruct((3, D, D), jnp.float32, sharding=NamedSharding(cpu_mesh, P()))
   s = ji.schedule(f, x, ws)
   (c,) = s.collectives
   assert c.trip_count == 3
@@ -218,10 +213,8 @@ def test_cpu_permute_all_to_all_and_subgroups():
     c = jax.lax.psum(x, "data")
     return a, b, c
 
-  f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(),
-                    check_vma=False)
-  x = jax.ShapeDtypeStruct((4 * 64, D), jnp.float32,
-                           sharding=NamedSharding(mesh, P("data")))
+  f = jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P(), check_vma=False)
+  x = jax.ShapeDtypeStruct((4 * 64, D), jnp.float32, sharding=NamedSharding(mesh, P("data")))
   s = ji.schedule(f, x)
   by_kind = {c.kind: c for c in s.collectives}
   assert set(by_kind) == {"all-to-all", "collective-permute", "all-reduce"}
@@ -231,8 +224,16 @@ def test_cpu_permute_all_to_all_and_subgroups():
   assert a2a.group_size == 4
   assert a2a.ring_bytes == pytest.approx(3 / 4 * shard)
   perm = by_kind["collective-permute"]
-  assert perm.source_target_pairs == ((0, 1), (1, 0), (2, 3), (3, 2),
-                                      (4, 5), (5, 4), (6, 7), (7, 6))
+  assert perm.source_target_pairs == (
+    (0, 1),
+    (1, 0),
+    (2, 3),
+    (3, 2),
+    (4, 5),
+    (5, 4),
+    (6, 7),
+    (7, 6),
+  )
   assert perm.ring_bytes == shard
   ar = by_kind["all-reduce"]
   assert ar.replica_groups == ((0, 2, 4, 6), (1, 3, 5, 7))
@@ -241,26 +242,27 @@ def test_cpu_permute_all_to_all_and_subgroups():
 
 def test_replica_groups_in_shardy_mesh_form():
   # jit-inserted (not shard_map) reductions print their groups as mesh axes.
-  mesh = jax.make_mesh((4, 2), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
-  x = jax.ShapeDtypeStruct((64, 32), jnp.float32,
-                           sharding=NamedSharding(mesh, P("data", "model")))
-  w = jax.ShapeDtypeStruct((32, 16), jnp.float32,
-                           sharding=NamedSharding(mesh, P("model")))
-  compiled = jax.jit(lambda x, w: (x @ w).sum(0),
-                     out_shardings=NamedSharding(mesh, P())).lower(x, w).compile()
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))
+  w = jax.ShapeDtypeStruct((32, 16), jnp.float32, sharding=NamedSharding(mesh, P("model")))
+  compiled = (
+    jax.jit(lambda x, w: (x @ w).sum(0), out_shardings=NamedSharding(mesh, P()))
+    .lower(x, w)
+    .compile()
+  )
   assert "replica_groups=mesh[" in compiled.as_text()
   groups = {c.replica_groups for c in ji.schedule(compiled).collectives}
-  assert groups == {((0, 1), (2, 3), (4, 5), (6, 7)),  # over "model"
-                    ((0, 2, 4, 6), (1, 3, 5, 7))}  # over "data" (mesh form)
+  assert groups == {
+    ((0, 1), (2, 3), (4, 5), (6, 7)),  # over "model"
+    ((0, 2, 4, 6), (1, 3, 5, 7)),
+  }  # over "data" (mesh form)
 
 
 def test_replica_groups_iota_form():
   # XLA's compact form; not produced by the programs above, parsed all the same.
   attrs = ", replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true"
   assert ji._parse_replica_groups(attrs) == ((0, 2, 4, 6), (1, 3, 5, 7))
-  assert ji._parse_replica_groups(", replica_groups=[1,8]<=[8]") == (
-      tuple(range(8)),)
+  assert ji._parse_replica_groups(", replica_groups=[1,8]<=[8]") == (tuple(range(8)),)
 
 
 UNSUGARED = """HloModule m, is_scheduled=true, num_partitions=8
@@ -296,8 +298,7 @@ def test_unsugared_async_start():
   text = hlo.hlo_module_from_text(UNSUGARED).to_string()
   assert "async-start(%x), calls=%wrapped" in text
   (c,) = ji.schedule(text).collectives
-  assert (c.kind, c.opcode, c.done_name) == ("reduce-scatter", "async-start",
-                                             "done")
+  assert (c.kind, c.opcode, c.done_name) == ("reduce-scatter", "async-start", "done")
   assert (c.operand_bytes, c.result_bytes) == (1024 * 16 * 4, 128 * 16 * 4)
   assert c.is_async and c.overlapped_gemms == ("d",)
 
@@ -312,8 +313,9 @@ def test_ring_bytes_formula():
 
 
 def test_report_and_plain_data(cpu_mesh):
-  f = jax.jit(backward_like(cpu_mesh, "all-reduce"),
-              compiler_options=compiler.compiler_options("cpu"))
+  f = jax.jit(
+    backward_like(cpu_mesh, "all-reduce"), compiler_options=compiler.compiler_options("cpu")
+  )
   s = ji.schedule(f, *abstract_args(cpu_mesh))
   text = ji.report(s)
   assert f"{LAYERS} collectives (0 async" in text
@@ -329,26 +331,28 @@ def test_report_and_plain_data(cpu_mesh):
 def test_memory_stats_fields():
   m = ji.memory_stats(lambda x: x * 2, jnp.zeros((256,), jnp.float32))
   assert (m.argument_bytes, m.output_bytes) == (1024, 1024)
-  assert m.peak_bytes == (m.argument_bytes + m.output_bytes + m.temp_bytes
-                          - m.alias_bytes)
+  assert m.peak_bytes == (m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes)
 
 
 def test_gpu_unavailable_is_reported_not_raised_at_import():
   # Without the plugin the GPU path explains itself; importing jaxdp still works.
   code = (
-      "import sys\n"
-      "sys.modules['jax_cuda12_plugin'] = None\n"
-      "sys.modules['jax_plugins.xla_cuda12'] = None\n"
-      "from jaxdp._src import aot\n"
-      "print(aot.gpu_compile_unavailable())\n"
-      "try:\n"
-      "    aot.gpu_mesh()\n"
-      "except RuntimeError as e:\n"
-      "    print('RuntimeError:', e)\n"
+    "import sys\n"
+    "sys.modules['jax_cuda12_plugin'] = None\n"
+    "sys.modules['jax_plugins.xla_cuda12'] = None\n"
+    "from jaxdp._src import aot\n"
+    "print(aot.gpu_compile_unavailable())\n"
+    "try:\n"
+    "    aot.gpu_mesh()\n"
+    "except RuntimeError as e:\n"
+    "    print('RuntimeError:', e)\n"
   )
   out = subprocess.run(
-      [sys.executable, "-c", code], capture_output=True, text=True, check=True,
-      env={"JAX_PLATFORMS": "cpu", "PATH": "", "PYTHONPATH": "."},
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    check=True,
+    env={"JAX_PLATFORMS": "cpu", "PATH": "", "PYTHONPATH": "."},
   ).stdout
   assert "jax-cuda12-plugin" in out and "jaxdp[aot]" in out
   assert "RuntimeError: gpu_topology:" in out
@@ -367,8 +371,7 @@ def test_doctests_inspect():
 @pytest.mark.parametrize("kind", ["all-reduce", "reduce-scatter", "all-gather"])
 def test_gpu_buckets_overlap_backward_gemms(gpu_mesh, kind):
   dtype = jnp.bfloat16 if kind != "all-reduce" else jnp.float32
-  compiled = aot.compile_for_gpu(backward_like(gpu_mesh, kind),
-                                 *abstract_args(gpu_mesh, dtype))
+  compiled = aot.compile_for_gpu(backward_like(gpu_mesh, kind), *abstract_args(gpu_mesh, dtype))
   s = ji.schedule(compiled)
   assert s.is_scheduled and s.num_partitions == N
   check_buckets(s, kind, dtype)
@@ -386,14 +389,15 @@ def test_gpu_buckets_overlap_backward_gemms(gpu_mesh, kind):
 @needs_gpu_compile
 def test_gpu_cublas_gemms_count_as_gemms(gpu_mesh):
   compiled = aot.compile_for_gpu(
-      backward_like(gpu_mesh, "all-reduce"), *abstract_args(gpu_mesh),
-      compiler_options={"xla_gpu_enable_triton_gemm": False})
+    backward_like(gpu_mesh, "all-reduce"),
+    *abstract_args(gpu_mesh),
+    compiler_options={"xla_gpu_enable_triton_gemm": False},
+  )
   assert 'custom_call_target="__cublas$lt$matmul"' in compiled.as_text()
   s = ji.schedule(compiled)
   *hidden, _ = sorted(s.collectives, key=lambda c: c.start_index)
   for c in hidden:
-    assert c.overlapped_gemms and all(
-        g.startswith("custom-call") for g in c.overlapped_gemms)
+    assert c.overlapped_gemms and all(g.startswith("custom-call") for g in c.overlapped_gemms)
 
 
 @needs_gpu_compile
@@ -415,13 +419,12 @@ def test_gpu_loop_body_collectives(gpu_mesh):
     def layer(h, w):
       h = jnp.tanh(h @ w)
       return h, jax.lax.psum(h.T @ h, "data")
+
     return jax.lax.scan(layer, h, ws)[1]
 
-  f = jax.shard_map(body, mesh=gpu_mesh, in_specs=(P("data"), P()),
-                    out_specs=P(), check_vma=False)
+  f = jax.shard_map(body, mesh=gpu_mesh, in_specs=(P("data"), P()), out_specs=P(), check_vma=False)
   x, _ = abstract_args(gpu_mesh)
-  ws = jax.ShapeDtypeStruct((3, D, D), jnp.float32,
-                            sharding=NamedSharding(gpu_mesh, P()))
+  ws = jax.ShapeDtypeStruct((3, D, D), jnp.float32, sharding=NamedSharding(gpu_mesh, P()))
   s = ji.schedule(aot.compile_for_gpu(f, x, ws))
   (c,) = s.collectives
   assert c.opcode == "all-reduce-start" and c.trip_count == 3
@@ -432,8 +435,7 @@ def test_gpu_loop_body_collectives(gpu_mesh):
 @needs_gpu_compile
 def test_gpu_memory_stats(gpu_mesh):
   args = abstract_args(gpu_mesh)
-  m = ji.memory_stats(aot.compile_for_gpu(backward_like(gpu_mesh, "all-reduce"),
-                                          *args))
+  m = ji.memory_stats(aot.compile_for_gpu(backward_like(gpu_mesh, "all-reduce"), *args))
   assert m.argument_bytes == (ROWS * D + LAYERS * D * D) * 4
   # Outputs: 4 buckets plus XLA's tuple index table (one pointer per output).
   assert 0 <= m.output_bytes - LAYERS * bucket_bytes() <= 8 * LAYERS
@@ -467,7 +469,8 @@ def test_schedule_reads_hlo_before_optimization(cpu_mesh):
   # XLA:CPU promotes bf16 collectives to f32; the HLO before optimization (no "%"
   # before names, no computation signatures) still says what the program asked for.
   lowered = jax.jit(backward_like(cpu_mesh, "all-gather")).lower(
-      *abstract_args(cpu_mesh, jnp.bfloat16))
+    *abstract_args(cpu_mesh, jnp.bfloat16)
+  )
   s = ji.schedule(lowered.as_text(dialect="hlo"))
   assert not s.is_scheduled
   check_buckets(s, "all-gather", jnp.bfloat16)

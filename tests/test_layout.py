@@ -37,17 +37,24 @@ def test_buckets_offsets_and_padding_by_hand():
 
 def test_shard_dim_is_the_one_that_pads_least():
   dp = 8
-  params = {"stacked": jnp.zeros((4, 24, 5)),  # 4 layers < 8 devices: shard the 24 rows
-            "emb": jnp.zeros((50, 16)),        # 50 -> 56 rows vs 16 columns: no padding
-            "w": jnp.zeros((12, 100)),         # 12 -> 16 (33%) vs 100 -> 104 (4%)
-            "tie": jnp.zeros((16, 8)),         # both divide: the leading dim
-            "odd": jnp.zeros((3, 5)),          # 3 -> 8 vs 5 -> 8: dim 1 pads less
-            "scalar": jnp.zeros(())}
+  params = {
+    "stacked": jnp.zeros((4, 24, 5)),  # 4 layers < 8 devices: shard the 24 rows
+    "emb": jnp.zeros((50, 16)),  # 50 -> 56 rows vs 16 columns: no padding
+    "w": jnp.zeros((12, 100)),  # 12 -> 16 (33%) vs 100 -> 104 (4%)
+    "tie": jnp.zeros((16, 8)),  # both divide: the leading dim
+    "odd": jnp.zeros((3, 5)),  # 3 -> 8 vs 5 -> 8: dim 1 pads less
+    "scalar": jnp.zeros(()),
+  }
   layout = jaxdp.make_layout(params, dp=dp)
   axes = {p.path: (p.axis, p.rows, p.local_shape(dp)) for p in layout.params}
-  assert axes == {"['stacked']": (1, 24, (4, 3, 5)), "['emb']": (1, 16, (50, 2)),
-                  "['w']": (1, 104, (12, 13)), "['tie']": (0, 16, (2, 8)),
-                  "['odd']": (1, 8, (3, 1)), "['scalar']": (0, 8, (1,))}
+  assert axes == {
+    "['stacked']": (1, 24, (4, 3, 5)),
+    "['emb']": (1, 16, (50, 2)),
+    "['w']": (1, 104, (12, 13)),
+    "['tie']": (0, 16, (2, 8)),
+    "['odd']": (1, 8, (3, 1)),
+    "['scalar']": (0, 8, (1,)),
+  }
   # `leading` pins the leading dim (jaxdp passes tensor-parallel weights); so do FSDP units.
   pinned = jaxdp.make_layout(params, dp=dp, leading=lambda path, leaf: path != "['w']")
   assert {p.path: p.axis for p in pinned.params if p.axis} == {"['w']": 1}
@@ -98,16 +105,20 @@ def test_frozen_and_integer_leaves_get_no_buffer():
 def test_shapes_alone_give_the_same_layout():
   params = {"a": jnp.zeros((33, 3), jnp.bfloat16), "b": jnp.zeros((5,))}
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  assert jaxdp.make_layout(shapes, dp=8, bucket_size=64) == \
-      jaxdp.make_layout(params, dp=8, bucket_size=64)
+  assert jaxdp.make_layout(shapes, dp=8, bucket_size=64) == jaxdp.make_layout(
+    params, dp=8, bucket_size=64
+  )
   hash(jaxdp.make_layout(shapes, dp=8))  # static: usable as a jit static argument
 
 
 def _random_tree(dtypes):
   rng = np.random.default_rng(0)
   shapes = [(), (1,), (7,), (3, 5), (13, 1, 3), (129,)]
-  return {f"{np.dtype(d).name}_{i}": jnp.asarray(rng.normal(size=s), d)
-          for d in dtypes for i, s in enumerate(shapes)}
+  return {
+    f"{np.dtype(d).name}_{i}": jnp.asarray(rng.normal(size=s), d)
+    for d in dtypes
+    for i, s in enumerate(shapes)
+  }
 
 
 @pytest.mark.parametrize("dp", [1, 3, 8])
@@ -117,7 +128,10 @@ def test_round_trip_is_bitwise(dp):
   layout = jaxdp.make_layout(params, dp=dp, bucket_size=40)
   flat = jaxdp.ravel(params, layout)
   assert {k: v.dtype for k, v in flat.items()} == {
-      "bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "float32": jnp.float32,
+  }
   back = jaxdp.unravel(flat, layout, like=params)
   for k in params:
     a, b = np.asarray(params[k]), np.asarray(back[k])
@@ -139,7 +153,7 @@ def test_ravel_places_each_shard_rows_where_the_layout_says():
     n = r * full.shape[1]
     for d in range(dp):
       start = bucket.offset + d * bucket.shard_size + p.offset
-      np.testing.assert_array_equal(flat[start: start + n], padded[d * r:(d + 1) * r].ravel())
+      np.testing.assert_array_equal(flat[start : start + n], padded[d * r : (d + 1) * r].ravel())
   # Everything that is not a param is zero padding.
   assert np.count_nonzero(flat) == 10 * 3 + 6 - 1  # a[0, 0] is 0.0
 
@@ -156,8 +170,9 @@ def test_ravel_places_column_blocks_of_a_param_sharded_on_dim_1():
   padded[:, :6] = np.asarray(params["s"])
   for d in range(dp):
     start = bucket.offset + d * bucket.shard_size + p.offset
-    np.testing.assert_array_equal(flat[start: start + 2 * 2 * 3],
-                                  padded[:, 2 * d: 2 * d + 2].ravel())
+    np.testing.assert_array_equal(
+      flat[start : start + 2 * 2 * 3], padded[:, 2 * d : 2 * d + 2].ravel()
+    )
 
 
 def test_bad_arguments():

@@ -35,9 +35,11 @@ AUTO = (jax.sharding.AxisType.Auto,) * 2
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def reference(params, loss_fn, batch, tx, bound, steps=STEPS):
   """Plain jax.grad + optax on the whole batch, one device; each step's gradients go to
   `bound`, an AdamBound for `tx` (tests/tolerances.py)."""
+
   @jax.jit
   def step(params, opt_state):
     grads = jax.grad(loss_fn)(params, batch)
@@ -63,8 +65,9 @@ def train(params, loss_fn, batch, tx, mesh, config, steps=STEPS):
 def assert_close(got, want, atol):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=0,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(x), np.asarray(y), atol=atol, rtol=0, err_msg=jax.tree_util.keystr(path)
+    )
 
 
 def groups(mesh, axis):
@@ -80,8 +83,10 @@ ALL = (tuple(range(8)),)
 def collectives(step, state, batch):
   """`{(kind, operand bytes, replica groups as sets)}` of the compiled step."""
   schedule = jaxdp.inspect.schedule(step.lower(state, batch).compile())
-  return [(c.kind, c.operand_bytes, frozenset(frozenset(g) for g in c.replica_groups))
-          for c in schedule.collectives]
+  return [
+    (c.kind, c.operand_bytes, frozenset(frozenset(g) for g in c.replica_groups))
+    for c in schedule.collectives
+  ]
 
 
 def as_sets(groups):
@@ -89,8 +94,12 @@ def as_sets(groups):
 
 
 def bucket_bytes(layout, expert):
-  return [4 * b.shard_size * layout.dp for buf in layout.buffers if buf.expert == expert
-          for b in buf.buckets]
+  return [
+    4 * b.shard_size * layout.dp
+    for buf in layout.buffers
+    if buf.expert == expert
+    for b in buf.buckets
+  ]
 
 
 def tokens(vocab, batch=16, length=8):
@@ -100,19 +109,28 @@ def tokens(vocab, batch=16, length=8):
 
 # ----------------------------------------------------------------------------- HSDP
 
+
 def mlp():
   rng = np.random.default_rng(0)
-  params = {"l0": {"w": 0.5 * rng.standard_normal((6, 10)).astype(np.float32),
-                   "b": np.zeros(10, np.float32)},
-            "l1": {"w": 0.5 * rng.standard_normal((10, 3)).astype(np.float32),
-                   "b": np.zeros(3, np.float32)}}
+  params = {
+    "l0": {
+      "w": 0.5 * rng.standard_normal((6, 10)).astype(np.float32),
+      "b": np.zeros(10, np.float32),
+    },
+    "l1": {
+      "w": 0.5 * rng.standard_normal((10, 3)).astype(np.float32),
+      "b": np.zeros(3, np.float32),
+    },
+  }
 
   def loss_fn(p, b):
     h = jnp.tanh(b["x"] @ p["l0"]["w"] + p["l0"]["b"])
     return jnp.mean((h @ p["l1"]["w"] + p["l1"]["b"] - b["y"]) ** 2)
 
-  batch = {"x": rng.standard_normal((16, 6)).astype(np.float32),
-           "y": rng.standard_normal((16, 3)).astype(np.float32)}
+  batch = {
+    "x": rng.standard_normal((16, 6)).astype(np.float32),
+    "y": rng.standard_normal((16, 3)).astype(np.float32),
+  }
   return params, loss_fn, batch
 
 
@@ -124,8 +142,9 @@ def test_hsdp_shards_within_data_and_replicates_across_replica(strategy):
   params, loss_fn, batch = mlp()
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   mesh = jax.make_mesh((2, 4), ("replica", "data"))
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy,
-                           num_distributed_optimizer_instances=2)
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy, num_distributed_optimizer_instances=2
+  )
   state, step = train(params, loss_fn, batch, tx, mesh, config)
   # The loss averages 16 x 3 squared errors (tests/tolerances.py has the argument).
   bound = AdamBound(1e-2, 16 * 3, params, clip=1.0)
@@ -136,9 +155,11 @@ def test_hsdp_shards_within_data_and_replicates_across_replica(strategy):
   # 16 x 3 terms of each gradient and of the params' count.
   _, metrics = step(jaxdp.init_state(params, tx, mesh, config), batch)
   n_params = sum(x.size for x in jax.tree.leaves(params))
-  np.testing.assert_allclose(float(metrics["grad_norm"]),
-                             float(optax.tree.norm(jax.grad(loss_fn)(params, batch))),
-                             rtol=rtol_sum(16 * 3) + rtol_sum(n_params))
+  np.testing.assert_allclose(
+    float(metrics["grad_norm"]),
+    float(optax.tree.norm(jax.grad(loss_fn)(params, batch))),
+    rtol=rtol_sum(16 * 3) + rtol_sum(n_params),
+  )
 
   mu = state.opt_state[1][0].mu["l0"]["w"]  # (6, 10) sharded 4 ways, replicated 2 ways:
   # optim on dim 1 (10 -> 12 columns pads less than 6 -> 8 rows), FSDP's units on dim 0
@@ -157,8 +178,7 @@ def test_hsdp_shards_within_data_and_replicates_across_replica(strategy):
 
 # ----------------------------------------------------------------------------- MoE
 
-MOE = MoEConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16, n_experts=8,
-                top_k=2)
+MOE = MoEConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16, n_experts=8, top_k=2)
 MOE_TX = optax.adamw(1e-3)
 
 
@@ -167,8 +187,7 @@ def moe_problem():
   """Params of the whole model, the loss of one expert rank (of 2), and the reference."""
   params, loss_fn = jaxdp.nnx_split(MoEGPT(MOE, rngs=nnx.Rngs(0)), gpt_loss)
   rank = dataclasses.replace(MOE, expert_axis="expert", expert_parallel=2)
-  _, rank_loss = jaxdp.nnx_split(nnx.eval_shape(lambda: MoEGPT(rank, rngs=nnx.Rngs(0))),
-                                 gpt_loss)
+  _, rank_loss = jaxdp.nnx_split(nnx.eval_shape(lambda: MoEGPT(rank, rngs=nnx.Rngs(0))), gpt_loss)
   batch = tokens(MOE.vocab_size)
   bound = AdamBound(1e-3, 16 * 8, params)  # 16 x 8 tokens in the batch
   return params, rank_loss, batch, reference(params, loss_fn, batch, MOE_TX, bound), bound
@@ -189,10 +208,14 @@ def test_moe_expert_grads_reduced_over_expert_data_parallel_group(strategy, tmp_
 
   layout = state.layout
   assert [(buf.name, buf.expert) for buf in layout.buffers] == [
-      ("expert/float32", True), ("float32", False)]
+    ("expert/float32", True),
+    ("float32", False),
+  ]
   assert {p.path for buf in layout.buffers if buf.expert for p in buf.params} == {
-      jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]
-      if is_expert(jax.tree_util.keystr(k))}
+    jax.tree_util.keystr(k)
+    for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    if is_expert(jax.tree_util.keystr(k))
+  }
   w_fc = got["blocks"][0]["moe"]["w_fc"]  # (8, 16, 64): 4 experts per device
   assert w_fc.sharding.spec[0] == "expert" and w_fc.addressable_shards[0].data.shape[0] == 4
   if strategy == "optim":  # optimizer state: 4 experts per expert rank, 1 per device
@@ -230,23 +253,27 @@ def test_compile_train_step_shards_the_batch_like_the_step():
   params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
   batch = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
-  compiled = jaxdp.inspect.compile_train_step(loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(),
-                                              params, batch, mesh=mesh)
+  compiled = jaxdp.inspect.compile_train_step(
+    loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(), params, batch, mesh=mesh
+  )
   (_, batch_sharding), _ = compiled.input_shardings
   assert batch_sharding["x"].spec == P(("expert", "data"))
 
 
 # ----------------------------------------------------------------------------- tensor parallel
 
+
 def megatron_specs(params):
   """Megatron's column/row parallel GPT: c_attn and c_fc split their outputs over "model"
   (kernel columns and bias), the c_proj's split their inputs (kernel rows); the rest is
   replicated."""
+
   def spec(path, _):
     *_, layer, name = [None, None] + [getattr(k, "key", None) for k in path]
     if layer in ("c_attn", "c_fc"):
       return P(None, "model") if name == "kernel" else P("model")
     return P("model", None) if (layer, name) == ("c_proj", "kernel") else P()
+
   return jax.tree_util.tree_map_with_path(spec, params)
 
 
@@ -255,8 +282,9 @@ TP_TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
 
 @functools.cache
 def gpt_problem():
-  gpt = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16),
-            rngs=nnx.Rngs(0))
+  gpt = GPT(
+    GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, d_model=16), rngs=nnx.Rngs(0)
+  )
   params, loss_fn = jaxdp.nnx_split(gpt, gpt_loss)
   batch = tokens(64)
   bound = AdamBound(1e-3, 16 * 8, params, clip=1.0)  # 16 x 8 tokens in the batch
@@ -298,12 +326,16 @@ def test_tensor_parallel_weights_keep_their_model_sharding(strategy):
       assert shard[1] == mu.shape[1] // (2 if dim else 1)
   # the gradient bucket is reduced over "data" (groups of 4), never over all 8 devices
   # (the "model" groups of 2 are the compiler's tensor-parallel collectives)
-  reduced = {g for kind, n, g in collectives(step, state, batch)
-             if kind in ("all-reduce", "reduce-scatter") and n >= 4000}
+  reduced = {
+    g
+    for kind, n, g in collectives(step, state, batch)
+    if kind in ("all-reduce", "reduce-scatter") and n >= 4000
+  }
   assert as_sets(groups(mesh, "data")) in reduced and as_sets(ALL) not in reduced
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 def test_placements_jaxdp_cannot_keep_are_refused():
   mesh = jax.make_mesh((4, 2), ("data", "expert"))
@@ -315,8 +347,9 @@ def test_placements_jaxdp_cannot_keep_are_refused():
     jaxdp.init_state({"w": on(jnp.zeros((2, 8)), None, "expert")}, tx, mesh, config)
   other = jax.make_mesh((2, 4), ("data", "expert"))
   with pytest.raises(ValueError, match=r"params\['w'\] is sharded .* on another mesh"):
-    jaxdp.init_state({"w": jax.device_put(jnp.zeros((8, 2)), NamedSharding(other, P("expert")))},
-                     tx, mesh, config)
+    jaxdp.init_state(
+      {"w": jax.device_put(jnp.zeros((8, 2)), NamedSharding(other, P("expert")))}, tx, mesh, config
+    )
   # 2 experts per expert rank cannot be split over the 4 "data" devices by the optimizer
   optim = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
   with pytest.raises(ValueError, match=r"params\['w'\]: 2 experts per expert-parallel rank"):
@@ -329,11 +362,27 @@ def test_placements_jaxdp_cannot_keep_are_refused():
 
 # ----------------------------------------------------------------------------- processes
 
+
 def launch(*args, timeout=300):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  return subprocess.run([sys.executable, "-m", "jaxdp.launch", "--num-processes", "2",
-                         "--devices-per-process", "4", "--", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxdp.launch",
+      "--num-processes",
+      "2",
+      "--devices-per-process",
+      "4",
+      "--",
+      *args,
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.mark.slow
@@ -364,16 +413,38 @@ def test_two_process_checkpoint_restores_in_one_process(tmp_path):
 def test_train_script_runs_under_the_launcher(tmp_path):
   """scripts/train.py, unchanged, as 2 processes x 4 devices: one 8-device data-parallel
   job; process 0 alone writes the metrics; every process takes part in the checkpoint."""
-  result = launch(str(REPO / "scripts" / "train.py"), "--steps", "2", "--eval-every", "2",
-                  "--save-every", "2", "--out", str(tmp_path), "--n-layer", "1",
-                  "--n-head", "2", "--d-model", "32", "--block-size", "32", "--batch-size",
-                  "16", "--bucket-size", "4000")
+  result = launch(
+    str(REPO / "scripts" / "train.py"),
+    "--steps",
+    "2",
+    "--eval-every",
+    "2",
+    "--save-every",
+    "2",
+    "--out",
+    str(tmp_path),
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--d-model",
+    "32",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "16",
+    "--bucket-size",
+    "4000",
+  )
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   for p in (0, 1):
     assert f"[p{p}] devices: 8 x cpu" in result.stdout
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert [sorted(e) for e in map(json.loads, lines)] == [
-      ["step", "val_loss"], ["grad_norm", "loss", "lr", "step", "time_s", "tokens_per_s"],
-      ["grad_norm", "loss", "lr", "step", "time_s", "tokens_per_s"], ["step", "val_loss"]]
+    ["step", "val_loss"],
+    ["grad_norm", "loss", "lr", "step", "time_s", "tokens_per_s"],
+    ["grad_norm", "loss", "lr", "step", "time_s", "tokens_per_s"],
+    ["step", "val_loss"],
+  ]
   with jaxdp.CheckpointManager(tmp_path / "checkpoints") as mgr:
     assert mgr.latest_step() == 2 and mgr.data_position() == {"next_step": 3}

@@ -28,8 +28,7 @@ def assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
     assert x.dtype == y.dtype, jax.tree_util.keystr(path)
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
-                                  err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
 def test_mlp_shapes_and_loss():
@@ -103,8 +102,9 @@ def test_gpt_unrolled_equals_scanned():
   # The same arithmetic, fused differently by XLA (a loop body vs 3 copies): float32
   # rounding only. The loss is a mean of 4 x 16 tokens' cross-entropies (each a row of
   # d_model + vocab products), each gradient a sum over those tokens (tests/tolerances.py).
-  np.testing.assert_allclose(l_u, l_s, rtol=rtol_sum(4 * 16) + rtol_sum(
-      TINY["d_model"] + GPTConfig(**TINY).vocab_size))
+  np.testing.assert_allclose(
+    l_u, l_s, rtol=rtol_sum(4 * 16) + rtol_sum(TINY["d_model"] + GPTConfig(**TINY).vocab_size)
+  )
   assert_grads_close(unstack_blocks(g_s), g_u, 4 * 16)
 
 
@@ -114,11 +114,14 @@ def test_gpt_same_seed_same_weights_in_both_layouts():
   assert_trees_equal(stack_blocks(p_unrolled), nnx.to_pure_dict(nnx.state(scanned, nnx.Param)))
 
 
-@pytest.mark.parametrize("make", [
+@pytest.mark.parametrize(
+  "make",
+  [
     lambda: MLP(3, 8, 2, n_layers=2, rngs=nnx.Rngs(0)),
     lambda: GPT(GPTConfig(**TINY, lora_rank=2), rngs=nnx.Rngs(0)),
     lambda: GPT(GPTConfig(**TINY, scan_layers=True, param_dtype=jnp.bfloat16), rngs=nnx.Rngs(0)),
-])
+  ],
+)
 def test_adapter_round_trip_is_bitwise(make):
   model = make()
   params, _ = nnx_split(model, lambda m, b: 0.0)
@@ -126,7 +129,9 @@ def test_adapter_round_trip_is_bitwise(make):
   # Merge new values, then the original ones back: the model ends where it started.
   nnx_merge(model, jax.tree.map(lambda a: a + 1, params))
   moved, _ = nnx_split(model, lambda m, b: 0.0)
-  assert all(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(kept)))
+  assert all(
+    not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(kept))
+  )
   nnx_merge(model, jax.tree.map(jnp.asarray, kept))
   again, _ = nnx_split(model, lambda m, b: 0.0)
   assert_trees_equal(again, kept)
@@ -200,12 +205,12 @@ def test_lora_at_init_equals_base(scan_layers):
   # Copy the base weights into the LoRA model; keep its fresh adapters.
   flat_base = dict(jax.tree_util.tree_leaves_with_path(p_base))
   merged = jax.tree_util.tree_map_with_path(
-      lambda path, a: a if "lora" in jax.tree_util.keystr(path) else flat_base[path], p_lora)
+    lambda path, a: a if "lora" in jax.tree_util.keystr(path) else flat_base[path], p_lora
+  )
   nnx_merge(lora, merged)
 
   # Adapters on (c_attn, attn.c_proj, c_fc, mlp.c_proj) x (lora_a, lora_b) per block.
-  lora_paths = [jax.tree_util.keystr(p)
-                for p, m in jax.tree_util.tree_leaves_with_path(mask) if m]
+  lora_paths = [jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(mask) if m]
   assert all(p.endswith(("['lora_a']", "['lora_b']")) for p in lora_paths)
   assert len(lora_paths) == (8 if scan_layers else 8 * TINY["n_layer"])
   assert len(jax.tree.leaves(p_lora)) == len(jax.tree.leaves(p_base)) + len(lora_paths)
@@ -229,8 +234,9 @@ def test_lora_training_moves_only_the_adapters():
   new, opt_state = params, tx.init(params)
   for _ in range(2):  # two steps: lora_b moves on the first, lora_a from the second
     new, opt_state = step(new, opt_state, gpt_batch())
-  for (path, a), b, trainable in zip(jax.tree_util.tree_leaves_with_path(new),
-                                     jax.tree.leaves(params), jax.tree.leaves(mask)):
+  for (path, a), b, trainable in zip(
+    jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(params), jax.tree.leaves(mask)
+  ):
     moved = not np.array_equal(a, b)
     assert moved == trainable, jax.tree_util.keystr(path)
 

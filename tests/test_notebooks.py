@@ -27,16 +27,17 @@ from jaxdp import inspect  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PRINTS = {  # lines a notebook must print: the ledger equals the built state, per strategy
-    "03_memory_ledger": [f"{s:20s} equal" for s in ("no_shard", "optim", "optim_grads",
-                                                    "optim_grads_params")],
+  "03_memory_ledger": [
+    f"{s:20s} equal" for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")
+  ],
 }
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 IMAGES = {  # figures each notebook draws (at least)
-    "01_buffers_and_buckets": 6,
-    "02_overlap": 5,
-    "03_memory_ledger": 5,
-    "04_fsdp_units": 4,
-    "05_flax_loop": 3,
+  "01_buffers_and_buckets": 6,
+  "02_overlap": 5,
+  "03_memory_ledger": 5,
+  "04_fsdp_units": 4,
+  "05_flax_loop": 3,
 }
 GPU_TARGET = {"02_overlap", "03_memory_ledger", "04_fsdp_units"}
 GPU_MARKER = "H100"  # what the first cell prints when it compiles for the GPU target
@@ -61,8 +62,11 @@ def executed(path: pathlib.Path) -> nbformat.NotebookNode:
   if path.stem not in _executed:
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
-        nb, timeout=TIMEOUT_S, kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}})
+      nb,
+      timeout=TIMEOUT_S,
+      kernel_name="python3",
+      resources={"metadata": {"path": str(path.parent)}},
+    )
     client.execute(env=_kernel_env())  # raises CellExecutionError naming the cell
     _executed[path.stem] = nb
   return _executed[path.stem]
@@ -95,7 +99,8 @@ def test_stored_with_their_figures(path):
   code = [c for c in nb.cells if c.cell_type == "code"]
   fix = "; run python scripts/notebook_outputs.py " + str(path.relative_to(ROOT))
   assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
-      f"{path.name}: not run top to bottom in one kernel{fix}")
+    f"{path.name}: not run top to bottom in one kernel{fix}"
+  )
   assert not [o for o in outputs(nb) if o.output_type == "error"], f"{path.name}: error{fix}"
   images = [o.data["image/png"] for o in outputs(nb) if "image/png" in o.get("data", {})]
   assert len(images) >= IMAGES[path.stem], f"{path.name}: {len(images)} figures stored{fix}"
@@ -112,11 +117,11 @@ def test_runs_and_draws(path):
   assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
   images = sum("image/png" in o.get("data", {}) for o in outputs(nb))
   assert images >= IMAGES[path.stem], (
-      f"{path.name} drew {images} figures, expected at least {IMAGES[path.stem]}")
+    f"{path.name} drew {images} figures, expected at least {IMAGES[path.stem]}"
+  )
   text = text_of(nb)
   for line in PRINTS.get(path.stem, ()):
     assert line in text, f"{path.name} did not print {line!r}:\n{text[:3000]}"
   # Checked here, not in a test of its own: another xdist worker would run the notebook again.
   if path.stem in GPU_TARGET and GPU_REASON is None:
     assert GPU_MARKER in text and "NO GPU TARGET" not in text, text[:2000]
-

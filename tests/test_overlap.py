@@ -27,13 +27,16 @@ from models.mlp import MLP, mlp_loss
 N = 8
 GPU_REASON = gpu_compile_unavailable()
 _skip_without_gpu_compile = pytest.mark.skipif(
-    GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}")
+  GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}"
+)
 
 
 def needs_gpu_compile(test):
   """Skipped without the GPU target; run on one xdist worker, which compiles each GPT
   program once (`gpu_step` is cached per process)."""
   return pytest.mark.slow(_skip_without_gpu_compile(pytest.mark.xdist_group("h100_gpt")(test)))
+
+
 METRIC_BYTES = 64
 """Collectives this small carry the step's metrics (loss, norms), not buckets."""
 
@@ -58,8 +61,9 @@ def gpt():
 def gpt_config(strategy, overlap):
   params, _, _ = gpt()
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  return jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=psi // 5,
-                         overlap_grad_reduce=overlap)
+  return jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy, bucket_size=psi // 5, overlap_grad_reduce=overlap
+  )
 
 
 @functools.cache
@@ -80,8 +84,11 @@ def bucket_collectives(s, kind, bucket_bytes):
 
 
 def grad_bucket_bytes(layout):
-  return {b.shard_size * layout.dp * buf.grad_dtype.itemsize
-          for buf in layout.buffers for b in buf.buckets}
+  return {
+    b.shard_size * layout.dp * buf.grad_dtype.itemsize
+    for buf in layout.buffers
+    for b in buf.buckets
+  }
 
 
 def gemm_indices(s):
@@ -122,8 +129,9 @@ def test_distributed_optimizer_reduce_scatters_overlap_backward_gemms():
   check_overlapped(s, layout, "reduce-scatter")
   # overlap_param_gather: the params are gathered bucket by bucket at the start of the
   # step, each gather under the forward of the layers before it.
-  gathers = sorted((c for c in s.collectives if c.kind == "all-gather"),
-                   key=lambda c: c.start_index)
+  gathers = sorted(
+    (c for c in s.collectives if c.kind == "all-gather"), key=lambda c: c.start_index
+  )
   assert len(gathers) == layout.num_buckets
   for c in gathers[1:]:
     assert c.is_async and c.overlaps_compute, report(s)
@@ -139,8 +147,9 @@ def test_distributed_optimizer_without_overlap_reduces_once_after_backward():
 @needs_gpu_compile
 def test_fsdp_all_gathers_overlap_compute():
   s, layout = gpu_step("optim_grads_params", True)
-  gathers = sorted((c for c in s.collectives if c.kind == "all-gather"),
-                   key=lambda c: c.start_index)
+  gathers = sorted(
+    (c for c in s.collectives if c.kind == "all-gather"), key=lambda c: c.start_index
+  )
   units = {b.unit for buf in layout.buffers for b in buf.buckets}
   assert len(units) == GPT_CONFIG.n_layer + 3  # blocks, wte, wpe, ln_f
   assert len(gathers) >= len(units)
@@ -148,8 +157,9 @@ def test_fsdp_all_gathers_overlap_compute():
   for c in gathers[1:]:
     assert c.is_async and c.overlaps_compute, report(s)
   assert sum(c.overlaps_gemm for c in gathers) >= GPT_CONFIG.n_layer, report(s)
-  scatters = [c for c in s.collectives if c.kind == "reduce-scatter"
-              and c.operand_bytes > METRIC_BYTES]
+  scatters = [
+    c for c in s.collectives if c.kind == "reduce-scatter" and c.operand_bytes > METRIC_BYTES
+  ]
   assert len(scatters) == len(units) + 1  # the tied wte: once per segment that uses it
   assert sum(c.overlaps_gemm for c in scatters) >= GPT_CONFIG.n_layer - 1, report(s)
 
@@ -161,8 +171,7 @@ def test_sharded_steps_reduce_norms_in_at_most_two_small_all_reduces(strategy):
   # leaf (one scalar all-reduce each in the SPMD program, ~50 on this GPT); the GPU
   # compile merges them into one, and the step's metrics (loss, grad norm) take one more.
   s, _ = gpu_step(strategy, True)
-  small = [c for c in s.collectives if c.kind == "all-reduce"
-           and c.operand_bytes <= METRIC_BYTES]
+  small = [c for c in s.collectives if c.kind == "all-reduce" and c.operand_bytes <= METRIC_BYTES]
   assert 1 <= len(small) <= 2, report(s)
 
 
@@ -183,8 +192,7 @@ def mlp(dtype):
 def psi_bounds(params):
   """(Ψ, Ψ with every leading dim padded to a multiple of N) of a param tree."""
   psi = sum(x.size for x in jax.tree.leaves(params))
-  padded = sum(-(-x.shape[0] // N) * N * math.prod(x.shape[1:])
-               for x in jax.tree.leaves(params))
+  padded = sum(-(-x.shape[0] // N) * N * math.prod(x.shape[1:]) for x in jax.tree.leaves(params))
   return psi, padded
 
 
@@ -213,31 +221,42 @@ def within_padding(measured, psi, padded, n_collectives, bytes_per_element, fact
   return low <= measured <= high
 
 
-@pytest.mark.parametrize("strategy,dtype", [
-    ("no_shard", jnp.float32), ("optim", jnp.float32), ("optim_grads", jnp.float32),
-    ("optim", jnp.bfloat16)])
+@pytest.mark.parametrize(
+  "strategy,dtype",
+  [
+    ("no_shard", jnp.float32),
+    ("optim", jnp.float32),
+    ("optim_grads", jnp.float32),
+    ("optim", jnp.bfloat16),
+  ],
+)
 def test_bytes_per_step_match_the_ring_formula(strategy, dtype):
   volume, params, state, s = cpu_comm(strategy, dtype)
   psi, padded = psi_bounds(params)
   ring = (N - 1) / N
   grad_bytes = 4  # grad_reduce_in_fp32
   param_bytes = jnp.dtype(dtype).itemsize
-  n = {k: sum(c.kind == k and c.operand_bytes > METRIC_BYTES for c in s.collectives)
-       for k in ("all-reduce", "reduce-scatter", "all-gather")}
+  n = {
+    k: sum(c.kind == k and c.operand_bytes > METRIC_BYTES for c in s.collectives)
+    for k in ("all-reduce", "reduce-scatter", "all-gather")
+  }
   assert n[{"no_shard": "all-reduce"}.get(strategy, "reduce-scatter")] >= 3  # 3+ buckets
   if strategy == "no_shard":
     assert set(volume) == {"all-reduce"}
     # DDP: all-reduce 2(N-1)/N · grad bytes.
-    assert within_padding(volume["all-reduce"], psi, padded, n["all-reduce"], grad_bytes,
-                          2 * ring), report(s)
+    assert within_padding(
+      volume["all-reduce"], psi, padded, n["all-reduce"], grad_bytes, 2 * ring
+    ), report(s)
   else:
     assert set(volume) == {"reduce-scatter", "all-gather"}
     # ZeRO-1/2: reduce-scatter (N-1)/N · grad bytes + all-gather (N-1)/N · param bytes:
     # with fp32 params the same as DDP.
-    assert within_padding(volume["reduce-scatter"], psi, padded, n["reduce-scatter"],
-                          grad_bytes, ring), report(s)
-    assert within_padding(volume["all-gather"], psi, padded, n["all-gather"], param_bytes,
-                          ring), report(s)
+    assert within_padding(
+      volume["reduce-scatter"], psi, padded, n["reduce-scatter"], grad_bytes, ring
+    ), report(s)
+    assert within_padding(volume["all-gather"], psi, padded, n["all-gather"], param_bytes, ring), (
+      report(s)
+    )
     if dtype == jnp.float32:
       ddp, _, _, _ = cpu_comm("no_shard", dtype)
       assert sum(volume.values()) == pytest.approx(ddp["all-reduce"], rel=1e-3)
@@ -272,30 +291,31 @@ def test_fsdp_bytes_per_step_are_one_and_a_half_ddp():
   # merges the two identical all-gathers): wte is gathered twice, wpe once.
   assert volume["reduce-scatter"] == pytest.approx(ddp / 2 + ring["wte"], rel=0.01), report(s)
   assert volume["all-gather"] == pytest.approx(ddp - ring["wpe"], rel=0.01), report(s)
-  assert sum(volume.values()) == pytest.approx(1.5 * ddp + ring["wte"] - ring["wpe"],
-                                               rel=0.01)
+  assert sum(volume.values()) == pytest.approx(1.5 * ddp + ring["wte"] - ring["wpe"], rel=0.01)
 
 
 # ----------------------------------------------------------------------------- memory
+
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_memory_report_predicted_equals_measured(strategy):
   params, loss_fn, batch = mlp(jnp.bfloat16)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=3000)
   compile_gpu = GPU_REASON is None and strategy == "optim"
-  rows = memory_report(params, tx(), config, dp=N, loss_fn=loss_fn if compile_gpu else None,
-                       batch=batch)
+  rows = memory_report(
+    params, tx(), config, dp=N, loss_fn=loss_fn if compile_gpu else None, batch=batch
+  )
   by_kind = {r["kind"]: r for r in rows}
-  assert list(by_kind) == ["params", "master", "opt_state", "state", "grads", "gathered",
-                           "total"]
+  assert list(by_kind) == ["params", "master", "opt_state", "state", "grads", "gathered", "total"]
   assert all(r["strategy"] == strategy and r["dp"] == N for r in rows)
   for kind in ("params", "master", "opt_state", "state"):
     assert by_kind[kind]["measured"] == by_kind[kind]["predicted"], kind
   psi, _ = psi_bounds(params)
   # bf16 params, fp32 master and Adam moments: 2Ψ + 12Ψ (ZeRO: 12Ψ/N) bytes, + padding.
   master_and_moments = 12 * psi if strategy == "no_shard" else 12 * psi / N
-  assert by_kind["master"]["predicted"] + by_kind["opt_state"]["predicted"] \
-      == pytest.approx(master_and_moments, rel=0.1)
+  assert by_kind["master"]["predicted"] + by_kind["opt_state"]["predicted"] == pytest.approx(
+    master_and_moments, rel=0.1
+  )
   if compile_gpu:
     # What the compiled program takes as arguments (less the batch) is the state.
     assert by_kind["state"]["compiled"] == by_kind["state"]["measured"]

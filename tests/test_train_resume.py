@@ -11,17 +11,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size", "16",
-        "--batch-size", "16", "--steps", "8", "--eval-every", "4", "--save-every", "3",
-        "--dropout", "0.1"]
+TINY = [
+  "--n-layer",
+  "1",
+  "--n-head",
+  "2",
+  "--d-model",
+  "32",
+  "--block-size",
+  "16",
+  "--batch-size",
+  "16",
+  "--steps",
+  "8",
+  "--eval-every",
+  "4",
+  "--save-every",
+  "3",
+  "--dropout",
+  "0.1",
+]
 
 
 def _train(out, *args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # the script sets its own device count
-  proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *TINY,
-                         "--out", str(out), *args], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=900)
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "scripts" / "train.py"), *TINY, "--out", str(out), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
@@ -45,7 +67,8 @@ def test_resume_redoes_lost_steps_bitwise(tmp_path):
   assert "resumed from checkpoint 3 (step 3)" in out
 
   def losses(records):  # time and throughput differ; the numbers must not
-    return [{k: r[k] for k in ("step", "loss", "grad_norm", "lr", "val_loss") if k in r}
-            for r in records]
+    return [
+      {k: r[k] for k in ("step", "loss", "grad_norm", "lr", "val_loss") if k in r} for r in records
+    ]
 
   assert losses(_metrics(crashed)) == losses(_metrics(full))

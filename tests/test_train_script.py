@@ -12,8 +12,24 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--n-layer", "1", "--n-head", "2", "--d-model", "32", "--block-size", "32",
-        "--batch-size", "16", "--bucket-size", "4000", "--lr", "1e-2", "--warmup-steps", "2"]
+TINY = [
+  "--n-layer",
+  "1",
+  "--n-head",
+  "2",
+  "--d-model",
+  "32",
+  "--block-size",
+  "32",
+  "--batch-size",
+  "16",
+  "--bucket-size",
+  "4000",
+  "--lr",
+  "1e-2",
+  "--warmup-steps",
+  "2",
+]
 
 
 NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
@@ -27,17 +43,34 @@ def run_train(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env.pop("JAX_PLATFORMS", None)
   else:
     env["JAX_PLATFORMS"] = "cpu"
-  return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), *args],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, str(ROOT / "scripts" / "train.py"), *args],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, extra", [("no_shard", []),
-                                             ("optim_grads_params", ["--scan-layers"])])
+@pytest.mark.parametrize(
+  "strategy, extra", [("no_shard", []), ("optim_grads_params", ["--scan-layers"])]
+)
 def test_train_script_end_to_end(tmp_path, strategy, extra):
   steps = 16
-  proc = run_train("--strategy", strategy, "--steps", str(steps), "--eval-every", "8",
-                   "--out", str(tmp_path), *TINY, *extra)
+  proc = run_train(
+    "--strategy",
+    strategy,
+    "--steps",
+    str(steps),
+    "--eval-every",
+    "8",
+    "--out",
+    str(tmp_path),
+    *TINY,
+    *extra,
+  )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   # No traceback and no CUDA notice where there is no GPU, though the [aot] extra installs
   # JAX's CUDA plugin; stderr holds the progress bar only.
@@ -78,7 +111,7 @@ def test_help_documents_every_flag_with_its_default():
   proc = run_train("--help", timeout=120)
   assert proc.returncode == 0, proc.stderr
   text = proc.stdout
-  options = text[text.index("options:"):]
+  options = text[text.index("options:") :]
   entries = re.split(r"\n  (?=-)", options)[1:]  # one per flag, with its wrapped help
   flags = [e.split()[0].rstrip(",") for e in entries]
   assert len(flags) >= 18 and "--resume" in flags and "--out" in flags, flags

@@ -41,6 +41,7 @@ def _state(mesh, config, params=None):
 
 # ----------------------------------------------------------------------------- batch
 
+
 def test_batch_not_divisible(ddp8):
   mesh, config, step = ddp8
   with pytest.raises(ValueError, match=r"batch\['x'\]: batch dim 12 is not divisible by 8"):
@@ -50,8 +51,11 @@ def test_batch_not_divisible(ddp8):
 def test_batch_leading_dims_differ(ddp8):
   mesh, config, step = ddp8
   batch = {"x": jnp.ones((16, 3)), "y": jnp.ones((8, 2))}
-  with pytest.raises(ValueError, match=r"different leading dims.*batch\['x'\] has 16.*"
-                                       r"batch\['y'\] has 8"):
+  with pytest.raises(
+    ValueError,
+    match=r"different leading dims.*batch\['x'\] has 16.*"
+    r"batch\['y'\] has 8",
+  ):
     step(_state(mesh, config), batch)
 
 
@@ -62,6 +66,7 @@ def test_errors_come_before_compilation(ddp8):
 
 
 # ----------------------------------------------------------------------------- mesh, config
+
 
 def test_mesh_without_data_axis():
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("batch",))
@@ -78,8 +83,11 @@ def test_bucket_size_not_positive(size):
 
 
 def test_unknown_strategy():
-  with pytest.raises(ValueError, match=r"'zero3': unknown strategy; use one of no_shard, "
-                                       r"optim, optim_grads, optim_grads_params"):
+  with pytest.raises(
+    ValueError,
+    match=r"'zero3': unknown strategy; use one of no_shard, "
+    r"optim, optim_grads, optim_grads_params",
+  ):
     jaxdp.DDPConfig(data_parallel_sharding_strategy="zero3")
 
 
@@ -105,19 +113,26 @@ def test_state_on_other_devices_of_the_same_shape():
 def test_state_from_another_config(ddp8):
   mesh, _, step = ddp8
   other = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
-  with pytest.raises(ValueError, match=r"state was built for DDPConfig\("
-                                       r"data_parallel_sharding_strategy='optim'"):
+  with pytest.raises(
+    ValueError,
+    match=r"state was built for DDPConfig\("
+    r"data_parallel_sharding_strategy='optim'",
+  ):
     step(_state(mesh, other), _batch())
 
 
 # ----------------------------------------------------------------------------- edited state
 
+
 def test_params_gain_a_leaf(ddp8):
   mesh, config, step = ddp8
   state = _state(mesh, config)
   edited = dataclasses.replace(state, params={**state.params, "c": jnp.ones(2)})
-  with pytest.raises(ValueError, match=r"state.params has the structure .*'c'.*changed "
-                                       r"structure after init_state"):
+  with pytest.raises(
+    ValueError,
+    match=r"state.params has the structure .*'c'.*changed "
+    r"structure after init_state",
+  ):
     step(edited, _batch())
 
 
@@ -133,8 +148,11 @@ def test_param_reshaped(ddp8):
   mesh, config, step = ddp8
   state = _state(mesh, config)
   edited = dataclasses.replace(state, params={**state.params, "b": jnp.ones((3,))})
-  with pytest.raises(ValueError, match=r"state.params\['b'\]: float32\[3\], but init_state "
-                                       r"made it float32\[2\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"state.params\['b'\]: float32\[3\], but init_state "
+    r"made it float32\[2\]",
+  ):
     step(edited, _batch())
 
 
@@ -152,12 +170,16 @@ def test_sharded_master_reshaped():
   state = _state(mesh, config)
   step = jaxdp.make_train_step(_loss, TX, mesh, config)
   edited = dataclasses.replace(state, master={**state.master, "a": jnp.ones((3, 2))})
-  with pytest.raises(ValueError, match=r"state.master\['a'\]: shape \(3, 2\), but init_state "
-                                       r"made it \(8, 2\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"state.master\['a'\]: shape \(3, 2\), but init_state "
+    r"made it \(8, 2\)",
+  ):
     step(edited, _batch())
 
 
 # ----------------------------------------------------------------------------- NaN check
+
 
 def _copy(tree):
   return jax.tree.map(lambda x: np.array(x), tree)
@@ -166,8 +188,7 @@ def _copy(tree):
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
 def test_nan_check_names_leaf_and_step_and_keeps_state(strategy):
   mesh = _mesh(8)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy,
-                           check_for_nan_in_grad=True)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, check_for_nan_in_grad=True)
   step = jaxdp.make_train_step(_loss, TX, mesh, config)
   state, _ = step(_state(mesh, config), _batch())
   before = _copy(state)

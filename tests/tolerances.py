@@ -55,8 +55,8 @@ def adam_ratio_bound(t: int, b1: float = 0.9, b2: float = 0.999) -> float:
   sqrt(sum_k a_k^2 / w_k), reached by g_k proportional to a_k / w_k. 1 at t = 1; 1.01 at
   t = 5; 1.08 at t = 10.
   """
-  a = [(1 - b1) * b1 ** (t - k) / (1 - b1 ** t) for k in range(1, t + 1)]
-  w = [(1 - b2) * b2 ** (t - k) / (1 - b2 ** t) for k in range(1, t + 1)]
+  a = [(1 - b1) * b1 ** (t - k) / (1 - b1**t) for k in range(1, t + 1)]
+  w = [(1 - b2) * b2 ** (t - k) / (1 - b2**t) for k in range(1, t + 1)]
   return float(np.sqrt(sum(x * x / y for x, y in zip(a, w))))
 
 
@@ -83,8 +83,9 @@ class AdamBound:
     self.b1, self.b2, self.eps = b1, b2, eps
     self.t, self.v, self.delta, self.moved = 0, None, None, 0.0
     self.bound = jax.tree.map(lambda p: np.zeros(np.shape(p), np.float64), params)
-    self.scale = jax.tree.map(lambda p: float(np.max(np.abs(np.asarray(p, np.float64)),
-                                                     initial=0.0)), params)
+    self.scale = jax.tree.map(
+      lambda p: float(np.max(np.abs(np.asarray(p, np.float64)), initial=0.0)), params
+    )
 
   def add(self, grads, exact=False):
     """Account for one more Adam step whose (unclipped) reference gradients are `grads`;
@@ -104,17 +105,18 @@ class AdamBound:
       self.delta = jax.tree.map(lambda g: 0.0, grads)
     self.v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, self.v, grads)
     # The largest rounding error of any gradient so far, per leaf.
-    self.delta = jax.tree.map(lambda d, g: max(d, self.rho * float(np.max(np.abs(g),
-                                                                          initial=0.0))),
-                              self.delta, grads)
+    self.delta = jax.tree.map(
+      lambda d, g: max(d, self.rho * float(np.max(np.abs(g), initial=0.0))), self.delta, grads
+    )
 
     if exact:
       self.delta = jax.tree.map(lambda d: 0.0, self.delta)
       return
 
     def step(bound, v, delta):
-      denom = np.sqrt(v / (1 - b2 ** t)) + self.eps
+      denom = np.sqrt(v / (1 - b2**t)) + self.eps
       return bound + lr * np.minimum(2 * c, (1 + c) * delta / denom)
+
     self.bound = jax.tree.map(step, self.bound, self.v, self.delta)
 
   def check(self, got, want, what=""):
@@ -122,8 +124,9 @@ class AdamBound:
     worst element and how much of the bound it used."""
     assert jax.tree.structure(got) == jax.tree.structure(want)
     bounds, scales = jax.tree.leaves(self.bound), jax.tree.leaves(self.scale)
-    for (path, x), y, b, s in zip(jax.tree_util.tree_leaves_with_path(got),
-                                  jax.tree.leaves(want), bounds, scales):
+    for (path, x), y, b, s in zip(
+      jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want), bounds, scales
+    ):
       x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
       # p - lr * u rounds once per step in each run, by eps32 / 2 of the param's size.
       tol = b + self.t * EPS32 * (s + self.moved)
@@ -132,9 +135,10 @@ class AdamBound:
       if bad.any():
         i = np.unravel_index(np.argmax(diff - tol), diff.shape)
         raise AssertionError(
-            f"{what}{jax.tree_util.keystr(path)}: {int(bad.sum())} of {diff.size} elements "
-            f"differ by more than the Adam rounding bound; worst at {i}: |{x[i]} - {y[i]}| "
-            f"= {diff[i]:.3g} > {tol[i]:.3g}")
+          f"{what}{jax.tree_util.keystr(path)}: {int(bad.sum())} of {diff.size} elements "
+          f"differ by more than the Adam rounding bound; worst at {i}: |{x[i]} - {y[i]}| "
+          f"= {diff[i]:.3g} > {tol[i]:.3g}"
+        )
 
   def tight_fraction(self, atol):
     """The fraction of elements whose bound is at most `atol`. A bug in what an element's
@@ -170,14 +174,28 @@ def grad_atol(grads, n_terms):
   """Per leaf: how far two float32 programs' gradients of `n_terms` summed terms may
   differ (the rounding bound AdamBound uses: sqrt(n) * rtol_sum(n) of the leaf's largest
   gradient)."""
-  return jax.tree.map(lambda g: float(np.sqrt(n_terms)) * rtol_sum(n_terms)
-                      * float(np.max(np.abs(np.asarray(g, np.float64)), initial=0.0)), grads)
+  return jax.tree.map(
+    lambda g: (
+      float(np.sqrt(n_terms))
+      * rtol_sum(n_terms)
+      * float(np.max(np.abs(np.asarray(g, np.float64)), initial=0.0))
+    ),
+    grads,
+  )
 
 
 def assert_grads_close(got, want, n_terms):
   """Gradients of two float32 programs agree to `grad_atol`, leaf by leaf."""
   assert jax.tree.structure(got) == jax.tree.structure(want)
-  for (path, x), y, atol in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want),
-                                jax.tree.leaves(grad_atol(want, n_terms))):
-    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=0,
-                               atol=atol, err_msg=jax.tree_util.keystr(path))
+  for (path, x), y, atol in zip(
+    jax.tree_util.tree_leaves_with_path(got),
+    jax.tree.leaves(want),
+    jax.tree.leaves(grad_atol(want, n_terms)),
+  ):
+    np.testing.assert_allclose(
+      np.asarray(x, np.float64),
+      np.asarray(y, np.float64),
+      rtol=0,
+      atol=atol,
+      err_msg=jax.tree_util.keystr(path),
+    )

@@ -42,9 +42,7 @@ def h100_target_config() -> str:
     >>> "NVIDIA H100" in h100_target_config()
     True
   """
-  path = importlib.resources.files("jaxdp._src").joinpath(
-      "data", _TARGET_CONFIG_FILE
-  )
+  path = importlib.resources.files("jaxdp._src").joinpath("data", _TARGET_CONFIG_FILE)
   return path.read_text()
 
 
@@ -62,8 +60,8 @@ def gpu_compile_unavailable() -> str | None:
     True
   """
   for module, package in (
-      ("jax_cuda12_plugin", "jax-cuda12-plugin"),
-      ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"),
+    ("jax_cuda12_plugin", "jax-cuda12-plugin"),
+    ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"),
   ):
     try:
       found = importlib.util.find_spec(module) is not None
@@ -71,19 +69,19 @@ def gpu_compile_unavailable() -> str | None:
       found = False
     if not found:
       return (
-          f"{package}=={jax.__version__} is not installed; "
-          f"pip install 'jaxdp[aot]' to compile GPU programs without a GPU"
+        f"{package}=={jax.__version__} is not installed; "
+        f"pip install 'jaxdp[aot]' to compile GPU programs without a GPU"
       )
   try:
     _topology(1, 1, None)
   except Exception as e:  # noqa: BLE001 - any failure means "unavailable".
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     return (
-        f"jax-cuda12-plugin is installed but no cuda topology can be built "
-        f"({type(e).__name__}: {first}); without a GPU and its CUDA libraries, "
-        f"set JAX_PLATFORMS=cpu before JAX starts (the plugin then skips its "
-        f"CUDA checks), and check that jax-cuda12-plugin, jax-cuda12-pjrt and "
-        f"jaxlib are all version {jax.__version__}"
+      f"jax-cuda12-plugin is installed but no cuda topology can be built "
+      f"({type(e).__name__}: {first}); without a GPU and its CUDA libraries, "
+      f"set JAX_PLATFORMS=cpu before JAX starts (the plugin then skips its "
+      f"CUDA checks), and check that jax-cuda12-plugin, jax-cuda12-pjrt and "
+      f"jaxlib are all version {jax.__version__}"
     )
   return None
 
@@ -93,14 +91,14 @@ def _topology(num_hosts: int, per_host: int, target_config: str | None):
   from jax.experimental import topologies  # noqa: PLC0415 - optional path.
 
   return topologies.get_topology_desc(
-      platform="cuda",
-      target_config=target_config or h100_target_config(),
-      topology=f"1x{num_hosts}x{per_host}",
+    platform="cuda",
+    target_config=target_config or h100_target_config(),
+    topology=f"1x{num_hosts}x{per_host}",
   )
 
 
 def gpu_topology(
-    num_devices: int = 8, *, num_hosts: int = 1, target_config: str | None = None
+  num_devices: int = 8, *, num_hosts: int = 1, target_config: str | None = None
 ) -> tuple[jax.Device, ...]:
   """Compile-only GPU devices (H100 unless `target_config` says otherwise).
 
@@ -123,8 +121,8 @@ def gpu_topology(
   """
   if num_devices < 1 or num_hosts < 1 or num_devices % num_hosts:
     raise ValueError(
-        f"gpu_topology: num_devices={num_devices} must be a positive multiple "
-        f"of num_hosts={num_hosts}"
+      f"gpu_topology: num_devices={num_devices} must be a positive multiple "
+      f"of num_hosts={num_hosts}"
     )
   reason = gpu_compile_unavailable()
   if reason is not None:
@@ -134,11 +132,11 @@ def gpu_topology(
 
 
 def gpu_mesh(
-    axis_shapes: Sequence[int] = (8,),
-    axis_names: Sequence[str] = ("data",),
-    *,
-    num_hosts: int = 1,
-    target_config: str | None = None,
+  axis_shapes: Sequence[int] = (8,),
+  axis_names: Sequence[str] = ("data",),
+  *,
+  num_hosts: int = 1,
+  target_config: str | None = None,
 ) -> jax.sharding.Mesh:
   """A mesh over compile-only GPU devices, like `jax.make_mesh` for a GPU.
 
@@ -164,16 +162,13 @@ def gpu_mesh(
   axis_shapes, axis_names = tuple(axis_shapes), tuple(axis_names)
   if len(axis_shapes) != len(axis_names):
     raise ValueError(
-        f"gpu_mesh: axis_shapes {axis_shapes} and axis_names {axis_names} "
-        f"must have the same length"
+      f"gpu_mesh: axis_shapes {axis_shapes} and axis_names {axis_names} must have the same length"
     )
   n = 1
   for s in axis_shapes:
     n *= s
   devices = gpu_topology(n, num_hosts=num_hosts, target_config=target_config)
-  return jax.sharding.Mesh(
-      mesh_utils.create_device_mesh(axis_shapes, list(devices)), axis_names
-  )
+  return jax.sharding.Mesh(mesh_utils.create_device_mesh(axis_shapes, list(devices)), axis_names)
 
 
 def abstract_like(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
@@ -199,12 +194,8 @@ def abstract_like(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
 
   def one(leaf):
     sharding = getattr(leaf, "sharding", None)
-    spec = (
-        sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-    )
-    return jax.ShapeDtypeStruct(
-        leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec)
-    )
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
 
   return jax.tree.map(one, tree)
 
@@ -222,10 +213,10 @@ def _platforms_of(tree: PyTree) -> set[str]:
 
 
 def compile_for_gpu(
-    fn: Callable[..., Any],
-    *args: Any,
-    compiler_options: dict[str, Any] | None = None,
-    **kwargs: Any,
+  fn: Callable[..., Any],
+  *args: Any,
+  compiler_options: dict[str, Any] | None = None,
+  **kwargs: Any,
 ) -> jax.stages.Compiled:
   """Lowers and compiles `fn(*args, **kwargs)` for GPU with jaxdp's options.
 
@@ -261,38 +252,35 @@ def compile_for_gpu(
   platforms = _platforms_of((args, kwargs))
   if platforms - {"gpu"}:
     raise ValueError(
-        f"compile_for_gpu: arguments are placed on {sorted(platforms)} devices; "
-        f"give them shardings on a GPU mesh: "
-        f"args = abstract_like(args, gpu_mesh(...))"
+      f"compile_for_gpu: arguments are placed on {sorted(platforms)} devices; "
+      f"give them shardings on a GPU mesh: "
+      f"args = abstract_like(args, gpu_mesh(...))"
     )
   options = {**GPU_OPTIONS, **(compiler_options or {})}
   compiled = fn.lower(*args, **kwargs).compile(compiler_options=options)
-  compiled_platforms = _platforms_of(
-      (compiled.input_shardings, compiled.output_shardings)
-  )
+  compiled_platforms = _platforms_of((compiled.input_shardings, compiled.output_shardings))
   if compiled_platforms - {"gpu"}:
     raise ValueError(
-        f"compile_for_gpu: the program was compiled for "
-        f"{sorted(compiled_platforms)}, not GPU: no argument and no mesh in "
-        f"fn was on a GPU mesh; pass args = abstract_like(args, gpu_mesh(...))"
+      f"compile_for_gpu: the program was compiled for "
+      f"{sorted(compiled_platforms)}, not GPU: no argument and no mesh in "
+      f"fn was on a GPU mesh; pass args = abstract_like(args, gpu_mesh(...))"
     )
   return compiled
 
 
-
 def compile_train_step(
-    loss_fn: Callable[[PyTree, PyTree], jax.Array],
-    tx: Any,
-    config: Any,
-    params: PyTree,
-    batch: PyTree,
-    *,
-    mesh: jax.sharding.Mesh | None = None,
-    dp: int = 8,
-    frozen: Any = None,
-    fsdp: Any = None,
-    grad_accum_steps: int = 1,
-    compiler_options: dict[str, Any] | None = None,
+  loss_fn: Callable[[PyTree, PyTree], jax.Array],
+  tx: Any,
+  config: Any,
+  params: PyTree,
+  batch: PyTree,
+  *,
+  mesh: jax.sharding.Mesh | None = None,
+  dp: int = 8,
+  frozen: Any = None,
+  fsdp: Any = None,
+  grad_accum_steps: int = 1,
+  compiler_options: dict[str, Any] | None = None,
 ) -> jax.stages.Compiled:
   """Compiles jaxdp's train step for a mesh without building its state.
 
@@ -338,21 +326,23 @@ def compile_train_step(
   extra = {"fsdp": fsdp} if fsdp_step else {}
   shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   state = jax.eval_shape(
-      lambda p: train.init_state(p, tx, mesh, config, frozen=frozen, **extra),
-      jax.tree.map(shape_of, params))
+    lambda p: train.init_state(p, tx, mesh, config, frozen=frozen, **extra),
+    jax.tree.map(shape_of, params),
+  )
   specs = train.state_specs(state)
   state = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                        sharding=NamedSharding(mesh, s)),
-      state, specs)
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+    state,
+    specs,
+  )
   axes = data_axes(mesh)  # the step's own: ("replica", "expert", "data") where present
   batch_sharding = NamedSharding(mesh, PartitionSpec(axes))
   batch = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding),
-      batch)
-  step = train.make_train_step(loss_fn, tx, mesh, config,
-                               grad_accum_steps=grad_accum_steps, **extra)
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sharding), batch
+  )
+  step = train.make_train_step(
+    loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, **extra
+  )
   platform = mesh.devices.flat[0].platform
-  options = {**(GPU_OPTIONS if platform in GPU_PLATFORMS else {}),
-             **(compiler_options or {})}
+  options = {**(GPU_OPTIONS if platform in GPU_PLATFORMS else {}), **(compiler_options or {})}
   return step.lower(state, batch).compile(compiler_options=options or None)

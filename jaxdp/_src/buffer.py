@@ -43,7 +43,7 @@ def unpad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
 def _split(padded: jax.Array, spec: ParamSpec, dp: int) -> jax.Array:
   """`(dp, shard elements)`: row `d` is block `d` of the shard dim, flattened."""
   a, shape = spec.axis, padded.shape
-  blocks = padded.reshape(*shape[:a], dp, shape[a] // dp, *shape[a + 1:])
+  blocks = padded.reshape(*shape[:a], dp, shape[a] // dp, *shape[a + 1 :])
   return jnp.moveaxis(blocks, a, 0).reshape(dp, -1)
 
 
@@ -71,7 +71,7 @@ def bucket_unravel(flat: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
   out = []
   for p in bucket.params:
     n = p.shard_size(dp)
-    out.append(unpad_rows(_merge(shards[:, p.offset: p.offset + n], p, dp), p))
+    out.append(unpad_rows(_merge(shards[:, p.offset : p.offset + n], p, dp), p))
   return out
 
 
@@ -89,7 +89,7 @@ def shard_unravel(shard: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
   out = []
   for p in bucket.params:
     n = p.shard_size(dp)
-    out.append(shard[p.offset: p.offset + n].reshape(p.local_shape(dp)))
+    out.append(shard[p.offset : p.offset + n].reshape(p.local_shape(dp)))
   return out
 
 
@@ -116,9 +116,12 @@ def ravel(params: PyTree, layout: Layout) -> dict[str, jax.Array]:
     {'float32': (128,)}
   """
   leaves = _check_structure(params, layout)
-  return {buf.name: jnp.concatenate([
-      bucket_ravel(bucket_leaves(leaves, b), b, layout.dp, buf.param_dtype)
-      for b in buf.buckets]) for buf in layout.buffers}
+  return {
+    buf.name: jnp.concatenate(
+      [bucket_ravel(bucket_leaves(leaves, b), b, layout.dp, buf.param_dtype) for b in buf.buckets]
+    )
+    for buf in layout.buffers
+  }
 
 
 def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = None) -> PyTree:
@@ -153,7 +156,7 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
       raise ValueError(f"unravel: buffer {buf.name!r} must have shape ({buf.size},), got {got}")
     for b in buf.buckets:
       size = b.shard_size * layout.dp
-      chunk = flat[buf.name][b.offset: b.offset + size]
+      chunk = flat[buf.name][b.offset : b.offset + size]
       for p, x in zip(b.params, bucket_unravel(chunk, b, layout.dp)):
         out[p.index] = x
   return jax.tree.unflatten(layout.treedef, out)
@@ -161,19 +164,22 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
 
 def _refuse_stacked(layout: Layout):
   if layout.stacked:
-    raise ValueError("the layout has stacked params (a bucket is one layer of its unit); "
-                     "ravel/unravel take layouts of ordinary params: make one without "
-                     "stacked=")
+    raise ValueError(
+      "the layout has stacked params (a bucket is one layer of its unit); "
+      "ravel/unravel take layouts of ordinary params: make one without "
+      "stacked="
+    )
 
 
 def _check_structure(params: PyTree, layout: Layout) -> list[Any]:
   _refuse_stacked(layout)
   leaves, treedef = jax.tree.flatten(params)
   if treedef != layout.treedef:
-    raise ValueError(f"params have structure {treedef}, but the layout was made for "
-                     f"{layout.treedef}; make the layout from these params")
+    raise ValueError(
+      f"params have structure {treedef}, but the layout was made for "
+      f"{layout.treedef}; make the layout from these params"
+    )
   for path, x, shape in zip(layout.paths, leaves, layout.shapes):
     if tuple(x.shape) != shape:
       raise ValueError(f"params{path}: shape {tuple(x.shape)}, but the layout has {shape}")
   return leaves
-

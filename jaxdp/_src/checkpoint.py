@@ -60,6 +60,7 @@ _STATE, _META = "state", "meta"
 
 # ----------------------------------------------------------------------------- shapes
 
+
 def _sharded(state: TrainState) -> bool:
   return state.config.data_parallel_sharding_strategy != "no_shard"
 
@@ -72,8 +73,11 @@ def _stores_master(dtype) -> bool:
 def _stored_masters(state: TrainState) -> list[int]:
   """Trainable leaves stored with a separate master copy (low-precision params)."""
   layout = state.layout
-  return [i for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
-          if t and _stores_master(dtype)]
+  return [
+    i
+    for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
+    if t and _stores_master(dtype)
+  ]
 
 
 def _opt_forms(state: TrainState) -> list[tuple[tuple[int, ...], int]]:
@@ -101,27 +105,34 @@ def _opt_forms(state: TrainState) -> list[tuple[tuple[int, ...], int]]:
 
 # ----------------------------------------------------------------------------- description
 
+
 def _describe(state: TrainState) -> dict[str, Any]:
   """What a state's canonical form holds: the JSON metadata a checkpoint is checked by."""
   layout = state.layout
   trainable = layout.trainable
   keyed = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
   return {
-      "params": [[path, list(shape), dtype.name, t] for path, shape, dtype, t
-                 in zip(layout.paths, layout.shapes, layout.dtypes, trainable)],
-      "master": _stored_masters(state),
-      "opt_state": [[jax.tree_util.keystr(path), list(shape), np.dtype(x.dtype).name]
-                    for (path, x), (shape, _) in zip(keyed, _opt_forms(state))],
-      "opt_state_structure": str(jax.tree.structure(state.opt_state)),
-      "model_state": [[jax.tree_util.keystr(path), list(np.shape(x)), np.dtype(x.dtype).name]
-                      for path, x in jax.tree_util.tree_flatten_with_path(
-                          state.model_state)[0]],
-      "rng": state.rng is not None,
+    "params": [
+      [path, list(shape), dtype.name, t]
+      for path, shape, dtype, t in zip(layout.paths, layout.shapes, layout.dtypes, trainable)
+    ],
+    "master": _stored_masters(state),
+    "opt_state": [
+      [jax.tree_util.keystr(path), list(shape), np.dtype(x.dtype).name]
+      for (path, x), (shape, _) in zip(keyed, _opt_forms(state))
+    ],
+    "opt_state_structure": str(jax.tree.structure(state.opt_state)),
+    "model_state": [
+      [jax.tree_util.keystr(path), list(np.shape(x)), np.dtype(x.dtype).name]
+      for path, x in jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+    ],
+    "rng": state.rng is not None,
   }
 
 
 def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
   """A sentence naming the first leaf where a checkpoint and `like` disagree, or None."""
+
   def leaf(kind, got, exp):
     for a, b in zip(got, exp):
       if a[0] != b[0]:
@@ -132,32 +143,42 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
           return f"{kind}{a[0]}: {field} {x} in the checkpoint, {y} in `like`"
     if len(got) != len(exp):
       longer, where = (got, "the checkpoint") if len(got) > len(exp) else (exp, "`like`")
-      return (f"{kind}{longer[min(len(got), len(exp))][0]}: only {where} has this leaf "
-              f"({len(got)} {kind} leaves in the checkpoint, {len(exp)} in `like`)")
+      return (
+        f"{kind}{longer[min(len(got), len(exp))][0]}: only {where} has this leaf "
+        f"({len(got)} {kind} leaves in the checkpoint, {len(exp)} in `like`)"
+      )
     return None
 
   if msg := leaf("params", saved["params"], want["params"]):
     return msg
   for a, b in zip(saved["params"], want["params"]):
     if a[3] != b[3]:
-      return (f"params{a[0]}: {'trainable' if a[3] else 'frozen'} in the checkpoint, "
-              f"{'trainable' if b[3] else 'frozen'} in `like`; use the same `frozen`")
+      return (
+        f"params{a[0]}: {'trainable' if a[3] else 'frozen'} in the checkpoint, "
+        f"{'trainable' if b[3] else 'frozen'} in `like`; use the same `frozen`"
+      )
   if msg := leaf("opt_state", saved["opt_state"], want["opt_state"]):
     return msg + " (another optimizer?)"
   if saved["opt_state_structure"] != want["opt_state_structure"]:
-    return ("the optimizer state has the structure "
-            f"{saved['opt_state_structure']} in the checkpoint but "
-            f"{want['opt_state_structure']} in `like` (another optimizer?)")
+    return (
+      "the optimizer state has the structure "
+      f"{saved['opt_state_structure']} in the checkpoint but "
+      f"{want['opt_state_structure']} in `like` (another optimizer?)"
+    )
   if msg := leaf("model_state", saved.get("model_state", []), want["model_state"]):
     return msg + " (init_state(..., model_state=) for the same model?)"
   if saved.get("rng", False) != want["rng"]:
-    return ("the checkpoint holds a key (init_state(..., rng=)) and `like` does not" if
-            want["rng"] is False else "`like` holds a key (init_state(..., rng=)) and the "
-            "checkpoint does not; build `like` without rng=")
+    return (
+      "the checkpoint holds a key (init_state(..., rng=)) and `like` does not"
+      if want["rng"] is False
+      else "`like` holds a key (init_state(..., rng=)) and the "
+      "checkpoint does not; build `like` without rng="
+    )
   return None
 
 
 # ----------------------------------------------------------------------------- conversion
+
 
 def _rows(shape: tuple[int, ...], axis: int) -> int:
   return shape[axis] if len(shape) > axis else 1
@@ -185,12 +206,11 @@ def _canonical_program(state: TrainState, mesh) -> dict[str, jax.Array]:
   masters = leaves_of(state.master)
   for i in _stored_masters(state):
     m, shape = masters[i], layout.shapes[i]
-    out[f"master_{i}"] = m if tuple(m.shape) == shape else \
-        _unpad(m, shape, sharded_shape(layout, i)[1], mesh)
-  for j, (x, (shape, axis)) in enumerate(zip(jax.tree.leaves(state.opt_state),
-                                             _opt_forms(state))):
-    out[f"opt_{j}"] = x if tuple(x.shape) == shape else \
-        _unpad(x, shape, axis, mesh)
+    out[f"master_{i}"] = (
+      m if tuple(m.shape) == shape else _unpad(m, shape, sharded_shape(layout, i)[1], mesh)
+    )
+  for j, (x, (shape, axis)) in enumerate(zip(jax.tree.leaves(state.opt_state), _opt_forms(state))):
+    out[f"opt_{j}"] = x if tuple(x.shape) == shape else _unpad(x, shape, axis, mesh)
   for j, x in enumerate(jax.tree.leaves(state.model_state)):
     out[f"model_state_{j}"] = x
   if state.rng is not None:
@@ -222,13 +242,16 @@ def get_opt_state(state: TrainState) -> PyTree:
 def _opt_state_program(state: TrainState, mesh) -> PyTree:
   """One program (see `_canonical`); copies, so the view outlives the next donated step."""
   leaves, treedef = jax.tree.flatten(state.opt_state)
-  return jax.tree.unflatten(treedef, [
+  return jax.tree.unflatten(
+    treedef,
+    [
       jnp.copy(x) if tuple(x.shape) == tuple(shape) else _unpad(x, shape, axis, mesh)
-      for x, (shape, axis) in zip(leaves, _opt_forms(state))])
+      for x, (shape, axis) in zip(leaves, _opt_forms(state))
+    ],
+  )
 
 
-def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding,
-              axis: int) -> jax.Array:
+def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding, axis: int) -> jax.Array:
   """Traced: `full` in `like`'s padded shape (rows padded on `axis`), on `sharding`.
 
   The padding rows are `like`'s own: what `init_state` put there (zeros, or e.g. Adagrad's
@@ -236,13 +259,14 @@ def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding,
   """
   if tuple(full.shape) != tuple(like.shape):
     n = _rows(tuple(full.shape), axis)
-    head = full.reshape(*like.shape[:axis], n, *like.shape[axis + 1:]).astype(like.dtype)
+    head = full.reshape(*like.shape[:axis], n, *like.shape[axis + 1 :]).astype(like.dtype)
     tail = constrain(like, sharding.mesh, P())[(slice(None),) * axis + (slice(n, None),)]
     full = jnp.concatenate([head, tail], axis=axis)
   return constrain(full.astype(like.dtype), sharding.mesh, sharding.spec)
 
 
 # ----------------------------------------------------------------------------- manager
+
 
 class CheckpointManager:
   """Saves and restores `TrainState`s in a topology-free form, asynchronously and atomically.
@@ -273,28 +297,36 @@ class CheckpointManager:
     0
   """
 
-  def __init__(self, directory, *, max_to_keep: int | None = None,
-               save_interval_steps: int = 1):
-    if max_to_keep is not None and (isinstance(max_to_keep, bool)
-                                    or not isinstance(max_to_keep, int) or max_to_keep < 1):
+  def __init__(self, directory, *, max_to_keep: int | None = None, save_interval_steps: int = 1):
+    if max_to_keep is not None and (
+      isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+    ):
       raise ValueError(f"max_to_keep={max_to_keep!r}: must be a positive integer or None")
-    if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) \
-        or save_interval_steps < 1:
-      raise ValueError(f"save_interval_steps={save_interval_steps!r}: must be a positive "
-                       "integer")
+    if (
+      isinstance(save_interval_steps, bool)
+      or not isinstance(save_interval_steps, int)
+      or save_interval_steps < 1
+    ):
+      raise ValueError(f"save_interval_steps={save_interval_steps!r}: must be a positive integer")
     self.directory = directory
     self._mgr = ocp.CheckpointManager(
-        directory, item_names=(_STATE, _META),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
-            enable_async_checkpointing=True,
-            # exactly the multiples (orbax's default also saves the first step it sees)
-            save_decision_policy=FixedIntervalPolicy(save_interval_steps)))
+      directory,
+      item_names=(_STATE, _META),
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep,
+        create=True,
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=True,
+        # exactly the multiples (orbax's default also saves the first step it sees)
+        save_decision_policy=FixedIntervalPolicy(save_interval_steps),
+      ),
+    )
 
   # -- save
 
-  def save(self, step: int, state: TrainState, *, data_position: Any = None,
-           force: bool = False) -> bool:
+  def save(
+    self, step: int, state: TrainState, *, data_position: Any = None, force: bool = False
+  ) -> bool:
     """Starts writing `state` as checkpoint `step`; returns once the arrays are on the host.
 
     The write finishes in the background (call `wait_until_finished` to block); until it
@@ -320,20 +352,24 @@ class CheckpointManager:
     if not force and not self._mgr.should_save(step):
       return False
     meta = {
-        "format": FORMAT,
-        "jaxdp_version": __version__,
-        "state_step": int(jax.device_get(state.step)),
-        "data_position": data_position,
-        "strategy": state.config.data_parallel_sharding_strategy,
-        "dp": state.layout.dp,
-        "mesh_shape": dict(state.mesh_shape),
-        "layout": state.layout.summary(),
-        **_describe(state),
+      "format": FORMAT,
+      "jaxdp_version": __version__,
+      "state_step": int(jax.device_get(state.step)),
+      "data_position": data_position,
+      "strategy": state.config.data_parallel_sharding_strategy,
+      "dp": state.layout.dp,
+      "mesh_shape": dict(state.mesh_shape),
+      "layout": state.layout.summary(),
+      **_describe(state),
     }
     arrays = _canonical(state)
-    return self._mgr.save(step, args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}),
-        force=force)
+    return self._mgr.save(
+      step,
+      args=ocp.args.Composite(
+        **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}
+      ),
+      force=force,
+    )
 
   def wait_until_finished(self) -> None:
     """Blocks until every started save is written and committed."""
@@ -354,8 +390,9 @@ class CheckpointManager:
   def metadata(self, step: int | None = None) -> dict[str, Any]:
     """The checkpoint's metadata: jaxdp version, strategy, dp, layout, stored leaves."""
     step = self._step(step)
-    return self._mgr.restore(step, args=ocp.args.Composite(
-        **{_META: ocp.args.JsonRestore()}))[_META]
+    return self._mgr.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[
+      _META
+    ]
 
   def data_position(self, step: int | None = None) -> Any:
     """The `data_position` saved with checkpoint `step` (default: the latest)."""
@@ -383,14 +420,16 @@ class CheckpointManager:
     meta = self.metadata(step)
     if meta.get("format", 0) > FORMAT:
       raise ValueError(
-          f"checkpoint {step} in {self.directory} has format {meta['format']} (jaxdp "
-          f"{meta.get('jaxdp_version')}); this jaxdp reads format {FORMAT} or older: "
-          "upgrade jaxdp")
+        f"checkpoint {step} in {self.directory} has format {meta['format']} (jaxdp "
+        f"{meta.get('jaxdp_version')}); this jaxdp reads format {FORMAT} or older: "
+        "upgrade jaxdp"
+      )
     if problem := _first_mismatch(meta, _describe(like)):
       raise ValueError(
-          f"checkpoint {step} in {self.directory} does not fit `like`: {problem}. Build "
-          f"`like` with init_state for the same model and optimizer (saved: "
-          f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})")
+        f"checkpoint {step} in {self.directory} does not fit `like`: {problem}. Build "
+        f"`like` with init_state for the same model and optimizer (saved: "
+        f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})"
+      )
 
     layout = like.layout
     params, masters = leaves_of(like.params), leaves_of(like.master)
@@ -408,18 +447,24 @@ class CheckpointManager:
       target = params[i] if params[i] is not None else masters[i]
       abstract[f"params_{i}"] = (shape, dtype, place(shape, target))
     for i in meta["master"]:
-      abstract[f"master_{i}"] = (meta["params"][i][1], master_dtype(meta["params"][i][2]).name,
-                                 place(meta["params"][i][1], masters[i]))
+      abstract[f"master_{i}"] = (
+        meta["params"][i][1],
+        master_dtype(meta["params"][i][2]).name,
+        place(meta["params"][i][1], masters[i]),
+      )
     for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
       abstract[f"opt_{j}"] = (shape, dtype, place(shape, opt[j]))
     for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
       abstract[f"model_state_{j}"] = (shape, dtype, replicated)
     if meta.get("rng"):
       abstract["rng"] = ((2,), "uint32", replicated)
-    abstract = {k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=sh)
-                for k, (s, d, sh) in abstract.items()}
-    stored = self._mgr.restore(step, args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardRestore(abstract)}))[_STATE]
+    abstract = {
+      k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=sh)
+      for k, (s, d, sh) in abstract.items()
+    }
+    stored = self._mgr.restore(
+      step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+    )[_STATE]
 
     stored_master = set(meta["master"])
     axes = [sharded_shape(layout, i)[1] for i in range(len(layout.shapes))]
@@ -430,23 +475,28 @@ class CheckpointManager:
     def build(stored, like):
       new_params, new_master = [], []
       for i, (p, m) in enumerate(zip(leaves_of(like.params), leaves_of(like.master))):
-        new_params.append(None if p is None else
-                          _pad_from(stored[f"params_{i}"], p, param_shardings[i], axes[i]))
+        new_params.append(
+          None if p is None else _pad_from(stored[f"params_{i}"], p, param_shardings[i], axes[i])
+        )
         full = stored[f"master_{i}" if i in stored_master else f"params_{i}"]
-        new_master.append(None if m is None else
-                          _pad_from(full, m, master_shardings[i], axes[i]))
+        new_master.append(None if m is None else _pad_from(full, m, master_shardings[i], axes[i]))
       opt_leaves, treedef = jax.tree.flatten(like.opt_state)
-      new_opt = [_pad_from(stored[f"opt_{j}"], x, opt_shardings[j], opt_forms[j][1])
-                 for j, x in enumerate(opt_leaves)]
+      new_opt = [
+        _pad_from(stored[f"opt_{j}"], x, opt_shardings[j], opt_forms[j][1])
+        for j, x in enumerate(opt_leaves)
+      ]
       ms_leaves, ms_def = jax.tree.flatten(like.model_state)
       return dataclasses.replace(
-          like, step=jnp.asarray(meta["state_step"], like.step.dtype),
-          params=jax.tree.unflatten(layout.treedef, new_params),
-          master=jax.tree.unflatten(layout.treedef, new_master),
-          opt_state=jax.tree.unflatten(treedef, new_opt),
-          model_state=jax.tree.unflatten(ms_def, [stored[f"model_state_{j}"]
-                                                  for j in range(len(ms_leaves))]),
-          rng=stored["rng"] if like.rng is not None else None)
+        like,
+        step=jnp.asarray(meta["state_step"], like.step.dtype),
+        params=jax.tree.unflatten(layout.treedef, new_params),
+        master=jax.tree.unflatten(layout.treedef, new_master),
+        opt_state=jax.tree.unflatten(treedef, new_opt),
+        model_state=jax.tree.unflatten(
+          ms_def, [stored[f"model_state_{j}"] for j in range(len(ms_leaves))]
+        ),
+        rng=stored["rng"] if like.rng is not None else None,
+      )
 
     shardings = jax.tree.map(lambda x: x.sharding, like)
     return jax.jit(build, out_shardings=shardings)(stored, like)
@@ -458,8 +508,9 @@ class CheckpointManager:
         raise FileNotFoundError(f"no committed checkpoint in {self.directory}")
       return steps[-1]
     if int(step) not in steps:
-      raise FileNotFoundError(f"no committed checkpoint {step} in {self.directory}; "
-                              f"committed: {steps}")
+      raise FileNotFoundError(
+        f"no committed checkpoint {step} in {self.directory}; committed: {steps}"
+      )
     return int(step)
 
   # -- lifetime
@@ -477,5 +528,6 @@ class CheckpointManager:
 
 def _check_is_state(state, name: str):
   if not isinstance(state, TrainState):
-    raise TypeError(f"{name}: expected the TrainState from jaxdp.init_state, got "
-                    f"{type(state).__name__}")
+    raise TypeError(
+      f"{name}: expected the TrainState from jaxdp.init_state, got {type(state).__name__}"
+    )

@@ -83,9 +83,10 @@ class NonFiniteGradError(FloatingPointError):
     shown = ", ".join(f"params{p}" for p in self.paths[:8])
     more = f" and {len(self.paths) - 8} more" if len(self.paths) > 8 else ""
     super().__init__(
-        f"step {step}: NaN or Inf in the reduced gradient of {shown}{more}. The state "
-        "passed to the step is unchanged (it is not donated while check_for_nan_in_grad is "
-        "on): skip this batch, lower the learning rate or restore a checkpoint")
+      f"step {step}: NaN or Inf in the reduced gradient of {shown}{more}. The state "
+      "passed to the step is unchanged (it is not donated while check_for_nan_in_grad is "
+      "on): skip this batch, lower the learning rate or restore a checkpoint"
+    )
 
 
 def finite_leaves(grads: PyTree) -> jax.Array:
@@ -106,59 +107,74 @@ def check_state_structure(state) -> None:
     treedef = jax.tree.structure(tree, is_leaf=lambda x: x is None)
     if treedef != layout.treedef:
       raise ValueError(
-          f"state.{field} has the structure {treedef}, but the state's layout (from "
-          f"init_state) has {layout.treedef}: the params changed structure after init_state; "
-          "build the state again with init_state for these params (or restore a "
-          "checkpoint into it)")
+        f"state.{field} has the structure {treedef}, but the state's layout (from "
+        f"init_state) has {layout.treedef}: the params changed structure after init_state; "
+        "build the state again with init_state for these params (or restore a "
+        "checkpoint into it)"
+      )
   sharded = state.config.data_parallel_sharding_strategy != "no_shard"
-  for i, (path, shape, dtype, x, m) in enumerate(zip(
-      layout.paths, layout.shapes, layout.dtypes, leaves_of(state.params),
-      leaves_of(state.master))):
-    if x is not None and (tuple(x.shape) not in (shape, sharded_shape(layout, i)[0])
-                          or np.dtype(x.dtype) != dtype):
+  for i, (path, shape, dtype, x, m) in enumerate(
+    zip(
+      layout.paths, layout.shapes, layout.dtypes, leaves_of(state.params), leaves_of(state.master)
+    )
+  ):
+    if x is not None and (
+      tuple(x.shape) not in (shape, sharded_shape(layout, i)[0]) or np.dtype(x.dtype) != dtype
+    ):
       raise ValueError(
-          f"state.params{path}: {np.dtype(x.dtype).name}{list(x.shape)}, but init_state "
-          f"made it {dtype.name}{list(shape)}: the params changed after init_state; build "
-          "the state again with init_state")
+        f"state.params{path}: {np.dtype(x.dtype).name}{list(x.shape)}, but init_state "
+        f"made it {dtype.name}{list(shape)}: the params changed after init_state; build "
+        "the state again with init_state"
+      )
     if m is not None:
       want = sharded_shape(layout, i)[0] if sharded else shape
       if tuple(m.shape) != tuple(want):
         raise ValueError(
-            f"state.master{path}: shape {tuple(m.shape)}, but init_state made it "
-            f"{tuple(want)}: the state changed after init_state; build it again with "
-            "init_state")
+          f"state.master{path}: shape {tuple(m.shape)}, but init_state made it "
+          f"{tuple(want)}: the state changed after init_state; build it again with "
+          "init_state"
+        )
 
 
 # ----------------------------------------------------------------------------- inputs
 
+
 def check_mesh(mesh, config: DDPConfig):
   """Raises unless `mesh` has a "data" axis, and a "replica" axis as big as `config` says."""
   if DATA not in mesh.axis_names:
-    raise ValueError(f"mesh axes {mesh.axis_names} have no {DATA!r} axis: jaxdp shards "
-                     f"the batch over it; make the mesh with jax.make_mesh((n,), ({DATA!r},))")
+    raise ValueError(
+      f"mesh axes {mesh.axis_names} have no {DATA!r} axis: jaxdp shards "
+      f"the batch over it; make the mesh with jax.make_mesh((n,), ({DATA!r},))"
+    )
   replicas = mesh.shape.get(REPLICA, 1)
   if config.use_distributed_optimizer and replicas != config.num_distributed_optimizer_instances:
     raise ValueError(
-        f"num_distributed_optimizer_instances={config.num_distributed_optimizer_instances} "
-        f"but the mesh has {REPLICA!r} axis size {replicas}: they must agree; use a mesh "
-        f"with axes ({REPLICA!r}, {DATA!r}) of shape "
-        f"({config.num_distributed_optimizer_instances}, n)")
+      f"num_distributed_optimizer_instances={config.num_distributed_optimizer_instances} "
+      f"but the mesh has {REPLICA!r} axis size {replicas}: they must agree; use a mesh "
+      f"with axes ({REPLICA!r}, {DATA!r}) of shape "
+      f"({config.num_distributed_optimizer_instances}, n)"
+    )
 
 
 def check_state(state, mesh, config: DDPConfig):
   """Raises unless `state` is a `TrainState` built for `mesh` and `config`, its trees as
   `init_state` made them."""
   if not isinstance(state, TrainState):
-    raise TypeError(f"train_step expects the TrainState from jaxdp.init_state, got "
-                    f"{type(state).__name__}")
+    raise TypeError(
+      f"train_step expects the TrainState from jaxdp.init_state, got {type(state).__name__}"
+    )
   if state.config != config:
-    raise ValueError(f"the state was built for {state.config}, but this step is for {config}; "
-                     "build the state with init_state(params, tx, mesh, config) for the same "
-                     "config")
+    raise ValueError(
+      f"the state was built for {state.config}, but this step is for {config}; "
+      "build the state with init_state(params, tx, mesh, config) for the same "
+      "config"
+    )
   if state.mesh_shape != tuple(mesh.shape.items()):
-    raise ValueError(f"the state was built for a mesh of shape {dict(state.mesh_shape)}, but "
-                     f"this step runs on {dict(mesh.shape)}; build the state (or restore the "
-                     "checkpoint) with init_state on this mesh")
+    raise ValueError(
+      f"the state was built for a mesh of shape {dict(state.mesh_shape)}, but "
+      f"this step runs on {dict(mesh.shape)}; build the state (or restore the "
+      "checkpoint) with init_state on this mesh"
+    )
   check_state_structure(state)
 
 
@@ -171,24 +187,40 @@ def check_batch(batch, divisor: int):
   for path, x in keyed:
     name = "batch" + jax.tree_util.keystr(path)
     if not getattr(x, "shape", ()):
-      raise ValueError(f"{name}: a scalar has no batch dim to split over the data axis; "
-                       "pass arrays whose leading dim is the global batch")
+      raise ValueError(
+        f"{name}: a scalar has no batch dim to split over the data axis; "
+        "pass arrays whose leading dim is the global batch"
+      )
     dims.setdefault(x.shape[0], name)
   if len(dims) > 1:
-    raise ValueError("batch leaves have different leading dims: " + ", ".join(
-        f"{name} has {d}" for d, name in dims.items()) + "; every leaf must hold the same "
-        "number of examples")
-  (n, name), = dims.items()
+    raise ValueError(
+      "batch leaves have different leading dims: "
+      + ", ".join(f"{name} has {d}" for d, name in dims.items())
+      + "; every leaf must hold the same "
+      "number of examples"
+    )
+  ((n, name),) = dims.items()
   if n % divisor:
-    raise ValueError(f"{name}: batch dim {n} is not divisible by {divisor} (data-parallel "
-                     "size × grad_accum_steps); use a global batch that is a multiple of "
-                     f"{divisor}")
+    raise ValueError(
+      f"{name}: batch dim {n} is not divisible by {divisor} (data-parallel "
+      "size × grad_accum_steps); use a global batch that is a multiple of "
+      f"{divisor}"
+    )
 
 
 # ----------------------------------------------------------------------------- the step's ends
 
-def finish_step(new_state: TrainState, specs: TrainState, mesh, config: DDPConfig, loss,
-                grad_norm, grads, aux=None):
+
+def finish_step(
+  new_state: TrainState,
+  specs: TrainState,
+  mesh,
+  config: DDPConfig,
+  loss,
+  grad_norm,
+  grads,
+  aux=None,
+):
   """The end of every strategy's step: the new state placed as `specs` say (as
   `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
   the NaN check on one "finite" flag per grad leaf (read on the host by `TrainStep`)."""
@@ -208,8 +240,7 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   caller's state valid and unchanged (at the cost of holding two states during the step).
   """
   donate = () if config.check_for_nan_in_grad else 0
-  return TrainStep(jax.jit(step, donate_argnums=donate, compiler_options=options),
-                   mesh, config)
+  return TrainStep(jax.jit(step, donate_argnums=donate, compiler_options=options), mesh, config)
 
 
 class TrainStep:
@@ -232,17 +263,20 @@ class TrainStep:
       return self._jitted(state, batch)
     new_state, metrics, finite = self._jitted(state, batch)
     if isinstance(finite, jax.core.Tracer):
-      raise TypeError("check_for_nan_in_grad=True reads the gradients' finiteness on the "
-                      "host after each step, so the step cannot be called under jax.jit/"
-                      "vmap/grad; call it from Python, or turn the check off")
+      raise TypeError(
+        "check_for_nan_in_grad=True reads the gradients' finiteness on the "
+        "host after each step, so the step cannot be called under jax.jit/"
+        "vmap/grad; call it from Python, or turn the check off"
+      )
     # The flags (and the step counter below) are replicated: each process reads its own
     # copy, with no program and no cross-process work of its own.
     finite = np.asarray(jax.device_get(finite))
     if not finite.all():
       layout = state.layout
       paths = [p for p, t in zip(layout.paths, layout.trainable) if t]
-      raise NonFiniteGradError(int(jax.device_get(state.step)),
-                               [paths[i] for i in np.flatnonzero(~finite)])
+      raise NonFiniteGradError(
+        int(jax.device_get(state.step)), [paths[i] for i in np.flatnonzero(~finite)]
+      )
     return new_state, metrics
 
   def _check_devices(self, state):
@@ -253,9 +287,10 @@ class TrainStep:
       return  # another mesh shape: the traced step names that
     if frozenset(sharding.device_set) != self._devices:
       raise ValueError(
-          f"the state lives on devices {sorted(d.id for d in sharding.device_set)}, but this "
-          f"step's mesh has devices {sorted(d.id for d in self._devices)}: build the state "
-          "with init_state (or restore the checkpoint) on this step's mesh")
+        f"the state lives on devices {sorted(d.id for d in sharding.device_set)}, but this "
+        f"step's mesh has devices {sorted(d.id for d in self._devices)}: build the state "
+        "with init_state (or restore the checkpoint) on this step's mesh"
+      )
 
   def lower(self, *args, **kwargs) -> jax.stages.Lowered:
     return self._jitted.lower(*args, **kwargs)

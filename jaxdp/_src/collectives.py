@@ -12,11 +12,9 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxdp._src.buffer import (bucket_ravel, bucket_unravel, shard_ravel, shard_unravel,
-                                unpad_rows)
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel, shard_unravel, unpad_rows
 from jaxdp._src.layout import Bucket, Layout
 from jaxdp._src.mesh import DATA
-
 
 
 def make_varying(tree, axes: Sequence[str]):
@@ -50,9 +48,11 @@ def _vary(x, axes: Sequence[str]):
 
 def average_aux(tree, axes: Sequence[str]):
   """The mean of every leaf over `axes` (aux metrics), in float32 for non-float leaves."""
+
   def mean(x):
     x = x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
     return jax.lax.pmean(_vary(x, axes), tuple(axes))
+
   return jax.tree.map(mean, tree)
 
 
@@ -62,6 +62,7 @@ def sync_model_state(tree, axes: Sequence[str]):
   over; a non-float leaf that differs takes the first shard's value (torch DDP's buffer
   broadcast); a leaf that is already the same everywhere (the model reduced it itself, e.g.
   SyncBatchNorm's `pmean`, or left it alone) is kept as it is."""
+
   def sync(x):
     varying = tuple(a for a in axes if a in jax.typeof(x).manual_axis_type.varying)
     if not varying:
@@ -71,11 +72,13 @@ def sync_model_state(tree, axes: Sequence[str]):
     first = data_index(varying) == 0
     y = x.astype(jnp.int32) if x.dtype == jnp.bool_ else x
     return jax.lax.psum(jnp.where(first, y, jnp.zeros_like(y)), varying).astype(x.dtype)
+
   return jax.tree.map(sync, tree)
 
 
-def all_gather_bucket(local: Sequence[jax.Array], bucket: Bucket, dp: int,
-                      to: str = "varying") -> list[jax.Array]:
+def all_gather_bucket(
+  local: Sequence[jax.Array], bucket: Bucket, dp: int, to: str = "varying"
+) -> list[jax.Array]:
   """All-gathers a bucket from every device's row blocks: one collective per bucket.
 
   Args:
@@ -114,8 +117,9 @@ def all_gather_params(masters: Sequence[Any], layout: Layout, out: Sequence[Any]
   return out
 
 
-def reduce_bucket(flat: jax.Array, *, dp: int, scatter: bool, axes: Sequence[str],
-                  average: bool) -> jax.Array:
+def reduce_bucket(
+  flat: jax.Array, *, dp: int, scatter: bool, axes: Sequence[str], average: bool
+) -> jax.Array:
   """Reduces one ravelled bucket over the data-parallel axes: one collective (two with a
   replica axis).
 
@@ -163,8 +167,11 @@ def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
 
   def bwd(acc, cts):
     flat = bucket_ravel(cts, bucket, jax.lax.axis_size(DATA), grad_dtype) + acc
-    return (jax.tree.map(jnp.zeros_like, cts), reduce_bucket(flat, **reduce_kwargs),
-            jnp.zeros_like(acc))
+    return (
+      jax.tree.map(jnp.zeros_like, cts),
+      reduce_bucket(flat, **reduce_kwargs),
+      jnp.zeros_like(acc),
+    )
 
   hook.defvjp(fwd, bwd)
   return hook
@@ -182,10 +189,15 @@ def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] =
   return jax.lax.pcast(sink, axes, to="varying") if axes else sink
 
 
-def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
-                     grad_buckets: Sequence[tuple[Bucket, Any]],
-                     cotangent_dtypes: Mapping[int, Any], *, dp: int, axes: Sequence[str],
-                     average: bool):
+def unit_collectives(
+  gather_buckets: Sequence[tuple[Bucket, Any]],
+  grad_buckets: Sequence[tuple[Bucket, Any]],
+  cotangent_dtypes: Mapping[int, Any],
+  *,
+  dp: int,
+  axes: Sequence[str],
+  average: bool,
+):
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
   collectives), as two plain functions; `fsdp_program` calls them inside each unit's
   `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
@@ -230,9 +242,15 @@ def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
     shards = jax.lax.axis_size(DATA)
     grads = {}
     for b, grad_dtype in grad_buckets:
-      flat = bucket_ravel([cts[p.index] if cts.get(p.index) is not None
-                           else jnp.zeros(p.shape, grad_dtype) for p in b.params],
-                          b, shards, grad_dtype)
+      flat = bucket_ravel(
+        [
+          cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
+          for p in b.params
+        ],
+        b,
+        shards,
+        grad_dtype,
+      )
       shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
@@ -243,8 +261,9 @@ def unit_collectives(gather_buckets: Sequence[tuple[Bucket, Any]],
     out = {}
     for b, dtype in gather_buckets:
       for p in b.params:
-        x = jax.lax.all_gather(local[p.index].astype(dtype), DATA, axis=p.axis, tiled=True,
-                               to="varying")
+        x = jax.lax.all_gather(
+          local[p.index].astype(dtype), DATA, axis=p.axis, tiled=True, to="varying"
+        )
         x = unpad_rows(x, p)
         out[p.index] = make_varying(x, other) if other else x
     return out

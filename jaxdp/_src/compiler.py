@@ -29,14 +29,14 @@ all-gather combiner on CPU."""
 CPU_OPTIONS = {"xla_disable_hlo_passes": ",".join(CPU_COMBINER_PASSES)}
 
 GPU_OPTIONS = {
-    # Bucket collectives stay buckets: 0 bytes turns each combiner off.
-    "xla_gpu_all_reduce_combine_threshold_bytes": 0,
-    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-    "xla_gpu_all_gather_combine_threshold_bytes": 0,
-    # Overlap: schedule for latency hiding, and no collective kind forced
-    # synchronous (overrides a --xla_gpu_disable_async_collectives in XLA_FLAGS).
-    "xla_gpu_enable_latency_hiding_scheduler": True,
-    "xla_gpu_disable_async_collectives": "",
+  # Bucket collectives stay buckets: 0 bytes turns each combiner off.
+  "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+  "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+  "xla_gpu_all_gather_combine_threshold_bytes": 0,
+  # Overlap: schedule for latency hiding, and no collective kind forced
+  # synchronous (overrides a --xla_gpu_disable_async_collectives in XLA_FLAGS).
+  "xla_gpu_enable_latency_hiding_scheduler": True,
+  "xla_gpu_disable_async_collectives": "",
 }
 
 GPU_PLATFORMS = ("cuda", "gpu", "rocm")

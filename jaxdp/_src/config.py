@@ -47,25 +47,34 @@ class DDPConfig:
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
       raise ValueError(
-          f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r}: "
-          f"unknown strategy; use one of {', '.join(STRATEGIES)}")
+        f"data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r}: "
+        f"unknown strategy; use one of {', '.join(STRATEGIES)}"
+      )
     if self.bucket_size is not None and (
-        isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
-        or self.bucket_size <= 0):
+      isinstance(self.bucket_size, bool)
+      or not isinstance(self.bucket_size, int)
+      or self.bucket_size <= 0
+    ):
       raise ValueError(
-          f"bucket_size={self.bucket_size!r}: must be a positive number of elements, "
-          "or None for Megatron's default max(40_000_000, 1_000_000 * dp)")
+        f"bucket_size={self.bucket_size!r}: must be a positive number of elements, "
+        "or None for Megatron's default max(40_000_000, 1_000_000 * dp)"
+      )
     n = self.num_distributed_optimizer_instances
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ValueError(
-          f"num_distributed_optimizer_instances={n!r}: must be an integer >= 1")
+      raise ValueError(f"num_distributed_optimizer_instances={n!r}: must be an integer >= 1")
     if n > 1 and self.data_parallel_sharding_strategy == "no_shard":
       raise ValueError(
-          f"num_distributed_optimizer_instances={n} needs a sharded strategy: with "
-          "'no_shard' nothing is sharded; use data_parallel_sharding_strategy='optim' or "
-          "leave num_distributed_optimizer_instances=1")
-    for name in ("grad_reduce_in_fp32", "overlap_grad_reduce", "overlap_param_gather",
-                 "average_in_collective", "check_for_nan_in_grad"):
+        f"num_distributed_optimizer_instances={n} needs a sharded strategy: with "
+        "'no_shard' nothing is sharded; use data_parallel_sharding_strategy='optim' or "
+        "leave num_distributed_optimizer_instances=1"
+      )
+    for name in (
+      "grad_reduce_in_fp32",
+      "overlap_grad_reduce",
+      "overlap_param_gather",
+      "average_in_collective",
+      "check_for_nan_in_grad",
+    ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
 
@@ -121,28 +130,36 @@ class FSDPConfig:
   def __post_init__(self):
     if self.units is not None and not callable(self.units):
       if isinstance(self.units, (str, bytes)):
-        raise ValueError(f"FSDPConfig: units={self.units!r} is one string; pass a list of "
-                         "prefixes, e.g. units=['blocks']")
+        raise ValueError(
+          f"FSDPConfig: units={self.units!r} is one string; pass a list of "
+          "prefixes, e.g. units=['blocks']"
+        )
       object.__setattr__(self, "units", tuple(_prefix(u) for u in self.units))
     if isinstance(self.stacked, (str, bytes)):
-      raise ValueError(f"FSDPConfig: stacked={self.stacked!r} is one string; pass a list of "
-                       f"prefixes, e.g. stacked=[{self.stacked!r}]")
+      raise ValueError(
+        f"FSDPConfig: stacked={self.stacked!r} is one string; pass a list of "
+        f"prefixes, e.g. stacked=[{self.stacked!r}]"
+      )
     object.__setattr__(self, "stacked", tuple(_prefix(s) for s in self.stacked))
     if self.stacked and callable(self.units):
       raise ValueError(
-          "FSDPConfig: stacked= needs the default units or a list of prefixes; a units "
-          "function must name the unit of every leaf itself, so put each stacked subtree in "
-          "a unit of its own and leave stacked= out")
+        "FSDPConfig: stacked= needs the default units or a list of prefixes; a units "
+        "function must name the unit of every leaf itself, so put each stacked subtree in "
+        "a unit of its own and leave stacked= out"
+      )
     if not isinstance(self.reshard_after_forward, bool):
-      raise ValueError(f"FSDPConfig: reshard_after_forward={self.reshard_after_forward!r}: "
-                       "must be True or False")
+      raise ValueError(
+        f"FSDPConfig: reshard_after_forward={self.reshard_after_forward!r}: must be True or False"
+      )
     if not isinstance(self.reshard_after_backward, bool):
-      raise ValueError(f"FSDPConfig: reshard_after_backward={self.reshard_after_backward!r}: "
-                       "must be True or False")
-    if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or \
-        self.prefetch < 0:
-      raise ValueError(f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "
-                       "many units ahead an all-gather may start; 1 is the default)")
+      raise ValueError(
+        f"FSDPConfig: reshard_after_backward={self.reshard_after_backward!r}: must be True or False"
+      )
+    if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+      raise ValueError(
+        f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "
+        "many units ahead an all-gather may start; 1 is the default)"
+      )
 
 
 def _prefix(p: Prefix) -> str:
@@ -151,5 +168,7 @@ def _prefix(p: Prefix) -> str:
     return p if p.startswith(("[", ".")) else f"[{p!r}]"
   if isinstance(p, tuple) and p:
     return "".join(f"[{k!r}]" for k in p)
-  raise ValueError(f"FSDPConfig: prefix {p!r}: use a key tuple like ('blocks', 3), a "
-                   "top-level key like 'wte', or a keystr like \"['blocks'][3]\"")
+  raise ValueError(
+    f"FSDPConfig: prefix {p!r}: use a key tuple like ('blocks', 3), a "
+    "top-level key like 'wte', or a keystr like \"['blocks'][3]\""
+  )

@@ -39,19 +39,45 @@ from jaxdp._src import checks, collectives, loop
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
-from jaxdp._src.distributed_optimizer import (check_exact, check_expert_rows, gather_params,
-                                               pad_leaf, unpad_leaf)
+from jaxdp._src.distributed_optimizer import (
+  check_exact,
+  check_expert_rows,
+  gather_params,
+  pad_leaf,
+  unpad_leaf,
+)
 from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
-from jaxdp._src.mesh import (DATA, EXPERT, ModelSpec, constrain, data_axes, dp_size, experts_of,
-                             manual_spec, model_specs_of, own_axes, pspec, with_data)
-from jaxdp._src.state import (TrainState, extra_specs, leaf_specs, leaves_of, model_spec,
-                              opt_params_of, state_specs, tree_of)
+from jaxdp._src.mesh import (
+  DATA,
+  EXPERT,
+  ModelSpec,
+  constrain,
+  data_axes,
+  dp_size,
+  experts_of,
+  manual_spec,
+  model_specs_of,
+  own_axes,
+  pspec,
+  with_data,
+)
+from jaxdp._src.state import (
+  TrainState,
+  extra_specs,
+  leaf_specs,
+  leaves_of,
+  model_spec,
+  opt_params_of,
+  state_specs,
+  tree_of,
+)
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 # ----------------------------------------------------------------------------- helpers
+
 
 def _sharded(config: DDPConfig) -> bool:
   return config.data_parallel_sharding_strategy != "no_shard"
@@ -63,8 +89,14 @@ def _keeps_master(config: DDPConfig, dtype) -> bool:
 
 # ----------------------------------------------------------------------------- layout
 
-def layout_for(params: PyTree, mesh, config: DDPConfig, frozen: Frozen = None,
-               model_specs: tuple[ModelSpec, ...] = ()) -> Layout:
+
+def layout_for(
+  params: PyTree,
+  mesh,
+  config: DDPConfig,
+  frozen: Frozen = None,
+  model_specs: tuple[ModelSpec, ...] = (),
+) -> Layout:
   """The layout a train step uses for `params` on `mesh` under `config`.
 
   `model_specs`: the caller's own sharding of each leaf (`model_specs_of`): expert params
@@ -80,21 +112,35 @@ def layout_for(params: PyTree, mesh, config: DDPConfig, frozen: Frozen = None,
     bucket_size = config.bucket_size or default_bucket_size(dp_size(mesh))
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward
-  layout = make_layout(params, dp=mesh.shape[DATA], bucket_size=bucket_size,
-                       grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
-                       frozen=frozen, experts=experts, leading=leading,
-                       expert_parallel=mesh.shape.get(EXPERT, 1))
+  layout = make_layout(
+    params,
+    dp=mesh.shape[DATA],
+    bucket_size=bucket_size,
+    grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+    frozen=frozen,
+    experts=experts,
+    leading=leading,
+    expert_parallel=mesh.shape.get(EXPERT, 1),
+  )
   if not layout.buffers:
     raise ValueError(
-        "params have no trainable floating-point leaf (all are frozen or integer): there "
-        "is nothing to train; pass float params, or unfreeze some")
+      "params have no trainable floating-point leaf (all are frozen or integer): there "
+      "is nothing to train; pass float params, or unfreeze some"
+    )
   return layout
 
 
 # ----------------------------------------------------------------------------- state
 
-def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
-               *, frozen: Frozen = None) -> TrainState:
+
+def init_state(
+  params: PyTree,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  *,
+  frozen: Frozen = None,
+) -> TrainState:
   """`jaxdp.init_state` for `no_shard`, `optim` and `optim_grads`."""
   checks.check_mesh(mesh, config)
   model_specs = model_specs_of(params, mesh)
@@ -108,18 +154,30 @@ def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: D
 
   def build(params):
     leaves = leaves_of(params)
-    master = [(pad_leaf(x, layout, i) if sharded else x).astype(master_dtype(x.dtype))
-              if t and _keeps_master(config, x.dtype) else None
-              for i, (t, x) in enumerate(zip(trainable, leaves))]
+    master = [
+      (pad_leaf(x, layout, i) if sharded else x).astype(master_dtype(x.dtype))
+      if t and _keeps_master(config, x.dtype)
+      else None
+      for i, (t, x) in enumerate(zip(trainable, leaves))
+    ]
     model = [None if (t and gather_in_step) else x for t, x in zip(trainable, leaves)]
-    state = TrainState(jnp.zeros((), jnp.int32), tree_of(layout, model), tree_of(layout, master),
-                       None, layout, config, tuple(mesh.shape.items()), model_specs)
+    state = TrainState(
+      jnp.zeros((), jnp.int32),
+      tree_of(layout, model),
+      tree_of(layout, master),
+      None,
+      layout,
+      config,
+      tuple(mesh.shape.items()),
+      model_specs,
+    )
     opt_state = tx.init(opt_params_of(layout, state.params, state.master))
     return dataclasses.replace(state, opt_state=opt_state)
 
   placed = [NamedSharding(mesh, pspec(dims)) for dims in model_specs]
-  params = tree_of(layout, [jax.device_put(x, s, may_alias=False)
-                            for x, s in zip(jax.tree.leaves(params), placed)])
+  params = tree_of(
+    layout, [jax.device_put(x, s, may_alias=False) for x, s in zip(jax.tree.leaves(params), placed)]
+  )
   specs = state_specs(jax.eval_shape(build, params))
 
   def build_placed(params):
@@ -154,8 +212,13 @@ def whole_params(state: TrainState, mesh) -> PyTree:
       x = unpad_leaf(constrain(m, mesh, P()), layout, i).astype(layout.dtypes[i])
     return constrain(jnp.copy(x), mesh, pspec(model_spec(state, i, x.ndim)))
 
-  return tree_of(layout, [whole(i, x, m) for i, (x, m) in
-                          enumerate(zip(leaves_of(state.params), leaves_of(state.master)))])
+  return tree_of(
+    layout,
+    [
+      whole(i, x, m)
+      for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))
+    ],
+  )
 
 
 # ----------------------------------------------------------------------------- step phases
@@ -204,26 +267,48 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   full = leaves_of(params)
   if plan.gather_in_step:
     full = collectives.all_gather_params(leaves_of(master), layout, full)
-  return [collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
-          for i, (t, x) in enumerate(zip(layout.trainable, full))]
+  return [
+    collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
+    for i, (t, x) in enumerate(zip(layout.trainable, full))
+  ]
 
 
 def register_grad_ready_hooks(layout: Layout, plan: _Plan):
   """`(buckets, hooks, sinks)`: per bucket, its grad-ready hook and the zero sink whose
   cotangent receives its reduced grads."""
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
-  hooks = [collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, dp=plan.dp,
-                                       scatter=plan.sharded, axes=plan.reduce_axes(buf),
-                                       average=plan.average)
-           for buf, b in buckets]
-  sinks = [collectives.sink_for(b, buf.grad_dtype, plan.sharded,
-                                [a for a in plan.axes if a not in plan.reduce_axes(buf)])
-           for buf, b in buckets]
+  hooks = [
+    collectives.grad_ready_hook(
+      b,
+      grad_dtype=buf.grad_dtype,
+      dp=plan.dp,
+      scatter=plan.sharded,
+      axes=plan.reduce_axes(buf),
+      average=plan.average,
+    )
+    for buf, b in buckets
+  ]
+  sinks = [
+    collectives.sink_for(
+      b, buf.grad_dtype, plan.sharded, [a for a in plan.axes if a not in plan.reduce_axes(buf)]
+    )
+    for buf, b in buckets
+  ]
   return buckets, hooks, sinks
 
 
-def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, plan: _Plan,
-                     buckets, hooks, sinks, key=None, model_state=None):
+def forward_backward(
+  loss_fn: LossFn,
+  full: list[Any],
+  batch,
+  layout: Layout,
+  plan: _Plan,
+  buckets,
+  hooks,
+  sinks,
+  key=None,
+  model_state=None,
+):
   """`(local loss, reduced buckets, aux, model state)` of the step's micro-batches.
 
   Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
@@ -238,8 +323,9 @@ def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, pl
   sync = lambda ms: collectives.sync_model_state(ms, plan.axes)
 
   def scaled_loss(leaves, mb, j, ms):
-    loss, extra = loop.call_loss(loss_fn, plan.has_aux, tree_of(layout, leaves), mb,
-                                 loop.micro_key(key, j), ms)
+    loss, extra = loop.call_loss(
+      loss_fn, plan.has_aux, tree_of(layout, leaves), mb, loop.micro_key(key, j), ms
+    )
     return loss / k, extra
 
   def hooked_loss(sinks, accs, mb, j, ms):
@@ -254,16 +340,25 @@ def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, pl
 
   def local_accum(mb, j, ms):
     """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
+
     def loss_of_trainable(tleaves):
       leaves = list(full)
       for p, x in zip(layout.params, tleaves):
         leaves[p.index] = x
       return scaled_loss(leaves, mb, j, ms)
+
     (loss, extra), g = jax.value_and_grad(loss_of_trainable, has_aux=True)(
-        [full[p.index] for p in layout.params])
+      [full[p.index] for p in layout.params]
+    )
     g = dict(zip((p.index for p in layout.params), g))
-    return loss, extra, [bucket_ravel([g[p.index] for p in b.params], b, layout.dp,
-                                      buf.grad_dtype) for buf, b in buckets]
+    return (
+      loss,
+      extra,
+      [
+        bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
+        for buf, b in buckets
+      ],
+    )
 
   micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
   zeros = [jnp.zeros_like(s) for s in sinks]
@@ -272,12 +367,15 @@ def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, pl
   last = jax.tree.map(lambda x: x[-1], micro)
   loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), plan.axes)  # a scan carry
   if plan.scatter_each_microbatch:
+
     def body(carry, xs):
       loss_sum, red_sum, ms = carry
       mb, j = xs
       (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
-          sinks, acc_zero, mb, j, ms)
+        sinks, acc_zero, mb, j, ms
+      )
       return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)], sync(ms)), aux
+
     init = (loss_zero, zeros, model_state)
     if k > 1:  # the aux of every micro-batch, stacked
       (loss, reduced, model_state), auxs = jax.lax.scan(body, init, (micro, jnp.arange(k)))
@@ -286,16 +384,20 @@ def forward_backward(loss_fn: LossFn, full: list[Any], batch, layout: Layout, pl
     return loss, reduced, loop.mean_micro(None, aux, 1), model_state
   loss, accs, first_aux = loss_zero, acc_zero, None
   if k > 1:
+
     def body(carry, xs):
       loss_sum, acc, ms = carry
       mb, j = xs
       mb_loss, (aux, ms), g = local_accum(mb, j, ms)
       return (loss_sum + mb_loss, [a + x for a, x in zip(acc, g)], sync(ms)), aux
+
     first = jax.tree.map(lambda x: x[:-1], micro)
     (loss, accs, model_state), first_aux = jax.lax.scan(
-        body, (loss, accs, model_state), (first, jnp.arange(k - 1)))
+      body, (loss, accs, model_state), (first, jnp.arange(k - 1))
+    )
   (mb_loss, (aux, model_state)), reduced = jax.value_and_grad(hooked_loss, has_aux=True)(
-      sinks, accs, last, k - 1, model_state)
+    sinks, accs, last, k - 1, model_state
+  )
   return loss + mb_loss, reduced, loop.mean_micro(first_aux, aux, k), sync(model_state)
 
 
@@ -304,8 +406,7 @@ def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
   each (the sharded strategies); None for leaves that are not trained."""
   grads: list[Any] = [None] * len(layout.trainable)
   for (_, b), red in zip(buckets, reduced):
-    parts = shard_unravel(red, b, layout.dp) if plan.sharded else \
-        bucket_unravel(red, b, layout.dp)
+    parts = shard_unravel(red, b, layout.dp) if plan.sharded else bucket_unravel(red, b, layout.dp)
     for p, g in zip(b.params, parts):
       grads[p.index] = g
   return tree_of(layout, grads)
@@ -321,10 +422,12 @@ def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
   sizes = dict(plan.axis_sizes)
 
   def copies(buf):
-    return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (
-        layout.dp if plan.sharded else 1)
-  sq = sum(jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
-           for (buf, _), r in zip(buckets, reduced))
+    return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (layout.dp if plan.sharded else 1)
+
+  sq = sum(
+    jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
+    for (buf, _), r in zip(buckets, reduced)
+  )
   if plan.sharded or any(buf.expert for buf in layout.buffers):
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), plan.axes)
     loss = loss / plan.dp
@@ -333,8 +436,9 @@ def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
   return loss, jnp.sqrt(sq)
 
 
-def local_grads(loss_fn: LossFn, plan: _Plan, params, master, batch, key, model_state,
-                layout: Layout, own_axes):
+def local_grads(
+  loss_fn: LossFn, plan: _Plan, params, master, batch, key, model_state, layout: Layout, own_axes
+):
   """Per device, inside the step's `shard_map`: the reduced grad of every trainable param
   (`finish_grad_sync`), the global mean loss and the global grad norm, the aux averaged
   over the data axes and the new model state (see `loop`).
@@ -346,28 +450,46 @@ def local_grads(loss_fn: LossFn, plan: _Plan, params, master, batch, key, model_
   full = start_param_sync(params, master, layout, plan, own_axes)
   buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
   loss, reduced, aux, model_state = forward_backward(
-      loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state)
+    loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state
+  )
   loss, grad_norm = grad_metrics(loss, reduced, layout, plan, buckets)
-  return (finish_grad_sync(reduced, layout, plan, buckets), loss, grad_norm,
-          collectives.average_aux(aux, plan.axes), model_state)
+  return (
+    finish_grad_sync(reduced, layout, plan, buckets),
+    loss,
+    grad_norm,
+    collectives.average_aux(aux, plan.axes),
+    model_state,
+  )
 
 
 # ----------------------------------------------------------------------------- step
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1,
-                    has_aux: bool = False) -> checks.TrainStep:
+
+def make_train_step(
+  loss_fn: LossFn,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int = 1,
+  has_aux: bool = False,
+) -> checks.TrainStep:
   """`jaxdp.make_train_step` for `no_shard`, `optim` and `optim_grads`, after its argument
   checks (see the module docstring)."""
   axes = data_axes(mesh)
   dp = dp_size(mesh)
   sharded = _sharded(config)
   plan = _Plan(
-      axes=axes, axis_sizes=tuple(mesh.shape.items()), dp=dp, sharded=sharded,
-      scatter_each_microbatch=config.data_parallel_sharding_strategy == "optim_grads",
-      gather_in_step=sharded and config.overlap_param_gather,
-      grad_accum_steps=grad_accum_steps, average=config.average_in_collective,
-      has_aux=has_aux)
+    axes=axes,
+    axis_sizes=tuple(mesh.shape.items()),
+    dp=dp,
+    sharded=sharded,
+    scatter_each_microbatch=config.data_parallel_sharding_strategy == "optim_grads",
+    gather_in_step=sharded and config.overlap_param_gather,
+    grad_accum_steps=grad_accum_steps,
+    average=config.average_in_collective,
+    has_aux=has_aux,
+  )
   batch_spec = P(axes)
 
   def step(state: TrainState, batch):
@@ -379,17 +501,25 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     param_dims, master_dims = leaf_specs(state)
     manual = lambda dims: [None if d is None else manual_spec(d, axes) for d in dims]
     model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-    grad_specs = [manual_spec(with_data(d, axes, layout.shard_axes[i]) if sharded else d, axes)
-                  if t else None for i, (t, d) in enumerate(zip(layout.trainable, model_dims))]
+    grad_specs = [
+      manual_spec(with_data(d, axes, layout.shard_axes[i]) if sharded else d, axes) if t else None
+      for i, (t, d) in enumerate(zip(layout.trainable, model_dims))
+    ]
     own = tuple(own_axes(d, axes) for d in model_dims)
     extras = extra_specs(state)
     grads, loss, grad_norm, aux, model_state = jax.shard_map(
-        functools.partial(local_grads, loss_fn, plan, layout=layout, own_axes=own), mesh=mesh,
-        in_specs=(tree_of(layout, manual(param_dims)), tree_of(layout, manual(master_dims)),
-                  batch_spec, extras["rng"], extras["model_state"]),
-        out_specs=(tree_of(layout, grad_specs), P(), P(), P(), extras["model_state"]),
-        axis_names=set(axes))(state.params, state.master, batch,
-                              loop.step_key(state.rng, state.step), state.model_state)
+      functools.partial(local_grads, loss_fn, plan, layout=layout, own_axes=own),
+      mesh=mesh,
+      in_specs=(
+        tree_of(layout, manual(param_dims)),
+        tree_of(layout, manual(master_dims)),
+        batch_spec,
+        extras["rng"],
+        extras["model_state"],
+      ),
+      out_specs=(tree_of(layout, grad_specs), P(), P(), P(), extras["model_state"]),
+      axis_names=set(axes),
+    )(state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state)
 
     opt_params = opt_params_of(layout, state.params, state.master)
     updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
@@ -405,10 +535,23 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
         params[i] = new[i].astype(layout.dtypes[i])
     if sharded and not config.overlap_param_gather:
       params = gather_params(master, layout, mesh, params, state)
-    new_state = dataclasses.replace(state, step=state.step + 1, params=tree_of(layout, params),
-                                    master=tree_of(layout, master), opt_state=opt_state,
-                                    model_state=model_state)
-    return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
-                              grads, aux if has_aux else None)
+    new_state = dataclasses.replace(
+      state,
+      step=state.step + 1,
+      params=tree_of(layout, params),
+      master=tree_of(layout, master),
+      opt_state=opt_state,
+      model_state=model_state,
+    )
+    return checks.finish_step(
+      new_state,
+      state_specs(new_state),
+      mesh,
+      config,
+      loss,
+      grad_norm,
+      grads,
+      aux if has_aux else None,
+    )
 
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))

@@ -92,22 +92,23 @@ def _set_local_device_count(count: int) -> None:
     have = len(jax.local_devices(backend="cpu"))
     if have != count:
       raise RuntimeError(
-          f"local_device_count={count}, but JAX has already started with "
-          f"{have} local CPU devices; call jaxdp.initialize() right after "
-          "`import jax`, before anything that touches devices (jax.devices(), "
-          "jnp arrays, jit calls)")
+        f"local_device_count={count}, but JAX has already started with "
+        f"{have} local CPU devices; call jaxdp.initialize() right after "
+        "`import jax`, before anything that touches devices (jax.devices(), "
+        "jnp arrays, jit calls)"
+      )
     return
   jax.config.update("jax_num_cpu_devices", count)
 
 
 def initialize(
-    coordinator_address: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    local_device_count: int | None = None,
-    *,
-    fail_fast: bool = True,
-    **kwargs: Any,
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  local_device_count: int | None = None,
+  *,
+  fail_fast: bool = True,
+  **kwargs: Any,
 ) -> None:
   """Joins this process to the others of its job through `jax.distributed`.
 
@@ -179,8 +180,11 @@ def initialize(
   if num_processes == 1:
     logger.debug("jaxdp.initialize: num_processes=1, running alone")
     return
-  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
-           "process_id": process_id}
+  given = {
+    "coordinator_address": coordinator_address,
+    "num_processes": num_processes,
+    "process_id": process_id,
+  }
   cluster = _detected_cluster()
   if cluster is None and kwargs.get("cluster_detection_method") is None:
     if all(v is None for v in given.values()):
@@ -188,32 +192,45 @@ def initialize(
       return
     missing = [k for k, v in given.items() if v is None]
     if missing:
-      env = {"coordinator_address": ENV_COORDINATOR, "num_processes": ENV_NUM_PROCESSES,
-             "process_id": ENV_PROCESS_ID}
+      env = {
+        "coordinator_address": ENV_COORDINATOR,
+        "num_processes": ENV_NUM_PROCESSES,
+        "process_id": ENV_PROCESS_ID,
+      }
       got = ", ".join(f"{k}={v!r}" for k, v in given.items() if v is not None)
       raise ValueError(
-          f"jaxdp.initialize: got {got} but no {', '.join(missing)}, and no cluster "
-          f"environment (SLURM, Open MPI, ...) to "
-          f"detect it from; pass {', '.join(missing)} or set "
-          f"{', '.join(env[k] for k in missing)} (python -m jaxdp.launch sets all three)")
+        f"jaxdp.initialize: got {got} but no {', '.join(missing)}, and no cluster "
+        f"environment (SLURM, Open MPI, ...) to "
+        f"detect it from; pass {', '.join(missing)} or set "
+        f"{', '.join(env[k] for k in missing)} (python -m jaxdp.launch sets all three)"
+      )
 
   if _backends_started():
     raise RuntimeError(
-        "jaxdp.initialize: JAX's backend has already started, so this process can no longer "
-        "join the others; call jaxdp.initialize() right after `import jax`, before anything "
-        "that touches devices (jax.devices(), jnp arrays, jit calls)")
+      "jaxdp.initialize: JAX's backend has already started, so this process can no longer "
+      "join the others; call jaxdp.initialize() right after `import jax`, before anything "
+      "that touches devices (jax.devices(), jnp arrays, jit calls)"
+    )
   if jax.config.jax_cpu_collectives_implementation in (None, "", "none"):
     # Cross-process collectives on CPU devices need an implementation; gloo runs over TCP.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id, **kwargs)
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address,
+    num_processes=num_processes,
+    process_id=process_id,
+    **kwargs,
+  )
   if fail_fast:
     _exit_on_uncaught_exception()
   logger.info(
-      "jaxdp.initialize: process %d of %d (%s), %d local devices, %d global devices (%s)",
-      jax.process_index(), jax.process_count(),
-      "arguments" if explicit else "JAXDP_* environment" if from_env else cluster,
-      jax.local_device_count(), jax.device_count(), jax.default_backend())
+    "jaxdp.initialize: process %d of %d (%s), %d local devices, %d global devices (%s)",
+    jax.process_index(),
+    jax.process_count(),
+    "arguments" if explicit else "JAXDP_* environment" if from_env else cluster,
+    jax.local_device_count(),
+    jax.device_count(),
+    jax.default_backend(),
+  )
 
 
 _fail_fast_installed = False
@@ -230,9 +247,12 @@ def _exit_on_uncaught_exception() -> None:
     previous(exc_type, exc, tb)
     code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
     try:
-      print(f"jaxdp: process {jax.process_index()} of {jax.process_count()}: uncaught "
-            f"{exc_type.__name__}; exiting with code {code} without waiting for the other "
-            "processes (jaxdp.initialize(fail_fast=False) to wait)", file=sys.stderr)
+      print(
+        f"jaxdp: process {jax.process_index()} of {jax.process_count()}: uncaught "
+        f"{exc_type.__name__}; exiting with code {code} without waiting for the other "
+        "processes (jaxdp.initialize(fail_fast=False) to wait)",
+        file=sys.stderr,
+      )
       logging.shutdown()
       sys.stdout.flush()
       sys.stderr.flush()
@@ -245,11 +265,15 @@ def _exit_on_uncaught_exception() -> None:
 
 def _check_matches_running_job(num_processes: int | None, process_id: int | None) -> None:
   if num_processes is not None and num_processes != jax.process_count():
-    raise RuntimeError(f"jaxdp.initialize: num_processes={num_processes}, but jax.distributed "
-                       f"is already running with {jax.process_count()} processes")
+    raise RuntimeError(
+      f"jaxdp.initialize: num_processes={num_processes}, but jax.distributed "
+      f"is already running with {jax.process_count()} processes"
+    )
   if process_id is not None and process_id != jax.process_index():
-    raise RuntimeError(f"jaxdp.initialize: process_id={process_id}, but jax.distributed "
-                       f"is already running as process {jax.process_index()}")
+    raise RuntimeError(
+      f"jaxdp.initialize: process_id={process_id}, but jax.distributed "
+      f"is already running as process {jax.process_index()}"
+    )
 
 
 def _local_extent(mesh: Mesh, axes: str | tuple[str, ...]) -> int:
@@ -301,17 +325,19 @@ def host_local_batch_to_global(batch: PyTree, mesh: Mesh, spec: PyTree = P(DATA)
     leaf_spec = P() if leaf_spec is None else leaf_spec
     shape = np.shape(leaf)
     if len(leaf_spec) > len(shape):
-      raise ValueError(f"batch{jax.tree_util.keystr(path)}: shape {shape} has fewer dims than "
-                       f"its spec {leaf_spec}")
+      raise ValueError(
+        f"batch{jax.tree_util.keystr(path)}: shape {shape} has fewer dims than its spec {leaf_spec}"
+      )
     for dim, axes in enumerate(leaf_spec):
       if axes is None:
         continue
       extent = _local_extent(mesh, axes)
       if shape[dim] % extent:
         raise ValueError(
-            f"batch{jax.tree_util.keystr(path)}: dim {dim} of the local batch is {shape[dim]}, "
-            f"not divisible by the {extent} devices of process {jax.process_index()} along "
-            f"mesh axis {axes!r}; give each process a multiple of {extent} rows")
+          f"batch{jax.tree_util.keystr(path)}: dim {dim} of the local batch is {shape[dim]}, "
+          f"not divisible by the {extent} devices of process {jax.process_index()} along "
+          f"mesh axis {axes!r}; give each process a multiple of {extent} rows"
+        )
   # Only local copies to this process's own devices: no program, no cross-process work, so
   # it cannot interleave differently with the other processes' programs.
   return multihost_utils.host_local_array_to_global_array(batch, mesh, specs)

@@ -48,6 +48,7 @@ anyway; they only take part so that cross-leaf terms such as global norms exist)
 
 # ----------------------------------------------------------------------------- exactness
 
+
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
   """A trainable leaf as a single device has it and as the sharded optimizer sees it."""
@@ -85,8 +86,10 @@ def _probe_values(rng: np.random.Generator, shape, scale: float) -> np.ndarray:
   return rng.integers(-4, 5, size=shape).astype(np.float64) * scale
 
 
-_PROBE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0,
-                           "xla_llvm_disable_expensive_passes": True}
+_PROBE_COMPILER_OPTIONS = {
+  "xla_backend_optimization_level": 0,
+  "xla_llvm_disable_expensive_passes": True,
+}
 """The probe runs once on small arrays: compile it fast rather than well."""
 
 
@@ -103,11 +106,13 @@ def _run_both(tx, runs, layout: Layout):
       params, state = carry
       updates, state = tx.update(unflat(g), state, params)
       return (optax.apply_updates(params, updates), state), flat(updates)
+
     params = unflat(tree)
     return jax.lax.scan(step, (params, tx.init(params)), grads)[1]
 
-  args = [(tree, [None if g[0] is None else np.stack(g) for g in zip(*grads)])
-          for tree, grads in runs]
+  args = [
+    (tree, [None if g[0] is None else np.stack(g) for g in zip(*grads)]) for tree, grads in runs
+  ]
   both = lambda args: [run(*a) for a in args]
   compiled = jax.jit(both).lower(args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
   out = jax.device_get(compiled(args))
@@ -143,23 +148,27 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
     return out
 
   params = {i: _probe_values(rng, shapes[i], 1 / 16) for i in leaves_}
-  grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in leaves_}
-           for _ in range(_PROBE_STEPS)]
+  grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in leaves_} for _ in range(_PROBE_STEPS)]
 
-  true, pad = _run_both(tx, [(tree(params, pad), [tree(g, pad) for g in grads])
-                             for pad in (False, True)], layout)
+  true, pad = _run_both(
+    tx, [(tree(params, pad), [tree(g, pad) for g in grads]) for pad in (False, True)], layout
+  )
   results = []
   for step, (ut, up) in enumerate(zip(true, pad)):
     for i, x in leaves_.items():
       a = np.asarray(ut[i], np.float64).reshape(shapes[i])
       b = np.moveaxis(np.asarray(up[i], np.float64), x.axis, 0)
       a = np.moveaxis(a, x.axis, 0)
-      real, rest = b[: a.shape[0]], b[a.shape[0]:]
+      real, rest = b[: a.shape[0]], b[a.shape[0] :]
       scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
       err = float(np.max(np.abs(real - a), initial=0.0)) / scale
       if not np.all(np.isfinite(real)) or not np.all(np.isfinite(a)):
-        err = 0.0 if np.array_equal(np.isnan(real), np.isnan(a)) and np.array_equal(
-            np.nan_to_num(real), np.nan_to_num(a)) else math.inf
+        err = (
+          0.0
+          if np.array_equal(np.isnan(real), np.isnan(a))
+          and np.array_equal(np.nan_to_num(real), np.nan_to_num(a))
+          else math.inf
+        )
       results.append((step, x, err, bool(np.any(rest != 0))))
   return results
 
@@ -172,9 +181,11 @@ def _shape_dependent_state(tx, layout: Layout) -> list[str]:
     tree[x.index] = jax.ShapeDtypeStruct(x.seen, master_dtype(layout.dtypes[x.index]))
   state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, tree))
   shapes = {x.seen for x in leaves_}
-  return [("opt_state" + jax.tree_util.keystr(path), tuple(x.shape))
-          for path, x in jax.tree_util.tree_leaves_with_path(state)
-          if x.ndim and tuple(x.shape) not in shapes]
+  return [
+    ("opt_state" + jax.tree_util.keystr(path), tuple(x.shape))
+    for path, x in jax.tree_util.tree_leaves_with_path(state)
+    if x.ndim and tuple(x.shape) not in shapes
+  ]
 
 
 def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
@@ -233,35 +244,52 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   n = x.base[x.axis]
   dim = "leading dim" if x.axis == 0 else f"dim {x.axis}"
   if err > rtol:
-    state = [f"{name}: {shape}" for name, shape in _shape_dependent_state(tx, layout)
-             if name.endswith(x.path)]
-    what = (f"its update differs by {err:.2g} (relative) at step {step + 1} when the leaf "
-            "carries zero padding rows: ")
+    state = [
+      f"{name}: {shape}"
+      for name, shape in _shape_dependent_state(tx, layout)
+      if name.endswith(x.path)
+    ]
+    what = (
+      f"its update differs by {err:.2g} (relative) at step {step + 1} when the leaf "
+      "carries zero padding rows: "
+    )
     if state:
-      what += ("its state for this leaf is neither a scalar nor param-shaped ("
-               f"{'; '.join(state[:3])}{' ...' if len(state) > 3 else ''}): factored "
-               "second moments, as in optax.adafactor")
+      what += (
+        "its state for this leaf is neither a scalar nor param-shaped ("
+        f"{'; '.join(state[:3])}{' ...' if len(state) > 3 else ''}): factored "
+        "second moments, as in optax.adafactor"
+      )
     else:
-      what += ("it depends on the leaf's shape (a mean over elements, an RMS or an element "
-               "count, as in optax.adafactor's update clipping and parameter scaling)")
+      what += (
+        "it depends on the leaf's shape (a mean over elements, an RMS or an element "
+        "count, as in optax.adafactor's update clipping and parameter scaling)"
+      )
   else:
-    what = ("it gives zero params with zero grads non-zero updates (e.g. added noise), so "
-            "the padding rows drift and would enter later per-leaf statistics")
+    what = (
+      "it gives zero params with zero grads non-zero updates (e.g. added noise), so "
+      "the padding rows drift and would enter later per-leaf statistics"
+    )
   others = sorted({q.path for _, q, _, _ in bad} - {x.path})
   raise NotImplementedError(
-      f"optax transformation is not exact on padded leaves under a sharded "
-      f"data_parallel_sharding_strategy: params{x.path} has shape {x.shape}; the "
-      f"distributed optimizer sees it as {x.seen} ({dim} {n} padded to "
-      f"{x.seen[x.axis]}, a multiple of dp={layout.dp}), and {what}."
-      + (f" Also affected: {', '.join('params' + q for q in others[:4])}"
-         f"{' ...' if len(others) > 4 else ''}." if others else "")
-      + " Use a shape-independent transformation for these leaves (elementwise ones such "
-      "as adamw, lion, sgd; global-norm clipping; lamb), "
-      + (f"or a data-parallel size that divides the {dim} ({n}), " if x.shape else "")
-      + "or data_parallel_sharding_strategy='no_shard'.")
+    f"optax transformation is not exact on padded leaves under a sharded "
+    f"data_parallel_sharding_strategy: params{x.path} has shape {x.shape}; the "
+    f"distributed optimizer sees it as {x.seen} ({dim} {n} padded to "
+    f"{x.seen[x.axis]}, a multiple of dp={layout.dp}), and {what}."
+    + (
+      f" Also affected: {', '.join('params' + q for q in others[:4])}"
+      f"{' ...' if len(others) > 4 else ''}."
+      if others
+      else ""
+    )
+    + " Use a shape-independent transformation for these leaves (elementwise ones such "
+    "as adamw, lion, sgd; global-norm clipping; lamb), "
+    + (f"or a data-parallel size that divides the {dim} ({n}), " if x.shape else "")
+    + "or data_parallel_sharding_strategy='no_shard'."
+  )
 
 
 # ----------------------------------------------------------------------------- the sharded state
+
 
 def pad_leaf(x, layout: Layout, i: int):
   """Leaf `i` (whole) as a sharded strategy stores it: zero rows added on its shard dim."""
@@ -280,22 +308,28 @@ def check_expert_rows(layout: Layout, mesh):
     for p in buf.params if buf.expert else ():
       if p.rows != p.shape[0]:
         raise ValueError(
-            f"params{p.path}: {p.shape[0]} experts per expert-parallel rank do not divide "
-            f"over the {mesh.shape[DATA]} devices of the {DATA!r} axis, which the sharded "
-            "optimizer splits them over; use a number of experts that is a multiple of "
-            f"{mesh.shape[EXPERT] * mesh.shape[DATA]} (expert x data axis sizes), or "
-            "data_parallel_sharding_strategy='no_shard'")
+          f"params{p.path}: {p.shape[0]} experts per expert-parallel rank do not divide "
+          f"over the {mesh.shape[DATA]} devices of the {DATA!r} axis, which the sharded "
+          "optimizer splits them over; use a number of experts that is a multiple of "
+          f"{mesh.shape[EXPERT] * mesh.shape[DATA]} (expert x data axis sizes), or "
+          "data_parallel_sharding_strategy='no_shard'"
+        )
 
 
 def gather_params(master, layout: Layout, mesh, params, state: TrainState):
   """All-gathers the updated params per bucket right after the update."""
+
   def gather(master):
     return collectives.all_gather_params(master, layout, [None] * len(layout.shapes))
+
   axes = data_axes(mesh)
   master_dims = leaf_specs(state)[1]
   specs = [manual_spec(d, axes) if m is not None else None for m, d in zip(master, master_dims)]
-  out_specs = [manual_spec(model_spec(state, i, len(layout.shapes[i])), axes)
-               if m is not None else None for i, m in enumerate(master)]
-  gathered = jax.shard_map(gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs,
-                           axis_names=set(axes))(master)
+  out_specs = [
+    manual_spec(model_spec(state, i, len(layout.shapes[i])), axes) if m is not None else None
+    for i, m in enumerate(master)
+  ]
+  gathered = jax.shard_map(
+    gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs, axis_names=set(axes)
+  )(master)
   return [g if g is not None else x for g, x in zip(gathered, params)]

@@ -49,17 +49,26 @@ from jaxdp._src.units import assign_units, param_specs, units_of
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
-def layout_for(params: PyTree, mesh, config: DDPConfig, fsdp: FSDPConfig,
-               frozen: Frozen = None) -> Layout:
+
+
+def layout_for(
+  params: PyTree, mesh, config: DDPConfig, fsdp: FSDPConfig, frozen: Frozen = None
+) -> Layout:
   """The FSDP layout: one bucket per (unit, buffer) over the trainable params."""
   units, stacked = assign_units(params, fsdp)
-  layout = make_layout(params, dp=mesh.shape[DATA],
-                       grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
-                       frozen=frozen, units=units, stacked=stacked)
+  layout = make_layout(
+    params,
+    dp=mesh.shape[DATA],
+    grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+    frozen=frozen,
+    units=units,
+    stacked=stacked,
+  )
   if not layout.buffers:
     raise ValueError(
-        "params have no trainable floating-point leaf (all are frozen or integer): there "
-        "is nothing to train; pass float params, or unfreeze some")
+      "params have no trainable floating-point leaf (all are frozen or integer): there "
+      "is nothing to train; pass float params, or unfreeze some"
+    )
   return layout
 
 
@@ -82,52 +91,82 @@ def _spec(ndim: int, dim: int | None) -> P:
 
 # ----------------------------------------------------------------------------- state
 
+
 def state_specs(state: TrainState) -> TrainState:
   """The PartitionSpec of every leaf of an FSDP state (a tree like `state`)."""
   layout = state.layout
   specs = param_specs(layout)
-  params = [None if x is None else
-            _spec(x.ndim, _shard_dim(specs[i]) if i in specs else None)
-            for i, x in enumerate(leaves_of(state.params))]
-  master = [None if m is None else _spec(m.ndim, _shard_dim(specs[i]))
-            for i, m in enumerate(leaves_of(state.master))]
+  params = [
+    None if x is None else _spec(x.ndim, _shard_dim(specs[i]) if i in specs else None)
+    for i, x in enumerate(leaves_of(state.params))
+  ]
+  master = [
+    None if m is None else _spec(m.ndim, _shard_dim(specs[i]))
+    for i, m in enumerate(leaves_of(state.master))
+  ]
   by_shape = {}
   for i, m in enumerate(leaves_of(state.master)):
     if m is not None:
       by_shape.setdefault(tuple(m.shape), _shard_dim(specs[i]))
   return dataclasses.replace(
-      state, step=P(), params=tree_of(layout, params), master=tree_of(layout, master),
-      opt_state=jax.tree.map(lambda x: _spec(x.ndim, by_shape.get(tuple(x.shape))),
-                             state.opt_state), **extra_specs(state))
+    state,
+    step=P(),
+    params=tree_of(layout, params),
+    master=tree_of(layout, master),
+    opt_state=jax.tree.map(lambda x: _spec(x.ndim, by_shape.get(tuple(x.shape))), state.opt_state),
+    **extra_specs(state),
+  )
 
 
-def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
-               *, frozen: Frozen = None, fsdp: FSDPConfig | None = None) -> TrainState:
+def init_state(
+  params: PyTree,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  *,
+  frozen: Frozen = None,
+  fsdp: FSDPConfig | None = None,
+) -> TrainState:
   """`jaxdp.init_state` for `optim_grads_params`: every float param sharded by unit."""
   fsdp = fsdp or FSDPConfig()
   checks.check_mesh(mesh, config)
   model_specs = model_specs_of(params, mesh)
   if any(any(dims) for dims in model_specs):
-    path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][
-        next(i for i, dims in enumerate(model_specs) if any(dims))][0])
+    path = jax.tree_util.keystr(
+      jax.tree_util.tree_flatten_with_path(params)[0][
+        next(i for i, dims in enumerate(model_specs) if any(dims))
+      ][0]
+    )
     raise NotImplementedError(
-        f"params{path} is sharded over a non-data mesh axis (tensor or expert parallel): "
-        "optim_grads_params does not keep such shardings yet; use 'optim' (or no_shard), "
-        "or place the params replicated")
+      f"params{path} is sharded over a non-data mesh axis (tensor or expert parallel): "
+      "optim_grads_params does not keep such shardings yet; use 'optim' (or no_shard), "
+      "or place the params replicated"
+    )
   layout = layout_for(params, mesh, config, fsdp, frozen)
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   specs, trainable = param_specs(layout), layout.trainable
 
   def build(params):
     leaves = leaves_of(params)
-    master = [_pad(x, specs[i]).astype(master_dtype(x.dtype)) if trainable[i] else None
-              for i, x in enumerate(leaves)]
-    stored = [None if trainable[i] else _pad(x, specs[i]) if i in specs else x
-              for i, x in enumerate(leaves)]
-    state = TrainState(jnp.zeros((), jnp.int32), tree_of(layout, stored), tree_of(layout, master),
-                       None, layout, config, tuple(mesh.shape.items()))
-    return dataclasses.replace(state, opt_state=tx.init(opt_params_of(layout, state.params,
-                                                                       state.master)))
+    master = [
+      _pad(x, specs[i]).astype(master_dtype(x.dtype)) if trainable[i] else None
+      for i, x in enumerate(leaves)
+    ]
+    stored = [
+      None if trainable[i] else _pad(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)
+    ]
+    state = TrainState(
+      jnp.zeros((), jnp.int32),
+      tree_of(layout, stored),
+      tree_of(layout, master),
+      None,
+      layout,
+      config,
+      tuple(mesh.shape.items()),
+    )
+    return dataclasses.replace(
+      state, opt_state=tx.init(opt_params_of(layout, state.params, state.master))
+    )
 
   params = jax.device_put(params, NamedSharding(mesh, P()), may_alias=False)
   abstract = jax.eval_shape(build, params)
@@ -158,38 +197,77 @@ def whole_params(state: TrainState, mesh) -> PyTree:
       x = _unpad(constrain(m if m is not None else x, mesh, P()), specs[i])
     return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, P())
 
-  return tree_of(layout, [whole(i, x, m) for i, (x, m) in
-                          enumerate(zip(leaves_of(state.params), leaves_of(state.master)))])
+  return tree_of(
+    layout,
+    [
+      whole(i, x, m)
+      for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))
+    ],
+  )
 
 
 # ----------------------------------------------------------------------------- step
 
-def call_with_units(call: Callable, layout: Layout, stored: list, tmaster: dict,
-                    units: list, fsdp: FSDPConfig, axes, *args):
+
+def call_with_units(
+  call: Callable,
+  layout: Layout,
+  stored: list,
+  tmaster: dict,
+  units: list,
+  fsdp: FSDPConfig,
+  axes,
+  *args,
+):
   """Inside the step: `call(params, *args)` with every unit gathered where the traced program
   uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
   values = dict(enumerate(stored))
   values.update(tmaster)
   leaf_avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
-  return fsdp_program.run_loss(lambda tree, a: call(tree, *a), layout.treedef, leaf_avals,
-                               values, units, args, axes, reshard=fsdp.reshard_after_forward,
-                               prefetch=fsdp.prefetch)
+  return fsdp_program.run_loss(
+    lambda tree, a: call(tree, *a),
+    layout.treedef,
+    leaf_avals,
+    values,
+    units,
+    args,
+    axes,
+    reshard=fsdp.reshard_after_forward,
+    prefetch=fsdp.prefetch,
+  )
 
 
 def unit_collectives(layout: Layout, mesh, config: DDPConfig) -> list:
   """Inside the step: each unit's gather (forward all-gather) and scatter (backward
   reduce-scatter), as `fsdp_program.run_loss` takes them."""
-  return [fsdp_program.UnitIO(u.name, u.trainable, u.frozen, bool(u.layers),
-                              *collectives.unit_collectives(
-                                  u.gather, u.grad,
-                                  {i: master_dtype(layout.dtypes[i]) for i in u.trainable},
-                                  dp=dp_size(mesh), axes=data_axes(mesh),
-                                  average=config.average_in_collective))
-          for u in units_of(layout)]
+  return [
+    fsdp_program.UnitIO(
+      u.name,
+      u.trainable,
+      u.frozen,
+      bool(u.layers),
+      *collectives.unit_collectives(
+        u.gather,
+        u.grad,
+        {i: master_dtype(layout.dtypes[i]) for i in u.trainable},
+        dp=dp_size(mesh),
+        axes=data_axes(mesh),
+        average=config.average_in_collective,
+      ),
+    )
+    for u in units_of(layout)
+  ]
 
 
-def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: int = 1,
-                 fsdp: FSDPConfig | None = None, has_aux: bool = False):
+def make_grad_fn(
+  loss_fn: LossFn,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int = 1,
+  fsdp: FSDPConfig | None = None,
+  has_aux: bool = False,
+):
   """`grad_fn(state, batch) -> (grads, loss, grad_norm, aux, model_state)`: what an FSDP step
   hands the optimizer.
 
@@ -212,8 +290,17 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
 
     def loss_of(tmaster, mb, j, ms):
       loss, extra = call_with_units(
-          lambda tree, mb, key, ms: loop.call_loss(loss_fn, has_aux, tree, mb, key, ms),
-          layout, stored, tmaster, units, fsdp, axes, mb, loop.micro_key(key, j), ms)
+        lambda tree, mb, key, ms: loop.call_loss(loss_fn, has_aux, tree, mb, key, ms),
+        layout,
+        stored,
+        tmaster,
+        units,
+        fsdp,
+        axes,
+        mb,
+        loop.micro_key(key, j),
+        ms,
+      )
       return loss / k, extra
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -230,20 +317,24 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
 
       def micro_loss(ftrain, mb, j, ms):
         leaves = [ftrain.get(i, full[i]) for i in range(len(trainable))]
-        loss, extra = loop.call_loss(loss_fn, has_aux, tree_of(layout, leaves), mb,
-                                     loop.micro_key(key, j), ms)
+        loss, extra = loop.call_loss(
+          loss_fn, has_aux, tree_of(layout, leaves), mb, loop.micro_key(key, j), ms
+        )
         return loss / k, extra
 
       def body(carry, xs):
         loss_sum, grad_sum, ms = carry
         (loss, (aux, ms)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-            {i: full[i] for i in tmaster}, *xs, ms)
+          {i: full[i] for i in tmaster}, *xs, ms
+        )
         grad_sum = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grad_sum, g)
         return (loss_sum + loss, grad_sum, sync(ms)), aux
 
-      zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
-              collectives.make_varying({i: jnp.zeros(full[i].shape, jnp.float32)
-                                        for i in tmaster}, axes), model_state)
+      zero = (
+        collectives.make_varying(jnp.zeros((), jnp.float32), axes),
+        collectives.make_varying({i: jnp.zeros(full[i].shape, jnp.float32) for i in tmaster}, axes),
+        model_state,
+      )
       (loss, whole, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
       aux = loop.mean_micro(auxs, None, k)
       grads = fsdp_program.scatter_units(units, whole)
@@ -255,8 +346,11 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
         (loss, (aux, ms)), grads = grad_fn(tmaster, *xs, ms)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sync(ms)), aux
 
-      zero = (collectives.make_varying(jnp.zeros((), jnp.float32), axes),
-              jax.tree.map(jnp.zeros_like, tmaster), model_state)
+      zero = (
+        collectives.make_varying(jnp.zeros((), jnp.float32), axes),
+        jax.tree.map(jnp.zeros_like, tmaster),
+        model_state,
+      )
       (loss, grads, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
       aux = loop.mean_micro(auxs, None, k)
     aux = collectives.average_aux(aux, axes)
@@ -268,32 +362,44 @@ def make_grad_fn(loss_fn: LossFn, mesh, config: DDPConfig, *, grad_accum_steps: 
     if replicas > 1:
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
-    return (tree_of(layout, [grads.get(i) for i in range(len(trainable))]), loss / dp,
-            jnp.sqrt(sq / replicas), aux, model_state)
+    return (
+      tree_of(layout, [grads.get(i) for i in range(len(trainable))]),
+      loss / dp,
+      jnp.sqrt(sq / replicas),
+      aux,
+      model_state,
+    )
 
   def grad_fn(state: TrainState, batch):
     specs = state_specs(state)
     batch_spec = P(axes)
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     return jax.shard_map(
-        functools.partial(local_grads, layout=state.layout), mesh=mesh,
-        in_specs=(specs.master, specs.params, batch_spec, specs.rng, specs.model_state),
-        out_specs=(specs.master, P(), P(), P(), specs.model_state),
-        axis_names=set(axes))(state.master, state.params, batch,
-                              loop.step_key(state.rng, state.step), state.model_state)
+      functools.partial(local_grads, layout=state.layout),
+      mesh=mesh,
+      in_specs=(specs.master, specs.params, batch_spec, specs.rng, specs.model_state),
+      out_specs=(specs.master, P(), P(), P(), specs.model_state),
+      axis_names=set(axes),
+    )(state.master, state.params, batch, loop.step_key(state.rng, state.step), state.model_state)
 
   return grad_fn
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1,
-                    fsdp: FSDPConfig | None = None, has_aux: bool = False):
+def make_train_step(
+  loss_fn: LossFn,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int = 1,
+  fsdp: FSDPConfig | None = None,
+  has_aux: bool = False,
+):
   """`jaxdp.make_train_step` for `optim_grads_params`, after its argument checks (see the
   module docstring)."""
   fsdp = fsdp or FSDPConfig()
   k = grad_accum_steps
-  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp,
-                         has_aux=has_aux)
+  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp, has_aux=has_aux)
 
   def step(state: TrainState, batch):
     layout = state.layout
@@ -303,13 +409,23 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     opt_params = opt_params_of(layout, state.params, state.master)
     updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
     master = optax.apply_updates(opt_params, updates)
-    new_state = dataclasses.replace(state, step=state.step + 1, master=master,
-                                    opt_state=opt_state, model_state=model_state)
-    return checks.finish_step(new_state, state_specs(new_state), mesh, config, loss, grad_norm,
-                              grads, aux if has_aux else None)
+    new_state = dataclasses.replace(
+      state, step=state.step + 1, master=master, opt_state=opt_state, model_state=model_state
+    )
+    return checks.finish_step(
+      new_state,
+      state_specs(new_state),
+      mesh,
+      config,
+      loss,
+      grad_norm,
+      grads,
+      aux if has_aux else None,
+    )
 
-  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform,
-                                                              fsdp.prefetch))
+  return checks.jit_step(
+    step, mesh, config, compiler_options(mesh.devices.flat[0].platform, fsdp.prefetch)
+  )
 
 
 def compiler_options(platform: str, prefetch: int = 1) -> dict[str, Any]:
@@ -319,19 +435,25 @@ def compiler_options(platform: str, prefetch: int = 1) -> dict[str, Any]:
   per-param gathers already overlap the compute of the params before them)."""
   options = base_compiler_options(platform)
   if platform in GPU_PLATFORMS:
-    options.update(xla_gpu_enable_pipelined_all_gather=prefetch > 1,
-                   xla_gpu_enable_pipelined_reduce_scatter=True)
+    options.update(
+      xla_gpu_enable_pipelined_all_gather=prefetch > 1, xla_gpu_enable_pipelined_reduce_scatter=True
+    )
   return options
 
 
 def _check_state(state, mesh, config: DDPConfig, fsdp: FSDPConfig):
   checks.check_state(state, mesh, config)
   layout = state.layout
-  abstract = jax.tree.unflatten(layout.treedef, [
-      jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)])
+  abstract = jax.tree.unflatten(
+    layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+  )
   units, stacked = assign_units(abstract, fsdp)
-  if layout.units is None or tuple(units[p] for p in layout.paths) != layout.units or \
-      tuple(bool(n) for n in layout.layers) != tuple(p in stacked for p in layout.paths):
+  if (
+    layout.units is None
+    or tuple(units[p] for p in layout.paths) != layout.units
+    or tuple(bool(n) for n in layout.layers) != tuple(p in stacked for p in layout.paths)
+  ):
     raise ValueError(
-        f"the state's units were made by another FSDPConfig than this step's {fsdp}; pass "
-        "the same fsdp= to init_state and make_train_step")
+      f"the state's units were made by another FSDPConfig than this step's {fsdp}; pass "
+      "the same fsdp= to init_state and make_train_step"
+    )

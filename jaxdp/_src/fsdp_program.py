@@ -90,6 +90,7 @@ class UnitIO:
 
 # ----------------------------------------------------------------------------- jaxpr helpers
 
+
 def _read(env, v):
   return v.val if isinstance(v, jcore.Literal) else env[v]
 
@@ -204,8 +205,9 @@ _barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
 def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
   shards cannot start before `token` exists."""
-  return {i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x
-          for i, x in shards.items()}
+  return {
+    i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x for i, x in shards.items()
+  }
 
 
 def _avals(tree):
@@ -233,13 +235,16 @@ def _swap(vjp, saved, keep):
   """`vjp` with the residual leaves marked in `keep` replaced by `saved`."""
   leaves, tree = jax.tree.flatten(vjp)
   if len(leaves) != len(keep) or sum(keep) != len(saved):
-    raise AssertionError(f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
-                         f"forward {len(keep)}; please report this with the model")
+    raise AssertionError(
+      f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
+      f"forward {len(keep)}; please report this with the model"
+    )
   it = iter(saved)
   return jax.tree.unflatten(tree, [next(it) if s else x for x, s in zip(leaves, keep)])
 
 
 # ----------------------------------------------------------------------------- units
+
 
 def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
   """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
@@ -273,8 +278,9 @@ def scatter_units(units: Sequence[UnitIO], cts: dict) -> dict:
   return _scatter(units, cts, layer_axis=True)
 
 
-def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: list,
-               *, reshard: bool):
+def _unit_call(
+  fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: list, *, reshard: bool
+):
   """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
   module docstring). `tokens` (k zeros) carry the backward prefetch order; returns
   `(outs, tokens for the next segment)`."""
@@ -300,8 +306,7 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
     full = full_of(t, f)
     outs, vjp = jax.vjp(fn, acts, full)
     leaves = jax.tree.leaves(vjp)
-    keep = [True] * len(leaves) if not reshard else _residual_mask(fn, (acts, full),
-                                                                   (True, False))
+    keep = [True] * len(leaves) if not reshard else _residual_mask(fn, (acts, full), (True, False))
     saved = [x for x, s in zip(leaves, keep) if s]
     zeros = _stand_ins(token_avals)
     return (outs, zeros), (saved, t, f, None if reshard else full)
@@ -342,15 +347,23 @@ def _unit_call(fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: li
     done, d_t = _together(_stand_in(token_avals[-1]), d_t)
     d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
     d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
-    d_tokens = ([fresh] + list(ct_tokens[:k - 1]) if k else []) + [done]
+    d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
     return d_acts, d_t, None, d_tokens
 
   call.defvjp(fwd, bwd)
   return call(acts, trainable, frozen, tokens)
 
 
-def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards: dict,
-               tokens: list, *, reshard: bool):
+def _scan_unit(
+  eqn,
+  units: Sequence[UnitIO],
+  ops: list,
+  shard_pos: dict,
+  shards: dict,
+  tokens: list,
+  *,
+  reshard: bool,
+):
   """A `lax.scan` over the layers of stacked `units`, as one `custom_vjp` over their layer
   shards (see the module docstring). `ops` are the scan's operands with the stacked params'
   `xs` left out (None); `shard_pos` maps an xs position to its leaf."""
@@ -358,7 +371,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
   body = p["jaxpr"]
   n_c, n_carry = p["num_consts"], p["num_carry"]
   reverse, length = p["reverse"], p["length"]
-  consts, init, xs = ops[:n_c], ops[n_c:n_c + n_carry], ops[n_c + n_carry:]
+  consts, init, xs = ops[:n_c], ops[n_c : n_c + n_carry], ops[n_c + n_carry :]
   other = [x for j, x in enumerate(xs) if j not in shard_pos]
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
@@ -387,6 +400,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
     def step(carry, inp):
       x, t_i, f_i = inp
       return f(consts, carry, x, _gather(units, {**t_i, **f_i}, layer_axis=False, each=True))
+
     carry, ys = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
     return (carry, ys), _stand_ins(token_avals)
 
@@ -399,8 +413,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
       saved = [r for r, s in zip(jax.tree.leaves(vjp), keep) if s]
       return carry, (ys, saved)
 
-    carry, (ys, saved) = jax.lax.scan(step, init, (other, t, f_), length=length,
-                                      reverse=reverse)
+    carry, (ys, saved) = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
     zeros = _stand_ins(token_avals)
     return ((carry, ys), zeros), (consts, saved, t, f_)
 
@@ -425,7 +438,8 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
       return (d_carry, d_consts), (d_x, d_t)
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
-        step, (d_carry, d_consts0), (t, f_, saved, d_ys), length=length, reverse=not reverse)
+      step, (d_carry, d_consts0), (t, f_, saved, d_ys), length=length, reverse=not reverse
+    )
     d_init = list(_after(dict(enumerate(d_init)), ct_tokens[k]).values())
     fresh, d_init = _together(_stand_in(token_avals[0]), d_init)
     return d_consts, d_init, d_other, d_t, None, [fresh] * (k + 1)
@@ -436,6 +450,7 @@ def _scan_unit(eqn, units: Sequence[UnitIO], ops: list, shard_pos: dict, shards:
 
 
 # ----------------------------------------------------------------------------- the program
+
 
 @dataclasses.dataclass
 class _Op:
@@ -448,9 +463,18 @@ class _Op:
   whole: set = dataclasses.field(default_factory=set)  # stacked units gathered whole
 
 
-def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStruct],
-             values: dict, units: Sequence[UnitIO], batch: PyTree, axes: Sequence[str], *,
-             reshard: bool = True, prefetch: int = 1) -> PyTree:
+def run_loss(
+  loss_fn: Callable,
+  treedef,
+  leaf_avals: Sequence[jax.ShapeDtypeStruct],
+  values: dict,
+  units: Sequence[UnitIO],
+  batch: PyTree,
+  axes: Sequence[str],
+  *,
+  reshard: bool = True,
+  prefetch: int = 1,
+) -> PyTree:
   """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring);
   its output may be any pytree (a loss, or a loss with aux and model state; an eval step's
   outputs), and `batch` any pytree of the other inputs (the batch, a key, model state).
@@ -476,10 +500,11 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
 
   args = [stand_in(a) if i in unit_of else values[i] for i, a in enumerate(leaf_avals)]
   closed, out_shape = jax.make_jaxpr(
-      lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True)(
-      args, batch)
+    lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True
+  )(args, batch)
   flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
-      *args, *jax.tree.leaves(batch))
+    *args, *jax.tree.leaves(batch)
+  )
   jaxpr = flat.jaxpr
   n_leaves = len(leaf_avals)
   param_var = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves]) if i in unit_of}
@@ -501,11 +526,17 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
     if eqn.primitive is not prims.scan_p:
       return None
     start = eqn.params["num_consts"] + eqn.params["num_carry"]
-    pos = {j: param_var[v] for j, v in enumerate(eqn.invars[start:])
-           if isinstance(v, jcore.Var) and v in param_var and unit_of[param_var[v]].stacked}
+    pos = {
+      j: param_var[v]
+      for j, v in enumerate(eqn.invars[start:])
+      if isinstance(v, jcore.Var) and v in param_var and unit_of[param_var[v]].stacked
+    }
     names = {unit_of[i].name for i in pos.values()}
-    if not pos or any(set(by_name[n].leaves) - set(pos.values()) for n in names) \
-        or len(set(pos.values())) != len(pos):
+    if (
+      not pos
+      or any(set(by_name[n].leaves) - set(pos.values()) for n in names)
+      or len(set(pos.values())) != len(pos)
+    ):
       return None
     return pos
 
@@ -519,8 +550,7 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
       ops.append(_Op("scan", [eqn], sorted({unit_of[i].name for i in pos.values()})))
       cur = None
       continue
-    us = set().union(*[var_units.get(v, set()) for v in eqn.invars
-                       if isinstance(v, jcore.Var)])
+    us = set().union(*[var_units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)])
     if cur is None or (us and cur.units and not us <= set(cur.units)):
       cur = _Op("segment", [], [])
       ops.append(cur)
@@ -534,8 +564,11 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
     if op.kind == "scan":  # the scan's other operands are computed before it
       start = op.eqns[0].params["num_consts"] + op.eqns[0].params["num_carry"]
       skip = set(stacked_xs(op.eqns[0]))
-      stack = [v for j, v in enumerate(op.eqns[0].invars)
-               if isinstance(v, jcore.Var) and j - start not in skip]
+      stack = [
+        v
+        for j, v in enumerate(op.eqns[0].invars)
+        if isinstance(v, jcore.Var) and j - start not in skip
+      ]
     while stack:
       v = stack.pop()
       if v in lazy_def and id(lazy_def[v]) not in need:
@@ -546,11 +579,16 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
     defined = {v for e in op.lazy + op.eqns for v in e.outvars}
     reads = [v for e in op.lazy + op.eqns for v in e.invars if isinstance(v, jcore.Var)]
     if op.kind == "scan":
-      reads = [v for j, v in enumerate(op.eqns[0].invars)
-               if isinstance(v, jcore.Var) and j - start not in skip] + \
-              [v for e in op.lazy for v in e.invars if isinstance(v, jcore.Var)]
-    op.acts = list(dict.fromkeys(
-        v for v in reads if v not in defined and v not in param_var and v not in lazy_def))
+      reads = [
+        v
+        for j, v in enumerate(op.eqns[0].invars)
+        if isinstance(v, jcore.Var) and j - start not in skip
+      ] + [v for e in op.lazy for v in e.invars if isinstance(v, jcore.Var)]
+    op.acts = list(
+      dict.fromkeys(
+        v for v in reads if v not in defined and v not in param_var and v not in lazy_def
+      )
+    )
     # Params the op reads directly or through lazy vars.
     used = {param_var[v] for v in reads if v in param_var}
     if op.kind == "segment":
@@ -582,14 +620,17 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
       _eval(op.lazy + op.eqns, local)
       outs = [local[v] for v in op.outs]
     elif op.kind == "segment":
+
       def fn(acts, full, op=op):
         local = dict(zip(op.acts, acts))
         local.update((v, full[i]) for v, i in param_var.items() if i in full)
         local.update((v, x) for v, x in zip(jaxpr.constvars, flat.consts))
         _eval(op.lazy + op.eqns, local)
         return [local[v] for v in op.outs]
-      outs, tokens = _unit_call(fn, [by_name[u] for u in op.units], acts, op_shards[n], tokens,
-                                reshard=reshard)
+
+      outs, tokens = _unit_call(
+        fn, [by_name[u] for u in op.units], acts, op_shards[n], tokens, reshard=reshard
+      )
     else:
       eqn = op.eqns[0]
       pos = stacked_xs(eqn)
@@ -597,20 +638,31 @@ def run_loss(loss_fn: Callable, treedef, leaf_avals: Sequence[jax.ShapeDtypeStru
       local.update(zip(jaxpr.constvars, flat.consts))
       extra = [by_name[u] for u in op.extra]
       if extra:  # params the scan reads as consts or carry: gathered whole, once
-        full = _unit_call(lambda a, full: [full[i] for u in extra for i in u.leaves], extra, [],
-                          op_shards[n], [stand_in(jax.ShapeDtypeStruct((), jnp.float32))],
-                          reshard=False)[0]
+        full = _unit_call(
+          lambda a, full: [full[i] for u in extra for i in u.leaves],
+          extra,
+          [],
+          op_shards[n],
+          [stand_in(jax.ShapeDtypeStruct((), jnp.float32))],
+          reshard=False,
+        )[0]
         it = iter(full)
-        local.update((v, next(it)) for u in extra for i in u.leaves for v, j in
-                     param_var.items() if j == i)
+        local.update(
+          (v, next(it)) for u in extra for i in u.leaves for v, j in param_var.items() if j == i
+        )
       _eval(op.lazy, local)
       start = eqn.params["num_consts"] + eqn.params["num_carry"]
-      operands = [None if j - start in pos else _read(local, v)
-                  for j, v in enumerate(eqn.invars)]
-      outs_all, tokens = _scan_unit(eqn, [by_name[u] for u in op.units], operands, {
-          j: i for j, i in pos.items()}, op_shards[n], tokens, reshard=reshard)
+      operands = [None if j - start in pos else _read(local, v) for j, v in enumerate(eqn.invars)]
+      outs_all, tokens = _scan_unit(
+        eqn,
+        [by_name[u] for u in op.units],
+        operands,
+        {j: i for j, i in pos.items()},
+        op_shards[n],
+        tokens,
+        reshard=reshard,
+      )
       defined = dict(zip(eqn.outvars, outs_all))
       outs = [defined[v] for v in op.outs]
     env.update(zip(op.outs, outs))
-  return jax.tree.unflatten(jax.tree.structure(out_shape),
-                           [_read(env, v) for v in jaxpr.outvars])
+  return jax.tree.unflatten(jax.tree.structure(out_shape), [_read(env, v) for v in jaxpr.outvars])

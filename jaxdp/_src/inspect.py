@@ -40,20 +40,36 @@ from typing import Any
 import jax
 
 COLLECTIVE_KINDS = (
-    "all-reduce",
-    "reduce-scatter",
-    "all-gather",
-    "all-to-all",
-    "collective-permute",
+  "all-reduce",
+  "reduce-scatter",
+  "all-gather",
+  "all-to-all",
+  "collective-permute",
 )
 
 # Ops that launch no kernel: nothing runs while they "execute".
-_FREE_OPCODES = frozenset({
-    "parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-    "after-all", "add-dependency", "opt-barrier", "partition-id",
-    "replica-id", "domain", "async-update", "copy-start", "copy-done",
-    "send", "recv", "send-done", "recv-done",
-})
+_FREE_OPCODES = frozenset(
+  {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "add-dependency",
+    "opt-barrier",
+    "partition-id",
+    "replica-id",
+    "domain",
+    "async-update",
+    "copy-start",
+    "copy-done",
+    "send",
+    "recv",
+    "send-done",
+    "recv-done",
+  }
+)
 _CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 _GEMM_TARGET = re.compile(r"gemm|matmul|\$conv", re.IGNORECASE)
 
@@ -211,9 +227,7 @@ class Schedule:
     out: dict[str, dict[str, float]] = {}
     total = {"count": 0, "operand_bytes": 0, "ring_bytes": 0.0}
     for c in self.collectives:
-      row = out.setdefault(
-          c.kind, {"count": 0, "operand_bytes": 0, "ring_bytes": 0.0}
-      )
+      row = out.setdefault(c.kind, {"count": 0, "operand_bytes": 0, "ring_bytes": 0.0})
       for r in (row, total):
         r["count"] += c.trip_count
         r["operand_bytes"] += c.operand_bytes * c.trip_count
@@ -226,8 +240,7 @@ class Schedule:
     rows = []
     for i, c in enumerate(self.collectives):
       row = {"index": i, **dataclasses.asdict(c)}
-      for prop in ("buffer_bytes", "ring_bytes", "overlaps_compute",
-                   "overlaps_gemm", "exposed"):
+      for prop in ("buffer_bytes", "ring_bytes", "overlaps_compute", "overlaps_gemm", "exposed"):
         row[prop] = getattr(c, prop)
       rows.append(row)
     return rows
@@ -243,12 +256,27 @@ class Schedule:
     rows = []
     for op in self.ops:
       if op.category in ("gemm", "compute"):
-        rows.append({"name": op.name, "category": op.category,
-                     "lane": "compute", "start": op.index, "end": op.index})
+        rows.append(
+          {
+            "name": op.name,
+            "category": op.category,
+            "lane": "compute",
+            "start": op.index,
+            "end": op.index,
+          }
+        )
     for c in self.collectives:
-      rows.append({"name": c.name, "category": c.kind, "lane": "comm",
-                   "start": c.start_index, "end": c.done_index,
-                   "bytes": c.operand_bytes, "exposed": c.exposed})
+      rows.append(
+        {
+          "name": c.name,
+          "category": c.kind,
+          "lane": "comm",
+          "start": c.start_index,
+          "end": c.done_index,
+          "bytes": c.operand_bytes,
+          "exposed": c.exposed,
+        }
+      )
     return rows
 
 
@@ -330,22 +358,18 @@ def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def _bytes(shape: str) -> int:
-  return sum(
-      math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8)
-      for dtype, dims in _arrays(shape)
-  )
+  return sum(math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8) for dtype, dims in _arrays(shape))
 
 
 def _parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
   m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
   if m:
     return tuple(
-        tuple(int(x) for x in g.split(",") if x.strip())
-        for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
+      tuple(int(x) for x in g.split(",") if x.strip())
+      for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
     )
   # Iota form: [groups,size]<=[dims] or [groups,size]<=[dims]T(perm).
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?",
-                attrs)
+  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
   if m:
     import numpy as np  # noqa: PLC0415
 
@@ -369,7 +393,7 @@ def _parse_mesh_groups(attrs: str):
     return None
   open_at = at + len("replica_groups=mesh")
   close = _balanced(attrs, open_at)
-  mesh = attrs[open_at + 1:close - 1]
+  mesh = attrs[open_at + 1 : close - 1]
   m = re.match(r"\s*\{([^}]*)\}", attrs[close:])
   if not m:
     return None
@@ -463,7 +487,7 @@ def _parse_instr(line: str) -> _Instr | None:
     return None
   opcode = m.group(1)
   close = _balanced(rest, m.end() - 1)
-  operands = _names(rest[m.end():close - 1])
+  operands = _names(rest[m.end() : close - 1])
   attrs = rest[close:]
   return _Instr(name, shape, opcode, operands, attrs)
 
@@ -495,17 +519,16 @@ def _parse_module(text: str):
       comps[current].append(instr)
   if entry is None:
     raise ValueError(
-        "schedule: no ENTRY computation found; pass compiled.as_text() (the "
-        "optimized HLO) or lowered.as_text(dialect='hlo') (before optimization), "
-        "not StableHLO (lowered.as_text())"
+      "schedule: no ENTRY computation found; pass compiled.as_text() (the "
+      "optimized HLO) or lowered.as_text(dialect='hlo') (before optimization), "
+      "not StableHLO (lowered.as_text())"
     )
   return header, comps, entry
 
 
 def _called(instr: _Instr) -> list[str]:
   names = []
-  for key in ("calls", "to_apply", "body", "condition", "true_computation",
-              "false_computation"):
+  for key in ("calls", "to_apply", "body", "condition", "true_computation", "false_computation"):
     m = re.search(rf"\b{key}=%?([\w.\-]+)", instr.attrs)
     if m:
       names.append(m.group(1))
@@ -529,7 +552,6 @@ def _collective_kind(opcode: str) -> tuple[str, str] | None:
 
 
 class _Parser:
-
   def __init__(self, text: str):
     header, self.comps, self.entry = _parse_module(text)
     m = re.match(r"HloModule\s+([\w.\-]+)", header)
@@ -539,9 +561,7 @@ class _Parser:
     self.num_partitions = int(m.group(1)) if m else 1
     m = re.search(r"replica_count=(\d+)", header)
     self.replica_count = int(m.group(1)) if m else 1
-    self.shapes = {
-        c: {i.name: i.shape for i in instrs} for c, instrs in self.comps.items()
-    }
+    self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in self.comps.items()}
     self._gemm_cache: dict[str, bool] = {}
 
   def has_gemm(self, comp: str, seen: frozenset = frozenset()) -> bool:
@@ -550,10 +570,8 @@ class _Parser:
     if comp in seen or comp not in self.comps:
       return False
     found = any(
-        self.is_gemm(i) or any(
-            self.has_gemm(c, seen | {comp}) for c in _called(i)
-        )
-        for i in self.comps[comp]
+      self.is_gemm(i) or any(self.has_gemm(c, seen | {comp}) for c in _called(i))
+      for i in self.comps[comp]
     )
     self._gemm_cache[comp] = found
     return found
@@ -608,8 +626,7 @@ class _Parser:
           m = re.search(r"\bbody=%([\w.\-]+)", instr.attrs)
           n = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
           if m:
-            yield from go(m.group(1), trips * (int(n.group(1)) if n else 1),
-                          depth + 1)
+            yield from go(m.group(1), trips * (int(n.group(1)) if n else 1), depth + 1)
         elif instr.opcode in ("call", "conditional"):
           for c in _called(instr):
             yield from go(c, trips, depth + 1)
@@ -626,35 +643,38 @@ class _Parser:
     found: list[dict[str, Any]] = []
     for instr, comp, trips in self.walk():
       category, kind, role = self.classify(instr)
-      ops.append(ScheduledOp(len(ops), instr.name, instr.opcode, category,
-                             comp, trips))
+      ops.append(ScheduledOp(len(ops), instr.name, instr.opcode, category, comp, trips))
       index = len(ops) - 1
       if role in ("sync", "start"):
         shapes = self.operand_shapes(comp, instr)
         if instr.opcode.endswith("-start") or instr.opcode == "async-start":
           shapes = [s for s in shapes if _arrays(s)]
         record = {
-            "name": instr.name, "kind": kind, "opcode": instr.opcode,
-            "is_async": role == "start" and '"is_sync":true' not in instr.attrs,
-            "done_name": None, "computation": comp, "trip_count": trips,
-            "start_index": index, "done_index": index,
-            "shapes": shapes, "result": instr.shape, "attrs": instr.attrs,
+          "name": instr.name,
+          "kind": kind,
+          "opcode": instr.opcode,
+          "is_async": role == "start" and '"is_sync":true' not in instr.attrs,
+          "done_name": None,
+          "computation": comp,
+          "trip_count": trips,
+          "start_index": index,
+          "done_index": index,
+          "shapes": shapes,
+          "result": instr.shape,
+          "attrs": instr.attrs,
         }
         found.append(record)
         if role == "start":
           open_starts[(comp, instr.name)] = record
       elif role == "done":
         start = next(
-            (open_starts.pop((comp, o)) for o in instr.operands
-             if (comp, o) in open_starts),
-            None,
+          (open_starts.pop((comp, o)) for o in instr.operands if (comp, o) in open_starts),
+          None,
         )
         if start is not None:
-          start.update(done_name=instr.name, done_index=index,
-                       result=instr.shape)
+          start.update(done_name=instr.name, done_index=index, result=instr.shape)
     collectives = tuple(self.collective(r, ops) for r in found)
-    return Schedule(self.module, self.is_scheduled, self.num_partitions,
-                    tuple(ops), collectives)
+    return Schedule(self.module, self.is_scheduled, self.num_partitions, tuple(ops), collectives)
 
   def collective(self, r: dict[str, Any], ops: list[ScheduledOp]) -> Collective:
     arrays = [a for s in r["shapes"] for a in _arrays(s)]
@@ -666,10 +686,7 @@ class _Parser:
     if r["kind"] == "collective-permute":
       m = re.search(r"source_target_pairs=\{(.*?)\}\}", r["attrs"])
       if m:
-        pairs = tuple(
-            (int(a), int(b))
-            for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
-        )
+        pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}"))
       groups: tuple[tuple[int, ...], ...] = ()
       group_size = len({a for a, _ in pairs})
     else:
@@ -683,18 +700,28 @@ class _Parser:
         group_size = self.num_partitions
       else:
         group_size = self.replica_count
-    between = ops[r["start_index"] + 1:r["done_index"]] if r["is_async"] else []
+    between = ops[r["start_index"] + 1 : r["done_index"]] if r["is_async"] else []
     kernels = tuple(o.name for o in between if o.category in ("gemm", "compute"))
     gemms = tuple(o.name for o in between if o.category == "gemm")
     return Collective(
-        name=r["name"], kind=r["kind"], opcode=r["opcode"],
-        is_async=r["is_async"], done_name=r["done_name"],
-        computation=r["computation"], trip_count=r["trip_count"],
-        start_index=r["start_index"], done_index=r["done_index"],
-        dtypes=dtypes, operand_shapes=shapes, operand_bytes=operand_bytes,
-        result_bytes=result_bytes, replica_groups=groups,
-        group_size=group_size, source_target_pairs=pairs,
-        overlapped=kernels, overlapped_gemms=gemms,
+      name=r["name"],
+      kind=r["kind"],
+      opcode=r["opcode"],
+      is_async=r["is_async"],
+      done_name=r["done_name"],
+      computation=r["computation"],
+      trip_count=r["trip_count"],
+      start_index=r["start_index"],
+      done_index=r["done_index"],
+      dtypes=dtypes,
+      operand_shapes=shapes,
+      operand_bytes=operand_bytes,
+      result_bytes=result_bytes,
+      replica_groups=groups,
+      group_size=group_size,
+      source_target_pairs=pairs,
+      overlapped=kernels,
+      overlapped_gemms=gemms,
     )
 
 
@@ -702,8 +729,7 @@ class _Parser:
 # Public functions
 
 
-def _compiled(program: Any, args: tuple, kwargs: dict,
-              compiler_options: dict[str, Any] | None):
+def _compiled(program: Any, args: tuple, kwargs: dict, compiler_options: dict[str, Any] | None):
   if isinstance(program, jax.stages.Compiled):
     return program
   if isinstance(program, jax.stages.Lowered):
@@ -713,16 +739,16 @@ def _compiled(program: Any, args: tuple, kwargs: dict,
     fn = program if hasattr(program, "lower") else jax.jit(program)
     return fn.lower(*args, **kwargs).compile(compiler_options=compiler_options)
   raise TypeError(
-      f"expected a compiled program, its as_text(), a Lowered, or a function "
-      f"plus example arguments; got {type(program).__name__}"
+    f"expected a compiled program, its as_text(), a Lowered, or a function "
+    f"plus example arguments; got {type(program).__name__}"
   )
 
 
 def schedule(
-    program: Any,
-    *args: Any,
-    compiler_options: dict[str, Any] | None = None,
-    **kwargs: Any,
+  program: Any,
+  *args: Any,
+  compiler_options: dict[str, Any] | None = None,
+  **kwargs: Any,
 ) -> Schedule:
   """Parses a compiled program's schedule and collectives.
 
@@ -769,8 +795,9 @@ def _fmt_bytes(n: float) -> str:
   return f"{n:.0f} B"
 
 
-def report(program: Any, *args: Any,
-           expected: dict[str, float] | None = None, **kwargs: Any) -> str:
+def report(
+  program: Any, *args: Any, expected: dict[str, float] | None = None, **kwargs: Any
+) -> str:
   """A readable account of a program's collectives and their overlap.
 
   Args:
@@ -804,15 +831,15 @@ def report(program: Any, *args: Any,
   n_exposed = sum(c.exposed for c in s.collectives)
   plural = "" if len(s.collectives) == 1 else "s"
   lines = [
-      f"{s.module}: {len(s.collectives)} collective{plural} ({n_async} async, "
-      f"{n_over} overlapping compute, {n_exposed} exposed), "
-      f"{s.num_partitions} partitions"
-      + ("" if s.is_scheduled else ", NOT scheduled (order is text order)")
+    f"{s.module}: {len(s.collectives)} collective{plural} ({n_async} async, "
+    f"{n_over} overlapping compute, {n_exposed} exposed), "
+    f"{s.num_partitions} partitions"
+    + ("" if s.is_scheduled else ", NOT scheduled (order is text order)")
   ]
   if s.collectives:
     lines.append(
-        f"  {'#':>3}  {'op':<28} {'kind':<18} {'dtype':<9} {'operands':>11} "
-        f"{'N':>3} {'ring/dev':>11} {'runs':>4}  overlaps"
+      f"  {'#':>3}  {'op':<28} {'kind':<18} {'dtype':<9} {'operands':>11} "
+      f"{'N':>3} {'ring/dev':>11} {'runs':>4}  overlaps"
     )
   for i, c in enumerate(s.collectives):
     if not c.is_async:
@@ -822,20 +849,26 @@ def report(program: Any, *args: Any,
     else:
       n_gemm = len(c.overlapped_gemms)
       n_other = len(c.overlapped) - n_gemm
-      what = (f"{n_gemm} GEMM{'s' if n_gemm != 1 else ''}, "
-              f"{n_other} other kernel{'s' if n_other != 1 else ''}")
+      what = (
+        f"{n_gemm} GEMM{'s' if n_gemm != 1 else ''}, "
+        f"{n_other} other kernel{'s' if n_other != 1 else ''}"
+      )
       if c.overlapped_gemms:
         shown = ", ".join(c.overlapped_gemms[:3])
         more = ", ..." if n_gemm > 3 else ""
         what += f" ({shown}{more})"
     lines.append(
-        f"  {i:>3}  {c.name:<28} {c.kind:<18} {','.join(c.dtypes):<9} "
-        f"{_fmt_bytes(c.operand_bytes):>11} {c.group_size:>3} "
-        f"{_fmt_bytes(c.ring_bytes):>11} {c.trip_count:>4}  {what}"
+      f"  {i:>3}  {c.name:<28} {c.kind:<18} {','.join(c.dtypes):<9} "
+      f"{_fmt_bytes(c.operand_bytes):>11} {c.group_size:>3} "
+      f"{_fmt_bytes(c.ring_bytes):>11} {c.trip_count:>4}  {what}"
     )
-  formula = {"all-reduce": "2(N-1)/N*B", "reduce-scatter": "(N-1)/N*B",
-             "all-gather": "(N-1)/N*B of the gathered buffer",
-             "all-to-all": "(N-1)/N*B", "collective-permute": "B"}
+  formula = {
+    "all-reduce": "2(N-1)/N*B",
+    "reduce-scatter": "(N-1)/N*B",
+    "all-gather": "(N-1)/N*B of the gathered buffer",
+    "all-to-all": "(N-1)/N*B",
+    "collective-permute": "B",
+  }
   volume = s.comm_bytes()
   if s.collectives:
     lines.append("  per device per run:")
@@ -844,28 +877,28 @@ def report(program: Any, *args: Any,
       continue
     vs = ""
     if expected and expected.get(kind):
-      vs = (f"; expected {_fmt_bytes(expected[kind])} "
-            f"(x{row['ring_bytes'] / expected[kind]:.3f})")
+      vs = f"; expected {_fmt_bytes(expected[kind])} (x{row['ring_bytes'] / expected[kind]:.3f})"
     lines.append(
-        f"    {kind:<18} x{row['count']:<4} operands "
-        f"{_fmt_bytes(row['operand_bytes']):>11}, ring "
-        f"{_fmt_bytes(row['ring_bytes']):>11}  ({formula[kind]}){vs}"
+      f"    {kind:<18} x{row['count']:<4} operands "
+      f"{_fmt_bytes(row['operand_bytes']):>11}, ring "
+      f"{_fmt_bytes(row['ring_bytes']):>11}  ({formula[kind]}){vs}"
     )
   for kind in sorted(set(expected or ()) - set(volume)):
-    lines.append(f"    {kind:<18} x0    MISSING: expected "
-                 f"{_fmt_bytes(expected[kind])}")
+    lines.append(f"    {kind:<18} x0    MISSING: expected {_fmt_bytes(expected[kind])}")
   if len(volume) > 2:
-    lines.append(f"    {'total':<18} x{volume['total']['count']:<4} operands "
-                 f"{_fmt_bytes(volume['total']['operand_bytes']):>11}, ring "
-                 f"{_fmt_bytes(volume['total']['ring_bytes']):>11}")
+    lines.append(
+      f"    {'total':<18} x{volume['total']['count']:<4} operands "
+      f"{_fmt_bytes(volume['total']['operand_bytes']):>11}, ring "
+      f"{_fmt_bytes(volume['total']['ring_bytes']):>11}"
+    )
   return "\n".join(lines)
 
 
 def memory_stats(
-    program: Any,
-    *args: Any,
-    compiler_options: dict[str, Any] | None = None,
-    **kwargs: Any,
+  program: Any,
+  *args: Any,
+  compiler_options: dict[str, Any] | None = None,
+  **kwargs: Any,
 ) -> MemoryStats:
   """Per-device memory of a compiled program.
 
@@ -891,13 +924,14 @@ def memory_stats(
   m = compiled.memory_analysis()
   if m is None:
     raise ValueError("memory_stats: this backend gives no memory_analysis()")
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes +
-          m.temp_size_in_bytes - m.alias_size_in_bytes)
+  peak = (
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
   return MemoryStats(
-      argument_bytes=int(m.argument_size_in_bytes),
-      output_bytes=int(m.output_size_in_bytes),
-      temp_bytes=int(m.temp_size_in_bytes),
-      alias_bytes=int(m.alias_size_in_bytes),
-      generated_code_bytes=int(m.generated_code_size_in_bytes),
-      peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or peak),
+    argument_bytes=int(m.argument_size_in_bytes),
+    output_bytes=int(m.output_size_in_bytes),
+    temp_bytes=int(m.temp_size_in_bytes),
+    alias_bytes=int(m.alias_size_in_bytes),
+    generated_code_bytes=int(m.generated_code_size_in_bytes),
+    peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or peak),
   )

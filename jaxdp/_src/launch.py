@@ -80,8 +80,13 @@ class _Worker:
   stderr_lines: list[bytes] | None = None  # Kept from the stack dump request on.
 
 
-def _pump(pipe: IO[bytes], prefix: bytes, sink: IO[bytes], lock: threading.Lock,
-          on_line: Callable[[bytes], None] = lambda line: None) -> None:
+def _pump(
+  pipe: IO[bytes],
+  prefix: bytes,
+  sink: IO[bytes],
+  lock: threading.Lock,
+  on_line: Callable[[bytes], None] = lambda line: None,
+) -> None:
   """Copies `pipe` to `sink` line by line, each line prefixed, until EOF.
 
   `on_line` sees every line, and also every chunk that ends without a newline (a progress
@@ -157,16 +162,16 @@ os.execv(sys.executable, [sys.executable] + sys.argv[2:])
 
 
 def launch(
-    command: Sequence[str],
-    num_processes: int,
-    devices_per_process: int | None = None,
-    *,
-    port: int | None = None,
-    grace_period_s: float = 5.0,
-    timeout_s: float | None = None,
-    hang_timeout_s: float | None = HANG_TIMEOUT_S,
-    stdout: IO | None = None,
-    stderr: IO | None = None,
+  command: Sequence[str],
+  num_processes: int,
+  devices_per_process: int | None = None,
+  *,
+  port: int | None = None,
+  grace_period_s: float = 5.0,
+  timeout_s: float | None = None,
+  hang_timeout_s: float | None = HANG_TIMEOUT_S,
+  stdout: IO | None = None,
+  stderr: IO | None = None,
 ) -> int:
   """Runs `python COMMAND...` as `num_processes` local processes of one JAX job.
 
@@ -237,7 +242,8 @@ def launch(
   # The processes import the same jaxdp as the launcher, installed or not.
   package_root = str(pathlib.Path(__file__).resolve().parents[2])
   base_env["PYTHONPATH"] = os.pathsep.join(
-      p for p in (package_root, base_env.get("PYTHONPATH")) if p)
+    p for p in (package_root, base_env.get("PYTHONPATH")) if p
+  )
   base_env[distributed.ENV_COORDINATOR] = f"127.0.0.1:{port}"
   base_env[distributed.ENV_NUM_PROCESSES] = str(num_processes)
   if devices_per_process is not None:
@@ -252,6 +258,7 @@ def launch(
       last_output[0] = time.monotonic()
       if stream == "stderr" and worker.stderr_lines is not None and line:
         worker.stderr_lines.append(line)
+
     return on_line
 
   # SIGINT/SIGTERM to the launcher: stop the job (not the launcher mid-cleanup).
@@ -266,26 +273,39 @@ def launch(
   hung = False
   try:
     for i in range(num_processes):
-      env = dict(base_env, **{distributed.ENV_PROCESS_ID: str(i),
-                              checks.ENV_HEARTBEAT: str(heartbeats / f"p{i}")})
+      env = dict(
+        base_env,
+        **{distributed.ENV_PROCESS_ID: str(i), checks.ENV_HEARTBEAT: str(heartbeats / f"p{i}")},
+      )
       # Own process group: a signal to the group reaches the worker and its children.
       argv = [sys.executable, *command]
       if sys.platform == "linux":
         argv = [sys.executable, "-c", _BOOT, str(os.getpid()), *command]
-      proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              start_new_session=True)
+      proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+      )
       worker = _Worker(i, proc, [])
       worker.threads = [
-          threading.Thread(target=_pump, args=(pipe, f"[p{i}] ".encode(), sink, lock,
-                                               saw(worker, stream)), daemon=True)
-          for pipe, sink, stream in ((proc.stdout, out, "stdout"), (proc.stderr, err, "stderr"))]
+        threading.Thread(
+          target=_pump,
+          args=(pipe, f"[p{i}] ".encode(), sink, lock, saw(worker, stream)),
+          daemon=True,
+        )
+        for pipe, sink, stream in ((proc.stdout, out, "stdout"), (proc.stderr, err, "stderr"))
+      ]
       for t in worker.threads:
         t.start()
       workers.append(worker)
-    say(f"started {num_processes} processes (coordinator 127.0.0.1:{port}"
-        + (f", {devices_per_process} devices each" if devices_per_process else "")
-        + f"): pids {' '.join(str(w.proc.pid) for w in workers)}")
+    say(
+      f"started {num_processes} processes (coordinator 127.0.0.1:{port}"
+      + (f", {devices_per_process} devices each" if devices_per_process else "")
+      + f"): pids {' '.join(str(w.proc.pid) for w in workers)}"
+    )
 
     start = time.monotonic()
     failed: _Worker | None = None
@@ -303,26 +323,34 @@ def launch(
           break
       if failed is not None:
         code = _shell_code(failed.proc.returncode)
-        say(f"process {failed.index} (pid {failed.proc.pid}) failed with "
-            f"{describe_exit(failed.proc.returncode)}; stopping the others")
+        say(
+          f"process {failed.index} (pid {failed.proc.pid}) failed with "
+          f"{describe_exit(failed.proc.returncode)}; stopping the others"
+        )
         break
       if all(w.proc.poll() == 0 for w in workers):
         break
       if timeout_s is not None and time.monotonic() - start > timeout_s:
         running = [w.index for w in workers if w.proc.poll() is None]
-        say(f"timeout after {timeout_s:g} s with processes {running} still running; "
-            "stopping them")
+        say(f"timeout after {timeout_s:g} s with processes {running} still running; stopping them")
         code = 124
         break
-      if hang_timeout_s and time.monotonic() - _last_progress(last_output[0], heartbeats) \
-          > hang_timeout_s:
+      if (
+        hang_timeout_s
+        and time.monotonic() - _last_progress(last_output[0], heartbeats) > hang_timeout_s
+      ):
         hung, code = True, 124
         _report_hang(workers, hang_timeout_s, say)
         break
       time.sleep(_POLL_S)
   finally:
-    _stop(workers, signal.SIGINT if signal.SIGINT in received else signal.SIGTERM,
-          grace_period_s, say, received)
+    _stop(
+      workers,
+      signal.SIGINT if signal.SIGINT in received else signal.SIGTERM,
+      grace_period_s,
+      say,
+      received,
+    )
     shutil.rmtree(heartbeats, ignore_errors=True)
     for sig, handler in previous_handlers.items():
       signal.signal(sig, handler)
@@ -331,16 +359,24 @@ def launch(
     for t in w.threads:
       t.join(timeout=2.0)  # A grandchild that escaped the group may hold the pipe open.
   if hung:
-    say(f"FAILED: the job hung: no output and no train step for {hang_timeout_s:g} s. "
-        "Where each process was (innermost frame first; full stacks above, prefixed [pI]):\n"
-        + "\n".join(f"  p{w.index} (pid {w.proc.pid}): {_where(w.stderr_lines or [])}"
-                    for w in workers))
+    say(
+      f"FAILED: the job hung: no output and no train step for {hang_timeout_s:g} s. "
+      "Where each process was (innermost frame first; full stacks above, prefixed [pI]):\n"
+      + "\n".join(
+        f"  p{w.index} (pid {w.proc.pid}): {_where(w.stderr_lines or [])}" for w in workers
+      )
+    )
   if code and failed is not None:
-    others = [f"p{w.index}: {describe_exit(w.proc.returncode)}"
-              + (" (stopped by the launcher)" if w.stopped_by_launcher else "")
-              for w in workers if w is not failed]
-    say(f"FAILED: process {failed.index} failed with {describe_exit(failed.proc.returncode)}"
-        + (f"; others: {', '.join(others)}" if others else ""))
+    others = [
+      f"p{w.index}: {describe_exit(w.proc.returncode)}"
+      + (" (stopped by the launcher)" if w.stopped_by_launcher else "")
+      for w in workers
+      if w is not failed
+    ]
+    say(
+      f"FAILED: process {failed.index} failed with {describe_exit(failed.proc.returncode)}"
+      + (f"; others: {', '.join(others)}" if others else "")
+    )
   return code
 
 
@@ -359,8 +395,10 @@ def _last_progress(last_output: float, heartbeats: pathlib.Path) -> float:
 def _report_hang(workers: Sequence[_Worker], hang_timeout_s: float, say) -> None:
   """Asks every running worker for its Python stacks (SIGABRT) and waits for the dumps."""
   running = [w for w in workers if w.proc.poll() is None]
-  say(f"no output and no train step from any process for {hang_timeout_s:g} s: the job looks "
-      f"hung; asking processes {[w.index for w in running]} for their Python stacks (SIGABRT)")
+  say(
+    f"no output and no train step from any process for {hang_timeout_s:g} s: the job looks "
+    f"hung; asking processes {[w.index for w in running]} for their Python stacks (SIGABRT)"
+  )
   for w in running:
     w.stderr_lines = []
   for w in running:  # All at once: one death makes the others' coordination clients abort.
@@ -397,21 +435,25 @@ def _where(stderr_lines: Sequence[bytes]) -> str:
       blocks.append((line.startswith(b"Current"), []))
     elif (match := _FRAME.match(line)) and blocks:
       path = _short_path(match["file"].decode(errors="replace"))
-      blocks[-1][1].append(f"{match['func'].decode(errors='replace')} "
-                           f"({path}:{match['line'].decode()})")
+      blocks[-1][1].append(
+        f"{match['func'].decode(errors='replace')} ({path}:{match['line'].decode()})"
+      )
   # The main thread is the one running the script (`<module>` outermost); the signal may
   # have landed on another thread.
   main = [frames for _, frames in blocks if frames and frames[-1].startswith("<module> ")]
   current = [frames for signalled, frames in blocks if signalled and frames]
   frames = (main or current or [frames for _, frames in blocks if frames] or [[]])[0]
   if not frames:
-    return ("no Python stack came back (not a Python process, or its SIGABRT handler is "
-            "not faulthandler's)")
+    return (
+      "no Python stack came back (not a Python process, or its SIGABRT handler is "
+      "not faulthandler's)"
+    )
   return " <- ".join(frames)
 
 
-def _stop(workers: Sequence[_Worker], first_signal: int, grace_period_s: float, say,
-          received: list[int]) -> None:
+def _stop(
+  workers: Sequence[_Worker], first_signal: int, grace_period_s: float, say, received: list[int]
+) -> None:
   """Signals every running worker, then SIGKILLs what is left after the grace period.
 
   A signal to the launcher while it waits (a second Ctrl-C) cuts the grace period short.
@@ -422,14 +464,19 @@ def _stop(workers: Sequence[_Worker], first_signal: int, grace_period_s: float, 
     _signal_group(w.proc, first_signal)
   signals_before = len(received)
   deadline = time.monotonic() + grace_period_s
-  while (any(w.proc.poll() is None for w in running) and time.monotonic() < deadline
-         and len(received) == signals_before):
+  while (
+    any(w.proc.poll() is None for w in running)
+    and time.monotonic() < deadline
+    and len(received) == signals_before
+  ):
     time.sleep(_POLL_S)
   for w in running:
     if w.proc.poll() is None:
-      say(f"process {w.index} (pid {w.proc.pid}) still running after "
-          f"{'a second signal' if len(received) > signals_before else f'{grace_period_s:g} s'}"
-          "; sending SIGKILL")
+      say(
+        f"process {w.index} (pid {w.proc.pid}) still running after "
+        f"{'a second signal' if len(received) > signals_before else f'{grace_period_s:g} s'}"
+        "; sending SIGKILL"
+      )
     # Also reaps children a worker left behind in its group.
     _signal_group(w.proc, signal.SIGKILL)
   for w in running:
@@ -438,27 +485,49 @@ def _stop(workers: Sequence[_Worker], first_signal: int, grace_period_s: float, 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog=PROG,
-      usage=f"{PROG} --num-processes P [--devices-per-process D] [--port PORT] "
-            "[--hang-timeout SECONDS] -- SCRIPT [ARGS...]",
-      description="Run SCRIPT as P local processes of one JAX job (CPU, gloo collectives). "
-                  "Each process reads its place in the job from JAXDP_COORDINATOR, "
-                  "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID and JAXDP_LOCAL_DEVICES through "
-                  "jaxdp.initialize(). If one process fails, the others are stopped and the "
-                  "launcher exits non-zero naming it.")
+    prog=PROG,
+    usage=f"{PROG} --num-processes P [--devices-per-process D] [--port PORT] "
+    "[--hang-timeout SECONDS] -- SCRIPT [ARGS...]",
+    description="Run SCRIPT as P local processes of one JAX job (CPU, gloo collectives). "
+    "Each process reads its place in the job from JAXDP_COORDINATOR, "
+    "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID and JAXDP_LOCAL_DEVICES through "
+    "jaxdp.initialize(). If one process fails, the others are stopped and the "
+    "launcher exits non-zero naming it.",
+  )
   parser.add_argument("-n", "--num-processes", type=int, required=True)
-  parser.add_argument("-d", "--devices-per-process", type=int, default=None,
-                      help="CPU devices per process (default: JAX's default, 1)")
-  parser.add_argument("--port", type=int, default=None,
-                      help="coordinator port on 127.0.0.1 (default: a free one)")
-  parser.add_argument("--grace-period", type=float, default=5.0, metavar="SECONDS",
-                      help="after SIGTERM, seconds before SIGKILL (default: 5)")
-  parser.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                      help="fail if the job runs longer than this (default: no limit)")
-  parser.add_argument("--hang-timeout", type=float, default=HANG_TIMEOUT_S, metavar="SECONDS",
-                      help="fail if no process writes output or starts a train step for this "
-                           "long, naming where each process is (its Python stack); 0: never "
-                           f"(default: {HANG_TIMEOUT_S:g})")
+  parser.add_argument(
+    "-d",
+    "--devices-per-process",
+    type=int,
+    default=None,
+    help="CPU devices per process (default: JAX's default, 1)",
+  )
+  parser.add_argument(
+    "--port", type=int, default=None, help="coordinator port on 127.0.0.1 (default: a free one)"
+  )
+  parser.add_argument(
+    "--grace-period",
+    type=float,
+    default=5.0,
+    metavar="SECONDS",
+    help="after SIGTERM, seconds before SIGKILL (default: 5)",
+  )
+  parser.add_argument(
+    "--timeout",
+    type=float,
+    default=None,
+    metavar="SECONDS",
+    help="fail if the job runs longer than this (default: no limit)",
+  )
+  parser.add_argument(
+    "--hang-timeout",
+    type=float,
+    default=HANG_TIMEOUT_S,
+    metavar="SECONDS",
+    help="fail if no process writes output or starts a train step for this "
+    "long, naming where each process is (its Python stack); 0: never "
+    f"(default: {HANG_TIMEOUT_S:g})",
+  )
   return parser
 
 
@@ -468,16 +537,22 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser = _parser()
   if "--" in argv:
     cut = argv.index("--")
-    options, command = argv[:cut], argv[cut + 1:]
+    options, command = argv[:cut], argv[cut + 1 :]
   else:
     options, command = argv, []
   args = parser.parse_args(options)
   if not command:
     parser.error("no script: put it after `--`, e.g. `-- train.py --steps 3`")
   try:
-    return launch(command, args.num_processes, args.devices_per_process, port=args.port,
-                  grace_period_s=args.grace_period, timeout_s=args.timeout,
-                  hang_timeout_s=args.hang_timeout)
+    return launch(
+      command,
+      args.num_processes,
+      args.devices_per_process,
+      port=args.port,
+      grace_period_s=args.grace_period,
+      timeout_s=args.timeout,
+      hang_timeout_s=args.hang_timeout,
+    )
   except ValueError as e:
     parser.error(str(e))
     return 2  # Unreachable: parser.error exits.

@@ -109,7 +109,7 @@ class ParamSpec:
 
 
 def _with_dim(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
-  return (*shape[:axis], n, *shape[axis + 1:])
+  return (*shape[:axis], n, *shape[axis + 1 :])
 
 
 def shard_axis(shape: tuple[int, ...], dp: int) -> int:
@@ -260,28 +260,34 @@ class Layout:
       1 param sharded on a dim that pads less than the leading one: ['stack'] dim 1
     """
     n = sum(b.numel for b in self.buffers)
-    lines = [f"dp={self.dp}, bucket_size={self.bucket_size:,} elements; "
-             f"{len(self.buffers)} buffer{'s' * (len(self.buffers) != 1)}, "
-             f"{self.num_buckets} bucket{'s' * (self.num_buckets != 1)}, {n:,} param elements"]
+    lines = [
+      f"dp={self.dp}, bucket_size={self.bucket_size:,} elements; "
+      f"{len(self.buffers)} buffer{'s' * (len(self.buffers) != 1)}, "
+      f"{self.num_buckets} bucket{'s' * (self.num_buckets != 1)}, {n:,} param elements"
+    ]
     if self.static:
-      lines.append(f"{len(self.static)} leaves without gradient buffer (frozen or not float): "
-                   + ", ".join(self.paths[i] for i in self.static[:4])
-                   + (" .." if len(self.static) > 4 else ""))
+      lines.append(
+        f"{len(self.static)} leaves without gradient buffer (frozen or not float): "
+        + ", ".join(self.paths[i] for i in self.static[:4])
+        + (" .." if len(self.static) > 4 else "")
+      )
     for buf in self.buffers:
       lines.append(f"buffer {buf.name}: {buf.size:,} elements ({buf.size - buf.numel:,} padding)")
       for b in buf.buckets:
         size = b.shard_size * self.dp
         lines.append(
-            f"  bucket {b.index}: [{b.offset:,}, {b.offset + size:,})  {len(b.params)} "
-            f"param{'s' * (len(b.params) != 1)}, {b.numel:,} elements, "
-            f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}"
-            + (f"  unit {b.unit}" if b.unit is not None else "")
-            + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else ""))
+          f"  bucket {b.index}: [{b.offset:,}, {b.offset + size:,})  {len(b.params)} "
+          f"param{'s' * (len(b.params) != 1)}, {b.numel:,} elements, "
+          f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}"
+          + (f"  unit {b.unit}" if b.unit is not None else "")
+          + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else "")
+        )
     moved = [f"{p.path} dim {p.axis}" for p in self.params if p.axis and not p.layers]
     if moved:
-      lines.append(f"{len(moved)} param{'s' * (len(moved) != 1)} sharded on a dim that pads "
-                   "less than the leading one: " + ", ".join(moved[:4])
-                   + (" .." if len(moved) > 4 else ""))
+      lines.append(
+        f"{len(moved)} param{'s' * (len(moved) != 1)} sharded on a dim that pads "
+        "less than the leading one: " + ", ".join(moved[:4]) + (" .." if len(moved) > 4 else "")
+      )
     return "\n".join(lines)
 
 
@@ -295,15 +301,16 @@ def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   shape = layout.shapes[i] or (1,)
   axis = layout.shard_axes[i]
   rows = round_up(shape[axis], layout.dp)
-  return (*shape[:axis], rows, *shape[axis + 1:]), axis
+  return (*shape[:axis], rows, *shape[axis + 1 :]), axis
 
 
 def _is_float(dtype) -> bool:
   return jax.numpy.issubdtype(dtype, jax.numpy.floating)  # bf16 is no np.floating
 
 
-def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str],
-                 name: str = "frozen") -> list[bool]:
+def _frozen_mask(
+  params: PyTree, frozen: Frozen, paths: list[str], name: str = "frozen"
+) -> list[bool]:
   leaves = jax.tree.leaves(params)
   if frozen is None:
     return [False] * len(leaves)
@@ -313,25 +320,27 @@ def _frozen_mask(params: PyTree, frozen: Frozen, paths: list[str],
     mask = jax.tree.leaves(jax.tree.broadcast(frozen, params))
   except (ValueError, TypeError) as e:
     raise ValueError(
-        f"{name}: must be a boolean pytree with the structure of params (or a prefix of "
-        f"it), or a function (path, leaf) -> bool; got {jax.tree.structure(frozen)} for "
-        f"params {jax.tree.structure(params)}") from e
+      f"{name}: must be a boolean pytree with the structure of params (or a prefix of "
+      f"it), or a function (path, leaf) -> bool; got {jax.tree.structure(frozen)} for "
+      f"params {jax.tree.structure(params)}"
+    ) from e
   return [bool(m) for m in mask]
 
 
-def _expert_shapes(experts: list[bool], ep: int, paths: list[str],
-                   shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+def _expert_shapes(
+  experts: list[bool], ep: int, paths: list[str], shapes: list[tuple[int, ...]]
+) -> list[tuple[int, ...]]:
   """Each leaf's shape on one expert-parallel rank: expert params' leading dim / `ep`."""
   if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-    raise ValueError(f"expert_parallel={ep!r}: must be a positive integer (the expert axis "
-                     "size)")
+    raise ValueError(f"expert_parallel={ep!r}: must be a positive integer (the expert axis size)")
   out = []
   for path, shape, is_expert in zip(paths, shapes, experts):
     if is_expert and (not shape or shape[0] % ep):
       raise ValueError(
-          f"experts: params{path} has shape {shape}, whose leading (expert) dim does not "
-          f"divide over the {ep} expert-parallel ranks; give expert params a leading dim of "
-          f"experts that is a multiple of expert_parallel={ep}")
+        f"experts: params{path} has shape {shape}, whose leading (expert) dim does not "
+        f"divide over the {ep} expert-parallel ranks; give expert params a leading dim of "
+        f"experts that is a multiple of expert_parallel={ep}"
+      )
     out.append((shape[0] // ep, *shape[1:]) if is_expert else shape)
   return out
 
@@ -344,8 +353,10 @@ def _unit_names(units: Units, paths: list[str]) -> list[str] | None:
   else:
     missing = [path for path in paths if path not in units]
     if missing:
-      raise ValueError(f"units: no unit for params{missing[0]}; map every leaf path "
-                       "(jax.tree_util.keystr) to a unit name, or pass a function")
+      raise ValueError(
+        f"units: no unit for params{missing[0]}; map every leaf path "
+        "(jax.tree_util.keystr) to a unit name, or pass a function"
+      )
     names = [units[path] for path in paths]
   for path, name in zip(paths, names):
     if not isinstance(name, str):
@@ -353,21 +364,25 @@ def _unit_names(units: Units, paths: list[str]) -> list[str] | None:
   return names
 
 
-def _layer_counts(stacked: Stacked, paths: list[str], shapes: list[tuple[int, ...]],
-                  unit_of: list[str] | None) -> list[int] | None:
+def _layer_counts(
+  stacked: Stacked, paths: list[str], shapes: list[tuple[int, ...]], unit_of: list[str] | None
+) -> list[int] | None:
   if stacked is None:
     return None
   if unit_of is None:
-    raise ValueError("stacked: needs units= (a stacked param belongs to a unit of one "
-                     "layer); pass units as well")
+    raise ValueError(
+      "stacked: needs units= (a stacked param belongs to a unit of one layer); pass units as well"
+    )
   is_stacked = stacked if callable(stacked) else set(stacked).__contains__
   layers = []
   for path, shape in zip(paths, shapes):
     if not is_stacked(path):
       layers.append(0)
     elif not shape:
-      raise ValueError(f"stacked: params{path} is a scalar, it has no leading layer axis; "
-                       "stack only params of shape (layers, ...)")
+      raise ValueError(
+        f"stacked: params{path} is a scalar, it has no leading layer axis; "
+        "stack only params of shape (layers, ...)"
+      )
     else:
       layers.append(shape[0])
   per_unit: dict[str, set[int]] = {}
@@ -375,17 +390,31 @@ def _layer_counts(stacked: Stacked, paths: list[str], shapes: list[tuple[int, ..
     per_unit.setdefault(name, set()).add(n)
   for name, counts in per_unit.items():
     if len(counts) > 1:
-      found = ", ".join(f"params{p} {'has ' + str(n) + ' layers' if n else 'is not stacked'}"
-                        for p, u, n in zip(paths, unit_of, layers) if u == name)
-      raise ValueError(f"unit {name!r} mixes params with different layer axes ({found}); a "
-                       "unit is one layer: give stacked params a unit of their own")
+      found = ", ".join(
+        f"params{p} {'has ' + str(n) + ' layers' if n else 'is not stacked'}"
+        for p, u, n in zip(paths, unit_of, layers)
+        if u == name
+      )
+      raise ValueError(
+        f"unit {name!r} mixes params with different layer axes ({found}); a "
+        "unit is one layer: give stacked params a unit of their own"
+      )
   return layers
 
 
-def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
-                grad_dtype=None, frozen: Frozen = None, units: Units = None,
-                stacked: Stacked = None, experts: Frozen = None,
-                expert_parallel: int = 1, leading: Frozen = None) -> Layout:
+def make_layout(
+  params: PyTree,
+  dp: int,
+  bucket_size: int | None = None,
+  *,
+  grad_dtype=None,
+  frozen: Frozen = None,
+  units: Units = None,
+  stacked: Stacked = None,
+  experts: Frozen = None,
+  expert_parallel: int = 1,
+  leading: Frozen = None,
+) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
   Args:
@@ -454,8 +483,10 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
   if bucket_size is None:
     bucket_size = default_bucket_size(dp)
   if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
-    raise ValueError(f"bucket_size={bucket_size!r}: must be a positive number of elements, "
-                     "or None for Megatron's default")
+    raise ValueError(
+      f"bucket_size={bucket_size!r}: must be a positive number of elements, "
+      "or None for Megatron's default"
+    )
   keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [jax.tree_util.keystr(k) for k, _ in keyed]
   shapes = [tuple(int(d) for d in leaf.shape) for _, leaf in keyed]
@@ -478,8 +509,9 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
 
   align = math.lcm(dp, 128) // dp  # shard-size multiple that makes a bucket lcm(dp, 128)
   buffers = []
-  for (pdtype, gdtype, expert), leaves in sorted(by_key.items(),
-                                                 key=lambda kv: _buffer_name(*kv[0])):
+  for (pdtype, gdtype, expert), leaves in sorted(
+    by_key.items(), key=lambda kv: _buffer_name(*kv[0])
+  ):
     groups: list[list[int]] = []
     if unit_of is not None:
       by_unit: dict[str, list[int]] = {}
@@ -512,15 +544,25 @@ def make_layout(params: PyTree, dp: int, bucket_size: int | None = None, *,
       unit = unit_of[group[0]] if unit_of is not None else None
       buckets.append(Bucket(b, tuple(specs), offset, shard, unit))
       offset += shard * dp
-    buffers.append(BufferLayout(_buffer_name(pdtype, gdtype, expert), pdtype, gdtype,
-                                tuple(buckets), offset, expert))
-  return Layout(treedef, tuple(shapes), tuple(dtypes), tuple(paths), dp, bucket_size,
-                tuple(buffers), tuple(sorted(static)),
-                tuple(unit_of) if unit_of is not None else None,
-                tuple(layers) if layers is not None else None)
+    buffers.append(
+      BufferLayout(
+        _buffer_name(pdtype, gdtype, expert), pdtype, gdtype, tuple(buckets), offset, expert
+      )
+    )
+  return Layout(
+    treedef,
+    tuple(shapes),
+    tuple(dtypes),
+    tuple(paths),
+    dp,
+    bucket_size,
+    tuple(buffers),
+    tuple(sorted(static)),
+    tuple(unit_of) if unit_of is not None else None,
+    tuple(layers) if layers is not None else None,
+  )
 
 
 def _buffer_name(param_dtype: np.dtype, grad_dtype: np.dtype, expert: bool = False) -> str:
-  name = (param_dtype.name if param_dtype == grad_dtype
-          else f"{param_dtype.name}/{grad_dtype.name}")
+  name = param_dtype.name if param_dtype == grad_dtype else f"{param_dtype.name}/{grad_dtype.name}"
   return f"expert/{name}" if expert else name

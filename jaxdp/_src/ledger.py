@@ -38,8 +38,14 @@ from jaxdp._src import aot, train
 from jaxdp._src.config import STRATEGIES, FSDPConfig
 from jaxdp._src.distributed_optimizer import trainable_leaves
 from jaxdp._src.inspect import memory_stats
-from jaxdp._src.layout import (Frozen, Layout, default_bucket_size, make_layout, master_dtype,
-                               round_up)
+from jaxdp._src.layout import (
+  Frozen,
+  Layout,
+  default_bucket_size,
+  make_layout,
+  master_dtype,
+  round_up,
+)
 from jaxdp._src.state import match_opt_leaf
 from jaxdp._src.units import gather_layout
 
@@ -49,6 +55,7 @@ _SHARDED_GRADS_PER_MICROBATCH = ("optim_grads", "optim_grads_params")
 
 
 # ----------------------------------------------------------------------------- memory
+
 
 @dataclasses.dataclass(frozen=True)
 class MemoryLedger:
@@ -88,8 +95,11 @@ class MemoryLedger:
   @property
   def state(self) -> dict[str, int]:
     """What `measured_bytes` should find in the `TrainState` (all but the step counter)."""
-    return {"params": self.params - self.gathered_in_step, "master": self.master,
-            "opt_state": self.opt_state}
+    return {
+      "params": self.params - self.gathered_in_step,
+      "master": self.master,
+      "opt_state": self.opt_state,
+    }
 
 
 def _nbytes(shape, dtype) -> int:
@@ -103,8 +113,9 @@ def _is_sharded_state(path, x, layout: Layout) -> bool:
   another shape (factored moments) is replicated; a leaf under no param's path is sharded
   when it has a padded param shape.
   """
-  match = match_opt_leaf(path, x.shape, layout.paths,
-                         {p.index: p.seen for p in trainable_leaves(layout)})
+  match = match_opt_leaf(
+    path, x.shape, layout.paths, {p.index: p.seen for p in trainable_leaves(layout)}
+  )
   if match.param is not None:
     return True
   if match.under_param:
@@ -112,11 +123,18 @@ def _is_sharded_state(path, x, layout: Layout) -> bool:
   return bool(match.same_shape)
 
 
-def memory_ledger(params: PyTree, strategy: str, dp: int,
-                  tx: optax.GradientTransformation | None = None, *,
-                  grad_reduce_in_fp32: bool = True, bucket_size: int | None = None,
-                  overlap_grad_reduce: bool = True, overlap_param_gather: bool = True,
-                  frozen: Frozen = None) -> MemoryLedger:
+def memory_ledger(
+  params: PyTree,
+  strategy: str,
+  dp: int,
+  tx: optax.GradientTransformation | None = None,
+  *,
+  grad_reduce_in_fp32: bool = True,
+  bucket_size: int | None = None,
+  overlap_grad_reduce: bool = True,
+  overlap_param_gather: bool = True,
+  frozen: Frozen = None,
+) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
   The numbers follow the layout `init_state` builds (leading dims padded to a multiple
@@ -148,8 +166,14 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
   size = (bucket_size or default_bucket_size(dp)) if overlap_grad_reduce else sys.maxsize
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
   leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
-  layout = make_layout(params, dp=dp, bucket_size=size, frozen=frozen, leading=leading,
-                       grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None)
+  layout = make_layout(
+    params,
+    dp=dp,
+    bucket_size=size,
+    frozen=frozen,
+    leading=leading,
+    grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
+  )
   sharded = strategy != "no_shard"
   fsdp = strategy == "optim_grads_params"
   leaves_ = trainable_leaves(layout)
@@ -186,8 +210,9 @@ def memory_ledger(params: PyTree, strategy: str, dp: int,
     opt += n // dp if sharded and _is_sharded_state(path, x, layout) else n
 
   gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
-  return MemoryLedger(params=model, grads=grads, master=master, opt_state=opt,
-                      gathered_in_step=gathered)
+  return MemoryLedger(
+    params=model, grads=grads, master=master, opt_state=opt, gathered_in_step=gathered
+  )
 
 
 def measured_bytes(state, device=None) -> dict[str, int]:
@@ -210,12 +235,17 @@ def measured_bytes(state, device=None) -> dict[str, int]:
     >>> memory_ledger(params, "optim", dp=8, tx=tx).state
     {'params': 0, 'master': 1024, 'opt_state': 2052}
   """
-  leaves = [x for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
-            if isinstance(x, jax.Array)]
+  leaves = [
+    x
+    for x in jax.tree.leaves(state.params) + jax.tree.leaves(state.master)
+    if isinstance(x, jax.Array)
+  ]
   if device is None:
     me = jax.process_index()
-    device = min((d for x in leaves for d in x.sharding.device_set if d.process_index == me),
-                 key=lambda d: d.id)
+    device = min(
+      (d for x in leaves for d in x.sharding.device_set if d.process_index == me),
+      key=lambda d: d.id,
+    )
 
   def field(tree):
     total = 0
@@ -224,11 +254,16 @@ def measured_bytes(state, device=None) -> dict[str, int]:
         total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
     return total
 
-  return {"step": field(state.step), "params": field(state.params),
-          "master": field(state.master), "opt_state": field(state.opt_state)}
+  return {
+    "step": field(state.step),
+    "params": field(state.params),
+    "master": field(state.master),
+    "opt_state": field(state.opt_state),
+  }
 
 
 # ----------------------------------------------------------------------------- communication
+
 
 def _buffer_bytes(layout) -> tuple[int, int]:
   """(grad bytes, param bytes) of a layout's buffers, padding and stacked layers included."""
@@ -289,12 +324,22 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
 
 
 def _batch_bytes_per_device(batch: PyTree, dp: int) -> int:
-  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize // dp
-             for x in jax.tree.leaves(batch))
+  return sum(
+    int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize // dp for x in jax.tree.leaves(batch)
+  )
 
 
-def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
-                  batch: PyTree = None, frozen=None, fsdp=None) -> list[dict[str, Any]]:
+def memory_report(
+  params: PyTree,
+  tx,
+  config,
+  *,
+  dp: int = 8,
+  loss_fn=None,
+  batch: PyTree = None,
+  frozen=None,
+  fsdp=None,
+) -> list[dict[str, Any]]:
   """Bytes per device: predicted (the ledger) vs measured (a built state) vs compiled (GPU).
 
   - *predicted*: `jaxdp.inspect.memory_ledger` for `config`'s strategy and `dp`.
@@ -334,9 +379,16 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
   strategy = config.data_parallel_sharding_strategy
   fsdp_step = strategy == "optim_grads_params"
   ledger = memory_ledger(
-      params, strategy, dp, tx, grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-      bucket_size=config.bucket_size, overlap_grad_reduce=config.overlap_grad_reduce,
-      overlap_param_gather=config.overlap_param_gather, frozen=frozen)
+    params,
+    strategy,
+    dp,
+    tx,
+    grad_reduce_in_fp32=config.grad_reduce_in_fp32,
+    bucket_size=config.bucket_size,
+    overlap_grad_reduce=config.overlap_grad_reduce,
+    overlap_param_gather=config.overlap_param_gather,
+    frozen=frozen,
+  )
   predicted_state = {**ledger.state, "step": 4}
 
   measured = None
@@ -352,20 +404,36 @@ def memory_report(params: PyTree, tx, config, *, dp: int = 8, loss_fn=None,
 
   compiled = None
   if loss_fn is not None and batch is not None and aot.gpu_compile_unavailable() is None:
-    program = aot.compile_train_step(loss_fn, tx, config, params, batch, dp=dp,
-                                     frozen=frozen, fsdp=fsdp if fsdp_step else None)
+    program = aot.compile_train_step(
+      loss_fn, tx, config, params, batch, dp=dp, frozen=frozen, fsdp=fsdp if fsdp_step else None
+    )
     stats = memory_stats(program)
-    compiled = {"state": stats.argument_bytes - _batch_bytes_per_device(batch, dp),
-                "total": stats.peak_bytes}
+    compiled = {
+      "state": stats.argument_bytes - _batch_bytes_per_device(batch, dp),
+      "total": stats.peak_bytes,
+    }
 
   def row(kind, predicted, measured_value=None, compiled_value=None):
-    return {"strategy": strategy, "dp": dp, "kind": kind, "predicted": int(predicted),
-            "measured": measured_value, "compiled": compiled_value}
+    return {
+      "strategy": strategy,
+      "dp": dp,
+      "kind": kind,
+      "predicted": int(predicted),
+      "measured": measured_value,
+      "compiled": compiled_value,
+    }
 
-  rows = [row(k, predicted_state[k], measured and measured[k])
-          for k in ("params", "master", "opt_state")]
-  rows.append(row("state", sum(predicted_state.values()),
-                  measured and sum(measured.values()), compiled and compiled["state"]))
+  rows = [
+    row(k, predicted_state[k], measured and measured[k]) for k in ("params", "master", "opt_state")
+  ]
+  rows.append(
+    row(
+      "state",
+      sum(predicted_state.values()),
+      measured and sum(measured.values()),
+      compiled and compiled["state"],
+    )
+  )
   rows.append(row("grads", ledger.grads))
   rows.append(row("gathered", ledger.gathered_in_step))
   rows.append(row("total", ledger.total, None, compiled and compiled["total"]))

@@ -81,29 +81,36 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
     ndim = len(np.shape(x))
     sharding = getattr(x, "sharding", None)
     entries = sharding.spec if isinstance(sharding, NamedSharding) else P()
-    dims = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
-                 for e in tuple(entries) + (None,) * (ndim - len(entries)))
+    dims = tuple(
+      () if e is None else (e,) if isinstance(e, str) else tuple(e)
+      for e in tuple(entries) + (None,) * (ndim - len(entries))
+    )
     if not any(dims):
       out.append(((),) * ndim)
       continue
     other = sharding.mesh
-    if (tuple(other.axis_names) != tuple(mesh.axis_names)
-        or other.devices.shape != mesh.devices.shape
-        or [d.id for d in other.devices.flat] != [d.id for d in mesh.devices.flat]):
+    if (
+      tuple(other.axis_names) != tuple(mesh.axis_names)
+      or other.devices.shape != mesh.devices.shape
+      or [d.id for d in other.devices.flat] != [d.id for d in mesh.devices.flat]
+    ):
       raise ValueError(
-          f"{name} is sharded {sharding.spec} on another mesh ({dict(other.shape)}) than the "
-          f"train mesh ({dict(mesh.shape)}); place it on the train mesh, e.g. "
-          "jax.device_put(x, NamedSharding(mesh, spec))")
+        f"{name} is sharded {sharding.spec} on another mesh ({dict(other.shape)}) than the "
+        f"train mesh ({dict(mesh.shape)}); place it on the train mesh, e.g. "
+        "jax.device_put(x, NamedSharding(mesh, spec))"
+      )
     for d, axes in enumerate(dims):
       if REPLICA in axes or DATA in axes:
         raise ValueError(
-            f"{name} is sharded {sharding.spec}: over a data axis. jaxdp shards over "
-            f"{DATA!r} and {REPLICA!r} itself; place params replicated over them (e.g. "
-            "P(None, 'model') for a column-parallel weight)")
+          f"{name} is sharded {sharding.spec}: over a data axis. jaxdp shards over "
+          f"{DATA!r} and {REPLICA!r} itself; place params replicated over them (e.g. "
+          "P(None, 'model') for a column-parallel weight)"
+        )
       if EXPERT in axes and (d != 0 or axes != (EXPERT,)):
         raise ValueError(
-            f"{name} is sharded {sharding.spec}: expert params are sharded over {EXPERT!r} "
-            f"on their leading (expert) dim alone; place them with P({EXPERT!r}, ...)")
+          f"{name} is sharded {sharding.spec}: expert params are sharded over {EXPERT!r} "
+          f"on their leading (expert) dim alone; place them with P({EXPERT!r}, ...)"
+        )
     out.append(dims)
   return tuple(out)
 
@@ -118,8 +125,11 @@ def with_data(dims: ModelSpec, manual: tuple[str, ...], axis: int = 0) -> ModelS
   its automatic ones); a scalar becomes one padded dim."""
   dims = dims or ((),)
   on = dims[axis]
-  return (*dims[:axis], tuple(a for a in on if a in manual) + (DATA,)
-          + tuple(a for a in on if a not in manual), *dims[axis + 1:])
+  return (
+    *dims[:axis],
+    tuple(a for a in on if a in manual) + (DATA,) + tuple(a for a in on if a not in manual),
+    *dims[axis + 1 :],
+  )
 
 
 def manual_spec(dims: ModelSpec, manual: tuple[str, ...]) -> P:

@@ -49,35 +49,41 @@ from jaxdp._src.units import sharded_paths
 PyTree = Any
 
 
-def _check_like(params: PyTree, template: PyTree, what: str, check_dtype: bool = True,
-                skip_shape: frozenset[str] = frozenset(),
-                what_tree: str = "nnx.Param tree") -> None:
+def _check_like(
+  params: PyTree,
+  template: PyTree,
+  what: str,
+  check_dtype: bool = True,
+  skip_shape: frozenset[str] = frozenset(),
+  what_tree: str = "nnx.Param tree",
+) -> None:
   """Raise ValueError naming the first leaf where `params` differs from `template`.
 
   Leaves whose path is in `skip_shape` (FSDP layer shards) are not shape-checked.
   """
   if jax.tree.structure(params) != jax.tree.structure(template):
     got = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)}
-    want = {jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_leaves_with_path(template)}
+    want = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(template)}
     missing, extra = sorted(want - got), sorted(got - want)
     raise ValueError(
-        f"{what}: params do not match the model's {what_tree} "
-        f"(missing {missing[:5]}, unexpected {extra[:5]}); pass the params that "
-        "jaxdp.nnx_split returned (or jaxdp.get_params of their train state)")
-  for (path, p), t in zip(jax.tree_util.tree_leaves_with_path(params),
-                          jax.tree.leaves(template)):
+      f"{what}: params do not match the model's {what_tree} "
+      f"(missing {missing[:5]}, unexpected {extra[:5]}); pass the params that "
+      "jaxdp.nnx_split returned (or jaxdp.get_params of their train state)"
+    )
+  for (path, p), t in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(template)):
     shape_differs = p.shape != t.shape and jax.tree_util.keystr(path) not in skip_shape
     if shape_differs or (check_dtype and p.dtype != t.dtype):
       raise ValueError(
-          f"{what}: params{jax.tree_util.keystr(path)} is {p.dtype}{list(p.shape)}, "
-          f"the model holds {t.dtype}{list(t.shape)}; pass params of the model's "
-          "shapes and dtypes")
+        f"{what}: params{jax.tree_util.keystr(path)} is {p.dtype}{list(p.shape)}, "
+        f"the model holds {t.dtype}{list(t.shape)}; pass params of the model's "
+        "shapes and dtypes"
+      )
 
 
-def nnx_split(model: nnx.Module,
-              model_loss: Callable[[nnx.Module, PyTree], jax.Array],
-              ) -> tuple[PyTree, Callable[[PyTree, PyTree], jax.Array]]:
+def nnx_split(
+  model: nnx.Module,
+  model_loss: Callable[[nnx.Module, PyTree], jax.Array],
+) -> tuple[PyTree, Callable[[PyTree, PyTree], jax.Array]]:
   """Split an NNX model into the `(params, loss_fn)` pair that jaxdp trains.
 
   Args:
@@ -120,17 +126,28 @@ def nnx_split(model: nnx.Module,
   rest_template = _shapes(nnx.to_pure_dict(rest))
 
   def loss_fn(params: PyTree, batch: PyTree, *, rng=None, model_state=None):
-    _check_like(params, template, "loss_fn", check_dtype=False,  # trace time only
-                skip_shape=sharded_paths())
+    _check_like(
+      params,
+      template,
+      "loss_fn",
+      check_dtype=False,  # trace time only
+      skip_shape=sharded_paths(),
+    )
     # Fresh Variables on every call, so whatever model_loss writes into the rebuilt
     # model (stats, RNG counts) dies with it and never leaks out, not even tracers.
     state = jax.tree.unflatten(state_def, jax.tree.leaves(params))
     rngs = jax.tree.unflatten(rng_def, rng_leaves if rng is None else _reseed(rng_leaves, rng))
     if model_state is not None:
-      _check_like(model_state, rest_template, "loss_fn's model_state", check_dtype=False,
-                  what_tree="non-param variables (jaxdp.nnx_model_state)")
-    rest = jax.tree.unflatten(rest_def, rest_leaves if model_state is None
-                              else jax.tree.leaves(model_state))
+      _check_like(
+        model_state,
+        rest_template,
+        "loss_fn's model_state",
+        check_dtype=False,
+        what_tree="non-param variables (jaxdp.nnx_model_state)",
+      )
+    rest = jax.tree.unflatten(
+      rest_def, rest_leaves if model_state is None else jax.tree.leaves(model_state)
+    )
     model = nnx.merge(graphdef, state, rngs, rest)
     out = model_loss(model, batch)
     if model_state is None:
@@ -222,19 +239,26 @@ def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> 
   nnx.update(model, state)
   if model_state is not None:
     rest = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]
-    _check_like(model_state, nnx.to_pure_dict(rest), "nnx_merge's model_state",
-                what_tree="non-param variables (jaxdp.nnx_model_state)")
-    nnx.update(model, jax.tree.unflatten(jax.tree.structure(rest),
-                                         jax.tree.leaves(model_state)))
+    _check_like(
+      model_state,
+      nnx.to_pure_dict(rest),
+      "nnx_merge's model_state",
+      what_tree="non-param variables (jaxdp.nnx_model_state)",
+    )
+    nnx.update(model, jax.tree.unflatten(jax.tree.structure(rest), jax.tree.leaves(model_state)))
   return model
 
 
 # ----------------------------------------------------------------------------- the NNX loop
 
+
 def _model_key(model: nnx.Module):
   """The key of the model's first RNG stream (None without streams): the default train key."""
-  keys = [x for x in jax.tree.leaves(nnx.state(model, nnx.RngKey))
-          if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  keys = [
+    x
+    for x in jax.tree.leaves(nnx.state(model, nnx.RngKey))
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+  ]
   return keys[0] if keys and not keys[0].shape else None
 
 
@@ -275,13 +299,19 @@ class NNXOptimizer:
     (1, True)
   """
 
-  def __init__(self, model: nnx.Module, tx, mesh, config, *, rng=None, frozen=None,
-               fsdp=None):
+  def __init__(self, model: nnx.Module, tx, mesh, config, *, rng=None, frozen=None, fsdp=None):
     self.tx, self.mesh, self.config, self.fsdp = tx, mesh, config, fsdp
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    self.state = init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp,
-                            rng=_model_key(model) if rng is None else rng,
-                            model_state=nnx_model_state(model))
+    self.state = init_state(
+      params,
+      tx,
+      mesh,
+      config,
+      frozen=frozen,
+      fsdp=fsdp,
+      rng=_model_key(model) if rng is None else rng,
+      model_state=nnx_model_state(model),
+    )
 
   @property
   def step(self) -> jax.Array:
@@ -294,8 +324,13 @@ class NNXOptimizer:
     return nnx_merge(model, self.state)
 
 
-def nnx_train_step(model_loss: Callable, *, has_aux: bool = False, grad_accum_steps: int = 1,
-                   update_model: bool = True) -> Callable:
+def nnx_train_step(
+  model_loss: Callable,
+  *,
+  has_aux: bool = False,
+  grad_accum_steps: int = 1,
+  update_model: bool = True,
+) -> Callable:
   """The NNX train step: `train_step(model, optimizer, batch) -> metrics`.
 
   Replaces an `@nnx.jit` function that calls `nnx.value_and_grad(loss_fn)(model)` and
@@ -323,9 +358,15 @@ def nnx_train_step(model_loss: Callable, *, has_aux: bool = False, grad_accum_st
     key = (graphdef, id(optimizer))
     if key not in cache:
       _, loss_fn = nnx_split(model, model_loss)
-      cache[key] = make_train_step(loss_fn, optimizer.tx, optimizer.mesh, optimizer.config,
-                                   grad_accum_steps=grad_accum_steps, fsdp=optimizer.fsdp,
-                                   has_aux=has_aux)
+      cache[key] = make_train_step(
+        loss_fn,
+        optimizer.tx,
+        optimizer.mesh,
+        optimizer.config,
+        grad_accum_steps=grad_accum_steps,
+        fsdp=optimizer.fsdp,
+        has_aux=has_aux,
+      )
     optimizer.state, metrics = cache[key](optimizer.state, batch)
     if update_model:
       optimizer.update_model(model)

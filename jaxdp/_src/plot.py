@@ -26,9 +26,13 @@ from jaxdp._src.layout import Layout
 
 _GROUP = re.compile(r"^((?:\[[^\]]*\]|\.\w+)(?:\[\d+\])?)")
 _PAD_COLOR = "0.85"
-_KIND_COLOR = {"all-reduce": "tab:green", "reduce-scatter": "tab:orange",
-               "all-gather": "tab:purple", "all-to-all": "tab:brown",
-               "collective-permute": "tab:pink"}
+_KIND_COLOR = {
+  "all-reduce": "tab:green",
+  "reduce-scatter": "tab:orange",
+  "all-gather": "tab:purple",
+  "all-to-all": "tab:brown",
+  "collective-permute": "tab:pink",
+}
 _EXPOSED = "tab:red"
 MEMORY_KINDS = ("params", "grads", "master", "opt_state")
 """What a `MemoryLedger` counts, bottom to top in `plot_memory`'s bars."""
@@ -100,12 +104,14 @@ def _legend(ax, colors: Mapping[str, Any], padding: bool, max_entries: int = 16)
     handles.append(Patch(color="white", label=f"... {len(colors) - max_entries} more"))
   if padding:
     handles.append(Patch(facecolor=_PAD_COLOR, hatch="///", edgecolor="0.5", label="padding"))
-  ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small",
-            frameon=False)
+  ax.legend(
+    handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False
+  )
 
 
-def plot_layout(layout: Layout, axes=None, *, group: Callable[[str], str] = param_group,
-                legend: bool = True):
+def plot_layout(
+  layout: Layout, axes=None, *, group: Callable[[str], str] = param_group, legend: bool = True
+):
   """Draws every buffer of a layout as a strip of elements, one axes per buffer.
 
   Each param is coloured by `group(path)` (its layer); in every bucket it appears `dp`
@@ -134,8 +140,9 @@ def plot_layout(layout: Layout, axes=None, *, group: Callable[[str], str] = para
   if axes is None:
     import matplotlib.pyplot as plt  # noqa: PLC0415 - optional, imported on use
 
-    axes = plt.subplots(n, 1, figsize=(11, 0.4 + 1.1 * n), layout="constrained",
-                        squeeze=False)[1][:, 0]
+    axes = plt.subplots(n, 1, figsize=(11, 0.4 + 1.1 * n), layout="constrained", squeeze=False)[1][
+      :, 0
+    ]
   axes = list(axes)
   if len(axes) != n:
     raise ValueError(f"plot_layout: {len(axes)} axes for {n} buffers; pass one per buffer")
@@ -161,35 +168,53 @@ def plot_layout(layout: Layout, axes=None, *, group: Callable[[str], str] = para
     for label, xs in spans.items():
       ax.broken_barh(xs, (0.1, 0.8), facecolors=colors[label], linewidth=0)
     if pads:
-      ax.broken_barh(pads, (0.1, 0.8), facecolors=_PAD_COLOR, edgecolor="0.5",
-                     hatch="///", linewidth=0)
+      ax.broken_barh(
+        pads, (0.1, 0.8), facecolors=_PAD_COLOR, edgecolor="0.5", hatch="///", linewidth=0
+      )
     for b in buf.buckets:
       for d in range(1, dp):
         x = b.offset + d * b.shard_size
         ax.plot([x, x], [0.1, 0.9], color="white", linewidth=0.4)
       ax.plot([b.offset, b.offset], [0, 1], color="black", linewidth=1.5)
-      ax.text(b.offset + b.shard_size * dp / 2, 0.93, f"b{b.index}", ha="center",
-              va="bottom", fontsize="small")
+      ax.text(
+        b.offset + b.shard_size * dp / 2,
+        0.93,
+        f"b{b.index}",
+        ha="center",
+        va="bottom",
+        fontsize="small",
+      )
     ax.plot([buf.size, buf.size], [0, 1], color="black", linewidth=1.5)
     pad = buf.size - buf.numel
     pad_total += pad
     ax.set_yticks([0.5], [buf.name])
     ax.set_ylim(0, 1.25)
     ax.set_xlim(0, buf.size * 1.005)
-    ax.set_xlabel(f"element offset in buffer {buf.name} ({buf.size:,} elements, "
-                  f"{pad:,} padding)", fontsize="small")
+    ax.set_xlabel(
+      f"element offset in buffer {buf.name} ({buf.size:,} elements, {pad:,} padding)",
+      fontsize="small",
+    )
   nb = len(layout.buffers)
-  axes[0].set_title(f"dp={dp}: {nb} buffer{'s' * (nb != 1)}, {layout.num_buckets} "
-                    f"bucket{'s' * (layout.num_buckets != 1)}, "
-                    f"{sum(buf.numel for buf in layout.buffers):,} param elements + "
-                    f"{pad_total:,} padding")
+  axes[0].set_title(
+    f"dp={dp}: {nb} buffer{'s' * (nb != 1)}, {layout.num_buckets} "
+    f"bucket{'s' * (layout.num_buckets != 1)}, "
+    f"{sum(buf.numel for buf in layout.buffers):,} param elements + "
+    f"{pad_total:,} padding"
+  )
   if legend:
     _legend(axes[0], colors, pad_total > 0)
   return axes
 
 
-def plot_bucket(layout: Layout, buffer: int | str = 0, bucket: int = 0, ax=None, *,
-                group: Callable[[str], str] = param_group, labels: bool = True):
+def plot_bucket(
+  layout: Layout,
+  buffer: int | str = 0,
+  bucket: int = 0,
+  ax=None,
+  *,
+  group: Callable[[str], str] = param_group,
+  labels: bool = True,
+):
   """Draws one bucket as its `dp x shard_size` grid: row `d` is shard `d`.
 
   After the bucket's reduce-scatter, device `d` holds row `d`: the same `1/dp` of the
@@ -230,29 +255,54 @@ def plot_bucket(layout: Layout, buffer: int | str = 0, bucket: int = 0, ax=None,
     for p in b.params:
       n, real = p.shard_size(dp), _real_elements(p, dp, d)
       if real:
-        ax.broken_barh([(p.offset, real)], (d - 0.45, 0.9), facecolors=colors[group(p.path)],
-                       edgecolor="white", linewidth=0.5)
+        ax.broken_barh(
+          [(p.offset, real)],
+          (d - 0.45, 0.9),
+          facecolors=colors[group(p.path)],
+          edgecolor="white",
+          linewidth=0.5,
+        )
       if n > real:
-        ax.broken_barh([(p.offset + real, n - real)], (d - 0.45, 0.9), facecolors=_PAD_COLOR,
-                       edgecolor="0.5", hatch="///", linewidth=0)
+        ax.broken_barh(
+          [(p.offset + real, n - real)],
+          (d - 0.45, 0.9),
+          facecolors=_PAD_COLOR,
+          edgecolor="0.5",
+          hatch="///",
+          linewidth=0,
+        )
       used = max(used, p.offset + n)
     if b.shard_size > used:
-      ax.broken_barh([(used, b.shard_size - used)], (d - 0.45, 0.9), facecolors=_PAD_COLOR,
-                     edgecolor="0.5", hatch="///", linewidth=0)
+      ax.broken_barh(
+        [(used, b.shard_size - used)],
+        (d - 0.45, 0.9),
+        facecolors=_PAD_COLOR,
+        edgecolor="0.5",
+        hatch="///",
+        linewidth=0,
+      )
   if labels:
     for p in b.params:
       n = p.shard_size(dp)
       if n >= 0.06 * b.shard_size:
         name = re.findall(r"\[([^\]]*)\]|\.(\w+)", p.path)
         short = "".join(name[-1]).strip("'") if name else p.path
-        ax.text(p.offset + n / 2, -0.6, f"{short}\n{p.shape}", ha="center", va="bottom",
-                fontsize="x-small")
+        ax.text(
+          p.offset + n / 2,
+          -0.6,
+          f"{short}\n{p.shape}",
+          ha="center",
+          va="bottom",
+          fontsize="x-small",
+        )
   ax.set_yticks(range(dp), [f"shard {d}" for d in range(dp)])
   ax.set_ylim(dp - 0.5, -1.6 if labels else -0.5)
   ax.set_xlim(0, b.shard_size)
   ax.set_xlabel("element offset in the shard")
-  ax.set_title(f"{buf.name} bucket {b.index}: {dp} shards x {b.shard_size:,} elements "
-               f"({b.numel:,} params' elements, {b.shard_size * dp - b.numel:,} padding)")
+  ax.set_title(
+    f"{buf.name} bucket {b.index}: {dp} shards x {b.shard_size:,} elements "
+    f"({b.numel:,} params' elements, {b.shard_size * dp - b.numel:,} padding)"
+  )
   _legend(ax, colors, b.shard_size * dp > b.numel)
   return ax
 
@@ -294,8 +344,11 @@ def plot_timeline(schedule, ax=None, *, title: str | None = None, legend: bool =
   from matplotlib.patches import Patch  # noqa: PLC0415
 
   s = parse(schedule)
-  keep = [op for op in s.ops if op.category in ("gemm", "compute", "collective",
-                                                 "collective-start", "collective-done")]
+  keep = [
+    op
+    for op in s.ops
+    if op.category in ("gemm", "compute", "collective", "collective-start", "collective-done")
+  ]
   pos = {op.index: x for x, op in enumerate(keep)}
   colls = sorted(s.collectives, key=lambda c: c.start_index)
   ax = _axes(ax, (11, 1.2 + 0.32 * (len(colls) + 1)))
@@ -308,37 +361,60 @@ def plot_timeline(schedule, ax=None, *, title: str | None = None, legend: bool =
     x0, x1 = pos[c.start_index], pos[c.done_index] + 1
     color = _KIND_COLOR.get(c.kind, "tab:gray")
     if c.exposed:
-      ax.broken_barh([(x0, x1 - x0)], (y - 0.4, 0.8), facecolors=_EXPOSED, edgecolor="white",
-                     hatch="xx", linewidth=0)
+      ax.broken_barh(
+        [(x0, x1 - x0)],
+        (y - 0.4, 0.8),
+        facecolors=_EXPOSED,
+        edgecolor="white",
+        hatch="xx",
+        linewidth=0,
+      )
     else:
-      ax.broken_barh([(x0, x1 - x0)], (y - 0.4, 0.8), facecolors=color,
-                     edgecolor=color if c.overlaps_gemm else _EXPOSED,
-                     linewidth=0 if c.overlaps_gemm else 2)
+      ax.broken_barh(
+        [(x0, x1 - x0)],
+        (y - 0.4, 0.8),
+        facecolors=color,
+        edgecolor=color if c.overlaps_gemm else _EXPOSED,
+        linewidth=0 if c.overlaps_gemm else 2,
+      )
     hidden += c.overlaps_gemm
-    what = ("EXPOSED" if c.exposed else
-            f"{len(c.overlapped_gemms)} GEMM{'s' * (len(c.overlapped_gemms) != 1)} under it")
+    what = (
+      "EXPOSED"
+      if c.exposed
+      else f"{len(c.overlapped_gemms)} GEMM{'s' * (len(c.overlapped_gemms) != 1)} under it"
+    )
     trips = f", x{c.trip_count} trips" if c.trip_count > 1 else ""
-    ax.text(x1 + 0.5, y, f"{_fmt_bytes(c.operand_bytes)}  {what}{trips}", va="center",
-            fontsize="x-small")
-  ax.set_yticks(range(len(colls) + 1),
-                ["compute"] + [f"{c.kind} #{i}" for i, c in enumerate(colls)],
-                fontsize="small")
+    ax.text(
+      x1 + 0.5, y, f"{_fmt_bytes(c.operand_bytes)}  {what}{trips}", va="center", fontsize="x-small"
+    )
+  ax.set_yticks(
+    range(len(colls) + 1),
+    ["compute"] + [f"{c.kind} #{i}" for i, c in enumerate(colls)],
+    fontsize="small",
+  )
   ax.set_ylim(len(colls) + 0.6, -0.6)
   ax.set_xlim(0, max(len(keep), 1) * 1.18)
   ax.set_xlabel("position in the schedule (kernels and collective start/done, not time)")
   n_exposed = sum(c.exposed for c in colls)
-  ax.set_title(title or f"{s.module}: {len(colls)} collective{'s' * (len(colls) != 1)}, "
-               f"{n_exposed} exposed ({hidden} hidden behind a GEMM)")
+  ax.set_title(
+    title
+    or f"{s.module}: {len(colls)} collective{'s' * (len(colls) != 1)}, "
+    f"{n_exposed} exposed ({hidden} hidden behind a GEMM)"
+  )
   if legend:
     kinds = dict.fromkeys(c.kind for c in colls)
-    handles = [Patch(color="navy", label="GEMM"),
-               Patch(color="lightsteelblue", label="other kernel")]
+    handles = [
+      Patch(color="navy", label="GEMM"),
+      Patch(color="lightsteelblue", label="other kernel"),
+    ]
     handles += [Patch(color=_KIND_COLOR.get(k, "tab:gray"), label=k) for k in kinds]
-    handles += [Patch(facecolor="white", edgecolor=_EXPOSED, linewidth=2,
-                      label="no GEMM under it"),
-                Patch(facecolor=_EXPOSED, hatch="xx", edgecolor="white", label="exposed")]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
-              fontsize="small", frameon=False)
+    handles += [
+      Patch(facecolor="white", edgecolor=_EXPOSED, linewidth=2, label="no GEMM under it"),
+      Patch(facecolor=_EXPOSED, hatch="xx", edgecolor="white", label="exposed"),
+    ]
+    ax.legend(
+      handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False
+    )
   return ax
 
 
@@ -348,9 +424,15 @@ def _as_bytes(row: Any) -> dict[str, float]:
   return {k: float(getattr(row, k)) for k in MEMORY_KINDS if hasattr(row, k)}
 
 
-def plot_memory(bars: Mapping[str, Any], ax=None, *,
-                markers: Mapping[str, Mapping[str, float]] | None = None,
-                unit: str | int = "MiB", title: str | None = None, legend: bool = True):
+def plot_memory(
+  bars: Mapping[str, Any],
+  ax=None,
+  *,
+  markers: Mapping[str, Mapping[str, float]] | None = None,
+  unit: str | int = "MiB",
+  title: str | None = None,
+  legend: bool = True,
+):
   """Draws bytes per device as stacked bars, one per label, with markers on top.
 
   Args:
@@ -386,24 +468,34 @@ def plot_memory(bars: Mapping[str, Any], ax=None, *,
   labels = list(rows)
   xs = range(len(labels))
   bottom = [0.0] * len(labels)
-  colors = {"params": "tab:blue", "grads": "tab:orange", "master": "tab:green",
-            "opt_state": "tab:red"}
+  colors = {
+    "params": "tab:blue",
+    "grads": "tab:orange",
+    "master": "tab:green",
+    "opt_state": "tab:red",
+  }
   extra = iter(["tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan"])
   for k in kinds:
     heights = [rows[label].get(k, 0.0) / div for label in labels]
-    ax.bar(xs, heights, 0.6, bottom=bottom, label=k,
-           color=colors.get(k) or next(extra, "tab:gray"))
+    ax.bar(xs, heights, 0.6, bottom=bottom, label=k, color=colors.get(k) or next(extra, "tab:gray"))
     bottom = [b + h for b, h in zip(bottom, heights)]
   for x, total in zip(xs, bottom):
     ax.text(x, total, f"{total:.3g}", ha="center", va="bottom", fontsize="x-small")
-  styles = iter([("k", "_", 28), ("tab:red", "x", 9), ("tab:purple", "o", 6),
-                 ("tab:cyan", "^", 7)])
+  styles = iter([("k", "_", 28), ("tab:red", "x", 9), ("tab:purple", "o", 6), ("tab:cyan", "^", 7)])
   for name, values in (markers or {}).items():
     color, marker, size = next(styles, ("0.3", "s", 6))
     pts = [(labels.index(label), v / div) for label, v in values.items() if label in rows]
     if pts:
-      ax.plot([p[0] for p in pts], [p[1] for p in pts], linestyle="none", marker=marker,
-              markersize=size, markeredgewidth=2, color=color, label=name)
+      ax.plot(
+        [p[0] for p in pts],
+        [p[1] for p in pts],
+        linestyle="none",
+        marker=marker,
+        markersize=size,
+        markeredgewidth=2,
+        color=color,
+        label=name,
+      )
   ax.set_xticks(list(xs), labels)
   ax.set_ylabel(ylabel)
   if title:

@@ -22,10 +22,11 @@ from jaxdp._src.mesh import ModelSpec, data_axes_in, pspec, with_data
 PyTree = Any
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["step", "params", "master", "opt_state", "rng",
-                                "model_state"],
-                   meta_fields=["layout", "config", "mesh_shape", "model_specs"])
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["step", "params", "master", "opt_state", "rng", "model_state"],
+  meta_fields=["layout", "config", "mesh_shape", "model_specs"],
+)
 @dataclasses.dataclass(frozen=True)
 class TrainState:
   """Everything a step reads and writes; a pytree whose static part is the layout.
@@ -86,9 +87,13 @@ def tree_of(layout: Layout, leaves) -> PyTree:
 def opt_params_of(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
   """The tree the optax transformation sees: trainable leaves, None for the rest."""
   trainable = layout.trainable
-  return tree_of(layout, [
+  return tree_of(
+    layout,
+    [
       (m if m is not None else p) if t else None
-      for t, p, m in zip(trainable, leaves_of(params), leaves_of(master))])
+      for t, p, m in zip(trainable, leaves_of(params), leaves_of(master))
+    ],
+  )
 
 
 def model_spec(state: TrainState, i: int, ndim: int) -> ModelSpec:
@@ -97,6 +102,7 @@ def model_spec(state: TrainState, i: int, ndim: int) -> ModelSpec:
 
 
 # ----------------------------------------------------------------------------- placement
+
 
 @dataclasses.dataclass(frozen=True)
 class OptLeafMatch:
@@ -112,8 +118,9 @@ class OptLeafMatch:
   param path)."""
 
 
-def match_opt_leaf(path, shape, paths: Sequence[str],
-                   shapes: Mapping[int, tuple[int, ...]]) -> OptLeafMatch:
+def match_opt_leaf(
+  path, shape, paths: Sequence[str], shapes: Mapping[int, tuple[int, ...]]
+) -> OptLeafMatch:
   """The one rule that matches an optax state leaf to the param it belongs to.
 
   optax keeps per-param state in trees shaped like the params, so a per-param leaf's key
@@ -136,21 +143,31 @@ def match_opt_leaf(path, shape, paths: Sequence[str],
   name, shape = jax.tree_util.keystr(path), tuple(shape)
   under = [i for i in shapes if name.endswith(paths[i])]
   matches = [i for i in under if tuple(shapes[i]) == shape]
-  return OptLeafMatch(max(matches, key=lambda i: len(paths[i])) if matches else None,
-                      bool(under), tuple(i for i, s in shapes.items() if tuple(s) == shape))
+  return OptLeafMatch(
+    max(matches, key=lambda i: len(paths[i])) if matches else None,
+    bool(under),
+    tuple(i for i, s in shapes.items() if tuple(s) == shape),
+  )
 
 
 def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec | None]]:
   """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is)."""
   manual = data_axes_in(dict(state.mesh_shape))
   sharded = state.config.use_distributed_optimizer
-  params = [None if x is None else model_spec(state, i, x.ndim)
-            for i, x in enumerate(leaves_of(state.params))]
-  master = [None if m is None else
-            with_data(model_spec(state, i, len(state.layout.shapes[i])), manual,
-                       state.layout.shard_axes[i])
-            if sharded else model_spec(state, i, m.ndim)
-            for i, m in enumerate(leaves_of(state.master))]
+  params = [
+    None if x is None else model_spec(state, i, x.ndim)
+    for i, x in enumerate(leaves_of(state.params))
+  ]
+  master = [
+    None
+    if m is None
+    else with_data(
+      model_spec(state, i, len(state.layout.shapes[i])), manual, state.layout.shard_axes[i]
+    )
+    if sharded
+    else model_spec(state, i, m.ndim)
+    for i, m in enumerate(leaves_of(state.master))
+  ]
   return params, master
 
 
@@ -164,11 +181,14 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
   """
   layout = state.layout
   views = {}  # trainable leaf -> (the shape the optimizer sees, its spec)
-  for i, (t, x, m) in enumerate(zip(layout.trainable, leaves_of(state.params),
-                                    leaves_of(state.master))):
+  for i, (t, x, m) in enumerate(
+    zip(layout.trainable, leaves_of(state.params), leaves_of(state.master))
+  ):
     if t:
-      views[i] = ((m if m is not None else x).shape,
-                  master_specs[i] if m is not None else model_spec(state, i, x.ndim))
+      views[i] = (
+        (m if m is not None else x).shape,
+        master_specs[i] if m is not None else model_spec(state, i, x.ndim),
+      )
 
   def spec_of(path, x):
     shape = tuple(x.shape)
@@ -187,8 +207,10 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
 def extra_specs(state: TrainState) -> dict[str, Any]:
   """The specs of the fields every strategy places alike: `rng` and `model_state`,
   replicated."""
-  return {"rng": None if state.rng is None else P(),
-          "model_state": jax.tree.map(lambda _: P(), state.model_state)}
+  return {
+    "rng": None if state.rng is None else P(),
+    "model_state": jax.tree.map(lambda _: P(), state.model_state),
+  }
 
 
 def state_specs(state: TrainState) -> TrainState:
@@ -197,8 +219,10 @@ def state_specs(state: TrainState) -> TrainState:
   layout = state.layout
   params, master = leaf_specs(state)
   return dataclasses.replace(
-      state,
-      step=P(),
-      params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
-      master=tree_of(layout, [None if d is None else pspec(d) for d in master]),
-      opt_state=opt_state_specs(state, master), **extra_specs(state))
+    state,
+    step=P(),
+    params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
+    master=tree_of(layout, [None if d is None else pspec(d) for d in master]),
+    opt_state=opt_state_specs(state, master),
+    **extra_specs(state),
+  )

@@ -27,15 +27,25 @@ def _fsdp_branch(config: DDPConfig, fsdp) -> bool:
   if config.data_parallel_sharding_strategy == "optim_grads_params":
     return True
   if fsdp is not None:
-    raise ValueError(f"fsdp={fsdp} is for data_parallel_sharding_strategy="
-                     "'optim_grads_params'; leave it out for "
-                     f"{config.data_parallel_sharding_strategy!r}")
+    raise ValueError(
+      f"fsdp={fsdp} is for data_parallel_sharding_strategy="
+      "'optim_grads_params'; leave it out for "
+      f"{config.data_parallel_sharding_strategy!r}"
+    )
   return False
 
 
-def init_state(params: PyTree, tx: optax.GradientTransformation, mesh, config: DDPConfig,
-               *, frozen: Frozen = None, fsdp: FSDPConfig | None = None, rng=None,
-               model_state: PyTree = None) -> TrainState:
+def init_state(
+  params: PyTree,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  *,
+  frozen: Frozen = None,
+  fsdp: FSDPConfig | None = None,
+  rng=None,
+  model_state: PyTree = None,
+) -> TrainState:
   """Places params on the mesh and builds the optimizer state for `config`'s strategy.
 
   The caller's arrays are copied, never donated.
@@ -117,9 +127,16 @@ def whole_params(state: TrainState, mesh) -> PyTree:
   return ddp.whole_params(state, mesh)
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
-                    config: DDPConfig, *, grad_accum_steps: int = 1,
-                    fsdp: FSDPConfig | None = None, has_aux: bool = False) -> checks.TrainStep:
+def make_train_step(
+  loss_fn: LossFn,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int = 1,
+  fsdp: FSDPConfig | None = None,
+  has_aux: bool = False,
+) -> checks.TrainStep:
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
@@ -176,15 +193,19 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, mesh,
     1.0
   """
   checks.check_mesh(mesh, config)
-  if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) \
-      or grad_accum_steps < 1:
+  if (
+    isinstance(grad_accum_steps, bool)
+    or not isinstance(grad_accum_steps, int)
+    or grad_accum_steps < 1
+  ):
     raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
   if _fsdp_branch(config, fsdp):
-    return fsdp_lib.make_train_step(loss_fn, tx, mesh, config,
-                                    grad_accum_steps=grad_accum_steps, fsdp=fsdp,
-                                    has_aux=has_aux)
-  return ddp.make_train_step(loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps,
-                             has_aux=has_aux)
+    return fsdp_lib.make_train_step(
+      loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, fsdp=fsdp, has_aux=has_aux
+    )
+  return ddp.make_train_step(
+    loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, has_aux=has_aux
+  )
 
 
 def state_specs(state: TrainState) -> TrainState:

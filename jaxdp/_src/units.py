@@ -37,7 +37,8 @@ def _under(path: str, prefix: str) -> bool:
 def _default_unit(keys) -> str:
   for n, k in enumerate(keys):
     if isinstance(k, jax.tree_util.SequenceKey) or (
-        isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, int)):
+      isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, int)
+    ):
       return jax.tree_util.keystr(tuple(keys[: n + 1]))
   return jax.tree_util.keystr(tuple(keys[:1]))
 
@@ -71,6 +72,7 @@ def assign_units(params: PyTree, fsdp: FSDPConfig) -> tuple[dict[str, str], set[
 
 # ----------------------------------------------------------------------------- units
 
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
   """One unit's static plan: what its gather and its reduce-scatter carry."""
@@ -94,10 +96,15 @@ class Unit:
 @functools.cache
 def gather_layout(layout: Layout) -> Layout:
   """The layout of every float param (frozen too), unit by unit: what the gathers carry."""
-  abstract = jax.tree.unflatten(layout.treedef, [
-      jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)])
-  return make_layout(abstract, dp=layout.dp, units=dict(zip(layout.paths, layout.units)),
-                     stacked={p for p, n in zip(layout.paths, layout.layers) if n})
+  abstract = jax.tree.unflatten(
+    layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+  )
+  return make_layout(
+    abstract,
+    dp=layout.dp,
+    units=dict(zip(layout.paths, layout.units)),
+    stacked={p for p, n in zip(layout.paths, layout.layers) if n},
+  )
 
 
 @functools.cache
@@ -117,9 +124,16 @@ def units_of(layout: Layout) -> tuple[Unit, ...]:
   units = []
   for name, gather in gathers.items():
     leaves = sorted(p.index for b, _ in gather for p in b.params)
-    units.append(Unit(name, specs[leaves[0]].layers, tuple(gather), tuple(grads.get(name, ())),
-                      tuple(i for i in leaves if trainable[i]),
-                      tuple(i for i in leaves if not trainable[i])))
+    units.append(
+      Unit(
+        name,
+        specs[leaves[0]].layers,
+        tuple(gather),
+        tuple(grads.get(name, ())),
+        tuple(i for i in leaves if trainable[i]),
+        tuple(i for i in leaves if not trainable[i]),
+      )
+    )
   return tuple(units)
 
 
@@ -129,6 +143,7 @@ def param_specs(layout: Layout) -> dict[int, ParamSpec]:
 
 
 # ----------------------------------------------------------------------------- markers
+
 
 def gather_unit(layer_params: PyTree) -> PyTree:
   """Returns `layer_params`: kept for models written for jaxdp's earlier FSDP, which needed it.
