@@ -1,0 +1,112 @@
+"""One measurement on one real GPU: a jaxdp strategy at dp = 1 against plain `jax.jit`.
+
+`scripts/gpu_check.sh` runs this once per (model, variant), each in a fresh process so that
+the device's peak-memory counter belongs to that variant alone, and gathers the JSON lines.
+
+    python scripts/gpu_check.py --model medium --variant jit
+    python scripts/gpu_check.py --model 350m --variant optim_grads_params
+
+Variants: `jit` is the program a JAX user writes on one device (`jax.jit` of
+`value_and_grad` + clip + AdamW, state donated); the others are jaxdp's train step for
+that strategy on a 1-device mesh. At dp = 1 every collective is a no-op, so what a jaxdp
+step costs over `jit` is jaxdp's own machinery (bucket ravel/unravel, hooks, master copies).
+
+Prints one JSON line: median step time over `--repeats` timed blocks of `--steps` steps,
+compile time, the compiled program's memory analysis (`peak_memory_in_bytes` and parts),
+and the device's real `peak_bytes_in_use` after the steps.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+MODELS = {  # GPT sizes, vocabulary 256 bytes
+    "medium": dict(n_layer=4, n_head=8, d_model=256, block_size=256, batch=32),  # 3.2M
+    "350m": dict(n_layer=28, n_head=16, d_model=1024, block_size=512, batch=8),  # 352M
+}
+VARIANTS = ("jit", "no_shard", "optim", "optim_grads", "optim_grads_params")
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser.add_argument("--model", choices=list(MODELS), default="medium", help="GPT size")
+parser.add_argument("--variant", choices=VARIANTS, default="jit", help="program to time")
+parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
+parser.add_argument("--repeats", type=int, default=5, help="timed blocks (median reported)")
+parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+args = parser.parse_args()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+import jaxdp  # noqa: E402
+from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+
+spec = dict(MODELS[args.model])
+batch_size = spec.pop("batch")
+config = GPTConfig(vocab_size=256, **spec)
+params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(0)), gpt_loss)
+params = jax.tree.map(np.asarray, params)  # on the host; each variant places its own
+n_params = sum(x.size for x in jax.tree.leaves(params))
+tokens = np.random.default_rng(0).integers(0, 256, (batch_size, config.block_size + 1),
+                                           dtype=np.int32)
+batch = {"x": jnp.asarray(tokens[:, :-1]), "y": jnp.asarray(tokens[:, 1:])}
+tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+device = jax.devices()[0]
+mesh = jax.make_mesh((1,), ("data",), devices=[device])
+
+if args.variant == "jit":
+  def step(carry, batch):
+    params, opt_state = carry
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  params = jax.device_put(params, device)
+  carry = (params, jax.jit(tx.init)(params))
+  fn = jax.jit(step, donate_argnums=0)
+else:
+  ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy=args.variant)
+  carry = jaxdp.init_state(params, tx, mesh, ddp)
+  fn = jaxdp.make_train_step(loss_fn, tx, mesh, ddp)
+  batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
+
+t0 = time.perf_counter()
+compiled = fn.lower(carry, batch).compile()
+compile_s = time.perf_counter() - t0
+analysis = compiled.memory_analysis()
+in_use_before = (device.memory_stats() or {}).get("bytes_in_use", 0)
+
+
+def run(carry, n):
+  for _ in range(n):
+    carry, _ = compiled(carry, batch)
+  jax.block_until_ready(carry)
+  return carry
+
+
+carry = run(carry, args.warmup)
+times = []
+for _ in range(args.repeats):
+  t0 = time.perf_counter()
+  carry = run(carry, args.steps)
+  times.append((time.perf_counter() - t0) / args.steps)
+stats = device.memory_stats() or {}
+print(json.dumps(dict(
+    model=args.model, variant=args.variant, params=int(n_params), batch=batch_size,
+    seq=config.block_size, device=device.device_kind, jax=jax.__version__,
+    step_ms=1e3 * statistics.median(times), step_ms_all=[1e3 * t for t in times],
+    compile_s=compile_s,
+    compiled_peak=int(getattr(analysis, "peak_memory_in_bytes", 0)),
+    compiled_temp=int(analysis.temp_size_in_bytes),
+    compiled_args=int(analysis.argument_size_in_bytes),
+    compiled_out=int(analysis.output_size_in_bytes),
+    compiled_alias=int(analysis.alias_size_in_bytes),
+    in_use_before=int(in_use_before), real_peak=int(stats.get("peak_bytes_in_use", 0)))),
+    flush=True)
