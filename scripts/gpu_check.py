@@ -24,13 +24,14 @@ import sys
 import time
 
 MODELS = {  # GPT sizes, vocabulary 256 bytes
-    "medium": dict(n_layer=4, n_head=8, d_model=256, block_size=256, batch=32),  # 3.2M
-    "350m": dict(n_layer=28, n_head=16, d_model=1024, block_size=512, batch=8),  # 352M
+  "medium": dict(n_layer=4, n_head=8, d_model=256, block_size=256, batch=32),  # 3.2M
+  "350m": dict(n_layer=28, n_head=16, d_model=1024, block_size=512, batch=8),  # 352M
 }
 VARIANTS = ("jit", "no_shard", "optim", "optim_grads", "optim_grads_params")
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+parser = argparse.ArgumentParser(
+  description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+)
 parser.add_argument("--model", choices=list(MODELS), default="medium", help="GPT size")
 parser.add_argument("--variant", choices=VARIANTS, default="jit", help="program to time")
 parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
@@ -54,14 +55,16 @@ config = GPTConfig(vocab_size=256, **spec)
 params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(0)), gpt_loss)
 params = jax.tree.map(np.asarray, params)  # on the host; each variant places its own
 n_params = sum(x.size for x in jax.tree.leaves(params))
-tokens = np.random.default_rng(0).integers(0, 256, (batch_size, config.block_size + 1),
-                                           dtype=np.int32)
+tokens = np.random.default_rng(0).integers(
+  0, 256, (batch_size, config.block_size + 1), dtype=np.int32
+)
 batch = {"x": jnp.asarray(tokens[:, :-1]), "y": jnp.asarray(tokens[:, 1:])}
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
 device = jax.devices()[0]
 mesh = jax.make_mesh((1,), ("data",), devices=[device])
 
 if args.variant == "jit":
+
   def step(carry, batch):
     params, opt_state = carry
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -98,15 +101,27 @@ for _ in range(args.repeats):
   carry = run(carry, args.steps)
   times.append((time.perf_counter() - t0) / args.steps)
 stats = device.memory_stats() or {}
-print(json.dumps(dict(
-    model=args.model, variant=args.variant, params=int(n_params), batch=batch_size,
-    seq=config.block_size, device=device.device_kind, jax=jax.__version__,
-    step_ms=1e3 * statistics.median(times), step_ms_all=[1e3 * t for t in times],
-    compile_s=compile_s,
-    compiled_peak=int(getattr(analysis, "peak_memory_in_bytes", 0)),
-    compiled_temp=int(analysis.temp_size_in_bytes),
-    compiled_args=int(analysis.argument_size_in_bytes),
-    compiled_out=int(analysis.output_size_in_bytes),
-    compiled_alias=int(analysis.alias_size_in_bytes),
-    in_use_before=int(in_use_before), real_peak=int(stats.get("peak_bytes_in_use", 0)))),
-    flush=True)
+print(
+  json.dumps(
+    dict(
+      model=args.model,
+      variant=args.variant,
+      params=int(n_params),
+      batch=batch_size,
+      seq=config.block_size,
+      device=device.device_kind,
+      jax=jax.__version__,
+      step_ms=1e3 * statistics.median(times),
+      step_ms_all=[1e3 * t for t in times],
+      compile_s=compile_s,
+      compiled_peak=int(getattr(analysis, "peak_memory_in_bytes", 0)),
+      compiled_temp=int(analysis.temp_size_in_bytes),
+      compiled_args=int(analysis.argument_size_in_bytes),
+      compiled_out=int(analysis.output_size_in_bytes),
+      compiled_alias=int(analysis.alias_size_in_bytes),
+      in_use_before=int(in_use_before),
+      real_peak=int(stats.get("peak_bytes_in_use", 0)),
+    )
+  ),
+  flush=True,
+)

@@ -14,11 +14,14 @@ props = cupy.cuda.runtime.getDeviceProperties(0)
 major, minor = props["major"], props["minor"]
 # Peak DRAM bandwidth: double data rate x memory clock (kHz) x bus width (bits) / 8.
 clock_khz = props.get("memoryClockRate") or cupy.cuda.runtime.deviceGetAttribute(
-    cupy.cuda.runtime.cudaDevAttrMemoryClockRate, 0)
+  cupy.cuda.runtime.cudaDevAttrMemoryClockRate, 0
+)
 bus_bits = props.get("memoryBusWidth") or cupy.cuda.runtime.deviceGetAttribute(
-    cupy.cuda.runtime.cudaDevAttrGlobalMemoryBusWidth, 0)
+  cupy.cuda.runtime.cudaDevAttrGlobalMemoryBusWidth, 0
+)
 sm_clock_khz = props.get("clockRate") or cupy.cuda.runtime.deviceGetAttribute(
-    cupy.cuda.runtime.cudaDevAttrClockRate, 0)
+  cupy.cuda.runtime.cudaDevAttrClockRate, 0
+)
 runtime = cupy.cuda.runtime.runtimeGetVersion()
 name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
 grid = props["maxGridSize"]
