@@ -17,9 +17,20 @@ from jaxdp._src.layout import Bucket, Layout
 from jaxdp._src.mesh import DATA
 
 
+def varying_axes(x) -> frozenset:
+  """The mesh axes a value inside `jax.shard_map` varies over (empty outside one)."""
+  return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
+
+
 def make_varying(tree, axes: Sequence[str]):
-  """Marks replicated values as varying over `axes`, so that `jax.grad` does not psum them."""
-  return jax.tree.map(lambda x: jax.lax.pcast(x, tuple(axes), to="varying"), tree)
+  """Marks replicated values as varying over `axes`, so that `jax.grad` does not psum them;
+  axes a value already varies over are left as they are."""
+
+  def one(x):
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(one, tree)
 
 
 def sum_over(x, axes: Sequence[str]):
