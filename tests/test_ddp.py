@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import jaxdp
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
-from tests.tolerances import step_tolerances
+from tests.tolerances import assert_trees_close, step_tolerances
 
 STEPS = 5
 LR = 3e-3
@@ -76,17 +76,6 @@ def train(params, loss_fn, batch, tx, config, mesh=None, steps=STEPS, **step_kw)
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   return state, step, losses
-
-
-def assert_trees_close(a, b, atol, rtol=0.0):
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(
-      np.asarray(x, np.float32),
-      np.asarray(y, np.float32),
-      atol=atol,
-      rtol=rtol,
-      err_msg=jax.tree_util.keystr(path),
-    )
 
 
 @pytest.mark.parametrize(

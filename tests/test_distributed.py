@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp._src import checks, ddp, distributed, fsdp
+from jaxdp._src import checks, distributed, train
 from jaxdp._src import launch as launch_module
 from jaxdp._src.launch import launch, main
 from tests import mp_worker
@@ -390,8 +390,7 @@ def test_get_params_is_one_program_and_outlives_the_next_step(strategy, caplog):
   config, tx = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy), mp_worker.make_tx()
   state = jaxdp.init_state(mp_worker.init_params(), tx, mesh, config)
   step = jaxdp.make_train_step(mp_worker.loss_fn, tx, mesh, config)
-  for module in (ddp, fsdp):  # Compiled by another test with the same state: again.
-    module._params_program.clear_cache()
+  train._params_program.clear_cache()  # Compiled by another test with the same state: again.
   with jax.log_compiles(), caplog.at_level("WARNING", logger="jax"):
     params = jaxdp.get_params(state)
   compiled = [

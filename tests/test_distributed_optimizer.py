@@ -24,7 +24,7 @@ from jaxdp._src.distributed_optimizer import check_exact
 from jaxdp._src.ledger import measured_bytes, memory_ledger
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
-from tests.tolerances import step_tolerances
+from tests.tolerances import assert_trees_close as assert_leaves_close, step_tolerances
 
 STEPS = 10
 DP = 8
@@ -124,14 +124,7 @@ def max_diff(a, b) -> float:
 
 def assert_trees_close(a, b, atol, rtol=0.0):
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(
-      np.asarray(x, np.float32),
-      np.asarray(y, np.float32),
-      atol=atol,
-      rtol=rtol,
-      err_msg=jax.tree_util.keystr(path),
-    )
+  assert_leaves_close(a, b, atol, rtol)
 
 
 def unpadded_master(state, like):

@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jaxdp
+from tests.tolerances import assert_trees_close
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 # f32 params after 3 Adam steps: the bound test_ddp uses (1e-5); the sums differ only in
@@ -47,16 +48,6 @@ def net_loss(model, batch):
 def net_batch(n=32):
   k1, k2 = jax.random.split(jax.random.key(3))
   return {"x": jax.random.normal(k1, (n, 6)) + 0.5, "y": jax.random.randint(k2, (n,), 0, 3)}
-
-
-def assert_trees_close(a, b, atol):
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(
-      np.asarray(x, np.float32),
-      np.asarray(y, np.float32),
-      atol=atol,
-      err_msg=jax.tree_util.keystr(path),
-    )
 
 
 def reference(loss_fn, params, model_state, batch, tx, steps):

@@ -199,3 +199,15 @@ def assert_grads_close(got, want, n_terms):
       atol=atol,
       err_msg=jax.tree_util.keystr(path),
     )
+
+
+def assert_trees_close(a, b, atol, rtol=0.0):
+  """Every leaf of `a` within `atol + rtol * |b|` of `b`'s, in float32, naming the leaf."""
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(
+      np.asarray(x, np.float32),
+      np.asarray(y, np.float32),
+      atol=atol,
+      rtol=rtol,
+      err_msg=jax.tree_util.keystr(path),
+    )

@@ -142,7 +142,6 @@ def init_state(
   frozen: Frozen = None,
 ) -> TrainState:
   """`jaxdp.init_state` for `no_shard`, `optim` and `optim_grads`."""
-  checks.check_mesh(mesh, config)
   model_specs = model_specs_of(params, mesh)
   layout = layout_for(params, mesh, config, frozen, model_specs)
   sharded, trainable = _sharded(config), layout.trainable
@@ -186,21 +185,6 @@ def init_state(
     return jax.tree.map(lambda x, s: constrain(x, mesh, s), build(params), specs)
 
   return jax.jit(build_placed)(params)
-
-
-def get_params(state: TrainState) -> PyTree:
-  """`jaxdp.get_params` for `no_shard`, `optim` and `optim_grads`: one compiled program."""
-  # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
-  # processes each eager op on a global array is a program of its own, and dozens of them
-  # in flight hung 2-process jobs on a busy machine (issue 17). The copy inside it also
-  # keeps the result alive when the next step donates `state` (under `no_shard` the params
-  # *are* the state's buffers).
-  return _params_program(state, state.step.sharding.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _params_program(state: TrainState, mesh) -> PyTree:
-  return whole_params(state, mesh)
 
 
 def whole_params(state: TrainState, mesh) -> PyTree:

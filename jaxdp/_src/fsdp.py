@@ -129,7 +129,6 @@ def init_state(
 ) -> TrainState:
   """`jaxdp.init_state` for `optim_grads_params`: every float param sharded by unit."""
   fsdp = fsdp or FSDPConfig()
-  checks.check_mesh(mesh, config)
   model_specs = model_specs_of(params, mesh)
   if any(any(dims) for dims in model_specs):
     path = jax.tree_util.keystr(
@@ -172,19 +171,6 @@ def init_state(
   abstract = jax.eval_shape(build, params)
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(abstract))
   return jax.jit(build, out_shardings=shardings)(params)
-
-
-def get_params(state: TrainState) -> PyTree:
-  """The whole param tree of an FSDP state, in the params' own dtypes: one compiled program."""
-  # One jit over the whole tree, not an eager `device_put` + slice per leaf: with several
-  # processes each eager op is a program of its own and dozens in flight hung 2-process
-  # jobs on a busy machine (issue 17). Fresh arrays: they outlive the next (donating) step.
-  return _params_program(state, state.step.sharding.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _params_program(state: TrainState, mesh) -> PyTree:
-  return whole_params(state, mesh)
 
 
 def whole_params(state: TrainState, mesh) -> PyTree:

@@ -8,6 +8,7 @@ the call to the one `config` names.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -115,9 +116,17 @@ def get_params(state: TrainState) -> PyTree:
     >>> jaxdp.get_params(state)["w"].shape
     (3, 2)
   """
-  if _fsdp_branch(state.config, None):
-    return fsdp_lib.get_params(state)
-  return ddp.get_params(state)
+  # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
+  # processes each eager op on a global array is a program of its own, and dozens of them
+  # in flight hung 2-process jobs on a busy machine (issue 17). The copy inside it also
+  # keeps the result alive when the next step donates `state` (under `no_shard` the params
+  # *are* the state's buffers).
+  return _params_program(state, state.step.sharding.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _params_program(state: TrainState, mesh) -> PyTree:
+  return whole_params(state, mesh)
 
 
 def whole_params(state: TrainState, mesh) -> PyTree:
