@@ -45,6 +45,7 @@ from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import __version__
+from jaxdp._src.distributed_optimizer import fused_state, per_leaf_state
 from jaxdp._src.layout import master_dtype, sharded_shape
 from jaxdp._src.mesh import constrain
 from jaxdp._src.state import TrainState, leaves_of, match_opt_leaf
@@ -108,6 +109,8 @@ def _opt_forms(state: TrainState) -> list[tuple[tuple[int, ...], int]]:
 
 def _describe(state: TrainState) -> dict[str, Any]:
   """What a state's canonical form holds: the JSON metadata a checkpoint is checked by."""
+  if state.fused:
+    state = jax.eval_shape(functools.partial(per_leaf_state, mesh=state.step.sharding.mesh), state)
   layout = state.layout
   trainable = layout.trainable
   keyed = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
@@ -201,6 +204,7 @@ def _canonical(state: TrainState) -> dict[str, jax.Array]:
 
 @functools.partial(jax.jit, static_argnums=1)
 def _canonical_program(state: TrainState, mesh) -> dict[str, jax.Array]:
+  state = per_leaf_state(state, mesh)
   layout = state.layout
   out = {f"params_{i}": x for i, x in enumerate(leaves_of(whole_params(state, mesh)))}
   masters = leaves_of(state.master)
@@ -241,6 +245,7 @@ def get_opt_state(state: TrainState) -> PyTree:
 @functools.partial(jax.jit, static_argnums=1)
 def _opt_state_program(state: TrainState, mesh) -> PyTree:
   """One program (see `_canonical`); copies, so the view outlives the next donated step."""
+  state = per_leaf_state(state, mesh)
   leaves, treedef = jax.tree.flatten(state.opt_state)
   return jax.tree.unflatten(
     treedef,
@@ -431,6 +436,9 @@ class CheckpointManager:
         f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})"
       )
 
+    fused, mesh = like.fused, like.step.sharding.mesh
+    if fused:  # restored in the per-leaf form, then made flat again
+      like = jax.jit(per_leaf_state, static_argnums=1)(like, mesh)
     layout = like.layout
     params, masters = leaves_of(like.params), leaves_of(like.master)
     opt = jax.tree.leaves(like.opt_state)
@@ -499,7 +507,8 @@ class CheckpointManager:
       )
 
     shardings = jax.tree.map(lambda x: x.sharding, like)
-    return jax.jit(build, out_shardings=shardings)(stored, like)
+    out = jax.jit(build, out_shardings=shardings)(stored, like)
+    return jax.jit(fused_state, static_argnums=1)(out, mesh) if fused else out
 
   def _step(self, step: int | None) -> int:
     steps = self.all_steps()

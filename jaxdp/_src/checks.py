@@ -24,7 +24,7 @@ import numpy as np
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.layout import sharded_shape
 from jaxdp._src.mesh import DATA, REPLICA, constrain
-from jaxdp._src.state import TrainState, leaves_of
+from jaxdp._src.state import TrainState, bucket_names, leaves_of
 
 PyTree = Any
 
@@ -102,7 +102,15 @@ def check_state_structure(state) -> None:
   at all.
   """
   layout = state.layout
-  for field in ("params", "master"):
+  if state.fused:
+    want = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    got = {k: tuple(x.shape) for k, x in state.master.items()}
+    if got != want:
+      raise ValueError(
+        f"state.master holds the flat buckets {got}, but init_state made {want}: the state "
+        "changed after init_state; build it again with init_state"
+      )
+  for field in ("params",) if state.fused else ("params", "master"):
     tree = getattr(state, field)
     treedef = jax.tree.structure(tree, is_leaf=lambda x: x is None)
     if treedef != layout.treedef:
@@ -115,7 +123,11 @@ def check_state_structure(state) -> None:
   sharded = state.config.data_parallel_sharding_strategy != "no_shard"
   for i, (path, shape, dtype, x, m) in enumerate(
     zip(
-      layout.paths, layout.shapes, layout.dtypes, leaves_of(state.params), leaves_of(state.master)
+      layout.paths,
+      layout.shapes,
+      layout.dtypes,
+      leaves_of(state.params),
+      [None] * len(layout.shapes) if state.fused else leaves_of(state.master),
     )
   ):
     if x is not None and (

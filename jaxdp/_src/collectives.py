@@ -119,12 +119,23 @@ def all_gather_params(masters: Sequence[Any], layout: Layout, out: Sequence[Any]
   Returns:
     `out` with every bucket's params in their full shapes, in their param dtype.
   """
+  shards = [
+    shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype)
+    for buf in layout.buffers
+    for b in buf.buckets
+  ]
+  return all_gather_shards(shards, layout, out)
+
+
+def all_gather_shards(shards: Sequence[Any], layout: Layout, out: Sequence[Any]) -> list[Any]:
+  """`all_gather_params` from each device's shard of every bucket (buffer and bucket order,
+  any float dtype), as a fused state keeps its master."""
   out = list(out)
-  for buf in layout.buffers:
-    for b in buf.buckets:
-      local = [masters[p.index].astype(buf.param_dtype) for p in b.params]
-      for p, x in zip(b.params, all_gather_bucket(local, b, layout.dp, to="invarying")):
-        out[p.index] = x
+  buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
+  for (buf, b), shard in zip(buckets, shards):
+    full = jax.lax.all_gather(shard.astype(buf.param_dtype), DATA, tiled=True, to="invarying")
+    for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
+      out[p.index] = x
   return out
 
 

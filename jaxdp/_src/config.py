@@ -43,6 +43,10 @@ class DDPConfig:
   """Raise (naming the parameter) when a reduced gradient holds NaN or Inf; the state is kept."""
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
+  fused_update: bool | None = None
+  """optim, optim_grads: update each bucket's shard as one flat array (Megatron's fused
+  multi-tensor Adam); None: when the optax transformation gives the same updates on the flat
+  buckets (probed at init), True: require it, False: per-leaf update."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
@@ -77,6 +81,8 @@ class DDPConfig:
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+    if self.fused_update not in (None, True, False):
+      raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
 
   @property
   def use_distributed_optimizer(self) -> bool:

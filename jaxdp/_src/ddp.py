@@ -42,8 +42,12 @@ from jaxdp._src.config import DDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
   check_expert_rows,
+  fused_master,
+  fuses,
+  gather_flat_params,
   gather_params,
   pad_leaf,
+  per_leaf_state,
   unpad_leaf,
 )
 from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
@@ -63,6 +67,7 @@ from jaxdp._src.mesh import (
 )
 from jaxdp._src.state import (
   TrainState,
+  bucket_names,
   extra_specs,
   leaf_specs,
   leaves_of,
@@ -85,6 +90,30 @@ def _sharded(config: DDPConfig) -> bool:
 
 def _keeps_master(config: DDPConfig, dtype) -> bool:
   return _sharded(config) or master_dtype(dtype) != np.dtype(dtype)
+
+
+def _fused(tx, layout: Layout, config: DDPConfig, model_specs) -> bool:
+  """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
+
+  Needs a sharded strategy, params the caller did not shard (no tensor or expert
+  parallelism) and `tx` exact on the flat buckets (`fuses`); None decides by these, True
+  requires them.
+  """
+  if config.fused_update is False:
+    return False
+  why = None
+  if not _sharded(config):
+    why = "data_parallel_sharding_strategy='no_shard' keeps whole params"
+  elif any(any(dims) for dims in model_specs):
+    why = "some params are sharded over other mesh axes (tensor or expert parallel)"
+  elif not fuses(tx, layout):
+    why = "the optax transformation updates the flat buckets differently from the param tree"
+  if why and config.fused_update:
+    raise ValueError(
+      f"fused_update=True: {why} (masks, per-leaf statistics or shape-dependent "
+      "transformations); use fused_update=None (decide) or False"
+    )
+  return why is None
 
 
 # ----------------------------------------------------------------------------- layout
@@ -149,6 +178,7 @@ def init_state(
     check_expert_rows(layout, mesh)
     # the optimizer sees padded leaves: refuse tx that would be silently different
     check_exact(tx, layout)
+  fused = _fused(tx, layout, config, model_specs)
   gather_in_step = sharded and config.overlap_param_gather
 
   def build(params):
@@ -163,15 +193,16 @@ def init_state(
     state = TrainState(
       jnp.zeros((), jnp.int32),
       tree_of(layout, model),
-      tree_of(layout, master),
+      fused_master(leaves, layout) if fused else tree_of(layout, master),
       None,
       layout,
       config,
       tuple(mesh.shape.items()),
       model_specs,
+      fused=fused,
     )
-    opt_state = tx.init(opt_params_of(layout, state.params, state.master))
-    return dataclasses.replace(state, opt_state=opt_state)
+    opt_params = state.master if fused else opt_params_of(layout, state.params, state.master)
+    return dataclasses.replace(state, opt_state=tx.init(opt_params))
 
   placed = [NamedSharding(mesh, pspec(dims)) for dims in model_specs]
   params = tree_of(
@@ -189,6 +220,7 @@ def init_state(
 
 def whole_params(state: TrainState, mesh) -> PyTree:
   """Traced `get_params`: every leaf whole, fresh, in its own dtype and model sharding."""
+  state = per_leaf_state(state, mesh)
   layout = state.layout
 
   def whole(i, x, m):
@@ -238,6 +270,8 @@ class _Plan:
   average: bool
   has_aux: bool = False
   """`loss_fn` returns `(loss, aux)` (see `loop`)."""
+  fused: bool = False
+  """The state keeps flat buckets (`TrainState.fused`): the grads stay the reduced shards."""
 
   def reduce_axes(self, buf) -> tuple[str, ...]:
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
@@ -249,7 +283,11 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   gathers them, each trainable one varying over the data axes it is not itself sharded
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
   full = leaves_of(params)
-  if plan.gather_in_step:
+  if plan.gather_in_step and plan.fused:
+    full = collectives.all_gather_shards(
+      [master[n] for n, _, _ in bucket_names(layout)], layout, full
+    )
+  elif plan.gather_in_step:
     full = collectives.all_gather_params(leaves_of(master), layout, full)
   return [
     collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
@@ -387,7 +425,10 @@ def forward_backward(
 
 def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
   """The reduced buckets as a grad tree: whole grads (`no_shard`), or this device's rows of
-  each (the sharded strategies); None for leaves that are not trained."""
+  each (the sharded strategies); None for leaves that are not trained. A fused state's
+  grads are the reduced shards themselves, `{bucket name: shard}`."""
+  if plan.fused:
+    return {name: red for (name, _, _), red in zip(bucket_names(layout), reduced)}
   grads: list[Any] = [None] * len(layout.trainable)
   for (_, b), red in zip(buckets, reduced):
     parts = shard_unravel(red, b, layout.dp) if plan.sharded else bucket_unravel(red, b, layout.dp)
@@ -449,6 +490,17 @@ def local_grads(
 # ----------------------------------------------------------------------------- step
 
 
+def _grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
+  """A fused step's grads per trainable leaf (tree order) for the NaN check: each leaf's
+  columns of its bucket's `(dp, shard_size)` view, padding included (zeros, finite)."""
+  blocks = {}
+  for name, _, b in bucket_names(layout):
+    shards = grads[name].reshape(layout.dp, b.shard_size)
+    for p in b.params:
+      blocks[p.index] = shards[:, p.offset : p.offset + p.shard_size(layout.dp)]
+  return [blocks[i] for i in sorted(blocks)]
+
+
 def make_train_step(
   loss_fn: LossFn,
   tx: optax.GradientTransformation,
@@ -478,6 +530,7 @@ def make_train_step(
 
   def step(state: TrainState, batch):
     layout = state.layout
+    plan_ = dataclasses.replace(plan, fused=state.fused)
     checks.check_state(state, mesh, config)
     checks.check_batch(batch, dp * grad_accum_steps)
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
@@ -491,19 +544,49 @@ def make_train_step(
     ]
     own = tuple(own_axes(d, axes) for d in model_dims)
     extras = extra_specs(state)
+    if state.fused:
+      flat = {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
+      master_specs, grad_specs = flat, flat
+    else:
+      master_specs, grad_specs = tree_of(layout, manual(master_dims)), tree_of(layout, grad_specs)
     grads, loss, grad_norm, aux, model_state = jax.shard_map(
-      functools.partial(local_grads, loss_fn, plan, layout=layout, own_axes=own),
+      functools.partial(local_grads, loss_fn, plan_, layout=layout, own_axes=own),
       mesh=mesh,
       in_specs=(
         tree_of(layout, manual(param_dims)),
-        tree_of(layout, manual(master_dims)),
+        master_specs,
         batch_spec,
         extras["rng"],
         extras["model_state"],
       ),
-      out_specs=(tree_of(layout, grad_specs), P(), P(), P(), extras["model_state"]),
+      out_specs=(grad_specs, P(), P(), P(), extras["model_state"]),
       axis_names=set(axes),
     )(state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state)
+
+    if state.fused:  # one update per bucket (see `distributed_optimizer`)
+      updates, opt_state = loop.tx_update(tx, grads, state.opt_state, state.master, mesh)
+      master = optax.apply_updates(state.master, updates)
+      params = leaves_of(state.params)
+      if not config.overlap_param_gather:
+        params = gather_flat_params(master, layout, mesh, params)
+      new_state = dataclasses.replace(
+        state,
+        step=state.step + 1,
+        params=tree_of(layout, params),
+        master=master,
+        opt_state=opt_state,
+        model_state=model_state,
+      )
+      return checks.finish_step(
+        new_state,
+        state_specs(new_state),
+        mesh,
+        config,
+        loss,
+        grad_norm,
+        _grad_blocks(grads, layout) if config.check_for_nan_in_grad else None,
+        aux if has_aux else None,
+      )
 
     opt_params = opt_params_of(layout, state.params, state.master)
     updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)

@@ -19,6 +19,7 @@ What each device holds per strategy is `ledger.py`'s.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Any
 
@@ -27,12 +28,14 @@ import numpy as np
 import optax
 
 from jaxdp._src import collectives
-from jaxdp._src.buffer import pad_dim, unpad_dim
-from jaxdp._src.layout import Layout, master_dtype, sharded_shape
-from jaxdp._src.mesh import DATA, EXPERT, data_axes, manual_spec
-from jaxdp._src.state import TrainState, leaf_specs, model_spec
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, unpad_dim
+from jaxdp._src.layout import Layout, make_layout, master_dtype, sharded_shape
+from jaxdp._src.mesh import DATA, EXPERT, constrain, data_axes, manual_spec
+from jaxdp._src.state import TrainState, bucket_names, leaf_specs, model_spec, state_specs
 
 PyTree = Any
+P = jax.sharding.PartitionSpec
+_log = logging.getLogger(__name__)
 
 _PROBE_STEPS = 3
 """Optimizer steps the exactness probe runs (later steps see the state earlier ones left)."""
@@ -93,15 +96,17 @@ _PROBE_COMPILER_OPTIONS = {
 """The probe runs once on small arrays: compile it fast rather than well."""
 
 
-def _run_both(tx, runs, layout: Layout):
-  """For each `(params, [grads per step])` in `runs`: the updates `tx` makes at every step.
+def _run_both(tx, runs, treedefs):
+  """For each `(params, [grads per step])` in `runs`, leaves of the matching tree in
+  `treedefs`: the updates `tx` makes at every step.
 
   All runs are one program, compiled once.
   """
-  unflat = lambda leaves: jax.tree.unflatten(layout.treedef, leaves)
   flat = lambda tree: jax.tree.flatten(tree, is_leaf=lambda x: x is None)[0]
 
-  def run(tree, grads):
+  def run(treedef, tree, grads):
+    unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
+
     def step(carry, g):
       params, state = carry
       updates, state = tx.update(unflat(g), state, params)
@@ -113,7 +118,7 @@ def _run_both(tx, runs, layout: Layout):
   args = [
     (tree, [None if g[0] is None else np.stack(g) for g in zip(*grads)]) for tree, grads in runs
   ]
-  both = lambda args: [run(*a) for a in args]
+  both = lambda args: [run(d, *a) for d, a in zip(treedefs, args)]
   compiled = jax.jit(both).lower(args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
   out = jax.device_get(compiled(args))
   return [[[None if u is None else u[s] for u in o] for s in range(_PROBE_STEPS)] for o in out]
@@ -151,7 +156,9 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
   grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in leaves_} for _ in range(_PROBE_STEPS)]
 
   true, pad = _run_both(
-    tx, [(tree(params, pad), [tree(g, pad) for g in grads]) for pad in (False, True)], layout
+    tx,
+    [(tree(params, pad), [tree(g, pad) for g in grads]) for pad in (False, True)],
+    [layout.treedef] * 2,
   )
   results = []
   for step, (ut, up) in enumerate(zip(true, pad)):
@@ -286,6 +293,201 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
     + (f"or a data-parallel size that divides the {dim} ({n}), " if x.shape else "")
     + "or data_parallel_sharding_strategy='no_shard'."
   )
+
+
+# ----------------------------------------------------------------------------- the fused update
+
+
+def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
+  """Does `tx` update the flat buckets exactly as it updates the param tree?
+
+  Runs `tx` for a few steps on one host device twice with the same values: on the param
+  tree and on `{bucket name: flat}` (`state.bucket_names`, the layout's shard-major order,
+  padding zero), each dim of every leaf cut to at most 2 (the tree's ndims and paths stay,
+  so masks by path, by ndim or by size still differ on the flat tree), in float64 where it
+  can. True when the updates agree leaf by leaf and the padding's stay zero: elementwise
+  transformations, global norms and schedules (adamw, lion, sgd, clip_by_global_norm).
+  False, never an error, for the rest: a mask given as a pytree or callable of the params,
+  per-leaf statistics (lamb's trust ratio), shape-dependent state (adafactor, muon), or a
+  transformation that fails on the flat tree.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxdp
+    >>> from jaxdp._src.distributed_optimizer import fuses
+    >>> layout = jaxdp.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
+    >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    >>> fuses(tx, layout), fuses(optax.lamb(1e-3), layout)
+    (True, False)
+  """
+  static = {layout.paths[i] for i in layout.static}
+  shrunk = [
+    jax.ShapeDtypeStruct(tuple(min(d, _SHRINK) for d in shape), dtype)
+    for shape, dtype in zip(layout.shapes, layout.dtypes)
+  ]
+  small = make_layout(
+    jax.tree.unflatten(layout.treedef, shrunk),
+    layout.dp,
+    frozen=lambda path, _: path in static,
+  )
+  names = bucket_names(small)
+  for x64 in (True, False):
+    try:
+      with jax.default_device(jax.local_devices(backend="cpu")[0]), jax.enable_x64(x64):
+        return _fused_probe(tx, small, names, x64)
+    except Exception as e:  # noqa: BLE001 - tx cannot run on the flat tree: per-leaf update
+      error = e
+  _log.debug("fused update off: the probe failed (%s: %s)", type(error).__name__, error)
+  return False
+
+
+def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
+  """`fuses` on a small layout, in float64 (`x64`) or the master dtypes."""
+  rng = np.random.default_rng(0)
+  dtype = {
+    p.index: np.float64 if x64 else master_dtype(layout.dtypes[p.index]) for p in layout.params
+  }
+  draw = lambda scale: {
+    p.index: _probe_values(rng, p.shape, scale).astype(dtype[p.index]) for p in layout.params
+  }
+  params = draw(1 / 16)
+  grads = [draw(1 / 4) for _ in range(_PROBE_STEPS)]
+
+  def tree(values):
+    return [values.get(i) for i in range(len(layout.shapes))]
+
+  def flat(values):  # leaves of `{name: flat}`, in key order
+    return jax.tree.leaves(
+      {
+        name: bucket_ravel(
+          [values[p.index] for p in b.params], b, layout.dp, dtype[b.params[0].index]
+        )
+        for name, _, b in names
+      }
+    )
+
+  flat_def = jax.tree.structure({name: 0 for name, _, _ in names})
+  true, fused = _run_both(
+    tx,
+    [(tree(params), [tree(g) for g in grads]), (flat(params), [flat(g) for g in grads])],
+    [layout.treedef, flat_def],
+  )
+  rtol = _PROBE_RTOL if x64 else _PROBE_RTOL_NATIVE
+  for ut, uf in zip(true, fused):
+    by_name = jax.tree.unflatten(flat_def, uf)
+    for name, _, b in names:
+      got = np.asarray(by_name[name])
+      parts = bucket_unravel(got, b, layout.dp)
+      if not np.array_equal(np.asarray(bucket_ravel(parts, b, layout.dp)), got):
+        _log.debug("fused update off: %s updates the padding of bucket %s", tx, name)
+        return False
+      for p, x in zip(b.params, parts):
+        a = np.asarray(ut[p.index], np.float64)
+        scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
+        err = float(np.max(np.abs(np.asarray(x, np.float64) - a), initial=0.0)) / scale
+        if not err <= rtol:
+          _log.debug("fused update off: params%s differs by %.2g (relative)", p.path, err)
+          return False
+  return True
+
+
+def fused_master(leaves, layout: Layout) -> dict[str, jax.Array]:
+  """A fused state's `master` from the trainable params (tree order): one flat array per
+  bucket in the master dtype, padding zero."""
+  return {
+    name: bucket_ravel(
+      [leaves[p.index] for p in b.params], b, layout.dp, master_dtype(buf.param_dtype)
+    )
+    for name, buf, b in bucket_names(layout)
+  }
+
+
+def per_leaf_state(state: TrainState, mesh) -> TrainState:
+  """A fused state in the form the per-leaf update keeps: `master` and every per-element
+  optax leaf (`mu[name]`) back as the param tree, each leaf padded on its shard dim.
+
+  The one conversion from flat to per-leaf: `get_params`, `get_opt_state`, checkpoints and
+  eval read a fused state through it. Traceable; returns an unfused state as it is. Each
+  bucket is gathered whole on every device for the conversion (readers, not the step), and
+  the result is placed as `state_specs` places an unfused state.
+  """
+  if not state.fused:
+    return state
+  layout = state.layout
+  names = {name: b for name, _, b in bucket_names(layout)}
+  is_flat = lambda x: isinstance(x, dict) and set(x) == set(names)
+
+  def tree(flat):
+    if not is_flat(flat):
+      return flat
+    out = [None] * len(layout.shapes)
+    for name, b in names.items():
+      whole = constrain(flat[name], mesh, P())
+      for p, x in zip(b.params, bucket_unravel(whole, b, layout.dp)):
+        out[p.index] = pad_leaf(x, layout, p.index)
+    return jax.tree.unflatten(layout.treedef, out)
+
+  out = dataclasses.replace(
+    state,
+    master=tree(state.master),
+    opt_state=jax.tree.map(tree, state.opt_state, is_leaf=is_flat),
+    fused=False,
+  )
+  return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
+
+
+def fused_state(state: TrainState, mesh) -> TrainState:
+  """Inverse of `per_leaf_state`: a per-leaf `optim`/`optim_grads` state in fused form
+  (padding rows dropped, bucket padding zero). Traceable."""
+  layout = state.layout
+  trainable = [i for i, t in enumerate(layout.trainable) if t]
+  tree_def = jax.tree.structure(
+    jax.tree.unflatten(layout.treedef, [0 if t else None for t in layout.trainable])
+  )
+  padded = {i: sharded_shape(layout, i)[0] for i in trainable}
+
+  def is_tree(x):
+    if jax.tree.structure(x) != tree_def:
+      return False
+    xs = jax.tree.leaves(x)
+    return all(tuple(np.shape(v)) == padded[i] for v, i in zip(xs, trainable))
+
+  def flat(x):
+    if not is_tree(x):
+      return x
+    xs = jax.tree.flatten(x, is_leaf=lambda v: v is None)[0]
+    return {
+      name: bucket_ravel(
+        [unpad_leaf(constrain(xs[p.index], mesh, P()), layout, p.index) for p in b.params],
+        b,
+        layout.dp,
+        xs[b.params[0].index].dtype,
+      )
+      for name, _, b in bucket_names(layout)
+    }
+
+  out = dataclasses.replace(
+    state,
+    master=flat(state.master),
+    opt_state=jax.tree.map(flat, state.opt_state, is_leaf=is_tree),
+    fused=True,
+  )
+  return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
+
+
+def gather_flat_params(master, layout: Layout, mesh, params):
+  """`gather_params` of a fused state: all-gathers every bucket's flat master."""
+  names = [name for name, _, _ in bucket_names(layout)]
+  axes = data_axes(mesh)
+
+  def gather(shards):
+    return collectives.all_gather_shards([shards[n] for n in names], layout, [None] * len(params))
+
+  specs = {n: manual_spec(((DATA,),), axes) for n in names}
+  out_specs = [P() if layout.trainable[i] else None for i in range(len(params))]
+  gathered = jax.shard_map(
+    gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs, axis_names=set(axes)
+  )(master)
+  return [g if g is not None else x for g, x in zip(gathered, params)]
 
 
 # ----------------------------------------------------------------------------- the sharded state

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.layout import Layout
-from jaxdp._src.mesh import ModelSpec, data_axes_in, pspec, with_data
+from jaxdp._src.mesh import DATA, ModelSpec, data_axes_in, pspec, with_data
 
 PyTree = Any
 
@@ -25,7 +25,7 @@ PyTree = Any
 @functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["step", "params", "master", "opt_state", "rng", "model_state"],
-  meta_fields=["layout", "config", "mesh_shape", "model_specs"],
+  meta_fields=["layout", "config", "mesh_shape", "model_specs", "fused"],
 )
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -72,6 +72,11 @@ class TrainState:
   model_state: PyTree = None
   """`init_state(..., model_state=)`: the model's mutable non-trainable state (BatchNorm
   running statistics), replicated, updated by every step; None: the step carries none."""
+  fused: bool = False
+  """`optim`/`optim_grads` with the fused update (`DDPConfig.fused_update`): `master` is
+  `{bucket name: flat}` (`bucket_names`), each bucket's `(dp * shard_size,)` elements in its
+  shard-major order sharded over "data", and `opt_state` is the optax state of that tree.
+  `distributed_optimizer.per_leaf_state` gives the per-leaf form every reader uses."""
 
 
 def leaves_of(tree) -> list[Any]:
@@ -94,6 +99,15 @@ def opt_params_of(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
       for t, p, m in zip(trainable, leaves_of(params), leaves_of(master))
     ],
   )
+
+
+def bucket_names(layout: Layout) -> list[tuple[str, Any, Any]]:
+  """`(name, buffer, bucket)` of every bucket: the keys of a fused state's `master`."""
+  return [(f"{buf.name}/bucket{b.index}", buf, b) for buf in layout.buffers for b in buf.buckets]
+
+
+FLAT_SPEC = P(DATA)
+"""Where a fused state's flat buckets live: shard `d` of each on device `d` of "data"."""
 
 
 def model_spec(state: TrainState, i: int, ndim: int) -> ModelSpec:
@@ -151,13 +165,16 @@ def match_opt_leaf(
 
 
 def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec | None]]:
-  """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is)."""
+  """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is;
+  master all None in a fused state, whose master is not a param tree)."""
   manual = data_axes_in(dict(state.mesh_shape))
   sharded = state.config.use_distributed_optimizer
   params = [
     None if x is None else model_spec(state, i, x.ndim)
     for i, x in enumerate(leaves_of(state.params))
   ]
+  if state.fused:
+    return params, [None] * len(state.layout.shapes)
   master = [
     None
     if m is None
@@ -218,6 +235,19 @@ def state_specs(state: TrainState) -> TrainState:
   (a tree like `state`)."""
   layout = state.layout
   params, master = leaf_specs(state)
+  if state.fused:
+    flat = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    return dataclasses.replace(
+      state,
+      step=P(),
+      params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
+      master={name: FLAT_SPEC for name in flat},
+      opt_state=jax.tree_util.tree_map_with_path(
+        lambda path, x: FLAT_SPEC if _is_flat_leaf(path, x, flat) else pspec(((),) * x.ndim),
+        state.opt_state,
+      ),
+      **extra_specs(state),
+    )
   return dataclasses.replace(
     state,
     step=P(),
@@ -226,3 +256,10 @@ def state_specs(state: TrainState) -> TrainState:
     opt_state=opt_state_specs(state, master),
     **extra_specs(state),
   )
+
+
+def _is_flat_leaf(path, x, flat: Mapping[str, tuple[int, ...]]) -> bool:
+  """Is a fused state's optax leaf one bucket's per-element state (Adam's `mu[name]`)?"""
+  key = path[-1] if path else None
+  name = getattr(key, "key", None)
+  return name in flat and tuple(x.shape) == flat[name]
