@@ -83,6 +83,11 @@ class DDPConfig:
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
+    if self.fused_update and self.data_parallel_sharding_strategy not in ("optim", "optim_grads"):
+      raise ValueError(
+        f"fused_update=True is for 'optim' and 'optim_grads'; "
+        f"{self.data_parallel_sharding_strategy!r} updates per leaf: leave fused_update=None"
+      )
 
   @property
   def use_distributed_optimizer(self) -> bool:

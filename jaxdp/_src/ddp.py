@@ -43,12 +43,12 @@ from jaxdp._src.distributed_optimizer import (
   check_exact,
   check_expert_rows,
   fused_master,
-  fuses,
   gather_flat_params,
   gather_params,
   pad_leaf,
   per_leaf_state,
   unpad_leaf,
+  use_fused,
 )
 from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
 from jaxdp._src.mesh import (
@@ -90,30 +90,6 @@ def _sharded(config: DDPConfig) -> bool:
 
 def _keeps_master(config: DDPConfig, dtype) -> bool:
   return _sharded(config) or master_dtype(dtype) != np.dtype(dtype)
-
-
-def _fused(tx, layout: Layout, config: DDPConfig, model_specs) -> bool:
-  """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
-
-  Needs a sharded strategy, params the caller did not shard (no tensor or expert
-  parallelism) and `tx` exact on the flat buckets (`fuses`); None decides by these, True
-  requires them.
-  """
-  if config.fused_update is False:
-    return False
-  why = None
-  if not _sharded(config):
-    why = "data_parallel_sharding_strategy='no_shard' keeps whole params"
-  elif any(any(dims) for dims in model_specs):
-    why = "some params are sharded over other mesh axes (tensor or expert parallel)"
-  elif not fuses(tx, layout):
-    why = "the optax transformation updates the flat buckets differently from the param tree"
-  if why and config.fused_update:
-    raise ValueError(
-      f"fused_update=True: {why} (masks, per-leaf statistics or shape-dependent "
-      "transformations); use fused_update=None (decide) or False"
-    )
-  return why is None
 
 
 # ----------------------------------------------------------------------------- layout
@@ -178,7 +154,7 @@ def init_state(
     check_expert_rows(layout, mesh)
     # the optimizer sees padded leaves: refuse tx that would be silently different
     check_exact(tx, layout)
-  fused = _fused(tx, layout, config, model_specs)
+  fused = use_fused(tx, layout, config, model_specs)
   gather_in_step = sharded and config.overlap_param_gather
 
   def build(params):

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from jaxdp._src import collectives
+from jaxdp._src.config import DDPConfig
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, unpad_dim
 from jaxdp._src.layout import Layout, make_layout, master_dtype, sharded_shape
 from jaxdp._src.mesh import DATA, EXPERT, constrain, data_axes, manual_spec
@@ -388,6 +389,30 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
           _log.debug("fused update off: params%s differs by %.2g (relative)", p.path, err)
           return False
   return True
+
+
+def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
+  """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
+
+  Needs a sharded strategy, params the caller did not shard (no tensor or expert
+  parallelism) and `tx` exact on the flat buckets (`fuses`); None decides by these, True
+  requires them.
+  """
+  if config.fused_update is False:
+    return False
+  why = None
+  if config.data_parallel_sharding_strategy not in ("optim", "optim_grads"):
+    return False  # DDPConfig refuses fused_update=True for these
+  if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
+    why = "some params are sharded over other mesh axes (tensor or expert parallel)"
+  elif not fuses(tx, layout):
+    why = (
+      "the optax transformation updates the flat buckets differently from the param tree "
+      "(a mask, per-leaf statistics or a shape-dependent transformation)"
+    )
+  if why and config.fused_update:
+    raise ValueError(f"fused_update=True: {why}; use fused_update=None (decide) or False")
+  return why is None
 
 
 def fused_master(leaves, layout: Layout) -> dict[str, jax.Array]:

@@ -11,8 +11,15 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, fsdp as fsdp_lib, train
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
-from jaxdp._src.state import TrainState, extra_specs, leaf_specs, leaves_of, tree_of
+from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, manual_spec
+from jaxdp._src.state import (
+  TrainState,
+  bucket_names,
+  extra_specs,
+  leaf_specs,
+  leaves_of,
+  tree_of,
+)
 
 PyTree = Any
 
@@ -86,7 +93,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
   def finish(out):
     return out if per_example else collectives.average_aux(out, axes)
 
-  def local(params, master, batch, model_state, layout):
+  def local(params, master, batch, model_state, layout, fused):
     if fsdp_branch:
       tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
       return finish(
@@ -103,7 +110,10 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
         )
       )
     full = leaves_of(params)
-    if gather_in_step:
+    if gather_in_step and fused:
+      shards = [master[name] for name, _, _ in bucket_names(layout)]
+      full = collectives.all_gather_shards(shards, layout, full)
+    elif gather_in_step:
       full = collectives.all_gather_params(leaves_of(master), layout, full)
     return finish(call(tree_of(layout, full), batch, model_state))
 
@@ -123,8 +133,11 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
         state.layout, [None if d is None else manual_spec(d, axes) for d in dims]
       )
       param_specs, master_specs = manual(param_dims), manual(master_dims)
+      if state.fused:
+        flat = manual_spec(((DATA,),), axes)
+        master_specs = {name: flat for name, _, _ in bucket_names(state.layout)}
     return jax.shard_map(
-      functools.partial(local, layout=state.layout),
+      functools.partial(local, layout=state.layout, fused=state.fused),
       mesh=mesh,
       in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
       out_specs=batch_spec if per_example else P(),

@@ -35,8 +35,8 @@ import numpy as np
 import optax
 
 from jaxdp._src import aot, train
-from jaxdp._src.config import STRATEGIES, FSDPConfig
-from jaxdp._src.distributed_optimizer import trainable_leaves
+from jaxdp._src.config import STRATEGIES, DDPConfig, FSDPConfig
+from jaxdp._src.distributed_optimizer import trainable_leaves, use_fused
 from jaxdp._src.inspect import memory_stats
 from jaxdp._src.layout import (
   Frozen,
@@ -46,7 +46,7 @@ from jaxdp._src.layout import (
   master_dtype,
   round_up,
 )
-from jaxdp._src.state import match_opt_leaf
+from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
 from jaxdp._src.units import gather_layout
 
 PyTree = Any
@@ -134,6 +134,7 @@ def memory_ledger(
   overlap_grad_reduce: bool = True,
   overlap_param_gather: bool = True,
   frozen: Frozen = None,
+  fused_update: bool | None = None,
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
@@ -146,8 +147,8 @@ def memory_ledger(
     strategy: a `data_parallel_sharding_strategy`.
     dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies).
     tx: the optax transformation; None: Adam (two moments in the master dtype).
-    grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather: as in
-      `DDPConfig`.
+    grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather,
+      fused_update: as in `DDPConfig` (a fused state holds its buckets' end padding too).
     frozen: as in `init_state`.
 
   Returns:
@@ -203,11 +204,23 @@ def memory_ledger(
       master += _nbytes(shape, dtype)
   if tx is None:
     tx = optax.scale_by_adam()
-  state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
+  config = DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
+  if use_fused(tx, layout, config):  # one flat array per bucket, its end padding included
+    flat = {
+      name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
+      for name, buf, b in bucket_names(layout)
+    }
+    master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
+    state = jax.eval_shape(tx.init, flat)
+    sizes = {name: x.shape for name, x in flat.items()}
+    is_sharded = lambda path, x: is_flat_leaf(path, x, sizes)
+  else:
+    state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
+    is_sharded = lambda path, x: sharded and _is_sharded_state(path, x, layout)
   opt = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state):
     n = _nbytes(x.shape, x.dtype)
-    opt += n // dp if sharded and _is_sharded_state(path, x, layout) else n
+    opt += n // dp if is_sharded(path, x) else n
 
   gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
   return MemoryLedger(
@@ -388,6 +401,7 @@ def memory_report(
     overlap_grad_reduce=config.overlap_grad_reduce,
     overlap_param_gather=config.overlap_param_gather,
     frozen=frozen,
+    fused_update=config.fused_update,
   )
   predicted_state = {**ledger.state, "step": 4}
 

@@ -243,7 +243,7 @@ def state_specs(state: TrainState) -> TrainState:
       params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
       master={name: FLAT_SPEC for name in flat},
       opt_state=jax.tree_util.tree_map_with_path(
-        lambda path, x: FLAT_SPEC if _is_flat_leaf(path, x, flat) else pspec(((),) * x.ndim),
+        lambda path, x: FLAT_SPEC if is_flat_leaf(path, x, flat) else pspec(((),) * x.ndim),
         state.opt_state,
       ),
       **extra_specs(state),
@@ -258,7 +258,7 @@ def state_specs(state: TrainState) -> TrainState:
   )
 
 
-def _is_flat_leaf(path, x, flat: Mapping[str, tuple[int, ...]]) -> bool:
+def is_flat_leaf(path, x, flat: Mapping[str, tuple[int, ...]]) -> bool:
   """Is a fused state's optax leaf one bucket's per-element state (Adam's `mu[name]`)?"""
   key = path[-1] if path else None
   name = getattr(key, "key", None)
