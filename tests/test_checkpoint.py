@@ -20,6 +20,7 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 import jaxdp
+from jaxdp._src.distributed_optimizer import per_leaf_state
 from tests.tolerances import AdamBound, rtol_sum
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -97,8 +98,14 @@ def _assert_same_rows(a, b, what):
   np.testing.assert_array_equal(a, b, err_msg=what)
 
 
+def _per_leaf(state):
+  """The state as the per-leaf update keeps it: a fused state's flat buckets (`optim` with
+  an elementwise optax transformation) back as padded leaves, the others as they are."""
+  return jax.jit(per_leaf_state, static_argnums=1)(state, state.step.sharding.mesh)
+
+
 def _master_or_param(state, key):
-  m = state.master[key]
+  m = _per_leaf(state).master[key]
   return m if m is not None else jaxdp.get_params(state)[key]
 
 
@@ -113,7 +120,7 @@ def source(tmp_path_factory):
   mgr = jaxdp.CheckpointManager(tmp_path_factory.mktemp("ckpt"), max_to_keep=2)
   assert mgr.save(3, state, data_position={"batch": 3})
   mgr.wait_until_finished()
-  saved, saved_params = _host(state), _host(jaxdp.get_params(state))
+  saved, saved_params = _host(_per_leaf(state)), _host(jaxdp.get_params(state))
   for i in range(3, 5):
     state, _ = step(state, _batch(i))
   return mgr, (saved, saved_params), _host(jaxdp.get_params(state))
@@ -140,7 +147,7 @@ def test_restore_on_other_dp_and_strategy(source, dp, strategy, auto):
     assert params[key].dtype == want.dtype
   for key in ("w1", "b1", "w2"):  # the optimizer's copy, fp32
     _assert_same_rows(saved.master[key], _master_or_param(state, key), f"master {key}")
-  src, got = jax.tree.leaves(saved.opt_state), jax.tree.leaves(_host(state.opt_state))
+  src, got = jax.tree.leaves(saved.opt_state), jax.tree.leaves(_host(_per_leaf(state).opt_state))
   assert len(src) == len(got)
   for j, (a, b) in enumerate(zip(src, got)):
     _assert_same_rows(a, b, f"opt_state leaf {j}")
@@ -182,7 +189,7 @@ def test_no_shard_to_sharded(tmp_path):
   mgr = jaxdp.CheckpointManager(tmp_path)
   mgr.save(1, state)
   mgr.wait_until_finished()
-  got = mgr.restore(jaxdp.init_state(_params(), TX, _mesh(8), _config("optim")))
+  got = _per_leaf(mgr.restore(jaxdp.init_state(_params(), TX, _mesh(8), _config("optim"))))
   _assert_same_rows(saved.params["w1"], got.master["w1"], "w1 master from params")
   _assert_same_rows(saved.master["w2"], got.master["w2"], "w2 master")
   for j, (a, b) in enumerate(
@@ -191,8 +198,10 @@ def test_no_shard_to_sharded(tmp_path):
     _assert_same_rows(a, b, f"opt_state leaf {j}")
 
 
-def test_padding_rows_come_from_like(tmp_path):
-  """Adagrad's accumulator starts at 0.1; a padding row of 0 would give 0/sqrt(0) = NaN."""
+@pytest.mark.parametrize("fused", [False, None])
+def test_padding_rows_come_from_like(tmp_path, fused):
+  """Adagrad's accumulator starts at 0.1; a padding row of 0 would give 0/sqrt(0) = NaN.
+  A fused state (`fused_update`) keeps the padding of its flat buckets from `like` too."""
   tx = optax.adagrad(0.1, initial_accumulator_value=0.1)
   params = {"w": jnp.ones((5, 2))}
   loss = lambda p, b: jnp.mean(b["x"] @ p["w"])
@@ -201,12 +210,14 @@ def test_padding_rows_come_from_like(tmp_path):
   mgr = jaxdp.CheckpointManager(tmp_path)
   mgr.save(0, state)
   mgr.wait_until_finished()
-  mesh, config = _mesh(8), _config("optim")
+  mesh = _mesh(8)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=fused)
   got = mgr.restore(jaxdp.init_state(params, tx, mesh, config))
+  assert got.fused == (fused is None)
   acc = np.asarray(jax.tree.leaves(got.opt_state)[0])
-  assert acc.shape == (8, 2) and (acc == np.float32(0.1)).all()
+  assert acc.shape == ((128,) if got.fused else (8, 2)) and (acc == np.float32(0.1)).all()
   got, _ = jaxdp.make_train_step(loss, tx, mesh, config)(got, batch)
-  assert np.isfinite(np.asarray(got.master["w"])).all()
+  assert all(np.isfinite(np.asarray(m)).all() for m in jax.tree.leaves(got.master))
 
 
 def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
@@ -245,7 +256,7 @@ def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
     got = mgr.restore(like)
     for a, b in zip(jax.tree.leaves(saved_params), jax.tree.leaves(jaxdp.get_params(got))):
       np.testing.assert_array_equal(a, b)
-    mu = np.asarray(got.opt_state[0].mu["blocks"]["w"])
+    mu = np.asarray(_per_leaf(got).opt_state[0].mu["blocks"]["w"])
     rows = mu[:3] if target == "optim" else mu[:, :5]  # (4, 5, 5) or (3, 8, 5)
     np.testing.assert_array_equal(rows, saved.opt_state[0].mu["blocks"]["w"][:, :5])
     _, metrics = jaxdp.make_train_step(loss, TX, _mesh(4), _config(target), fsdp=target_fsdp)(
@@ -389,16 +400,16 @@ def test_save_is_async_and_uncommitted_steps_are_invisible(tmp_path, tiny, monke
 
 def test_state_may_be_donated_right_after_save(tmp_path, tiny):
   state, step, batch = tiny
-  before = _host(state)
+  before = _host(_per_leaf(state))
   mgr = jaxdp.CheckpointManager(tmp_path)
   mgr.save(0, state)
   step(state, batch)  # donates `state` while the write is in flight
-  assert state.master["w"].is_deleted()
+  assert all(m.is_deleted() for m in jax.tree.leaves(state.master))
   mgr.wait_until_finished()
   got = mgr.restore(
     jaxdp.init_state({"w": jnp.zeros((5, 2))}, optax.adam(0.1), _mesh(8), _config("optim"))
   )
-  np.testing.assert_array_equal(np.asarray(got.master["w"]), before.master["w"])
+  np.testing.assert_array_equal(np.asarray(_per_leaf(got).master["w"]), before.master["w"])
 
 
 def test_leftover_temporary_directory_is_ignored_and_removed(tmp_path, tiny):

@@ -236,8 +236,10 @@ def get_opt_state(state: TrainState) -> PyTree:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
     >>> state = jaxdp.init_state({"w": jnp.ones((30,))}, optax.adam(1e-3), mesh, config)
-    >>> state.opt_state[0].mu["w"].shape, jaxdp.get_opt_state(state)[0].mu["w"].shape
-    ((32,), (30,))
+    >>> jax.tree.map(jnp.shape, state.opt_state[0].mu)  # fused: a flat array per bucket
+    {'float32/bucket0': (128,)}
+    >>> jax.tree.map(jnp.shape, jaxdp.get_opt_state(state)[0].mu)
+    {'w': (30,)}
   """
   return _opt_state_program(state, state.step.sharding.mesh)
 
@@ -436,8 +438,8 @@ class CheckpointManager:
         f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})"
       )
 
-    fused, mesh = like.fused, like.step.sharding.mesh
-    if fused:  # restored in the per-leaf form, then made flat again
+    given, mesh = like, like.step.sharding.mesh
+    if like.fused:  # restored in the per-leaf form, then made flat again
       like = jax.jit(per_leaf_state, static_argnums=1)(like, mesh)
     layout = like.layout
     params, masters = leaves_of(like.params), leaves_of(like.master)
@@ -508,7 +510,9 @@ class CheckpointManager:
 
     shardings = jax.tree.map(lambda x: x.sharding, like)
     out = jax.jit(build, out_shardings=shardings)(stored, like)
-    return jax.jit(fused_state, static_argnums=1)(out, mesh) if fused else out
+    if not given.fused:
+      return out
+    return jax.jit(fused_state, static_argnums=1)(out, mesh, given)
 
   def _step(self, step: int | None) -> int:
     steps = self.all_steps()

@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -460,9 +461,10 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
 
 
-def fused_state(state: TrainState, mesh) -> TrainState:
-  """Inverse of `per_leaf_state`: a per-leaf `optim`/`optim_grads` state in fused form
-  (padding rows dropped, bucket padding zero). Traceable."""
+def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> TrainState:
+  """Inverse of `per_leaf_state`: a per-leaf `optim`/`optim_grads` state in fused form.
+  Each bucket's padding is `like`'s (a fused state: what `init_state` put there, e.g.
+  Adagrad's initial accumulator), else zero. Traceable."""
   layout = state.layout
   trainable = [i for i, t in enumerate(layout.trainable) if t]
   tree_def = jax.tree.structure(
@@ -476,26 +478,25 @@ def fused_state(state: TrainState, mesh) -> TrainState:
     xs = jax.tree.leaves(x)
     return all(tuple(np.shape(v)) == padded[i] for v, i in zip(xs, trainable))
 
-  def flat(x):
+  def flat(x, pad=None):
     if not is_tree(x):
       return x
     xs = jax.tree.flatten(x, is_leaf=lambda v: v is None)[0]
-    return {
-      name: bucket_ravel(
-        [unpad_leaf(constrain(xs[p.index], mesh, P()), layout, p.index) for p in b.params],
-        b,
-        layout.dp,
-        xs[b.params[0].index].dtype,
-      )
-      for name, _, b in bucket_names(layout)
-    }
+    out = {}
+    for name, _, b in bucket_names(layout):
+      leaves = [unpad_leaf(constrain(xs[p.index], mesh, P()), layout, p.index) for p in b.params]
+      out[name] = bucket_ravel(leaves, b, layout.dp, leaves[0].dtype)
+      if pad is not None:
+        real = bucket_ravel([np.ones(p.shape, bool) for p in b.params], b, layout.dp)
+        out[name] = jnp.where(real, out[name], constrain(pad[name], mesh, P()))
+    return out
 
-  out = dataclasses.replace(
-    state,
-    master=flat(state.master),
-    opt_state=jax.tree.map(flat, state.opt_state, is_leaf=is_tree),
-    fused=True,
-  )
+  if like is None:
+    master, opt_state = flat(state.master), jax.tree.map(flat, state.opt_state, is_leaf=is_tree)
+  else:
+    master = flat(state.master, like.master)
+    opt_state = jax.tree.map(flat, state.opt_state, like.opt_state, is_leaf=is_tree)
+  out = dataclasses.replace(state, master=master, opt_state=opt_state, fused=True)
   return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
 
 
