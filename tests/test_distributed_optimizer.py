@@ -6,6 +6,7 @@ on its columns): masks, global norms and schedules are exercised on padded shard
 the easy case.
 """
 
+import dataclasses
 import doctest
 import math
 import re
@@ -16,12 +17,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jaxdp
-from jaxdp._src import distributed_optimizer
+from jaxdp._src import distributed_optimizer, train as train_lib
 from jaxdp._src.distributed_optimizer import check_exact
 from jaxdp._src.ledger import measured_bytes, memory_ledger
+from jaxdp._src.state import bucket_names
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
 from tests.tolerances import assert_trees_close as assert_leaves_close, step_tolerances
@@ -202,6 +204,7 @@ def test_sharded_equals_single_device_f32(strategy, mask):
     overlap_param_gather=(mask == "pytree"),
   )
   state, step, losses, norms = train(params, loss_fn, batch, tx, config)
+  assert not state.fused  # the mask keeps the per-leaf update
   assert state.layout.num_buckets == 3
   assert all(p.rows != (p.shape or (1,))[p.axis] for p in state.layout.params)  # all padded
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
@@ -508,6 +511,7 @@ def test_lamb_is_exact_on_padded_leaves(axis_type):
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads", bucket_size=BUCKET)
   mesh = jax.make_mesh((DP,), ("data",), axis_types=(axis_type,))
   state, _, losses, _ = train(params, loss_fn, batch, tx, config, mesh=mesh)
+  assert not state.fused  # per-leaf trust ratios keep the per-leaf update
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   assert_trees_close(jaxdp.get_params(state), ref, atol=ATOL_F32)
 
@@ -529,6 +533,84 @@ def test_check_exact_accepts_elementwise_and_global_norm_transformations():
   assert "params['b'] has shape (3,)" in str(e.value)
   assert "sees it as (8,) (leading dim 3 padded to 8, a multiple of dp=8)" in str(e.value)
   assert "Also affected: params['s'], params['w']" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- fused update
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_fused_update_is_taken_and_equals_single_device(strategy):
+  """clip_by_global_norm + adamw (a schedule, no mask) runs as one update of flat buckets:
+  the master params and Adam's moments are one flat array per bucket sharded over "data",
+  and the run equals the single-device program as the per-leaf update does.
+
+  Tolerance: test_sharded_equals_single_device_f32's. The fused update does the same
+  elementwise arithmetic on the same values; only the clip's global norm sums its squares in
+  another order (per bucket, zero padding included, not per leaf): a relative change of
+  rtol_sum(n_params) = 4 sqrt(1.3e3) eps32 ~ 150 eps32 in the clip's scale, below the
+  4 n eps32 = 640 eps32 (n = 160 terms per gradient) AdamBound allows every gradient, and
+  within `norm_rtol` for the reported norm.
+  """
+  params, loss_fn, batch = mlp_problem()
+  tx = adamw_tx(params, mask=None)
+  loss_rtol, norm_rtol, bound = mlp_tolerances(params)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, bound=bound)
+  states = {}
+  for fused, overlap in [(None, True), (None, False), (False, True)]:
+    config = jaxdp.DDPConfig(
+      data_parallel_sharding_strategy=strategy,
+      bucket_size=BUCKET,
+      overlap_param_gather=overlap,
+      fused_update=fused,
+    )
+    state, step, losses, norms = states[fused, overlap] = train(params, loss_fn, batch, tx, config)
+    assert state.fused == (fused is None)
+    np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+    np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+    bound.check(jaxdp.get_params(state), ref)
+    assert step._cache_size() == 1, "the second step recompiled"
+
+  state = states[None, True][0]
+  flat = {name: (b.shard_size * DP,) for name, _, b in bucket_names(state.layout)}
+  assert len(flat) == 3 and {k: x.shape for k, x in state.master.items()} == flat
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  assert sorted(x.shape for x in moments) == sorted(2 * list(flat.values()))  # mu, nu
+  assert all(x.sharding.spec == P("data") for x in moments + list(state.master.values()))
+  assert train_lib.state_specs(state).master == {name: P("data") for name in flat}
+  # Readers see the per-leaf optax state, as under the per-leaf update.
+  fused, per_leaf = (jaxdp.get_opt_state(states[k][0]) for k in [(None, True), (False, True)])
+  assert jax.tree.structure(fused) == jax.tree.structure(per_leaf)
+  assert jax.tree.map(jnp.shape, fused) == jax.tree.map(jnp.shape, per_leaf)
+
+
+def test_fused_update_falls_back_for_masks_and_per_leaf_statistics():
+  """Masks of the param tree, per-leaf trust ratios and shape-dependent updates keep the
+  per-leaf update (exact: test_sharded_equals_single_device_f32, test_lamb_is_exact_...);
+  only fused_update=True turns that into an error."""
+  params, _, _ = mlp_problem()
+  layout = jaxdp.make_layout(params, dp=DP, bucket_size=BUCKET)
+  for tx in (
+    adamw_tx(params, mask=None),
+    optax.sgd(0.1, momentum=0.9),
+    optax.lion(1e-3),
+    optax.adagrad(0.1),
+  ):
+    assert distributed_optimizer.fuses(tx, layout), tx
+  for tx in (
+    adamw_tx(params, "callable"),
+    adamw_tx(params, "pytree"),
+    optax.lamb(1e-3),
+    optax.contrib.muon(1e-3),
+  ):
+    assert not distributed_optimizer.fuses(tx, layout), tx
+  mesh = jax.make_mesh((DP,), ("data",))
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", bucket_size=BUCKET)
+  assert not jaxdp.init_state(params, adamw_tx(params), mesh, config).fused
+  forced = dataclasses.replace(config, fused_update=True)
+  with pytest.raises(ValueError, match="fused_update=True: the optax transformation updates"):
+    jaxdp.init_state(params, optax.lamb(1e-3), mesh, forced)
+  with pytest.raises(ValueError, match="fused_update=True is for 'optim' and 'optim_grads'"):
+    jaxdp.DDPConfig(data_parallel_sharding_strategy="no_shard", fused_update=True)
 
 
 def test_doctests():
