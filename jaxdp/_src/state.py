@@ -34,12 +34,16 @@ class TrainState:
   Leaves that a field does not hold are None (e.g. `master` of an f32 param under DDP).
 
   Examples:
-    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> import dataclasses, jax, jax.numpy as jnp, optax, jaxdp
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
     >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
     >>> int(state.step), state.params["w"]  # gathered inside the next step
     (0, None)
+    >>> state.fused, state.master["float32/bucket0"].shape  # adam: a flat array per bucket
+    (True, (128,))
+    >>> config = dataclasses.replace(config, fused_update=False)  # per-leaf update
+    >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
     >>> state.master["w"].shape, state.master["w"].sharding.spec  # rows padded to 16
     ((16, 4), P('data', None))
     >>> state.layout.num_buckets
@@ -55,8 +59,8 @@ class TrainState:
   master: PyTree
   """The optimizer's copy of each trainable param ("main params"): sharded strategies
   hold each device's rows of the leaf's shard dim (`Layout.shard_axes`) sharded over
-  "data", in fp32 (or wider); DDP holds
-  fp32 copies of low-precision params only."""
+  "data", in fp32 (or wider), or with the fused update (`fused`) one flat array per bucket;
+  DDP holds fp32 copies of low-precision params only."""
   opt_state: PyTree
   """The optax state, built on `master`'s shapes and sharded like it."""
   layout: Layout

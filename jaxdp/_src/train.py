@@ -225,8 +225,8 @@ def state_specs(state: TrainState) -> TrainState:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
     >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
-    >>> state_specs(state).master["w"]
-    P('data', None)
+    >>> state_specs(state).master  # the fused update: one flat array per bucket
+    {'float32/bucket0': P('data',)}
   """
   if _fsdp_branch(state.config, None):
     return fsdp_lib.state_specs(state)
