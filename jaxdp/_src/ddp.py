@@ -466,6 +466,25 @@ def local_grads(
 # ----------------------------------------------------------------------------- step
 
 
+def _update_leaves(tx, grads, state: TrainState, mesh, sharded: bool):
+  """The per-leaf update: `(params, master)` leaves (tree order) and the new optax state."""
+  layout = state.layout
+  opt_params = opt_params_of(layout, state.params, state.master)
+  updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
+  new = leaves_of(optax.apply_updates(opt_params, updates))
+  params, master = leaves_of(state.params), leaves_of(state.master)
+  for i, t in enumerate(layout.trainable):
+    if not t:
+      continue
+    if master[i] is not None:
+      master[i] = new[i]
+    if params[i] is not None and not sharded:
+      params[i] = new[i].astype(layout.dtypes[i])
+  if sharded and not state.config.overlap_param_gather:
+    params = gather_params(master, layout, mesh, params, state)
+  return params, master, opt_state
+
+
 def _grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
   """A fused step's grads per trainable leaf (tree order) for the NaN check: each leaf's
   columns of its bucket's `(dp, shard_size)` view, padding included (zeros, finite)."""
@@ -545,44 +564,15 @@ def make_train_step(
       params = leaves_of(state.params)
       if not config.overlap_param_gather:
         params = gather_flat_params(master, layout, mesh, params)
-      new_state = dataclasses.replace(
-        state,
-        step=state.step + 1,
-        params=tree_of(layout, params),
-        master=master,
-        opt_state=opt_state,
-        model_state=model_state,
-      )
-      return checks.finish_step(
-        new_state,
-        state_specs(new_state),
-        mesh,
-        config,
-        loss,
-        grad_norm,
-        _grad_blocks(grads, layout) if config.check_for_nan_in_grad else None,
-        aux if has_aux else None,
-      )
-
-    opt_params = opt_params_of(layout, state.params, state.master)
-    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
-    new = leaves_of(optax.apply_updates(opt_params, updates))
-
-    params, master = leaves_of(state.params), leaves_of(state.master)
-    for i, t in enumerate(layout.trainable):
-      if not t:
-        continue
-      if master[i] is not None:
-        master[i] = new[i]
-      if params[i] is not None and not sharded:
-        params[i] = new[i].astype(layout.dtypes[i])
-    if sharded and not config.overlap_param_gather:
-      params = gather_params(master, layout, mesh, params, state)
+      checked = _grad_blocks(grads, layout) if config.check_for_nan_in_grad else None
+    else:
+      params, master, opt_state = _update_leaves(tx, grads, state, mesh, sharded)
+      master, checked = tree_of(layout, master), grads
     new_state = dataclasses.replace(
       state,
       step=state.step + 1,
       params=tree_of(layout, params),
-      master=tree_of(layout, master),
+      master=master,
       opt_state=opt_state,
       model_state=model_state,
     )
@@ -593,7 +583,7 @@ def make_train_step(
       config,
       loss,
       grad_norm,
-      grads,
+      checked,
       aux if has_aux else None,
     )
 
