@@ -166,7 +166,8 @@ def test_fsdp_params_gain_a_leaf():
 
 
 def test_sharded_master_reshaped():
-  mesh, config = _mesh(8), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  mesh = _mesh(8)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=False)
   state = _state(mesh, config)
   step = jaxdp.make_train_step(_loss, TX, mesh, config)
   edited = dataclasses.replace(state, master={**state.master, "a": jnp.ones((3, 2))})
@@ -175,6 +176,16 @@ def test_sharded_master_reshaped():
     match=r"state.master\['a'\]: shape \(3, 2\), but init_state "
     r"made it \(8, 2\)",
   ):
+    step(edited, _batch())
+
+
+def test_fused_master_reshaped():
+  mesh, config = _mesh(8), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  state = _state(mesh, config)
+  assert state.fused  # adam: the fused update, one flat array per bucket
+  step = jaxdp.make_train_step(_loss, TX, mesh, config)
+  edited = dataclasses.replace(state, master={k: jnp.ones((64,)) for k in state.master})
+  with pytest.raises(ValueError, match=r"state.master holds the flat buckets .* but init_state"):
     step(edited, _batch())
 
 

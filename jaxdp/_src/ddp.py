@@ -13,7 +13,8 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
 2. Outside, in the global view, the optax transformation updates the optimizer's copy of
    the params: the whole tree replicated (`no_shard`), or each device's 1/dp rows
    (`optim*`: each leaf padded on its shard dim and sharded on it, so global norms and
-   masks are exact).
+   masks are exact), or, with the fused update (`TrainState.fused`), each bucket's shard
+   as one flat array (see `distributed_optimizer`).
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
 
