@@ -317,11 +317,13 @@ def test_grad_accumulation_equals_large_batch(strategy):
     assert not [op for op in ops if op[0] == "all-reduce" and op[1] > 2]
 
 
-def test_replica_data_mesh_equals_single_device():
+@pytest.mark.parametrize("mask", ["callable", None])
+def test_replica_data_mesh_equals_single_device(mask):
   """num_distributed_optimizer_instances=2 on a (2, 4) mesh: each bucket is reduce-scattered
-  over the 4 "data" devices, then its shard all-reduced over the 2 replicas."""
+  over the 4 "data" devices, then its shard all-reduced over the 2 replicas; per-leaf
+  update (a mask) or fused (none)."""
   params, loss_fn, batch = mlp_problem()
-  tx = adamw_tx(params)
+  tx = adamw_tx(params, mask)
   loss_rtol, norm_rtol, bound = mlp_tolerances(params)
   ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, bound=bound)
   mesh = jax.make_mesh((2, 4), ("replica", "data"))
@@ -332,7 +334,7 @@ def test_replica_data_mesh_equals_single_device():
       num_distributed_optimizer_instances=2,
     )
     state, step, losses, norms = train(params, loss_fn, batch, tx, config, mesh=mesh)
-    assert state.layout.dp == 4
+    assert state.layout.dp == 4 and state.fused == (mask is None)
     np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
     np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
     bound.check(jaxdp.get_params(state), ref)
@@ -347,9 +349,11 @@ def test_replica_data_mesh_equals_single_device():
 
 @pytest.mark.parametrize("strategy", SHARDED)
 @pytest.mark.parametrize("overlap_param_gather", [True, False])
-def test_one_reduce_scatter_and_one_all_gather_per_bucket(strategy, overlap_param_gather):
+@pytest.mark.parametrize("mask", ["callable", None])
+def test_one_reduce_scatter_and_one_all_gather_per_bucket(strategy, overlap_param_gather, mask):
+  """Per-leaf update (a mask) and fused update (none): the same collectives per bucket."""
   params, loss_fn, batch = mlp_problem()
-  tx = adamw_tx(params)
+  tx = adamw_tx(params, mask)
   mesh = jax.make_mesh((DP,), ("data",))
   config = jaxdp.DDPConfig(
     data_parallel_sharding_strategy=strategy,
@@ -365,9 +369,10 @@ def test_one_reduce_scatter_and_one_all_gather_per_bucket(strategy, overlap_para
   assert sorted(n for kind, n, _, _ in ops if kind == "all-gather") == sizes
   # No gradient-sized all-reduce: only scalars. One f32[2] carries the loss and the grad
   # norm (from the reduced shards, one psum); clip_by_global_norm, run in the global view,
-  # all-reduces one partial sum per leaf (6 leaves).
+  # all-reduces one partial sum per leaf (6 leaves), or per bucket (3) when fused.
+  assert state.fused == (mask is None)
   all_reduces = sorted(n for kind, n, _, _ in ops if kind == "all-reduce")
-  assert all_reduces == [1] * 6 + [2]
+  assert all_reduces == [1] * (3 if state.fused else 6) + [2]
 
 
 # ----------------------------------------------------------------------------- memory

@@ -161,9 +161,15 @@ def test_hsdp_shards_within_data_and_replicates_across_replica(strategy):
     rtol=rtol_sum(16 * 3) + rtol_sum(n_params),
   )
 
-  mu = state.opt_state[1][0].mu["l0"]["w"]  # (6, 10) sharded 4 ways, replicated 2 ways:
-  # optim on dim 1 (10 -> 12 columns pads less than 6 -> 8 rows), FSDP's units on dim 0
-  dim = 1 if strategy == "optim" else 0
+  mu = state.opt_state[1][0].mu
+  # sharded 4 ways, replicated 2 ways: optim's fused update keeps one flat array per bucket;
+  # FSDP's units shard (6, 10) on dim 0
+  if strategy == "optim":
+    assert state.fused
+    (mu,) = mu.values()
+    dim = 0
+  else:
+    mu, dim = mu["l0"]["w"], 0
   assert mu.sharding.spec[dim] == "data"
   assert mu.addressable_shards[0].data.shape[dim] == mu.shape[dim] // 4
 

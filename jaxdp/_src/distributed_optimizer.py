@@ -357,7 +357,9 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
   names = bucket_names(small)
   for x64 in (True, False):
     try:
-      with jax.default_device(jax.local_devices(backend="cpu")[0]), jax.enable_x64(x64):
+      # eagerly, also where init_state is traced (`jax.eval_shape` of aot)
+      cpu = jax.local_devices(backend="cpu")[0]
+      with jax.ensure_compile_time_eval(), jax.default_device(cpu), jax.enable_x64(x64):
         return _fused_probe(tx, small, names, x64)
     except Exception as e:  # noqa: BLE001 - tx cannot run on the flat tree: per-leaf update
       error = e
