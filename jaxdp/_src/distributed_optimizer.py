@@ -42,6 +42,7 @@ the fused update's probe and conversions. What each device holds per strategy is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -329,8 +330,8 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
   Runs `tx` for a few steps on one host device twice with the same values: on the param
   tree and on `{bucket name: flat}` (`state.bucket_names`, the layout's shard-major order,
   padding zero), each dim of every leaf cut to at most 2 (the tree's ndims and paths stay,
-  so masks by path, by ndim or by size still differ on the flat tree), in float64 where it
-  can. True when the updates agree leaf by leaf and the padding's stay zero: elementwise
+  so masks by path or by ndim still differ on the flat tree; one by a size threshold above
+  the cut sizes would not), in float64 where it can. True when the updates agree leaf by leaf and the padding's stay zero: elementwise
   transformations, global norms and schedules (adamw, lion, sgd, clip_by_global_norm).
   False, never an error, for the rest: a mask given as a pytree or callable of the params,
   per-leaf statistics (lamb's trust ratio), shape-dependent state (adafactor, muon), or a
@@ -354,6 +355,17 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
     layout.dp,
     frozen=lambda path, _: path in static,
   )
+  try:
+    return _fuses_small(tx, small)
+  except TypeError:  # a `tx` that cannot be a cache key
+    return _fuses_small.__wrapped__(tx, small)
+
+
+@functools.lru_cache(maxsize=32)
+def _fuses_small(tx, small: Layout) -> bool:
+  """`fuses` on the cut layout, remembered: every `init_state` with the same `tx` and tree
+  (a state and the `like` of a restore, a config sweep) asks again, and the probe compiles
+  a program (~1 s)."""
   names = bucket_names(small)
   for x64 in (True, False):
     try:
@@ -426,9 +438,9 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
   """
   if config.fused_update is False:
     return False
-  why = None
   if config.data_parallel_sharding_strategy not in ("optim", "optim_grads"):
     return False  # DDPConfig refuses fused_update=True for these
+  why = None
   if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
     why = "some params are sharded over other mesh axes (tensor or expert parallel)"
   elif not fuses(tx, layout):
