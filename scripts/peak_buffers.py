@@ -72,7 +72,7 @@ def main():
   for size, name in sorted(live[peak].values(), reverse=True):
     if size >= args.min_mib * MiB:
       print(f"  {size / MiB:8.1f}  {name}")
-  for t in range(0, len(total), args.every or len(total) + 1):
+  for t in range(0, len(total), args.every) if args.every else ():
     print(f"{t:6d} {total[t] / MiB:8.1f}  {names.get(t, '')}")
 
 
