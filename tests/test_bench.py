@@ -121,3 +121,41 @@ def test_readme_table_is_the_dp8_rows_of_docs_bench():
     assert float(row[3]) == pytest.approx(float(want[5]), abs=0.5), key  # step ms
     # ratio, ratio to gspmd, compile ratio, collectives, state
     assert row[4:] == [want[6], want[7], want[9], want[10], want[12]], key
+
+
+@pytest.mark.slow
+def test_step_breakdown_puts_each_instruction_in_a_phase(tmp_path):
+  """scripts/step_breakdown.py profiles the steps and finds each strategy's collectives."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  command = [
+    sys.executable,
+    os.path.join(ROOT, "scripts", "step_breakdown.py"),
+    "--size",
+    "mlp32x2",
+    "--variants",
+    "gspmd,gspmd_zero1,optim",
+    "--rounds",
+    "1",
+    "--profile-steps",
+    "1",
+    "--out",
+    str(tmp_path),
+  ]
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-4000:]
+  table = (tmp_path / "breakdown.md").read_text()
+  assert table in done.stdout
+  rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+  assert rows[0] == "phase" and "**step (wall)**" in rows and "outside instructions" in rows
+  results = json.loads((tmp_path / "breakdown.json").read_text())["results"]
+  phases = {v: {p for p, ms in r["phases"].items() if ms > 0} for v, r in results.items()}
+  # What the compiled programs hold, whatever the timings: every step runs its loss and
+  # gradient and an optimizer update; replicated jit reduces the grads and gathers
+  # nothing; ZeRO-1 (GSPMD's and jaxdp's) gathers the updated params.
+  for variant in results:
+    assert {"forward+backward", "grad reductions", "optimizer update"} <= phases[variant]
+  assert "param gathers" not in phases["gspmd"]
+  assert "param gathers" in phases["gspmd_zero1"] and "param gathers" in phases["optim"]
+  for r in results.values():
+    assert r["wall_ms"] > 0 and r["instructions_per_step"] > 10
+    assert sum(i["ms"] for i in r["instructions"].values()) == pytest.approx(r["sum_ms"])
