@@ -125,7 +125,6 @@ def test_readme_table_is_the_dp8_rows_of_docs_bench():
     assert row[4:] == [want[6], want[7], want[9], want[10], want[12]], key
 
 
-@pytest.mark.slow
 def test_step_breakdown_puts_each_instruction_in_a_phase(tmp_path):
   """scripts/step_breakdown.py profiles the steps and finds each strategy's collectives."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
