@@ -10,6 +10,10 @@ clipping), for every model size and data-parallel size dp, side by side:
                         params stay replicated, so XLA gathers the updated params)
     gspmd_fsdp          the same jit with params *and* optimizer state sharded so (what
                         a MaxText user writes for FSDP); XLA gathers the weights itself
+    gspmd_fsdp_gather   gspmd_fsdp whose loss constrains the params to replicated: XLA
+                        gathers every weight at the top of the step (the same memory at
+                        rest; during the step all params, as ZeRO-1). Without activation
+                        constraints GSPMD's own FSDP can be far slower than this one
     psum_leaf           `jax.grad` inside `shard_map`, then one `pmean` per leaf
     psum_flat           `jax.grad` inside `shard_map`, grads ravelled, one `pmean`
     no_shard            jaxdp DDP                                 (baseline: gspmd)
@@ -82,7 +86,7 @@ rounds = 8  # round-robin rounds (samples per variant = steps * rounds)
 warmup = 2  # untimed steps per variant after compiling
 lr = 3e-4
 grad_clip = 1.0
-variants = "gspmd,gspmd_zero1,gspmd_fsdp,no_shard,optim,optim_grads_params"
+variants = "gspmd,gspmd_zero1,gspmd_fsdp,gspmd_fsdp_gather,no_shard,optim,optim_grads_params"
 out = "out/bench"
 cpu_devices = 8
 seed = 0
@@ -146,11 +150,12 @@ from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 size_names = args.sizes.split(",")
 dp_list = [int(d) for d in args.dps.split(",")]
 JAXDP = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-GSPMD = ("gspmd", "gspmd_zero1", "gspmd_fsdp")
+GSPMD = ("gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather")
 BASELINE = {  # the GSPMD program that holds the same memory as the variant
   "gspmd": "gspmd",
   "gspmd_zero1": "gspmd_zero1",
   "gspmd_fsdp": "gspmd_fsdp",
+  "gspmd_fsdp_gather": "gspmd_fsdp_gather",
   "psum_leaf": "gspmd",
   "psum_flat": "gspmd",
   "no_shard": "gspmd",
@@ -200,7 +205,8 @@ def baseline(loss_fn, params, mesh, batch, reduce, shard):
   """A hand-written data-parallel step.
 
   `reduce` None: GSPMD inserts the reduction. `shard`: what is sharded P("data") with
-  `data_spec` ("" nothing, "opt" the optimizer state, "params+opt" both).
+  `data_spec` ("" nothing, "opt" the optimizer state, "params+opt" both; "+gather": the
+  loss sees the params constrained to replicated, so XLA gathers them all at the top).
   """
   dp = mesh.shape["data"]
   replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -215,7 +221,13 @@ def baseline(loss_fn, params, mesh, batch, reduce, shard):
   params = jax.device_put(params, param_shardings)
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
-  if reduce is None:
+  if reduce is None and "gather" in shard:  # every weight gathered at the top of the step
+
+    def gathered_loss(params, batch):
+      return loss_fn(jax.lax.with_sharding_constraint(params, shardings(params, False)), batch)
+
+    grad_fn = jax.value_and_grad(gathered_loss)
+  elif reduce is None:
     grad_fn = jax.value_and_grad(loss_fn)
   else:
 
@@ -263,6 +275,7 @@ HAND_WRITTEN = {  # variant: (reduce, what is sharded)
   "gspmd": (None, ""),
   "gspmd_zero1": (None, "opt"),
   "gspmd_fsdp": (None, "params+opt"),
+  "gspmd_fsdp_gather": (None, "params+opt+gather"),
   "psum_leaf": (per_leaf, ""),
   "psum_flat": (flat, ""),
 }

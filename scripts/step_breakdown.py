@@ -27,9 +27,11 @@ time measured without the profiler) in milliseconds, so that a column adds up to
 step. A collective's events are split: the time its device waits in XLA:CPU's rendezvous
 for the last device to arrive is "waiting for other devices"; the rest (the exchange
 itself) stays with the collective. On this backend the devices are threads sharing the
-machine's cores, so an instruction's events include time its thread waited for a core,
-and the waiting row grows with any imbalance between devices: compare strategies and
-shares, not absolute numbers.
+machine's cores, so an instruction's events include time its thread waited for a core:
+when all devices compute at once each gets a fraction of a core, when most wait at a
+rendezvous the others get whole cores. A program with many collectives therefore shows
+less forward+backward and more waiting than one with few, for the same work; compare
+"forward+backward + waiting" across strategies, and shares, not absolute numbers.
 
 Usage:
     python scripts/step_breakdown.py                           # GPT small, dp = 8
@@ -111,7 +113,12 @@ import jaxdp  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 JAXDP = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-GSPMD = {"gspmd": "", "gspmd_zero1": "opt", "gspmd_fsdp": "params+opt"}  # what is sharded
+GSPMD = {  # what is sharded, as in scripts/bench.py
+  "gspmd": "",
+  "gspmd_zero1": "opt",
+  "gspmd_fsdp": "params+opt",
+  "gspmd_fsdp_gather": "params+opt+gather",
+}
 variant_names = args.variants.split(",")
 for v in variant_names:
   if v not in JAXDP + tuple(GSPMD):
@@ -173,8 +180,13 @@ def gspmd_step(loss_fn, params, mesh, batch, shard):
   params = jax.device_put(params, param_shardings)
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
+  def loss(params, batch):
+    if "gather" in shard:  # every weight gathered at the top of the step
+      params = jax.lax.with_sharding_constraint(params, shardings(params, False))
+    return loss_fn(params, batch)
+
   def forward_backward(params, batch):
-    return jax.value_and_grad(loss_fn)(params, batch)
+    return jax.value_and_grad(loss)(params, batch)
 
   def optimizer_update(grads, opt_state, params):
     updates, opt_state = tx.update(grads, opt_state, params)

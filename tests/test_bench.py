@@ -8,8 +8,9 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "no_shard", "optim", "optim_grads_params"]
-BASELINES = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd", "gspmd_zero1", "gspmd_fsdp"]
+GSPMD = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather"]
+VARIANTS = GSPMD + ["no_shard", "optim", "optim_grads_params"]
+BASELINES = GSPMD + ["gspmd", "gspmd_zero1", "gspmd_fsdp"]
 SIZES = ["tiny", "mlp32x2"]
 # the docs' table: size | params | dp | variant | baseline | step ms | ratio | ratio to gspmd
 # | compile s | compile ratio | collectives | comm MiB/dev | state MiB/dev
@@ -72,10 +73,11 @@ def test_bench_writes_table_plot_and_samples(bench):
   # device 0 holds the formula's bytes (bench.py raises otherwise). The GPT's and the
   # MLP's leaves all have a dim that 8 divides; Adam's step count is the one scalar.
   checks = report["gspmd_checks"]
-  assert len(checks) == 6 and all("(= the formula)" in c for c in checks)
-  assert "gspmd_zero1: params 0/4 leaves" in checks[4]
-  assert "opt state 8/9 leaves sharded" in checks[4]
-  assert "gspmd_fsdp: params 4/4 leaves" in checks[5]
+  assert len(checks) == 8 and all("(= the formula)" in c for c in checks)
+  assert "mlp32x2 dp=8 gspmd_zero1: params 0/4 leaves" in checks[5]
+  assert "opt state 8/9 leaves sharded" in checks[5]
+  assert "gspmd_fsdp: params 4/4 leaves" in checks[6]
+  assert "gspmd_fsdp_gather: params 4/4 leaves" in checks[7]
   for size in SIZES:
     results = {r["variant"]: r for r in report["results"] if r["size"] == size}
     assert list(results) == VARIANTS
@@ -102,6 +104,7 @@ def test_bench_writes_table_plot_and_samples(bench):
     assert results["no_shard"]["state_bytes"] == pytest.approx(full, abs=16)
     assert results["gspmd_zero1"]["state_bytes"] == pytest.approx(params + 2 * params / 8, abs=16)
     assert results["gspmd_fsdp"]["state_bytes"] == pytest.approx(full / 8, abs=16)
+    assert results["gspmd_fsdp_gather"]["state_bytes"] == results["gspmd_fsdp"]["state_bytes"]
     for sharded in ("optim", "optim_grads_params"):
       assert results[sharded]["state_bytes"] == pytest.approx(full / 8, rel=0.25)
 
