@@ -25,6 +25,8 @@ Usage:
     python scripts/fsdp_memory.py --model gpt --layers 4 8 --scanned
     python scripts/fsdp_memory.py --model mlp --layers 4 8 16 --both-forms --no-remat
     python scripts/fsdp_memory.py --small ...   # d 64, ffn 256, batch 8 x 16: seconds
+    python scripts/fsdp_memory.py --both-forms --bucket-size 16000000 \
+        --programs "jaxdp no_shard" "jaxdp optim"   # DDP / ZeRO-1 with smaller buckets
 """
 
 import argparse
@@ -182,16 +184,27 @@ def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
 
 
 def compile_program(
-  program, model, n_layer, *, scanned, remat, small=False, fsdp=None, prefetch=1, **kw
+  program,
+  model,
+  n_layer,
+  *,
+  scanned,
+  remat,
+  small=False,
+  fsdp=None,
+  prefetch=1,
+  bucket_size=None,
+  **kw,
 ):
-  """One program compiled for 8 x H100 (`kw`: the model's sizes)."""
+  """One program compiled for 8 x H100 (`kw`: the model's sizes; `bucket_size`: the
+  `DDPConfig(bucket_size=)` of jaxdp's `no_shard` / `optim` rows, None: Megatron's)."""
   params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
   tx = optax.adam(1e-4)
   mesh = aot.gpu_mesh((DP,), ("data",))
   if program.startswith("GSPMD"):
     return gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned)
   strategy = JAXDP[program]
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=bucket_size)
   if strategy == "optim_grads_params":
     fsdp = fsdp or FSDPConfig(stacked=["blocks"] if scanned else [], prefetch=prefetch)
   return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh, fsdp=fsdp)
@@ -252,6 +265,13 @@ def main():
   parser.add_argument("--small", action="store_true", help="a tiny model (seconds)")
   parser.add_argument("--vocab", type=int, default=50304, help="GPT vocabulary (256: bytes)")
   parser.add_argument("--prefetch", type=int, default=1, help="jaxdp FSDP's FSDPConfig(prefetch=)")
+  parser.add_argument(
+    "--bucket-size",
+    type=int,
+    default=None,
+    help="DDPConfig(bucket_size=) in elements for the jaxdp no_shard / optim rows "
+    "(default: Megatron's max(40M, 1M * dp))",
+  )
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()
   if reason:
@@ -262,6 +282,7 @@ def main():
     for remat in remats:
       kw = {"vocab": args.vocab} if args.model == "gpt" and not args.small else {}
       kw["prefetch"] = args.prefetch
+      kw["bucket_size"] = args.bucket_size
       stats = measure(
         args.model,
         args.layers,
@@ -271,8 +292,9 @@ def main():
         small=args.small,
         **kw,
       )
+      vocab = f" (vocab {args.vocab})" if "vocab" in kw else ""
       title = (
-        f"\n{args.model}{f' (vocab {args.vocab})' if kw else ''}, "
+        f"\n{args.model}{vocab}, "
         f"{'scanned' if scanned else 'unrolled'}, "
         f"{'each block under jax.checkpoint' if remat else 'no remat'}: peak MiB per "
         "device, 8 x H100, Adam, fp32"

@@ -8,7 +8,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = ["gspmd", "psum_leaf", "psum_flat", "no_shard", "optim", "optim_grads_params"]
+GSPMD = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather"]
+VARIANTS = GSPMD + ["no_shard", "optim", "optim_grads_params"]
+BASELINES = GSPMD + ["gspmd", "gspmd_zero1", "gspmd_fsdp"]
+SIZES = ["tiny", "mlp32x2"]
+# the docs' table: size | params | dp | variant | baseline | step ms | ratio | ratio to gspmd
+# | compile s | compile ratio | collectives | comm MiB/dev | state MiB/dev
+COLUMNS = 13
 
 
 @pytest.fixture(scope="module")
@@ -29,46 +35,78 @@ def bench(tmp_path_factory):
   return out, done.stdout
 
 
+def table_rows(text, sizes=("tiny", "mlp32x2", "small", "medium", "mlp512x8", "mlp256x4")):
+  """The cells of the markdown table rows in `text` that start with a model size."""
+  rows = []
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    if len(cells) > 3 and cells[0].split(" ")[0] in sizes:
+      rows.append(cells)
+  return rows
+
+
 @pytest.mark.slow
 def test_bench_writes_table_plot_and_samples(bench):
   out, stdout = bench
   table = (out / "bench.md").read_text()
   assert table.startswith("Command: `python scripts/bench.py --quick --dps 8 --out ")
   assert table in stdout
-  rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| tiny ")]
-  assert [r[3].strip() for r in rows] == VARIANTS
-  assert all(r[2].strip() == "8" for r in rows)
-  assert rows[0][5].strip() == "1.00"  # the baseline's ratio to itself
-  assert "At dp=8: no_shard " in table
+  rows = [r for r in table_rows(table) if len(r) == COLUMNS]
+  assert [(r[0], r[3], r[4]) for r in rows] == [
+    (size, v, b) for size in SIZES for v, b in zip(VARIANTS, BASELINES)
+  ]
+  assert all(r[2] == "8" for r in rows)
+  for r in rows:
+    if r[3].startswith("gspmd"):  # a baseline's ratio (step and compile) to itself
+      assert r[6] == r[9] == "1.00", r
+  assert "Issue 16's targets at dp=8" in table
+  targets = [r for r in table_rows(table) if len(r) == 4]  # size + one cell per strategy
+  assert [r[0] for r in targets] == SIZES
+  assert all(("met" in c or "missed" in c) for r in targets for c in r[1:])
+  readme = table_rows((out / "readme.md").read_text())  # README's columns, same rows
+  assert [(r[0].split(" ")[0], r[1], r[4]) for r in readme] == [(r[0], r[3], r[6]) for r in rows]
   with open(out / "bench.png", "rb") as f:
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
-  results = {r["variant"]: r for r in json.loads((out / "bench.json").read_text())["results"]}
-  assert list(results) == VARIANTS
-  for r in results.values():
-    assert len(r["times_ms"]) == 4 and r["step_ms"] > 0 and r["compile_s"] > 0
-    assert r["ratio"] == pytest.approx(r["step_ms"] / results["gspmd"]["step_ms"])
-  # What the table claims about each variant, from the compiled programs and the state:
-  # every variant reduces the grads; jaxdp moves what one flat all-reduce moves (up to
-  # padding); ZeRO-1 and FSDP keep about 1/8 of the replicated state on each device.
-  assert all(r["collectives"] >= 1 for r in results.values())
-  flat = results["psum_flat"]["comm_bytes"]
-  assert results["no_shard"]["comm_bytes"] == pytest.approx(flat, rel=0.05)
-  assert results["optim"]["comm_bytes"] == pytest.approx(flat, rel=0.05)
-  full = results["gspmd"]["state_bytes"]
-  assert results["no_shard"]["state_bytes"] == pytest.approx(full, abs=4)  # + step count
-  for sharded in ("optim", "optim_grads_params"):
-    assert results[sharded]["state_bytes"] == pytest.approx(full / 8, rel=0.25)
-
-
-def table_rows(text):
-  """The cells of the markdown table rows in `text` that start with a model size."""
-  rows = []
-  for line in text.splitlines():
-    cells = [c.strip() for c in line.split("|")[1:-1]]
-    if len(cells) > 3 and cells[0].split(" ")[0] in ("tiny", "small", "medium"):
-      rows.append(cells)
-  return rows
+  report = json.loads((out / "bench.json").read_text())
+  # Each GSPMD baseline was checked after its steps: every leaf sharded as asked, and
+  # device 0 holds the formula's bytes (bench.py raises otherwise). The GPT's and the
+  # MLP's leaves all have a dim that 8 divides; Adam's step count is the one scalar.
+  checks = report["gspmd_checks"]
+  assert len(checks) == 8 and all("(= the formula)" in c for c in checks)
+  assert "mlp32x2 dp=8 gspmd_zero1: params 0/4 leaves" in checks[5]
+  assert "opt state 8/9 leaves sharded" in checks[5]
+  assert "gspmd_fsdp: params 4/4 leaves" in checks[6]
+  assert "gspmd_fsdp_gather: params 4/4 leaves" in checks[7]
+  for size in SIZES:
+    results = {r["variant"]: r for r in report["results"] if r["size"] == size}
+    assert list(results) == VARIANTS
+    for r in results.values():
+      base = results[r["baseline"]]
+      assert len(r["times_ms"]) == 4 and r["step_ms"] > 0 and r["compile_s"] > 0
+      assert r["ratio"] == pytest.approx(r["step_ms"] / base["step_ms"])
+      assert r["ratio_gspmd"] == pytest.approx(r["step_ms"] / results["gspmd"]["step_ms"])
+      assert r["compile_ratio"] == pytest.approx(r["compile_s"] / base["compile_s"])
+    # What the table claims about each variant, from the compiled programs and the state:
+    # every variant reduces the grads; jaxdp's DDP and ZeRO-1 send what one ring
+    # all-reduce of the f32 grads sends, 2 (N - 1) / N * 4 bytes per param (up to the
+    # loss, the norm scalars and padding rows to a multiple of 8: < 5% here).
+    assert all(r["collectives"] >= 1 for r in results.values())
+    ring = 2 * 7 / 8 * 4 * results["gspmd"]["params"]
+    assert results["no_shard"]["comm_bytes"] == pytest.approx(ring, rel=0.05)
+    assert results["optim"]["comm_bytes"] == pytest.approx(ring, rel=0.05)
+    # State per device: replicated = params + Adam's two moments (+ the step count);
+    # ZeRO-1 programs keep the params and 1/8 of the moments, FSDP programs 1/8 of both
+    # (jaxdp pads rows to a multiple of 8, none here: every dim is one).
+    params = 4 * results["gspmd"]["params"]
+    full = results["gspmd"]["state_bytes"]
+    assert full == pytest.approx(3 * params, abs=16)
+    assert results["no_shard"]["state_bytes"] == pytest.approx(full, abs=16)
+    assert results["gspmd_zero1"]["state_bytes"] == pytest.approx(params + 2 * params / 8, abs=16)
+    assert results["gspmd_fsdp"]["state_bytes"] == pytest.approx(full / 8, abs=16)
+    assert results["gspmd_fsdp_gather"]["state_bytes"] == results["gspmd_fsdp"]["state_bytes"]
+    for sharded in ("optim", "optim_grads_params"):
+      assert results[sharded]["state_bytes"] == pytest.approx(full / 8, rel=0.25)
 
 
 def test_readme_table_is_the_dp8_rows_of_docs_bench():
@@ -77,12 +115,52 @@ def test_readme_table_is_the_dp8_rows_of_docs_bench():
   section = readme[readme.index("<!-- BEGIN benchmarks") : readme.index("<!-- END benchmarks")]
   command = docs[docs.index("Command: `") + 10 :].split("`")[0]
   assert f"\n{command}\n" in section  # the README names the command that made the table
-  # README: size (params) | variant | step ms | ratio | collectives | comm | state
-  ours = {(r[0].split(" ")[0], r[1]): r for r in table_rows(section)}
-  # docs: size | params | dp | variant | step ms | ratio | compile s | collectives | comm | state
-  dp8 = {(r[0], r[3]): r for r in table_rows(docs) if r[2] == "8"}
-  assert ours.keys() == dp8.keys() and len(ours) >= 12
+  # README: size (params) | variant | baseline | step ms | ratio | ratio to gspmd
+  # | compile ratio | collectives | state MiB/dev
+  ours = {(r[0].split(" ")[0], r[1]): r for r in table_rows(section) if len(r) == 9}
+  dp8 = {(r[0], r[3]): r for r in table_rows(docs) if len(r) == COLUMNS and r[2] == "8"}
+  assert ours.keys() == dp8.keys() and len(ours) >= 24
   for key, row in ours.items():
     want = dp8[key]
-    assert float(row[2]) == pytest.approx(float(want[4]), abs=0.5), key  # step ms
-    assert row[3:] == [want[5], want[7], want[8], want[9]], key  # ratio, coll, comm, state
+    assert row[2] == want[4], key  # baseline
+    assert float(row[3]) == pytest.approx(float(want[5]), abs=0.5), key  # step ms
+    # ratio, ratio to gspmd, compile ratio, collectives, state
+    assert row[4:] == [want[6], want[7], want[9], want[10], want[12]], key
+
+
+def test_step_breakdown_puts_each_instruction_in_a_phase(tmp_path):
+  """scripts/step_breakdown.py profiles the steps and finds each strategy's collectives."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  command = [
+    sys.executable,
+    os.path.join(ROOT, "scripts", "step_breakdown.py"),
+    "--size",
+    "mlp32x2",
+    "--variants",
+    "gspmd,gspmd_zero1,optim",
+    "--rounds",
+    "1",
+    "--profile-steps",
+    "1",
+    "--out",
+    str(tmp_path),
+  ]
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-4000:]
+  table = (tmp_path / "breakdown.md").read_text()
+  assert table in done.stdout
+  rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")]
+  assert rows[0] == "phase" and "**step (wall ms)**" in rows and "waiting for other devices" in rows
+  results = json.loads((tmp_path / "breakdown.json").read_text())["results"]
+  phases = {v: {p for p, ms in r["phases"].items() if ms > 0} for v, r in results.items()}
+  # What the compiled programs hold, whatever the timings: every step runs its loss and
+  # gradient and an optimizer update; replicated jit reduces the grads and gathers
+  # nothing; ZeRO-1 (GSPMD's and jaxdp's) gathers the updated params.
+  for variant in results:
+    assert {"forward+backward", "grad reductions", "optimizer update"} <= phases[variant]
+  assert "param gathers" not in phases["gspmd"]
+  assert "param gathers" in phases["gspmd_zero1"] and "param gathers" in phases["optim"]
+  for r in results.values():
+    assert r["wall_ms"] > 0 and r["instructions_per_step"] > 10
+    waiting = r["phases"]["waiting for other devices"]  # split off the collectives' events
+    assert sum(i["ms"] for i in r["instructions"].values()) + waiting == pytest.approx(r["sum_ms"])

@@ -129,23 +129,24 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _residual_mask(f, args, tainted: Sequence[bool]) -> list[bool]:
-  """Which leaves of `jax.vjp(f, *args)`'s residuals depend on the `tainted` args.
+def _residual_masks(f, args, *taints: Sequence[bool]) -> list[list[bool]]:
+  """For each of `taints` (a flag per arg): which leaves of `jax.vjp(f, *args)`'s residuals
+  depend on the tainted args, from one trace of the vjp.
 
-  The others are computed from the untainted args (params, consts) alone: a unit's backward
-  recomputes them instead of saving them.
+  A residual computed from untainted args alone (params, consts) is one a unit's backward
+  recomputes instead of saving.
   """
   closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*args)
-  jaxpr = closed.jaxpr
-  marked = set()
-  flat_taint = []
-  for a, t in zip(args, tainted):
-    flat_taint += [t] * len(jax.tree.leaves(a))
-  marked.update(v for v, t in zip(jaxpr.invars, flat_taint) if t)
-  for eqn in jaxpr.eqns:
-    if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
-      marked.update(eqn.outvars)
-  return [isinstance(v, jcore.Var) and v in marked for v in jaxpr.outvars]
+  sizes = [len(jax.tree.leaves(a)) for a in args]
+  masks = []
+  for tainted in taints:
+    flat_taint = [t for n, t in zip(sizes, tainted) for _ in range(n)]
+    marked = {v for v, t in zip(closed.jaxpr.invars, flat_taint) if t}
+    for eqn in closed.jaxpr.eqns:
+      if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
+        marked.update(eqn.outvars)
+    masks.append([isinstance(v, jcore.Var) and v in marked for v in closed.jaxpr.outvars])
+  return masks
 
 
 def _ct_or_none(x, ct):
@@ -297,6 +298,13 @@ def _unit_call(
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
   closed, shape = jax.make_jaxpr(full_of, return_shape=True)(trainable, frozen)
   full_avals = jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
+  # What the forward saves (the residuals that depend on the activations; None: all) and
+  # which residuals the params feed: one trace of the segment's vjp, for both passes.
+  keep = of_params = None
+  if reshard:
+    keep, of_params = _residual_masks(
+      fn, (_stand_ins(act_avals), _stand_ins(full_avals)), (True, False), (False, True)
+    )
 
   @jax.custom_vjp
   def call(acts, t, f, tokens):
@@ -306,8 +314,7 @@ def _unit_call(
     full = full_of(t, f)
     outs, vjp = jax.vjp(fn, acts, full)
     leaves = jax.tree.leaves(vjp)
-    keep = [True] * len(leaves) if not reshard else _residual_mask(fn, (acts, full), (True, False))
-    saved = [x for x, s in zip(leaves, keep) if s]
+    saved = [x for x, s in zip(leaves, keep or [True] * len(leaves)) if s]
     zeros = _stand_ins(token_avals)
     return (outs, zeros), (saved, t, f, None if reshard else full)
 
@@ -317,9 +324,6 @@ def _unit_call(
     acts0 = _stand_ins(act_avals)
     # This segment's backward has started: release the gather of the segment k earlier.
     fresh, ct_outs = _together(_stand_in(token_avals[0]), ct_outs) if k else (None, ct_outs)
-    if reshard:
-      keep = _residual_mask(fn, (acts0, _stand_ins(full_avals)), (True, False))
-      of_params = _residual_mask(fn, (acts0, _stand_ins(full_avals)), (False, True))
     if reshard and not any(p and not s for p, s in zip(of_params, keep)):
       # nothing to recompute from the params (wpe's grad needs only the cotangent): no gather
       full = _stand_ins(full_avals)
@@ -334,9 +338,7 @@ def _unit_call(
       # runs the recomputation of the segment k earlier as soon as its gather lands).
       full, ct_outs = _together(full_of(t, f), ct_outs)
     _, vjp = jax.vjp(fn, acts0, full)
-    if not reshard:
-      keep = [True] * len(jax.tree.leaves(vjp))
-    d_acts, d_full = _swap(vjp, saved, keep)(ct_outs)
+    d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
     d_t = _scatter(units, d_full, layer_axis=True)
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
@@ -389,11 +391,19 @@ def _scan_unit(
   def layer(tree, i):
     return jax.tree.map(lambda a: a[i], tree)
 
-  def mask(consts, carry, x_other, full):
-    if not reshard:
-      n = len(jax.tree.leaves(jax.vjp(f, consts, carry, x_other, full)[1]))
-      return [True] * n
-    return _residual_mask(f, (consts, carry, x_other, full), (False, True, True, False))
+  def gather_layer(t_i, f_i):
+    return _gather(units, {**t_i, **f_i}, layer_axis=False, each=True)
+
+  # What each iteration saves: the residuals that depend on the carry or the other xs
+  # (None: all), from one trace of the body's vjp on one layer's types.
+  keep = None
+  if reshard:
+    closed, shape = jax.make_jaxpr(gather_layer, return_shape=True)(
+      layer(trainable, 0), layer(frozen, 0)
+    )
+    full = _stand_ins(jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals))
+    args = (consts, _stand_ins(init_avals), _stand_ins(other_avals), full)
+    (keep,) = _residual_masks(f, args, (False, True, True, False))
 
   @jax.custom_vjp
   def call(consts, init, other, t, f_, tokens):
@@ -407,10 +417,9 @@ def _scan_unit(
   def fwd(consts, init, other, t, f_, tokens):
     def step(carry, inp):
       x, t_i, f_i = inp
-      full = _gather(units, {**t_i, **f_i}, layer_axis=False, each=True)
-      keep = mask(consts, carry, x, full)
-      (carry, ys), vjp = jax.vjp(f, consts, carry, x, full)
-      saved = [r for r, s in zip(jax.tree.leaves(vjp), keep) if s]
+      (carry, ys), vjp = jax.vjp(f, consts, carry, x, gather_layer(t_i, f_i))
+      leaves = jax.tree.leaves(vjp)
+      saved = [r for r, s in zip(leaves, keep or [True] * len(leaves)) if s]
       return carry, (ys, saved)
 
     carry, (ys, saved) = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
@@ -427,10 +436,9 @@ def _scan_unit(
       d_carry, d_consts = acc
       t_i, f_i, saved_i, d_ys_i = inp
       init0, other0 = _stand_ins(init_avals), _stand_ins(other_avals)
-      full = _gather(units, {**t_i, **f_i}, layer_axis=False, each=True)
-      keep = mask(consts, init0, other0, full)
-      _, vjp = jax.vjp(f, consts, init0, other0, full)
-      dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep)((d_carry, d_ys_i))
+      _, vjp = jax.vjp(f, consts, init0, other0, gather_layer(t_i, f_i))
+      keep_i = keep or [True] * len(saved_i)
+      dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
       d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
       d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
       d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
