@@ -34,7 +34,9 @@ batch B: `mlp512x8` B 256, `mlp256x4` B 64, `mlp32x2` B 16 for --quick).
 Each variant is compiled with the options it would get by default (jaxdp's own options
 keep its buckets separate: XLA:CPU's all-reduce combiner is off). A jaxdp variant named
 with `+combine` (e.g. `--variants gspmd,optim,optim+combine`) is compiled with that
-combiner back on, to measure what separate collectives cost on this machine. The
+combiner back on, to measure what separate collectives cost on this machine; one named
+with `+perleaf` (`optim+perleaf`) is built with `DDPConfig(fused_update=False)`: the
+per-leaf optimizer update it had before the flat per-bucket one, in the same run. The
 baselines a variant needs are added to --variants when missing. All variants of one
 (size, dp) are compiled first, then timed round-robin: `--rounds` rounds of `--steps`
 steps each, the order rotated every round, so that load from other processes falls on
@@ -150,6 +152,7 @@ from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 size_names = args.sizes.split(",")
 dp_list = [int(d) for d in args.dps.split(",")]
 JAXDP = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+EXTRAS = ("combine", "perleaf")  # jaxdp variant suffixes, see the docstring
 GSPMD = ("gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather")
 BASELINE = {  # the GSPMD program that holds the same memory as the variant
   "gspmd": "gspmd",
@@ -168,8 +171,10 @@ for name in size_names:
     sys.exit(f"--sizes: unknown size {name!r}; use some of {list(SIZES)}")
 variant_names = args.variants.split(",")
 for v in variant_names:
-  if v not in tuple(BASELINE) + tuple(f"{s}+combine" for s in JAXDP):
-    sys.exit(f"--variants: unknown variant {v!r}; use some of {list(BASELINE)} (+combine)")
+  if v not in tuple(BASELINE) + tuple(f"{s}+{x}" for s in JAXDP for x in EXTRAS):
+    sys.exit(
+      f"--variants: unknown variant {v!r}; use some of {list(BASELINE)} (+combine, +perleaf)"
+    )
 needed = {"gspmd"} | {BASELINE[v.partition("+")[0]] for v in variant_names}
 variant_names = [b for b in GSPMD if b in needed and b not in variant_names] + variant_names
 
@@ -262,8 +267,8 @@ def flat(grads):
   return unravel(jax.lax.pmean(vector, "data"))
 
 
-def jaxdp_variant(loss_fn, params, mesh, batch, strategy):
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+def jaxdp_variant(loss_fn, params, mesh, batch, strategy, fused_update=None):
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
   state = jaxdp.init_state(params, tx, mesh, config)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
   batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
@@ -285,7 +290,8 @@ def build(variant, loss_fn, params, mesh, batch):
   """(carry, batch, fn, compiler options) of a variant."""
   strategy, _, extra = variant.partition("+")
   if strategy in JAXDP:
-    return *jaxdp_variant(loss_fn, params, mesh, batch, strategy), (
+    fused_update = False if extra == "perleaf" else None
+    return *jaxdp_variant(loss_fn, params, mesh, batch, strategy, fused_update), (
       COMBINE if extra == "combine" else None
     )
   return *baseline(loss_fn, params, mesh, batch, *HAND_WRITTEN[variant]), None
