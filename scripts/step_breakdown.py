@@ -121,8 +121,11 @@ GSPMD = {  # what is sharded, as in scripts/bench.py
 }
 variant_names = args.variants.split(",")
 for v in variant_names:
-  if v not in JAXDP + tuple(GSPMD):
-    sys.exit(f"--variants: unknown variant {v!r}; use some of {list(GSPMD) + list(JAXDP)}")
+  if v not in JAXDP + tuple(GSPMD) + tuple(f"{s}+perleaf" for s in JAXDP):
+    sys.exit(
+      f"--variants: unknown variant {v!r}; use some of {list(GSPMD) + list(JAXDP)} "
+      "(a jaxdp one with +perleaf: DDPConfig(fused_update=False))"
+    )
 
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
 
@@ -206,8 +209,10 @@ def gspmd_step(loss_fn, params, mesh, batch, shard):
   return (params, opt_state), jax.device_put(batch, data), fn
 
 
-def jaxdp_step(loss_fn, params, mesh, batch, strategy):
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+def jaxdp_step(loss_fn, params, mesh, batch, variant):
+  strategy, _, extra = variant.partition("+")
+  fused_update = False if extra == "perleaf" else None
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
   state = jaxdp.init_state(params, tx, mesh, config)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
   return (state,), jax.device_put(batch, NamedSharding(mesh, P("data"))), step
