@@ -71,14 +71,6 @@ import time
 
 # -----------------------------------------------------------------------------
 # defaults
-SIZES = {  # GPT sizes (vocabulary 256 bytes) and MLPs (width, layers, global batch)
-  "tiny": dict(n_layer=2, n_head=2, d_model=32),  # 30k, --quick only
-  "small": dict(n_layer=4, n_head=4, d_model=128),  # 0.83M
-  "medium": dict(n_layer=4, n_head=8, d_model=256),  # 3.2M
-  "mlp32x2": dict(width=32, layers=2, batch=16),  # 2k, --quick only
-  "mlp256x4": dict(width=256, layers=4, batch=64),  # 0.26M
-  "mlp512x8": dict(width=512, layers=8, batch=256),  # 2.1M
-}
 sizes = "small,medium,mlp512x8,mlp256x4"
 dps = "1,2,4,8"
 batch_size = 16  # GPT global batch (sequences per step), the same for every dp
@@ -98,7 +90,9 @@ TARGET_STEP, TARGET_COMPILE = 0.85, 1.5  # issue 16, at dp = 8: x the baseline's
 parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
 )
-parser.add_argument("--sizes", default=sizes, help=f"comma-separated, of {list(SIZES)}")
+parser.add_argument(
+  "--sizes", default=sizes, help="comma-separated, of scripts/bench_programs.py's SIZES"
+)
 parser.add_argument("--dps", default=dps, help="comma-separated data-parallel sizes")
 parser.add_argument("--batch-size", type=int, default=batch_size)
 parser.add_argument("--block-size", type=int, default=block_size)
@@ -138,22 +132,29 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import jaxdp  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from bench_programs import (  # noqa: E402
+  GSPMD,
+  JAXDP,
+  SIZES,
+  data_spec,
+  global_batch,
+  gspmd_step,
+  is_mlp,
+  jaxdp_step,
+  model,
+  run,
+)
 
 size_names = args.sizes.split(",")
 dp_list = [int(d) for d in args.dps.split(",")]
-JAXDP = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 EXTRAS = ("combine", "perleaf")  # jaxdp variant suffixes, see the docstring
-GSPMD = ("gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather")
 BASELINE = {  # the GSPMD program that holds the same memory as the variant
   "gspmd": "gspmd",
   "gspmd_zero1": "gspmd_zero1",
@@ -179,12 +180,8 @@ needed = {"gspmd"} | {BASELINE[v.partition("+")[0]] for v in variant_names}
 variant_names = [b for b in GSPMD if b in needed and b not in variant_names] + variant_names
 
 
-def global_batch(size):
-  return SIZES[size].get("batch", args.batch_size)
-
-
 for dp in dp_list:
-  bad = [s for s in size_names if global_batch(s) % dp]
+  bad = [s for s in size_names if global_batch(s, args.batch_size) % dp]
   if dp > jax.device_count() or bad:
     sys.exit(
       f"--dps: dp={dp} needs {dp} devices (have {jax.device_count()}) and must "
@@ -194,68 +191,8 @@ for dp in dp_list:
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
 
 # ----------------------------------------------------------------------------- variants
-# Each builder returns (carry, batch, fn): one step is `carry = fn(*carry, batch)[:-1]`
-# with the loss last; `fn` is jitted (or jaxdp's step) and lowers itself.
-
-
-def data_spec(shape, dp):
-  """P("data") on the first dim that dp divides (dim 0 where it can), else replicated."""
-  for i, n in enumerate(shape):
-    if n % dp == 0:
-      return P(*[None] * i, "data")
-  return P()
-
-
-def baseline(loss_fn, params, mesh, batch, reduce, shard):
-  """A hand-written data-parallel step.
-
-  `reduce` None: GSPMD inserts the reduction. `shard`: what is sharded P("data") with
-  `data_spec` ("" nothing, "opt" the optimizer state, "params+opt" both; "+gather": the
-  loss sees the params constrained to replicated, so XLA gathers them all at the top).
-  """
-  dp = mesh.shape["data"]
-  replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
-  def shardings(tree, sharded):
-    return jax.tree.map(
-      lambda x: NamedSharding(mesh, data_spec(x.shape, dp)) if sharded else replicated, tree
-    )
-
-  param_shardings = shardings(params, "params" in shard)
-  opt_shardings = shardings(jax.eval_shape(tx.init, params), "opt" in shard)
-  params = jax.device_put(params, param_shardings)
-  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-
-  if reduce is None and "gather" in shard:  # every weight gathered at the top of the step
-
-    def gathered_loss(params, batch):
-      return loss_fn(jax.lax.with_sharding_constraint(params, shardings(params, False)), batch)
-
-    grad_fn = jax.value_and_grad(gathered_loss)
-  elif reduce is None:
-    grad_fn = jax.value_and_grad(loss_fn)
-  else:
-
-    def local(params, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      return jax.lax.pmean(loss, "data"), reduce(grads)
-
-    grad_fn = jax.shard_map(
-      local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()), check_vma=False
-    )
-
-  def step(params, opt_state, batch):
-    loss, grads = grad_fn(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  fn = jax.jit(
-    step,
-    in_shardings=(param_shardings, opt_shardings, data),
-    out_shardings=(param_shardings, opt_shardings, replicated),
-    donate_argnums=(0, 1),
-  )
-  return (params, opt_state), jax.device_put(batch, data), fn
+# Every variant is one of scripts/bench_programs.py's steps (what scripts/step_breakdown.py
+# profiles): `gspmd_step` with what it shards and how it reduces, or `jaxdp_step`.
 
 
 def per_leaf(grads):
@@ -267,20 +204,9 @@ def flat(grads):
   return unravel(jax.lax.pmean(vector, "data"))
 
 
-def jaxdp_variant(loss_fn, params, mesh, batch, strategy, fused_update=None):
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
-  state = jaxdp.init_state(params, tx, mesh, config)
-  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
-  batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
-  return (state,), batch, step
-
-
 COMBINE = {"xla_disable_hlo_passes": ""}  # XLA:CPU's all-reduce combiner back on
 HAND_WRITTEN = {  # variant: (reduce, what is sharded)
-  "gspmd": (None, ""),
-  "gspmd_zero1": (None, "opt"),
-  "gspmd_fsdp": (None, "params+opt"),
-  "gspmd_fsdp_gather": (None, "params+opt+gather"),
+  **{name: (None, shard) for name, shard in GSPMD.items()},
   "psum_leaf": (per_leaf, ""),
   "psum_flat": (flat, ""),
 }
@@ -290,22 +216,11 @@ def build(variant, loss_fn, params, mesh, batch):
   """(carry, batch, fn, compiler options) of a variant."""
   strategy, _, extra = variant.partition("+")
   if strategy in JAXDP:
-    fused_update = False if extra == "perleaf" else None
-    return *jaxdp_variant(loss_fn, params, mesh, batch, strategy, fused_update), (
+    return *jaxdp_step(loss_fn, params, mesh, batch, tx, variant), (
       COMBINE if extra == "combine" else None
     )
-  return *baseline(loss_fn, params, mesh, batch, *HAND_WRITTEN[variant]), None
-
-
-def run(compiled, carry, batch):
-  """One step; returns the new carry once the device is done."""
-  out = compiled(*carry, batch)
-  if len(carry) == 1:  # jaxdp: (state, metrics)
-    carry = (out[0],)
-  else:
-    carry = out[:-1]
-  jax.block_until_ready(carry)
-  return carry
+  reduce, shard = HAND_WRITTEN[variant]
+  return *gspmd_step(loss_fn, params, mesh, batch, tx, shard, reduce), None
 
 
 def device0_bytes(tree) -> int:
@@ -367,36 +282,6 @@ def mib(n):
 # ----------------------------------------------------------------------------- run
 
 
-def model(size):
-  """(params on the host, loss_fn, global batch) of a size."""
-  rng = np.random.default_rng(seed)
-  if "width" in SIZES[size]:  # MLP: L dense layers of width W, tanh between them, MSE
-    width, layers, batch = (SIZES[size][k] for k in ("width", "layers", "batch"))
-    params = [
-      {
-        "w": rng.normal(0.0, width**-0.5, (width, width)).astype(np.float32),
-        "b": np.zeros(width, np.float32),
-      }
-      for _ in range(layers)
-    ]
-
-    def loss_fn(params, batch):
-      x = batch["x"]
-      for i, layer in enumerate(params):
-        x = x @ layer["w"] + layer["b"]
-        if i < len(params) - 1:
-          x = jax.numpy.tanh(x)
-      return jax.numpy.mean((x - batch["y"]) ** 2)
-
-    data = {k: rng.normal(size=(batch, width)).astype(np.float32) for k in ("x", "y")}
-    return params, loss_fn, data
-  config = GPTConfig(vocab_size=256, block_size=args.block_size, **SIZES[size])
-  params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(seed)), gpt_loss)
-  params = jax.tree.map(np.asarray, params)  # on the host: every variant places its own
-  tokens = rng.integers(0, 256, (args.batch_size, args.block_size + 1), dtype=np.int32)
-  return params, loss_fn, {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-
-
 jax.jit(lambda x: x + 1).lower(1.0).compile()  # the process's first compile pays for XLA's setup
 results = []
 gspmd_checks = []
@@ -404,7 +289,7 @@ total = len(size_names) * len(dp_list) * len(variant_names) * (1 + args.rounds)
 bar = tqdm(total=total, desc="bench", unit="op", dynamic_ncols=True)
 load_start = os.getloadavg()
 for size in size_names:
-  params, loss_fn, batch = model(size)
+  params, loss_fn, batch = model(size, args.block_size, args.batch_size, seed)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   for dp in dp_list:
     mesh = jax.make_mesh((dp,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:dp])
@@ -472,8 +357,8 @@ load_end = os.getloadavg()
 command = "python scripts/bench.py" + "".join(f" {a}" for a in sys.argv[1:])
 os.makedirs(args.out, exist_ok=True)
 
-gpts = [s for s in size_names if "width" not in SIZES[s]]
-mlps = [s for s in size_names if "width" in SIZES[s]]
+gpts = [s for s in size_names if not is_mlp(s)]
+mlps = [s for s in size_names if is_mlp(s)]
 models = []
 if gpts:
   models.append(

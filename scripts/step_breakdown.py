@@ -55,14 +55,6 @@ import time
 
 # -----------------------------------------------------------------------------
 # defaults
-SIZES = {  # as in scripts/bench.py
-  "tiny": dict(n_layer=2, n_head=2, d_model=32),
-  "small": dict(n_layer=4, n_head=4, d_model=128),
-  "medium": dict(n_layer=4, n_head=8, d_model=256),
-  "mlp32x2": dict(width=32, layers=2, batch=16),
-  "mlp256x4": dict(width=256, layers=4, batch=64),
-  "mlp512x8": dict(width=512, layers=8, batch=256),
-}
 size = "small"
 dp = 8
 batch_size = 16  # GPT global batch (sequences)
@@ -80,7 +72,7 @@ seed = 0
 parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
 )
-parser.add_argument("--size", default=size, help=f"one of {list(SIZES)}")
+parser.add_argument("--size", default=size, help="one of scripts/bench_programs.py's SIZES")
 parser.add_argument("--dp", type=int, default=dp)
 parser.add_argument("--batch-size", type=int, default=batch_size)
 parser.add_argument("--block-size", type=int, default=block_size)
@@ -91,8 +83,6 @@ parser.add_argument("--profile-steps", type=int, default=profile_steps)
 parser.add_argument("--out", default=out)
 parser.add_argument("--details", action="store_true", help="print each phase's top instructions")
 args = parser.parse_args()
-if args.size not in SIZES:
-  sys.exit(f"--size: unknown size {args.size!r}; use one of {list(SIZES)}")
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -104,21 +94,23 @@ jax.config.update("jax_num_cpu_devices", args.dp)
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the repo root
-import jaxdp  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from bench_programs import (  # noqa: E402
+  GSPMD,
+  JAXDP,
+  SIZES,
+  gspmd_step,
+  is_mlp,
+  jaxdp_step,
+  model,
+  run,
+)
 
-JAXDP = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-GSPMD = {  # what is sharded, as in scripts/bench.py
-  "gspmd": "",
-  "gspmd_zero1": "opt",
-  "gspmd_fsdp": "params+opt",
-  "gspmd_fsdp_gather": "params+opt+gather",
-}
+if args.size not in SIZES:
+  sys.exit(f"--size: unknown size {args.size!r}; use one of {list(SIZES)}")
 variant_names = args.variants.split(",")
 for v in variant_names:
   if v not in JAXDP + tuple(GSPMD) + tuple(f"{s}+perleaf" for s in JAXDP):
@@ -128,102 +120,6 @@ for v in variant_names:
     )
 
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
-
-
-def model(size):
-  """(params on the host, loss_fn, global batch), as in scripts/bench.py."""
-  rng = np.random.default_rng(seed)
-  if "width" in SIZES[size]:
-    width, layers, batch = (SIZES[size][k] for k in ("width", "layers", "batch"))
-    params = [
-      {
-        "w": rng.normal(0.0, width**-0.5, (width, width)).astype(np.float32),
-        "b": np.zeros(width, np.float32),
-      }
-      for _ in range(layers)
-    ]
-
-    def loss_fn(params, batch):
-      x = batch["x"]
-      for i, layer in enumerate(params):
-        x = x @ layer["w"] + layer["b"]
-        if i < len(params) - 1:
-          x = jax.numpy.tanh(x)
-      return jax.numpy.mean((x - batch["y"]) ** 2)
-
-    data = {k: rng.normal(size=(batch, width)).astype(np.float32) for k in ("x", "y")}
-    return params, loss_fn, data
-  config = GPTConfig(vocab_size=256, block_size=args.block_size, **SIZES[size])
-  params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(seed)), gpt_loss)
-  params = jax.tree.map(np.asarray, params)
-  tokens = rng.integers(0, 256, (args.batch_size, args.block_size + 1), dtype=np.int32)
-  return params, loss_fn, {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-
-
-def data_spec(shape, dp):
-  """P("data") on the first dim that dp divides, else replicated (as scripts/bench.py)."""
-  for i, n in enumerate(shape):
-    if n % dp == 0:
-      return P(*[None] * i, "data")
-  return P()
-
-
-def gspmd_step(loss_fn, params, mesh, batch, shard):
-  """scripts/bench.py's GSPMD program, its phases in functions named for the profile."""
-  replicated, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
-  def shardings(tree, sharded):
-    return jax.tree.map(
-      lambda x: NamedSharding(mesh, data_spec(x.shape, args.dp)) if sharded else replicated,
-      tree,
-    )
-
-  param_shardings = shardings(params, "params" in shard)
-  opt_shardings = shardings(jax.eval_shape(tx.init, params), "opt" in shard)
-  params = jax.device_put(params, param_shardings)
-  opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-
-  def loss(params, batch):
-    if "gather" in shard:  # every weight gathered at the top of the step
-      params = jax.lax.with_sharding_constraint(params, shardings(params, False))
-    return loss_fn(params, batch)
-
-  def forward_backward(params, batch):
-    return jax.value_and_grad(loss)(params, batch)
-
-  def optimizer_update(grads, opt_state, params):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  def step(params, opt_state, batch):
-    loss, grads = forward_backward(params, batch)
-    params, opt_state = optimizer_update(grads, opt_state, params)
-    return params, opt_state, loss
-
-  fn = jax.jit(
-    step,
-    in_shardings=(param_shardings, opt_shardings, data),
-    out_shardings=(param_shardings, opt_shardings, replicated),
-    donate_argnums=(0, 1),
-  )
-  return (params, opt_state), jax.device_put(batch, data), fn
-
-
-def jaxdp_step(loss_fn, params, mesh, batch, variant):
-  strategy, _, extra = variant.partition("+")
-  fused_update = False if extra == "perleaf" else None
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
-  state = jaxdp.init_state(params, tx, mesh, config)
-  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
-  return (state,), jax.device_put(batch, NamedSharding(mesh, P("data"))), step
-
-
-def run(compiled, carry, batch):
-  """One step; the new carry once the devices are done."""
-  out = compiled(*carry, batch)
-  carry = (out[0],) if len(carry) == 1 else out[:-1]
-  jax.block_until_ready(carry)
-  return carry
 
 
 # ----------------------------------------------------------------------------- the HLO
@@ -333,7 +229,7 @@ def phase(name, opcode, nbytes, op_name, stack):
 
 # ----------------------------------------------------------------------------- run
 
-params, loss_fn, batch = model(args.size)
+params, loss_fn, batch = model(args.size, args.block_size, args.batch_size, seed)
 n_params = sum(x.size for x in jax.tree.leaves(params))
 mesh = jax.make_mesh(
   (args.dp,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[: args.dp]
@@ -342,9 +238,9 @@ runs = {}
 for variant in variant_names:
   print(f"compiling {variant}", flush=True)
   if variant in GSPMD:
-    carry, placed, fn = gspmd_step(loss_fn, params, mesh, batch, GSPMD[variant])
+    carry, placed, fn = gspmd_step(loss_fn, params, mesh, batch, tx, GSPMD[variant])
   else:
-    carry, placed, fn = jaxdp_step(loss_fn, params, mesh, batch, variant)
+    carry, placed, fn = jaxdp_step(loss_fn, params, mesh, batch, tx, variant)
   compiled = fn.lower(*carry, placed).compile()
   carry = run(compiled, carry, placed)
   runs[variant] = dict(compiled=compiled, carry=carry, batch=placed, times=[])
@@ -419,7 +315,7 @@ for variant in variant_names:
 command = "python scripts/step_breakdown.py" + "".join(f" {a}" for a in sys.argv[1:])
 what = (
   f"GPT {args.size} (block {args.block_size}, global batch {args.batch_size})"
-  if "width" not in SIZES[args.size]
+  if not is_mlp(args.size)
   else f"MLP {args.size} (global batch {SIZES[args.size]['batch']})"
 )
 lines = [
