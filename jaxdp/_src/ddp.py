@@ -44,7 +44,8 @@ from jaxdp._src.distributed_optimizer import (
   check_exact,
   check_expert_rows,
   fused_master,
-  gather_flat_params,
+  flat_master_specs,
+  gather_master,
   gather_params,
   pad_leaf,
   per_leaf_state,
@@ -260,12 +261,8 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   gathers them, each trainable one varying over the data axes it is not itself sharded
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
   full = leaves_of(params)
-  if plan.gather_in_step and plan.fused:
-    full = collectives.all_gather_shards(
-      [master[n] for n, _, _ in bucket_names(layout)], layout, full
-    )
-  elif plan.gather_in_step:
-    full = collectives.all_gather_params(leaves_of(master), layout, full)
+  if plan.gather_in_step:
+    full = gather_master(master, layout, full, plan.fused)
   return [
     collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
     for i, (t, x) in enumerate(zip(layout.trainable, full))
@@ -541,8 +538,7 @@ def make_train_step(
     own = tuple(own_axes(d, axes) for d in model_dims)
     extras = extra_specs(state)
     if state.fused:
-      flat = {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
-      master_specs, grad_specs = flat, flat
+      master_specs = grad_specs = flat_master_specs(layout, axes)
     else:
       master_specs, grad_specs = tree_of(layout, manual(master_dims)), tree_of(layout, grad_specs)
     grads, loss, grad_norm, aux, model_state = jax.shard_map(
@@ -564,7 +560,7 @@ def make_train_step(
       master = optax.apply_updates(state.master, updates)
       params = leaves_of(state.params)
       if not config.overlap_param_gather:
-        params = gather_flat_params(master, layout, mesh, params)
+        params = gather_params(master, layout, mesh, params, state)
       checked = _grad_blocks(grads, layout) if config.check_for_nan_in_grad else None
     else:
       params, master, opt_state = _update_leaves(tx, grads, state, mesh, sharded)

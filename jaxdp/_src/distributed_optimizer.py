@@ -57,7 +57,14 @@ from jaxdp._src.config import DDPConfig
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, unpad_dim
 from jaxdp._src.layout import Layout, make_layout, master_dtype, sharded_shape
 from jaxdp._src.mesh import DATA, EXPERT, constrain, data_axes, manual_spec
-from jaxdp._src.state import TrainState, bucket_names, leaf_specs, model_spec, state_specs
+from jaxdp._src.state import (
+  TrainState,
+  bucket_names,
+  leaf_specs,
+  leaves_of,
+  model_spec,
+  state_specs,
+)
 
 PyTree = Any
 P = jax.sharding.PartitionSpec
@@ -537,20 +544,19 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
   return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
 
 
-def gather_flat_params(master, layout: Layout, mesh, params):
-  """`gather_params` of a fused state: all-gathers every bucket's flat master."""
-  names = [name for name, _, _ in bucket_names(layout)]
-  axes = data_axes(mesh)
+def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
+  """A fused state's `master` as `shard_map` sees it: each flat bucket split over `axes`."""
+  return {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
 
-  def gather(shards):
-    return collectives.all_gather_shards([shards[n] for n in names], layout, [None] * len(params))
 
-  specs = {n: manual_spec(((DATA,),), axes) for n in names}
-  out_specs = [P() if layout.trainable[i] else None for i in range(len(params))]
-  gathered = jax.shard_map(
-    gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs, axis_names=set(axes)
-  )(master)
-  return [g if g is not None else x for g, x in zip(gathered, params)]
+def gather_master(master, layout: Layout, out, fused: bool) -> list[Any]:
+  """Inside `shard_map`: `out` (tree order) with every trainable param all-gathered whole,
+  one collective per bucket, from `master`: the per-leaf row shards (a param tree or its
+  leaves), or a fused state's flat buckets (`fused`)."""
+  if fused:
+    shards = [master[name] for name, _, _ in bucket_names(layout)]
+    return collectives.all_gather_shards(shards, layout, out)
+  return collectives.all_gather_params(leaves_of(master), layout, out)
 
 
 # ----------------------------------------------------------------------------- the sharded state
@@ -582,17 +588,22 @@ def check_expert_rows(layout: Layout, mesh):
 
 
 def gather_params(master, layout: Layout, mesh, params, state: TrainState):
-  """All-gathers the updated params per bucket right after the update."""
+  """All-gathers the updated params per bucket right after the update; `master` as
+  `gather_master` takes it (a fused state's flat buckets when `state.fused`)."""
 
   def gather(master):
-    return collectives.all_gather_params(master, layout, [None] * len(layout.shapes))
+    return gather_master(master, layout, [None] * len(layout.shapes), state.fused)
 
   axes = data_axes(mesh)
-  master_dims = leaf_specs(state)[1]
-  specs = [manual_spec(d, axes) if m is not None else None for m, d in zip(master, master_dims)]
+  if state.fused:
+    specs = flat_master_specs(layout, axes)
+  else:
+    specs = [
+      manual_spec(d, axes) if m is not None else None for m, d in zip(master, leaf_specs(state)[1])
+    ]
   out_specs = [
-    manual_spec(model_spec(state, i, len(layout.shapes[i])), axes) if m is not None else None
-    for i, m in enumerate(master)
+    manual_spec(model_spec(state, i, len(layout.shapes[i])), axes) if t else None
+    for i, t in enumerate(layout.trainable)
   ]
   gathered = jax.shard_map(
     gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs, axis_names=set(axes)

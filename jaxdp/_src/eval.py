@@ -11,10 +11,10 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, fsdp as fsdp_lib, train
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, manual_spec
+from jaxdp._src.distributed_optimizer import flat_master_specs, gather_master
+from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
 from jaxdp._src.state import (
   TrainState,
-  bucket_names,
   extra_specs,
   leaf_specs,
   leaves_of,
@@ -110,11 +110,8 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
         )
       )
     full = leaves_of(params)
-    if gather_in_step and fused:
-      shards = [master[name] for name, _, _ in bucket_names(layout)]
-      full = collectives.all_gather_shards(shards, layout, full)
-    elif gather_in_step:
-      full = collectives.all_gather_params(leaves_of(master), layout, full)
+    if gather_in_step:
+      full = gather_master(master, layout, full, fused)
     return finish(call(tree_of(layout, full), batch, model_state))
 
   def step(state, batch):
@@ -134,8 +131,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       )
       param_specs, master_specs = manual(param_dims), manual(master_dims)
       if state.fused:
-        flat = manual_spec(((DATA,),), axes)
-        master_specs = {name: flat for name, _, _ in bucket_names(state.layout)}
+        master_specs = flat_master_specs(state.layout, axes)
     return jax.shard_map(
       functools.partial(local, layout=state.layout, fused=state.fused),
       mesh=mesh,
