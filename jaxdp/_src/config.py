@@ -46,9 +46,10 @@ class DDPConfig:
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
   fused_update: bool | None = None
-  """optim, optim_grads: update each bucket's shard as one flat array (Megatron's fused
-  multi-tensor Adam); None: when the optax transformation gives the same updates on the flat
-  buckets (probed at init), True: require it, False: per-leaf update."""
+  """optim, optim_grads, optim_grads_params: update each bucket's shard (FSDP: each unit's)
+  as one flat array (Megatron's fused multi-tensor Adam); None: when the optax
+  transformation gives the same updates on the flat buckets (probed at init) and no FSDP
+  unit is stacked, True: require it, False: per-leaf update."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
@@ -86,10 +87,10 @@ class DDPConfig:
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
-    if self.fused_update and self.data_parallel_sharding_strategy not in ("optim", "optim_grads"):
+    if self.fused_update and self.data_parallel_sharding_strategy == "no_shard":
       raise ValueError(
-        f"fused_update=True is for 'optim' and 'optim_grads'; "
-        f"{self.data_parallel_sharding_strategy!r} updates per leaf: leave fused_update=None"
+        "fused_update=True is for the sharded strategies ('optim', 'optim_grads', "
+        "'optim_grads_params'); 'no_shard' updates per leaf: leave fused_update=None"
       )
 
   @property

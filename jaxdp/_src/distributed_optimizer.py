@@ -361,6 +361,7 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
     jax.tree.unflatten(layout.treedef, shrunk),
     layout.dp,
     frozen=lambda path, _: path in static,
+    units=None if layout.units is None else dict(zip(layout.paths, layout.units)),
   )
   try:
     return _fuses_small(tx, small)
@@ -440,16 +441,21 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
   """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
 
   Needs a sharded strategy, params the caller did not shard (no tensor or expert
-  parallelism) and `tx` exact on the flat buckets (`fuses`); None decides by these, True
-  requires them.
+  parallelism), no stacked FSDP units and `tx` exact on the flat buckets (`fuses`); None
+  decides by these, True requires them.
   """
   if config.fused_update is False:
     return False
-  if config.data_parallel_sharding_strategy not in ("optim", "optim_grads"):
-    return False  # DDPConfig refuses fused_update=True for these
+  if config.data_parallel_sharding_strategy == "no_shard":
+    return False  # DDPConfig refuses fused_update=True for it
   why = None
   if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
     why = "some params are sharded over other mesh axes (tensor or expert parallel)"
+  elif layout.stacked:
+    why = (
+      "some params are stacked FSDP units (FSDPConfig(stacked=...)), whose master is "
+      "(layers, rows, ...) with one layer gathered per scan iteration: they update per leaf"
+    )
   elif not fuses(tx, layout):
     why = (
       "the optax transformation updates the flat buckets differently from the param tree "
@@ -478,7 +484,9 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   The one conversion from flat to per-leaf: `get_params`, `get_opt_state`, checkpoints and
   eval read a fused state through it. Traceable; returns an unfused state as it is. Each
   bucket is gathered whole on every device for the conversion (readers, not the step), and
-  the result is placed as `state_specs` places an unfused state.
+  `master` and `opt_state` are placed as `state_specs` places an unfused state (each leaf
+  sharded on its shard dim: also FSDP's placement of unstacked leaves, the only ones it
+  fuses); `params` stay as they are.
   """
   if not state.fused:
     return state
@@ -502,11 +510,23 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
     opt_state=jax.tree.map(tree, state.opt_state, is_leaf=is_flat),
     fused=False,
   )
-  return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
+  return _placed(out, mesh)
+
+
+def _placed(state: TrainState, mesh) -> TrainState:
+  """`state` with `master` and `opt_state` constrained where `state_specs` places them;
+  `params` (unchanged by the conversions; FSDP keeps its frozen params sharded) as given."""
+  specs = state_specs(state)
+  place = lambda tree, specs: jax.tree.map(lambda x, s: constrain(x, mesh, s), tree, specs)
+  return dataclasses.replace(
+    state,
+    master=place(state.master, specs.master),
+    opt_state=place(state.opt_state, specs.opt_state),
+  )
 
 
 def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> TrainState:
-  """Inverse of `per_leaf_state`: a per-leaf `optim`/`optim_grads` state in fused form.
+  """Inverse of `per_leaf_state`: a per-leaf sharded state in fused form.
   Each bucket's padding is `like`'s (a fused state: what `init_state` put there, e.g.
   Adagrad's initial accumulator), else zero. Traceable."""
   layout = state.layout
@@ -541,7 +561,18 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     master = flat(state.master, like.master)
     opt_state = jax.tree.map(flat, state.opt_state, like.opt_state, is_leaf=is_tree)
   out = dataclasses.replace(state, master=master, opt_state=opt_state, fused=True)
-  return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
+  return _placed(out, mesh)
+
+
+def grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
+  """A fused step's grads per trainable leaf (tree order) for the NaN check: each leaf's
+  columns of its bucket's `(dp, shard_size)` view, padding included (zeros, finite)."""
+  blocks = {}
+  for name, _, b in bucket_names(layout):
+    shards = grads[name].reshape(layout.dp, b.shard_size)
+    for p in b.params:
+      blocks[p.index] = shards[:, p.offset : p.offset + p.shard_size(layout.dp)]
+  return [blocks[i] for i in sorted(blocks)]
 
 
 def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
