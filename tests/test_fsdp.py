@@ -1,6 +1,7 @@
 """FSDP (`optim_grads_params`) against the plain single-device program; what each device
 holds; the collectives the program issues per unit; GPU-target schedule and memory."""
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -14,6 +15,7 @@ from flax import nnx
 
 import jaxdp
 from jaxdp._src import aot, fsdp as fsdp_lib
+from jaxdp._src.distributed_optimizer import per_leaf_state
 from jaxdp._src.config import FSDPConfig
 from jaxdp._src.units import units_of
 from models.gpt import GPT, GPTConfig, gpt_loss, lora_trainable
@@ -196,19 +198,24 @@ def test_fsdp_bf16_gathers_bf16_reduces_fp32_keeps_fp32_master():
   assert gathers and set(gathers) == {"bf16"}, gathers
   assert scatters and set(scatters) == {"f32"}, scatters
   # ZeRO-1 does the same arithmetic (fp32 master, bf16 compute, fp32 reduce-scatter) with
-  # FSDP's per-leaf update (the fused one sums the clip's norm per bucket).
+  # the per-leaf update of both (the fused one sums the clip's norm per bucket, and FSDP's
+  # buckets are its units, ZeRO-1's are not).
   zero1 = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=False)
+  per_leaf = dataclasses.replace(FSDP, fused_update=False)
   ref, _, ref_losses, _ = train(params, loss_fn, batch, tx, None, config=zero1)
   keep, _, keep_losses, _ = train(
-    params, loss_fn, batch, tx, FSDPConfig(reshard_after_forward=False)
+    params, loss_fn, batch, tx, FSDPConfig(reshard_after_forward=False), config=per_leaf
   )
   assert keep_losses == ref_losses and max_diff(keep.master, ref.master) == 0.0  # bitwise
   # Resharding recomputes the gathers, so XLA fuses the bf16 program differently: the
   # losses agree to fp32 rounding, the masters to what two bf16 programs differ by after 5
   # AdamW steps of lr 3e-3 (observed 2.1e-3; ZeRO-1 against DDP differ 2.5e-3 here).
+  # The fused update (the default here) on top: the clip's norm summed per unit bucket
+  # changes its scale by ~1e-7 relative, far inside the same bound.
   state, _, losses, _ = train(params, loss_fn, batch, tx, fsdp)
+  assert state.fused
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert max_diff(state.master, ref.master) <= 5e-3
+  assert max_diff(per_leaf_state(state, mesh).master, ref.master) <= 5e-3
   assert {x.dtype for x in jax.tree.leaves(jaxdp.get_params(state))} == {jnp.dtype(jnp.bfloat16)}
 
 
