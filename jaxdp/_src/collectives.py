@@ -320,9 +320,10 @@ def unit_collectives_flat(
     dp, axes, average: as in `unit_collectives`.
   """
   other = tuple(a for a in axes if a != DATA)
-  same = lambda a, b: a.shard_size == b.shard_size and [(p.index, p.offset) for p in a.params] == [
-    (p.index, p.offset) for p in b.params
-  ]
+  same = lambda a, b: (
+    a.shard_size == b.shard_size
+    and [(p.index, p.offset) for p in a.params] == [(p.index, p.offset) for p in b.params]
+  )
 
   def blocks(trainable):
     shards = jax.lax.axis_size(DATA)

@@ -12,8 +12,9 @@ exact on leaves that need no padding and silently different on padded ones, so
 The fused update (Megatron's distributed optimizer, whose fused multi-tensor Adam updates
 each bucket's shard as one flat array). XLA:CPU runs about one kernel per leaf and moment
 of a per-leaf update whatever the leaf's size, so on a GPT of 52 leaves the flat update is
-several times faster (issue 16). Under `optim` and `optim_grads`, when `fuses` finds
-that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
+several times faster (issue 16). Under `optim`, `optim_grads` and `optim_grads_params`
+(FSDP, whose buckets are its units; not with stacked units, see `use_fused`), when `fuses`
+finds that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
 a few steps with the same values: elementwise transformations, global norms and schedules
 pass; masks of the param tree, per-leaf statistics such as lamb's trust ratio and
 shape-dependent ones such as muon or adafactor do not, and keep the per-leaf update,
@@ -22,7 +23,8 @@ bucket's `(dp * shard_size,)` elements in the layout's shard-major order, sharde
 "data", so device `d` holds shard `d`) and the optax state of that tree. A step then runs
 one `tx.update` on it: the reduce-scattered bucket shards *are* the flat grads (no slicing
 into leaves), and the params are gathered per bucket from the flat master
-(`collectives.all_gather_shards`). `DDPConfig.fused_update=False` turns it off, True
+(`collectives.all_gather_shards`; FSDP's unit gathers read it too,
+`collectives.unit_collectives_flat`). `DDPConfig.fused_update=False` turns it off, True
 requires it. Exactness: every element sees the same arithmetic; a global norm sums its
 squares per bucket instead of per leaf (another order, padding zeros add nothing).
 

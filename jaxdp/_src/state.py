@@ -77,7 +77,7 @@ class TrainState:
   """`init_state(..., model_state=)`: the model's mutable non-trainable state (BatchNorm
   running statistics), replicated, updated by every step; None: the step carries none."""
   fused: bool = False
-  """`optim`/`optim_grads` with the fused update (`DDPConfig.fused_update`): `master` is
+  """A sharded strategy with the fused update (`DDPConfig.fused_update`): `master` is
   `{bucket name: flat}` (`bucket_names`), each bucket's `(dp * shard_size,)` elements in its
   shard-major order sharded over "data", and `opt_state` is the optax state of that tree.
   `distributed_optimizer.per_leaf_state` gives the per-leaf form every reader uses."""
