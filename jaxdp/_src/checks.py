@@ -24,7 +24,7 @@ import numpy as np
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.layout import sharded_shape
 from jaxdp._src.mesh import DATA, REPLICA, constrain
-from jaxdp._src.state import TrainState, bucket_names, leaves_of
+from jaxdp._src.state import TrainState, bucket_names, flat_master, leaves_of
 
 PyTree = Any
 
@@ -102,7 +102,8 @@ def check_state_structure(state) -> None:
   at all.
   """
   layout = state.layout
-  if state.fused:
+  flat = flat_master(state)
+  if flat:
     want = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
     got = {k: tuple(x.shape) for k, x in state.master.items()}
     if got != want:
@@ -110,7 +111,7 @@ def check_state_structure(state) -> None:
         f"state.master holds the flat buckets {got}, but init_state made {want}: the state "
         "changed after init_state; build it again with init_state"
       )
-  for field in ("params",) if state.fused else ("params", "master"):
+  for field in ("params",) if flat else ("params", "master"):
     tree = getattr(state, field)
     treedef = jax.tree.structure(tree, is_leaf=lambda x: x is None)
     if treedef != layout.treedef:
@@ -127,7 +128,7 @@ def check_state_structure(state) -> None:
       layout.shapes,
       layout.dtypes,
       leaves_of(state.params),
-      [None] * len(layout.shapes) if state.fused else leaves_of(state.master),
+      [None] * len(layout.shapes) if flat else leaves_of(state.master),
     )
   ):
     if x is not None and (

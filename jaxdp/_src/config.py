@@ -46,10 +46,10 @@ class DDPConfig:
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
   fused_update: bool | None = None
-  """optim, optim_grads, optim_grads_params: update each bucket's shard (FSDP: each unit's)
-  as one flat array (Megatron's fused multi-tensor Adam); None: when the optax
-  transformation gives the same updates on the flat buckets (probed at init) and no FSDP
-  unit is stacked, True: require it, False: per-leaf update."""
+  """Every strategy: update each bucket (its shard; FSDP: each unit's) as one flat array
+  (Megatron's fused multi-tensor Adam); None: when the optax transformation gives the same
+  updates on the flat buckets (probed at init), no FSDP unit is stacked and (no_shard) no
+  param needs an fp32 copy, True: require it, False: per-leaf update."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
@@ -87,11 +87,6 @@ class DDPConfig:
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
-    if self.fused_update and self.data_parallel_sharding_strategy == "no_shard":
-      raise ValueError(
-        "fused_update=True is for the sharded strategies ('optim', 'optim_grads', "
-        "'optim_grads_params'); 'no_shard' updates per leaf: leave fused_update=None"
-      )
 
   @property
   def use_distributed_optimizer(self) -> bool:

@@ -13,8 +13,9 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
 2. Outside, in the global view, the optax transformation updates the optimizer's copy of
    the params: the whole tree replicated (`no_shard`), or each device's 1/dp rows
    (`optim*`: each leaf padded on its shard dim and sharded on it, so global norms and
-   masks are exact), or, with the fused update (`TrainState.fused`), each bucket's shard
-   as one flat array (see `distributed_optimizer`).
+   masks are exact), or, with the fused update (`TrainState.fused`), each bucket (its
+   shard) as one flat array (see `distributed_optimizer`): `no_shard` sees its params
+   raveled into the buckets and unravels the new ones.
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
 
@@ -51,6 +52,7 @@ from jaxdp._src.distributed_optimizer import (
   pad_leaf,
   per_leaf_state,
   unpad_leaf,
+  unravel_flat,
   use_fused,
 )
 from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
@@ -174,7 +176,7 @@ def init_state(
     state = TrainState(
       jnp.zeros((), jnp.int32),
       tree_of(layout, model),
-      fused_master(leaves, layout) if fused else tree_of(layout, master),
+      fused_master(leaves, layout) if fused and sharded else tree_of(layout, master),
       None,
       layout,
       config,
@@ -182,7 +184,10 @@ def init_state(
       model_specs,
       fused=fused,
     )
-    opt_params = state.master if fused else opt_params_of(layout, state.params, state.master)
+    if fused:
+      opt_params = state.master if sharded else fused_master(leaves, layout)
+    else:
+      opt_params = opt_params_of(layout, state.params, state.master)
     return dataclasses.replace(state, opt_state=tx.init(opt_params))
 
   placed = [NamedSharding(mesh, pspec(dims)) for dims in model_specs]
@@ -252,7 +257,8 @@ class _Plan:
   has_aux: bool = False
   """`loss_fn` returns `(loss, aux)` (see `loop`)."""
   fused: bool = False
-  """The state keeps flat buckets (`TrainState.fused`): the grads stay the reduced shards."""
+  """The state keeps flat buckets (`TrainState.fused`): the grads stay the reduced buckets
+  (shards)."""
 
   def reduce_axes(self, buf) -> tuple[str, ...]:
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
@@ -529,10 +535,11 @@ def make_train_step(
     ]
     own = tuple(own_axes(d, axes) for d in model_dims)
     extras = extra_specs(state)
-    if state.fused:
+    master_specs, grad_specs = tree_of(layout, manual(master_dims)), tree_of(layout, grad_specs)
+    if state.fused and sharded:
       master_specs = grad_specs = flat_master_specs(layout, axes)
-    else:
-      master_specs, grad_specs = tree_of(layout, manual(master_dims)), tree_of(layout, grad_specs)
+    elif state.fused:
+      grad_specs = {name: P() for name, _, _ in bucket_names(layout)}
     grads, loss, grad_norm, aux, model_state = jax.shard_map(
       functools.partial(local_grads, loss_fn, plan_, layout=layout, own_axes=own),
       mesh=mesh,
@@ -548,11 +555,17 @@ def make_train_step(
     )(state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state)
 
     if state.fused:  # one update per bucket (see `distributed_optimizer`)
-      updates, opt_state = loop.tx_update(tx, grads, state.opt_state, state.master, mesh)
-      master = optax.apply_updates(state.master, updates)
       params = leaves_of(state.params)
-      if not config.overlap_param_gather:
-        params = gather_params(master, layout, mesh, params, state)
+      flat = state.master if sharded else fused_master(params, layout)
+      updates, opt_state = loop.tx_update(tx, grads, state.opt_state, flat, mesh)
+      if sharded:
+        master = optax.apply_updates(flat, updates)
+        if not config.overlap_param_gather:
+          params = gather_params(master, layout, mesh, params, state)
+      else:  # DDP keeps the params themselves (no master): each leaf + its updates' slice
+        master = state.master
+        updates = unravel_flat(updates, layout)
+        params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
       checked = grad_blocks(grads, layout) if config.check_for_nan_in_grad else None
     else:
       params, master, opt_state = _update_leaves(tx, grads, state, mesh, sharded)

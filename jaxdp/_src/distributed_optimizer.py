@@ -12,9 +12,9 @@ exact on leaves that need no padding and silently different on padded ones, so
 The fused update (Megatron's distributed optimizer, whose fused multi-tensor Adam updates
 each bucket's shard as one flat array). XLA:CPU runs about one kernel per leaf and moment
 of a per-leaf update whatever the leaf's size, so on a GPT of 52 leaves the flat update is
-several times faster (issue 16). Under `optim`, `optim_grads` and `optim_grads_params`
-(FSDP, whose buckets are its units; not with stacked units, see `use_fused`), when `fuses`
-finds that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
+several times faster, and XLA compiles it in a fraction of the time (issue 16). Under
+`optim`, `optim_grads` and `optim_grads_params` (FSDP, whose buckets are its units; not with
+stacked units, see `use_fused`), when `fuses` finds that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
 a few steps with the same values: elementwise transformations, global norms and schedules
 pass; masks of the param tree, per-leaf statistics such as lamb's trust ratio and
 shape-dependent ones such as muon or adafactor do not, and keep the per-leaf update,
@@ -24,8 +24,13 @@ bucket's `(dp * shard_size,)` elements in the layout's shard-major order, sharde
 one `tx.update` on it: the reduce-scattered bucket shards *are* the flat grads (no slicing
 into leaves), and the params are gathered per bucket from the flat master
 (`collectives.all_gather_shards`; FSDP's unit gathers read it too,
-`collectives.unit_collectives_flat`). `DDPConfig.fused_update=False` turns it off, True
-requires it. Exactness: every element sees the same arithmetic; a global norm sums its
+`collectives.unit_collectives_flat`). DDP (`no_shard`) fuses the same way where its params
+need no fp32 master: the optax state is the flat buckets, replicated; the all-reduced
+buckets are the grads; the params, which DDP keeps as the forward's leaves, are raveled
+into the buckets for the update (`fused_master`) and each gets its slice of the flat
+updates (`unravel_flat`): a transient of the params' size during the update, the price of
+having no views into a buffer. `DDPConfig.fused_update=False` turns it off, True requires
+it. Exactness: every element sees the same arithmetic; a global norm sums its
 squares per bucket instead of per leaf (another order, padding zeros add nothing).
 
 Readers never see the flat form: `per_leaf_state` (and its inverse `fused_state`) is the
@@ -442,14 +447,14 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
 def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
   """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
 
-  Needs a sharded strategy, params the caller did not shard (no tensor or expert
-  parallelism), no stacked FSDP units and `tx` exact on the flat buckets (`fuses`); None
-  decides by these, True requires them.
+  Needs params the caller did not shard (no tensor or expert parallelism), no stacked FSDP
+  units, under `no_shard` trainable params that need no fp32 copy (DDP keeps a bf16 model's
+  master per leaf), and `tx` exact on the flat buckets (`fuses`); None decides by these,
+  True requires them.
   """
   if config.fused_update is False:
     return False
-  if config.data_parallel_sharding_strategy == "no_shard":
-    return False  # DDPConfig refuses fused_update=True for it
+  strategy = config.data_parallel_sharding_strategy
   why = None
   if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
     why = "some params are sharded over other mesh axes (tensor or expert parallel)"
@@ -458,6 +463,10 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
       "some params are stacked FSDP units (FSDPConfig(stacked=...)), whose master is "
       "(layers, rows, ...) with one layer gathered per scan iteration: they update per leaf"
     )
+  elif strategy == "no_shard" and any(
+    buf.param_dtype != master_dtype(buf.param_dtype) for buf in layout.buffers
+  ):
+    why = "no_shard keeps an fp32 copy of low-precision params per leaf"
   elif not fuses(tx, layout):
     why = (
       "the optax transformation updates the flat buckets differently from the param tree "
@@ -470,13 +479,23 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
 
 def fused_master(leaves, layout: Layout) -> dict[str, jax.Array]:
   """A fused state's `master` from the trainable params (tree order): one flat array per
-  bucket in the master dtype, padding zero."""
+  bucket in the master dtype, padding zero. (`no_shard`'s fused update sees its params so.)"""
   return {
     name: bucket_ravel(
       [leaves[p.index] for p in b.params], b, layout.dp, master_dtype(buf.param_dtype)
     )
     for name, buf, b in bucket_names(layout)
   }
+
+
+def unravel_flat(flat: dict[str, jax.Array], layout: Layout) -> list[Any]:
+  """Inverse of `fused_master` on whole buckets: the trainable leaves (tree order, None for
+  the rest), in the flat arrays' dtype."""
+  out = [None] * len(layout.shapes)
+  for name, _, b in bucket_names(layout):
+    for p, x in zip(b.params, bucket_unravel(flat[name], b, layout.dp)):
+      out[p.index] = x
+  return out
 
 
 def per_leaf_state(state: TrainState, mesh) -> TrainState:
@@ -493,17 +512,15 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   if not state.fused:
     return state
   layout = state.layout
-  names = {name: b for name, _, b in bucket_names(layout)}
-  is_flat = lambda x: isinstance(x, dict) and set(x) == set(names)
+  names = {name for name, _, _ in bucket_names(layout)}
+  is_flat = lambda x: isinstance(x, dict) and set(x) == names
+  pad = pad_leaf if state.config.use_distributed_optimizer else lambda x, *_: x
 
   def tree(flat):
     if not is_flat(flat):
       return flat
-    out = [None] * len(layout.shapes)
-    for name, b in names.items():
-      whole = constrain(flat[name], mesh, P())
-      for p, x in zip(b.params, bucket_unravel(whole, b, layout.dp)):
-        out[p.index] = pad_leaf(x, layout, p.index)
+    whole = {name: constrain(x, mesh, P()) for name, x in flat.items()}
+    out = [x if x is None else pad(x, layout, i) for i, x in enumerate(unravel_flat(whole, layout))]
     return jax.tree.unflatten(layout.treedef, out)
 
   out = dataclasses.replace(
@@ -528,15 +545,17 @@ def _placed(state: TrainState, mesh) -> TrainState:
 
 
 def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> TrainState:
-  """Inverse of `per_leaf_state`: a per-leaf sharded state in fused form.
-  Each bucket's padding is `like`'s (a fused state: what `init_state` put there, e.g.
-  Adagrad's initial accumulator), else zero. Traceable."""
+  """Inverse of `per_leaf_state`: a per-leaf state in fused form. Each bucket's padding is
+  `like`'s (a fused state: what `init_state` put there, e.g. Adagrad's initial
+  accumulator), else zero. Traceable."""
   layout = state.layout
+  sharded = state.config.use_distributed_optimizer
   trainable = [i for i, t in enumerate(layout.trainable) if t]
   tree_def = jax.tree.structure(
     jax.tree.unflatten(layout.treedef, [0 if t else None for t in layout.trainable])
   )
-  padded = {i: sharded_shape(layout, i)[0] for i in trainable}
+  padded = {i: sharded_shape(layout, i)[0] if sharded else layout.shapes[i] for i in trainable}
+  unpad = unpad_leaf if sharded else lambda x, *_: x
 
   def is_tree(x):
     if jax.tree.structure(x) != tree_def:
@@ -550,7 +569,7 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     xs = jax.tree.flatten(x, is_leaf=lambda v: v is None)[0]
     out = {}
     for name, _, b in bucket_names(layout):
-      leaves = [unpad_leaf(constrain(xs[p.index], mesh, P()), layout, p.index) for p in b.params]
+      leaves = [unpad(constrain(xs[p.index], mesh, P()), layout, p.index) for p in b.params]
       out[name] = bucket_ravel(leaves, b, layout.dp, leaves[0].dtype)
       if pad is not None:
         real = bucket_ravel([np.ones(p.shape, bool) for p in b.params], b, layout.dp)
@@ -560,7 +579,7 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
   if like is None:
     master, opt_state = flat(state.master), jax.tree.map(flat, state.opt_state, is_leaf=is_tree)
   else:
-    master = flat(state.master, like.master)
+    master = flat(state.master, like.master if sharded else None)
     opt_state = jax.tree.map(flat, state.opt_state, like.opt_state, is_leaf=is_tree)
   out = dataclasses.replace(state, master=master, opt_state=opt_state, fused=True)
   return _placed(out, mesh)

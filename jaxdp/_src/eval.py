@@ -16,6 +16,7 @@ from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
 from jaxdp._src.state import (
   TrainState,
   extra_specs,
+  flat_master,
   leaf_specs,
   leaves_of,
   tree_of,
@@ -129,7 +130,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
         state.layout, [None if d is None else manual_spec(d, axes) for d in dims]
       )
       param_specs, master_specs = manual(param_dims), manual(master_dims)
-      if state.fused:
+      if flat_master(state):
         master_specs = flat_master_specs(state.layout, axes)
     return jax.shard_map(
       functools.partial(local, layout=state.layout, fused=state.fused),

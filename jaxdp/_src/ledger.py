@@ -225,10 +225,11 @@ def memory_ledger(
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
       for name, buf, b in bucket_names(flat_layout)
     }
-    master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
+    if sharded:  # no_shard fuses only params that need no master
+      master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
     state = jax.eval_shape(tx.init, flat)
     sizes = {name: x.shape for name, x in flat.items()}
-    is_sharded = lambda path, x: is_flat_leaf(path, x, sizes)
+    is_sharded = lambda path, x: sharded and is_flat_leaf(path, x, sizes)
   else:
     state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
     is_sharded = lambda path, x: sharded and _is_sharded_state(path, x, layout)

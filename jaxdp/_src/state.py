@@ -77,9 +77,12 @@ class TrainState:
   """`init_state(..., model_state=)`: the model's mutable non-trainable state (BatchNorm
   running statistics), replicated, updated by every step; None: the step carries none."""
   fused: bool = False
-  """A sharded strategy with the fused update (`DDPConfig.fused_update`): `master` is
+  """The fused update (`DDPConfig.fused_update`): `opt_state` is the optax state of
   `{bucket name: flat}` (`bucket_names`), each bucket's `(dp * shard_size,)` elements in its
-  shard-major order sharded over "data", and `opt_state` is the optax state of that tree.
+  shard-major order. Under `optim`/`optim_grads`/`optim_grads_params` (FSDP: a bucket per
+  unit) `master` is that flat tree and both are sharded over "data" (`flat_master`); under
+  `no_shard` they are replicated and `master`
+  holds nothing (DDP fuses only params that need no fp32 copy).
   `distributed_optimizer.per_leaf_state` gives the per-leaf form every reader uses."""
 
 
@@ -111,7 +114,13 @@ def bucket_names(layout: Layout) -> list[tuple[str, Any, Any]]:
 
 
 FLAT_SPEC = P(DATA)
-"""Where a fused state's flat buckets live: shard `d` of each on device `d` of "data"."""
+"""Where a sharded fused state's flat buckets live: shard `d` of each on device `d` of
+"data" (`no_shard`'s are replicated, `P()`)."""
+
+
+def flat_master(state: TrainState) -> bool:
+  """Is `state.master` the flat buckets (`{bucket name: flat}`)? A fused sharded state."""
+  return state.fused and state.config.use_distributed_optimizer
 
 
 def model_spec(state: TrainState, i: int, ndim: int) -> ModelSpec:
@@ -177,7 +186,7 @@ def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpe
     None if x is None else model_spec(state, i, x.ndim)
     for i, x in enumerate(leaves_of(state.params))
   ]
-  if state.fused:
+  if flat_master(state):
     return params, [None] * len(state.layout.shapes)
   master = [
     None
@@ -241,13 +250,16 @@ def state_specs(state: TrainState) -> TrainState:
   params, master = leaf_specs(state)
   if state.fused:
     flat = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    spec = FLAT_SPEC if flat_master(state) else P()
     return dataclasses.replace(
       state,
       step=P(),
       params=tree_of(layout, [None if d is None else pspec(d) for d in params]),
-      master={name: FLAT_SPEC for name in flat},
+      master={name: spec for name in flat}
+      if flat_master(state)
+      else tree_of(layout, [None if d is None else pspec(d) for d in master]),
       opt_state=jax.tree_util.tree_map_with_path(
-        lambda path, x: FLAT_SPEC if is_flat_leaf(path, x, flat) else pspec(((),) * x.ndim),
+        lambda path, x: spec if is_flat_leaf(path, x, flat) else pspec(((),) * x.ndim),
         state.opt_state,
       ),
       **extra_specs(state),
