@@ -198,10 +198,13 @@ def test_no_shard_to_sharded(tmp_path):
     _assert_same_rows(a, b, f"opt_state leaf {j}")
 
 
-@pytest.mark.parametrize("fused", [False, None])
-def test_padding_rows_come_from_like(tmp_path, fused):
+@pytest.mark.parametrize(
+  "strategy,fused", [("optim", False), ("optim", None), ("optim_grads_params", None)]
+)
+def test_padding_rows_come_from_like(tmp_path, strategy, fused):
   """Adagrad's accumulator starts at 0.1; a padding row of 0 would give 0/sqrt(0) = NaN.
-  A fused state (`fused_update`) keeps the padding of its flat buckets from `like` too."""
+  A fused state (`fused_update`, ZeRO-1's or FSDP's) keeps the padding of its flat buckets
+  from `like` too."""
   tx = optax.adagrad(0.1, initial_accumulator_value=0.1)
   params = {"w": jnp.ones((5, 2))}
   loss = lambda p, b: jnp.mean(b["x"] @ p["w"])
@@ -211,13 +214,50 @@ def test_padding_rows_come_from_like(tmp_path, fused):
   mgr.save(0, state)
   mgr.wait_until_finished()
   mesh = _mesh(8)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=fused)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused)
   got = mgr.restore(jaxdp.init_state(params, tx, mesh, config))
   assert got.fused == (fused is None)
   acc = np.asarray(jax.tree.leaves(got.opt_state)[0])
   assert acc.shape == ((128,) if got.fused else (8, 2)) and (acc == np.float32(0.1)).all()
   got, _ = jaxdp.make_train_step(loss, tx, mesh, config)(got, batch)
   assert all(np.isfinite(np.asarray(m)).all() for m in jax.tree.leaves(got.master))
+
+
+@pytest.mark.parametrize(
+  "dp,strategy,fused", [(8, "optim", False), (2, "optim_grads_params", False), (8, "optim", None)]
+)
+def test_fused_fsdp_restores_into_other_forms(tmp_path, dp, strategy, fused):
+  """A fused FSDP state (one flat master per unit bucket) is saved in the canonical
+  per-leaf form: per-leaf ZeRO-1, per-leaf FSDP on another dp and fused ZeRO-1 (whose
+  buckets are not FSDP's units) restore it bit for bit, and train on."""
+  mesh, config = _mesh(4), _config("optim_grads_params")
+  state = jaxdp.init_state(_params(), TX, mesh, config)
+  assert state.fused and len(state.master) == 3  # one unit per top-level param, int excluded
+  step = jaxdp.make_train_step(_loss, TX, mesh, config)
+  for i in range(2):
+    state, _ = step(state, _batch(i))
+  mgr = jaxdp.CheckpointManager(tmp_path)
+  mgr.save(2, state)
+  mgr.wait_until_finished()
+  saved, saved_params = _host(_per_leaf(state)), _host(jaxdp.get_params(state))
+
+  mesh = _mesh(dp)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused)
+  like = jaxdp.init_state(_params(), TX, mesh, config)
+  got = mgr.restore(like)
+  assert got.fused == (fused is None) and int(got.step) == 2
+  assert jax.tree.map(lambda x: x.sharding, got) == jax.tree.map(lambda x: x.sharding, like)
+  params = _host(jaxdp.get_params(got))
+  for key in saved_params:
+    np.testing.assert_array_equal(params[key], saved_params[key])
+  for key in ("w1", "b1", "w2"):
+    _assert_same_rows(saved.master[key], _master_or_param(got, key), f"master {key}")
+  src, out = jax.tree.leaves(saved.opt_state), jax.tree.leaves(_host(_per_leaf(got).opt_state))
+  assert len(src) == len(out)
+  for j, (a, b) in enumerate(zip(src, out)):
+    _assert_same_rows(a, b, f"opt_state leaf {j}")
+  got, metrics = jaxdp.make_train_step(_loss, TX, mesh, config)(got, _batch(2))
+  assert np.isfinite(float(metrics["loss"]))
 
 
 def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):

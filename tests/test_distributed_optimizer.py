@@ -651,10 +651,6 @@ def test_fused_update_falls_back_for_masks_and_per_leaf_statistics():
   forced = dataclasses.replace(config, fused_update=True)
   with pytest.raises(ValueError, match="fused_update=True: the optax transformation updates"):
     jaxdp.init_state(params, optax.lamb(1e-3), mesh, forced)
-  with pytest.raises(
-    ValueError, match="fused_update=True is for 'no_shard', 'optim' and 'optim_grads'"
-  ):
-    jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params", fused_update=True)
 
 
 def test_doctests():

@@ -1,6 +1,7 @@
 """FSDP (`optim_grads_params`) against the plain single-device program; what each device
 holds; the collectives the program issues per unit; GPU-target schedule and memory."""
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -11,10 +12,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp._src import aot, fsdp as fsdp_lib
+from jaxdp._src import aot, fsdp as fsdp_lib, train as train_lib
+from jaxdp._src.distributed_optimizer import per_leaf_state
 from jaxdp._src.config import FSDPConfig
+from jaxdp._src.ledger import memory_report
+from jaxdp._src.state import bucket_names
 from jaxdp._src.units import units_of
 from models.gpt import GPT, GPTConfig, gpt_loss, lora_trainable
 from models.mlp import MLP, mlp_loss
@@ -196,19 +201,24 @@ def test_fsdp_bf16_gathers_bf16_reduces_fp32_keeps_fp32_master():
   assert gathers and set(gathers) == {"bf16"}, gathers
   assert scatters and set(scatters) == {"f32"}, scatters
   # ZeRO-1 does the same arithmetic (fp32 master, bf16 compute, fp32 reduce-scatter) with
-  # FSDP's per-leaf update (the fused one sums the clip's norm per bucket).
+  # the per-leaf update of both (the fused one sums the clip's norm per bucket, and FSDP's
+  # buckets are its units, ZeRO-1's are not).
   zero1 = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=False)
+  per_leaf = dataclasses.replace(FSDP, fused_update=False)
   ref, _, ref_losses, _ = train(params, loss_fn, batch, tx, None, config=zero1)
   keep, _, keep_losses, _ = train(
-    params, loss_fn, batch, tx, FSDPConfig(reshard_after_forward=False)
+    params, loss_fn, batch, tx, FSDPConfig(reshard_after_forward=False), config=per_leaf
   )
   assert keep_losses == ref_losses and max_diff(keep.master, ref.master) == 0.0  # bitwise
   # Resharding recomputes the gathers, so XLA fuses the bf16 program differently: the
   # losses agree to fp32 rounding, the masters to what two bf16 programs differ by after 5
   # AdamW steps of lr 3e-3 (observed 2.1e-3; ZeRO-1 against DDP differ 2.5e-3 here).
+  # The fused update (the default here) on top: the clip's norm summed per unit bucket
+  # changes its scale by ~1e-7 relative, far inside the same bound.
   state, _, losses, _ = train(params, loss_fn, batch, tx, fsdp)
+  assert state.fused
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert max_diff(state.master, ref.master) <= 5e-3
+  assert max_diff(per_leaf_state(state, mesh).master, ref.master) <= 5e-3
   assert {x.dtype for x in jax.tree.leaves(jaxdp.get_params(state))} == {jnp.dtype(jnp.bfloat16)}
 
 
@@ -398,6 +408,118 @@ def test_fsdp_collectives_inside_scan_body(reshard):
   )  # none outside
   # Outside the loops only the unrolled units' 1-D bucket gathers: no kernel of a layer.
   assert not any(kind == "all-gather" and "," in size for kind, size in outside), outside
+
+
+# ----------------------------------------------------------------------------- fused update
+
+
+def frozen_kernel(params, freeze):
+  """`frozen` for `params` (the MLP): layer 1's kernel when `freeze`, so that unit's gather
+  bucket holds a frozen and a trainable param of one dtype (its flat master shard holds the
+  bias only)."""
+  return jax.tree_util.tree_map_with_path(
+    lambda path, _: freeze and jax.tree_util.keystr(path) == "['layers'][1]['kernel']", params
+  )
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_fsdp_fused_update_is_taken_and_equals_single_device(freeze):
+  """clip_by_global_norm + adamw under FSDP runs as one update of flat unit buckets: master
+  and Adam's moments are one flat array per unit bucket sharded over "data", frozen params
+  keep their own sharded form, and the run equals the single-device program as the
+  per-leaf update does.
+
+  Tolerance: test_fsdp_equals_single_device's (`tolerances`, tests/tolerances.py). The
+  fused update does the same elementwise arithmetic on the same values; only the clip's
+  global norm sums its squares in another order (per unit bucket, zero padding included,
+  not per leaf): a relative change of rtol_sum(n_params) = 4 sqrt(2435) eps32 ~ 200 eps32
+  in the clip's scale, below the 4 n eps32 (n = 32 x 3 = 96 terms per gradient) = 384 eps32
+  the AdamBound allows every gradient, and within `norm_rtol` for the reported norm. ~15 s.
+  """
+  params, loss_fn, batch, _, fsdp = problem("mlp")
+  frozen = frozen_kernel(params, freeze)
+  loss_rtol, norm_rtol, bound = tolerances("mlp", params)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, adamw_clip(), frozen, bound=bound)
+  runs = {}
+  for fused in (None, False):
+    config = dataclasses.replace(FSDP, fused_update=fused)
+    state, step, losses, norms = runs[fused] = train(
+      params, loss_fn, batch, adamw_clip(), fsdp, frozen, config=config
+    )
+    assert state.fused == (fused is None)
+    np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+    np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+    got = jaxdp.get_params(state)
+    assert jax.tree.structure(got) == jax.tree.structure(params)
+    assert jax.tree.map(lambda x: x.dtype, got) == jax.tree.map(lambda x: x.dtype, params)
+    bound.check(got, ref)
+    for x, y, f in zip(jax.tree.leaves(got), jax.tree.leaves(params), jax.tree.leaves(frozen)):
+      if f:  # the frozen kernel comes back bit for bit
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert step._cache_size() == 1, "the second step recompiled"
+
+  state = runs[None][0]
+  layout = state.layout
+  flat = {name: (b.shard_size * DP,) for name, _, b in bucket_names(layout)}
+  assert len(flat) == len(units_of(layout)) == 4  # one bucket per unit
+  assert {k: x.shape for k, x in state.master.items()} == flat
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
+  assert sorted(x.shape for x in moments) == sorted(2 * list(flat.values()))  # mu, nu
+  assert all(x.sharding.spec == P("data") for x in moments + list(state.master.values()))
+  assert train_lib.state_specs(state).master == {name: P("data") for name in flat}
+  if freeze:  # the frozen kernel stays in params, its rows sharded as stored
+    kernel = state.params["layers"][1]["kernel"]
+    assert kernel.shape == (32, 32) and kernel.sharding.spec == P("data", None)
+  # Readers see the per-leaf optax state, as under the per-leaf update.
+  fused, per_leaf = (jaxdp.get_opt_state(runs[k][0]) for k in (None, False))
+  assert jax.tree.structure(fused) == jax.tree.structure(per_leaf)
+  assert jax.tree.map(jnp.shape, fused) == jax.tree.map(jnp.shape, per_leaf)
+  # The ledger predicts the flat state byte for byte (unit buckets' end padding included).
+  rows = memory_report(params, adamw_clip(), FSDP, dp=DP, frozen=frozen, fsdp=fsdp)
+  for r in rows[:4]:
+    assert r["measured"] == r["predicted"], r
+  measured = {r["kind"]: r["measured"] for r in rows}
+  assert measured["master"] == sum(x.size * 4 for x in state.master.values()) // DP
+
+
+def scalar_all_reduces(step, state, batch):
+  """Result types of the compiled step's all-reduces."""
+  text = step.lower(state, batch).compile().as_text()
+  return sorted(re.findall(r"= (\w+\[[\d,]*\])\{?[\d,]*\}? all-reduce\(", text))
+
+
+def test_fsdp_fused_clip_all_reduces_one_norm_per_unit_bucket():
+  """The clip's global norm, run in the global view on the sharded grads, all-reduces one
+  partial sum per leaf under the per-leaf update (8 leaves), one per unit bucket when fused
+  (4 units); the f32[2] carries the loss and the reported norm."""
+  params, loss_fn, batch, _, fsdp = problem("mlp")
+  mesh, tx = jax.make_mesh((DP,), ("data",)), adamw_clip()
+  for fused, n in ((None, 4), (False, 8)):
+    config = dataclasses.replace(FSDP, fused_update=fused)
+    state = jaxdp.init_state(params, tx, mesh, config, fsdp=fsdp)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, config, fsdp=fsdp)
+    assert state.fused == (fused is None)
+    assert scalar_all_reduces(step, state, batch) == ["f32[2]"] + ["f32[]"] * n
+
+
+def test_fsdp_fused_update_falls_back_for_masks_lamb_and_stacked_units():
+  """Masks of the param tree and per-leaf statistics keep the per-leaf update (the probe
+  runs on FSDP's unit buckets), and so do stacked units; fused_update=True refuses them,
+  naming why."""
+  params, _, _, _, _ = problem("mlp")
+  mesh = jax.make_mesh((DP,), ("data",))
+  decay = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  masked = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(LR, mask=decay))
+  assert jaxdp.init_state(params, adamw_clip(), mesh, FSDP).fused
+  for tx in (masked, optax.lamb(LR)):
+    assert not jaxdp.init_state(params, tx, mesh, FSDP).fused
+  forced = dataclasses.replace(FSDP, fused_update=True)
+  with pytest.raises(ValueError, match="fused_update=True: the optax transformation updates"):
+    jaxdp.init_state(params, optax.lamb(LR), mesh, forced)
+  toy, cfg = {"w": jnp.ones((3, 16, 4)), "b": jnp.ones((4,))}, FSDPConfig(stacked=["w"])
+  assert not jaxdp.init_state(toy, adamw_clip(), mesh, FSDP, fsdp=cfg).fused
+  with pytest.raises(ValueError, match="fused_update=True: some params are stacked FSDP units"):
+    jaxdp.init_state(toy, adamw_clip(), mesh, forced, fsdp=cfg)
 
 
 # ----------------------------------------------------------------------------- units, errors

@@ -291,3 +291,90 @@ def unit_collectives(
     return out
 
   return gather, scatter, gather_each
+
+
+def unit_collectives_flat(
+  gather_buckets: Sequence[tuple[Bucket, Any]],
+  grad_buckets: Sequence[tuple[Bucket, Any, Any, Any]],
+  *,
+  dp: int,
+  axes: Sequence[str],
+  average: bool,
+):
+  """`unit_collectives` for a fused FSDP state, whose master is one flat shard per grad
+  bucket (`distributed_optimizer.fused_master`): the gather reads the flat shards and the
+  reduce-scatter's shard is returned as it is, no slicing into leaves.
+
+  Returns `(gather, scatter, gather_each)` as `unit_collectives` does, except that
+  `trainable` and the grads map each grad bucket's key to this device's flat shard
+  `(shard_size,)` in its master dtype. A gather bucket that holds exactly the params of a
+  grad bucket (a unit without frozen params of its dtype) all-gathers that flat shard cast
+  to the param dtype, with no copy before the collective; one that also holds frozen
+  params ravels the blocks of both (`shard_unravel` of the flat shard).
+
+  Args:
+    gather_buckets: `(bucket, param dtype)` over all the unit's float params.
+    grad_buckets: `(bucket, grad dtype, master dtype, key)` over the unit's trainable
+      params (the reduce-scatter runs in the grad dtype; its shard is returned in the master
+      dtype under `key`).
+    dp, axes, average: as in `unit_collectives`.
+  """
+  other = tuple(a for a in axes if a != DATA)
+  same = lambda a, b: (
+    a.shard_size == b.shard_size
+    and [(p.index, p.offset) for p in a.params] == [(p.index, p.offset) for p in b.params]
+  )
+
+  def blocks(trainable):
+    shards = jax.lax.axis_size(DATA)
+    out = {}
+    for b, _, _, key in grad_buckets:
+      out.update((p.index, x) for p, x in zip(b.params, shard_unravel(trainable[key], b, shards)))
+    return out
+
+  def gather(trainable, frozen):
+    shards = jax.lax.axis_size(DATA)
+    local = None
+    out = {}
+    for b, dtype in gather_buckets:
+      flat = next((key for g, _, _, key in grad_buckets if same(g, b)), None)
+      if flat is not None:
+        shard = trainable[flat].astype(dtype)
+      else:
+        local = local if local is not None else {**blocks(trainable), **frozen}
+        shard = shard_ravel([local[p.index] for p in b.params], b, dtype)
+      full = jax.lax.all_gather(shard, DATA, tiled=True, to="varying")
+      for p, x in zip(b.params, bucket_unravel(full, b, shards)):
+        out[p.index] = make_varying(x, other) if other else x
+    return out
+
+  def scatter(cts):
+    shards = jax.lax.axis_size(DATA)
+    grads = {}
+    for b, grad_dtype, dtype, key in grad_buckets:
+      flat = bucket_ravel(
+        [
+          cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
+          for p in b.params
+        ],
+        b,
+        shards,
+        grad_dtype,
+      )
+      shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
+      grads[key] = shard.astype(dtype)
+    return grads
+
+  def gather_each(trainable, frozen):
+    local = {**blocks(trainable), **frozen}
+    out = {}
+    for b, dtype in gather_buckets:
+      for p in b.params:
+        x = jax.lax.all_gather(
+          local[p.index].astype(dtype), DATA, axis=p.axis, tiled=True, to="varying"
+        )
+        x = unpad_rows(x, p)
+        out[p.index] = make_varying(x, other) if other else x
+    return out
+
+  return gather, scatter, gather_each

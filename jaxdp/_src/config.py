@@ -46,9 +46,10 @@ class DDPConfig:
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
   fused_update: bool | None = None
-  """no_shard, optim, optim_grads: update each bucket (its shard) as one flat array
+  """Every strategy: update each bucket (its shard; FSDP: each unit's) as one flat array
   (Megatron's fused multi-tensor Adam); None: when the optax transformation gives the same
-  updates on the flat buckets (probed at init), True: require it, False: per-leaf update."""
+  updates on the flat buckets (probed at init), no FSDP unit is stacked and (no_shard) no
+  param needs an fp32 copy, True: require it, False: per-leaf update."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
@@ -86,11 +87,6 @@ class DDPConfig:
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
-    if self.fused_update and self.data_parallel_sharding_strategy == "optim_grads_params":
-      raise ValueError(
-        "fused_update=True is for 'no_shard', 'optim' and 'optim_grads'; "
-        f"{self.data_parallel_sharding_strategy!r} updates per leaf: leave fused_update=None"
-      )
 
   @property
   def use_distributed_optimizer(self) -> bool:

@@ -48,6 +48,7 @@ from jaxdp._src.distributed_optimizer import (
   flat_master_specs,
   gather_master,
   gather_params,
+  grad_blocks,
   pad_leaf,
   per_leaf_state,
   unpad_leaf,
@@ -491,17 +492,6 @@ def _update_leaves(tx, grads, state: TrainState, mesh, sharded: bool):
   return params, master, opt_state
 
 
-def _grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
-  """A fused step's grads per trainable leaf (tree order) for the NaN check: each leaf's
-  columns of its bucket's `(dp, shard_size)` view, padding included (zeros, finite)."""
-  blocks = {}
-  for name, _, b in bucket_names(layout):
-    shards = grads[name].reshape(layout.dp, b.shard_size)
-    for p in b.params:
-      blocks[p.index] = shards[:, p.offset : p.offset + p.shard_size(layout.dp)]
-  return [blocks[i] for i in sorted(blocks)]
-
-
 def make_train_step(
   loss_fn: LossFn,
   tx: optax.GradientTransformation,
@@ -576,7 +566,7 @@ def make_train_step(
         master = state.master
         updates = unravel_flat(updates, layout)
         params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
-      checked = _grad_blocks(grads, layout) if config.check_for_nan_in_grad else None
+      checked = grad_blocks(grads, layout) if config.check_for_nan_in_grad else None
     else:
       params, master, opt_state = _update_leaves(tx, grads, state, mesh, sharded)
       master, checked = tree_of(layout, master), grads

@@ -13,8 +13,8 @@ The fused update (Megatron's distributed optimizer, whose fused multi-tensor Ada
 each bucket's shard as one flat array). XLA:CPU runs about one kernel per leaf and moment
 of a per-leaf update whatever the leaf's size, so on a GPT of 52 leaves the flat update is
 several times faster, and XLA compiles it in a fraction of the time (issue 16). Under
-`optim` and `optim_grads`, when `fuses` finds
-that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
+`optim`, `optim_grads` and `optim_grads_params` (FSDP, whose buckets are its units; not with
+stacked units, see `use_fused`), when `fuses` finds that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
 a few steps with the same values: elementwise transformations, global norms and schedules
 pass; masks of the param tree, per-leaf statistics such as lamb's trust ratio and
 shape-dependent ones such as muon or adafactor do not, and keep the per-leaf update,
@@ -23,7 +23,8 @@ bucket's `(dp * shard_size,)` elements in the layout's shard-major order, sharde
 "data", so device `d` holds shard `d`) and the optax state of that tree. A step then runs
 one `tx.update` on it: the reduce-scattered bucket shards *are* the flat grads (no slicing
 into leaves), and the params are gathered per bucket from the flat master
-(`collectives.all_gather_shards`). DDP (`no_shard`) fuses the same way where its params
+(`collectives.all_gather_shards`; FSDP's unit gathers read it too,
+`collectives.unit_collectives_flat`). DDP (`no_shard`) fuses the same way where its params
 need no fp32 master: the optax state is the flat buckets, replicated; the all-reduced
 buckets are the grads; the params, which DDP keeps as the forward's leaves, are raveled
 into the buckets for the update (`fused_master`) and each gets its slice of the flat
@@ -367,6 +368,7 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
     jax.tree.unflatten(layout.treedef, shrunk),
     layout.dp,
     frozen=lambda path, _: path in static,
+    units=None if layout.units is None else dict(zip(layout.paths, layout.units)),
   )
   try:
     return _fuses_small(tx, small)
@@ -445,19 +447,22 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
 def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
   """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
 
-  Needs `no_shard`, `optim` or `optim_grads`, params the caller did not shard (no tensor or
-  expert parallelism), under `no_shard` trainable params that need no fp32 copy (DDP keeps
-  a bf16 model's master per leaf), and `tx` exact on the flat buckets (`fuses`); None
-  decides by these, True requires them.
+  Needs params the caller did not shard (no tensor or expert parallelism), no stacked FSDP
+  units, under `no_shard` trainable params that need no fp32 copy (DDP keeps a bf16 model's
+  master per leaf), and `tx` exact on the flat buckets (`fuses`); None decides by these,
+  True requires them.
   """
   if config.fused_update is False:
     return False
   strategy = config.data_parallel_sharding_strategy
-  if strategy == "optim_grads_params":
-    return False  # DDPConfig refuses fused_update=True for it
   why = None
   if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
     why = "some params are sharded over other mesh axes (tensor or expert parallel)"
+  elif layout.stacked:
+    why = (
+      "some params are stacked FSDP units (FSDPConfig(stacked=...)), whose master is "
+      "(layers, rows, ...) with one layer gathered per scan iteration: they update per leaf"
+    )
   elif strategy == "no_shard" and any(
     buf.param_dtype != master_dtype(buf.param_dtype) for buf in layout.buffers
   ):
@@ -500,7 +505,9 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   The one conversion from flat to per-leaf: `get_params`, `get_opt_state`, checkpoints and
   eval read a fused state through it. Traceable; returns an unfused state as it is. Each
   bucket is gathered whole on every device for the conversion (readers, not the step), and
-  the result is placed as `state_specs` places an unfused state.
+  `master` and `opt_state` are placed as `state_specs` places an unfused state (each leaf
+  sharded on its shard dim: also FSDP's placement of unstacked leaves, the only ones it
+  fuses); `params` stay as they are.
   """
   if not state.fused:
     return state
@@ -522,7 +529,19 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
     opt_state=jax.tree.map(tree, state.opt_state, is_leaf=is_flat),
     fused=False,
   )
-  return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
+  return _placed(out, mesh)
+
+
+def _placed(state: TrainState, mesh) -> TrainState:
+  """`state` with `master` and `opt_state` constrained where `state_specs` places them;
+  `params` (unchanged by the conversions; FSDP keeps its frozen params sharded) as given."""
+  specs = state_specs(state)
+  place = lambda tree, specs: jax.tree.map(lambda x, s: constrain(x, mesh, s), tree, specs)
+  return dataclasses.replace(
+    state,
+    master=place(state.master, specs.master),
+    opt_state=place(state.opt_state, specs.opt_state),
+  )
 
 
 def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> TrainState:
@@ -563,7 +582,18 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     master = flat(state.master, like.master if sharded else None)
     opt_state = jax.tree.map(flat, state.opt_state, like.opt_state, is_leaf=is_tree)
   out = dataclasses.replace(state, master=master, opt_state=opt_state, fused=True)
-  return jax.tree.map(lambda x, s: constrain(x, mesh, s), out, state_specs(out))
+  return _placed(out, mesh)
+
+
+def grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
+  """A fused step's grads per trainable leaf (tree order) for the NaN check: each leaf's
+  columns of its bucket's `(dp, shard_size)` view, padding included (zeros, finite)."""
+  blocks = {}
+  for name, _, b in bucket_names(layout):
+    shards = grads[name].reshape(layout.dp, b.shard_size)
+    for p in b.params:
+      blocks[p.index] = shards[:, p.offset : p.offset + p.shard_size(layout.dp)]
+  return [blocks[i] for i in sorted(blocks)]
 
 
 def flat_master_specs(layout: Layout, axes) -> dict[str, P]:

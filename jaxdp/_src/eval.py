@@ -96,14 +96,13 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
 
   def local(params, master, batch, model_state, layout, fused):
     if fsdp_branch:
-      tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
       return finish(
         fsdp_lib.call_with_units(
           call,
           layout,
           leaves_of(params),
-          tmaster,
-          fsdp_lib.unit_collectives(layout, mesh, config),
+          fsdp_lib.unit_values(master, layout, fused),
+          fsdp_lib.unit_collectives(layout, mesh, config, fused),
           fsdp,
           data_axes(mesh),
           batch,

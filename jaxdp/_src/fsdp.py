@@ -11,6 +11,17 @@ param of the unit, at rest, in three places of the `TrainState`:
 * `params`: frozen params' rows in their own dtype, sharded the same way; trainable leaves
   are None; integer leaves stay whole and replicated.
 
+The fused update (`distributed_optimizer`'s, `TrainState.fused`): the layout is one bucket
+per (unit, buffer), so where `use_fused` allows it `master` is one flat array per unit
+bucket (`{"<buffer>/bucket<i>": (dp * shard_size,)}` sharded over "data") and `opt_state`
+the optax state of that tree. A unit's all-gather then reads its flat master shard (cast to
+the param dtype, no concatenation first), its reduce-scatter's output is the flat grad
+shard (no slicing into leaves), and one `tx.update` runs on the flat tree: a global-norm
+clip sums one partial norm per unit bucket instead of one per leaf. Stacked units (a
+`(layers, rows, ...)` master gathered one layer per scan iteration) keep the per-leaf
+update, and so does every state with one (`use_fused`); frozen params keep their own form
+in `params`. Readers see the per-leaf form through `per_leaf_state`.
+
 One step: `fsdp_program.run_loss` traces the loss with whole params and runs it unit by
 unit, each unrolled unit (and each scan over a stacked unit, one layer per iteration) one
 `custom_vjp`: the forward all-gathers the unit's shard in the param dtype where the unit is
@@ -41,10 +52,25 @@ from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src.buffer import pad_rows, unpad_rows
 from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.distributed_optimizer import check_exact
+from jaxdp._src.distributed_optimizer import (
+  check_exact,
+  fused_master,
+  grad_blocks,
+  per_leaf_state,
+  use_fused,
+)
 from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype
 from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of
-from jaxdp._src.state import TrainState, extra_specs, leaves_of, opt_params_of, tree_of
+from jaxdp._src.state import (
+  FLAT_SPEC,
+  TrainState,
+  bucket_names,
+  extra_specs,
+  is_flat_leaf,
+  leaves_of,
+  opt_params_of,
+  tree_of,
+)
 from jaxdp._src.units import assign_units, param_specs, units_of
 
 PyTree = Any
@@ -100,6 +126,19 @@ def state_specs(state: TrainState) -> TrainState:
     None if x is None else _spec(x.ndim, _shard_dim(specs[i]) if i in specs else None)
     for i, x in enumerate(leaves_of(state.params))
   ]
+  if state.fused:
+    flat = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    return dataclasses.replace(
+      state,
+      step=P(),
+      params=tree_of(layout, params),
+      master={name: FLAT_SPEC for name in flat},
+      opt_state=jax.tree_util.tree_map_with_path(
+        lambda path, x: FLAT_SPEC if is_flat_leaf(path, x, flat) else _spec(x.ndim, None),
+        state.opt_state,
+      ),
+      **extra_specs(state),
+    )
   master = [
     None if m is None else _spec(m.ndim, _shard_dim(specs[i]))
     for i, m in enumerate(leaves_of(state.master))
@@ -144,28 +183,35 @@ def init_state(
   layout = layout_for(params, mesh, config, fsdp, frozen)
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   specs, trainable = param_specs(layout), layout.trainable
+  fused = use_fused(tx, layout, config)
 
   def build(params):
     leaves = leaves_of(params)
-    master = [
-      _pad(x, specs[i]).astype(master_dtype(x.dtype)) if trainable[i] else None
-      for i, x in enumerate(leaves)
-    ]
+    if fused:  # one flat array per unit bucket
+      master = fused_master(leaves, layout)
+    else:
+      master = tree_of(
+        layout,
+        [
+          _pad(x, specs[i]).astype(master_dtype(x.dtype)) if trainable[i] else None
+          for i, x in enumerate(leaves)
+        ],
+      )
     stored = [
       None if trainable[i] else _pad(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)
     ]
     state = TrainState(
       jnp.zeros((), jnp.int32),
       tree_of(layout, stored),
-      tree_of(layout, master),
+      master,
       None,
       layout,
       config,
       tuple(mesh.shape.items()),
+      fused=fused,
     )
-    return dataclasses.replace(
-      state, opt_state=tx.init(opt_params_of(layout, state.params, state.master))
-    )
+    opt_params = master if fused else opt_params_of(layout, state.params, state.master)
+    return dataclasses.replace(state, opt_state=tx.init(opt_params))
 
   params = jax.device_put(params, NamedSharding(mesh, P()), may_alias=False)
   abstract = jax.eval_shape(build, params)
@@ -175,6 +221,7 @@ def init_state(
 
 def whole_params(state: TrainState, mesh) -> PyTree:
   """Traced `get_params`: every leaf whole, fresh, in its own dtype, replicated."""
+  state = per_leaf_state(state, mesh)
   layout = state.layout
   specs = param_specs(layout)
 
@@ -223,9 +270,42 @@ def call_with_units(
   )
 
 
-def unit_collectives(layout: Layout, mesh, config: DDPConfig) -> list:
+def flat_keys(layout: Layout) -> dict[str, int]:
+  """A fused state's bucket name -> the key its flat master shard has among the leaves'
+  values in `run_loss` (`UnitIO.shards`): -1 - its number, apart from the leaf indices."""
+  return {name: -1 - n for n, (name, _, _) in enumerate(bucket_names(layout))}
+
+
+def unit_values(master, layout: Layout, fused: bool) -> dict:
+  """Inside the step: this device's master shards as `call_with_units` takes them: leaf
+  index -> rows, or (`fused`) `flat_keys` -> flat shard."""
+  if fused:
+    keys = flat_keys(layout)
+    return {keys[name]: m for name, m in master.items()}
+  return {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
+
+
+def unit_collectives(layout: Layout, mesh, config: DDPConfig, fused: bool = False) -> list:
   """Inside the step: each unit's gather (forward all-gather) and scatter (backward
-  reduce-scatter), as `fsdp_program.run_loss` takes them."""
+  reduce-scatter), as `fsdp_program.run_loss` takes them; `fused`: on the flat master
+  shards of a fused state (`collectives.unit_collectives_flat`)."""
+  if fused:
+    keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
+    out = []
+    for u in units_of(layout):
+      grad = tuple(
+        (b, dtype, master_dtype(layout.dtypes[b.params[0].index]), keys[b]) for b, dtype in u.grad
+      )
+      gather, scatter, each = collectives.unit_collectives_flat(
+        u.gather,
+        grad,
+        dp=dp_size(mesh),
+        axes=data_axes(mesh),
+        average=config.average_in_collective,
+      )
+      io = fsdp_program.UnitIO(u.name, u.trainable, u.frozen, bool(u.layers), gather, scatter, each)
+      out.append(dataclasses.replace(io, shards=tuple(k for *_, k in grad)))
+    return out
   return [
     fsdp_program.UnitIO(
       u.name,
@@ -267,12 +347,12 @@ def make_grad_fn(
   fsdp = fsdp or FSDPConfig()
   axes, dp, k = data_axes(mesh), dp_size(mesh), grad_accum_steps
 
-  def local_grads(master, params, batch, key, model_state, layout: Layout):
-    """Per device: this device's rows of every trainable param's grad, the loss, the aux and
-    the new model state."""
+  def local_grads(master, params, batch, key, model_state, layout: Layout, fused: bool):
+    """Per device: this device's rows of every trainable param's grad (a fused state: its
+    flat shard of every unit bucket), the loss, the aux and the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
     stored, trainable = leaves_of(params), layout.trainable
-    units = unit_collectives(layout, mesh, config)
+    units = unit_collectives(layout, mesh, config, fused)
 
     def loss_of(tmaster, mb, j, ms):
       loss, extra = call_with_units(
@@ -291,7 +371,7 @@ def make_grad_fn(
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     sync = lambda ms: collectives.sync_model_state(ms, axes)
-    tmaster = {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
+    tmaster = unit_values(master, layout, fused)
     if k == 1:
       (loss, (aux, model_state)), grads = grad_fn(tmaster, batch, 0, model_state)
       model_state, aux = sync(model_state), loop.mean_micro(None, aux, 1)
@@ -300,6 +380,8 @@ def make_grad_fn(
       values = dict(enumerate(stored))
       values.update(tmaster)
       full = {**values, **fsdp_program.gather_units(units, values)}
+
+      whole_keys = [i for i, t in enumerate(trainable) if t]
 
       def micro_loss(ftrain, mb, j, ms):
         leaves = [ftrain.get(i, full[i]) for i in range(len(trainable))]
@@ -311,14 +393,16 @@ def make_grad_fn(
       def body(carry, xs):
         loss_sum, grad_sum, ms = carry
         (loss, (aux, ms)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-          {i: full[i] for i in tmaster}, *xs, ms
+          {i: full[i] for i in whole_keys}, *xs, ms
         )
         grad_sum = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grad_sum, g)
         return (loss_sum + loss, grad_sum, sync(ms)), aux
 
       zero = (
         collectives.make_varying(jnp.zeros((), jnp.float32), axes),
-        collectives.make_varying({i: jnp.zeros(full[i].shape, jnp.float32) for i in tmaster}, axes),
+        collectives.make_varying(
+          {i: jnp.zeros(full[i].shape, jnp.float32) for i in whole_keys}, axes
+        ),
         model_state,
       )
       (loss, whole, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
@@ -348,8 +432,12 @@ def make_grad_fn(
     if replicas > 1:
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
+    if fused:
+      out = {name: grads[key] for name, key in flat_keys(layout).items()}
+    else:
+      out = tree_of(layout, [grads.get(i) for i in range(len(trainable))])
     return (
-      tree_of(layout, [grads.get(i) for i in range(len(trainable))]),
+      out,
       loss / dp,
       jnp.sqrt(sq / replicas),
       aux,
@@ -361,7 +449,7 @@ def make_grad_fn(
     batch_spec = P(axes)
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     return jax.shard_map(
-      functools.partial(local_grads, layout=state.layout),
+      functools.partial(local_grads, layout=state.layout, fused=state.fused),
       mesh=mesh,
       in_specs=(specs.master, specs.params, batch_spec, specs.rng, specs.model_state),
       out_specs=(specs.master, P(), P(), P(), specs.model_state),
@@ -392,7 +480,8 @@ def make_train_step(
     _check_state(state, mesh, config, fsdp)
     checks.check_batch(batch, dp_size(mesh) * k)
     grads, loss, grad_norm, aux, model_state = grad_fn(state, batch)
-    opt_params = opt_params_of(layout, state.params, state.master)
+    # fused: one update on the flat unit buckets (see the module docstring)
+    opt_params = state.master if state.fused else opt_params_of(layout, state.params, state.master)
     updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
     master = optax.apply_updates(opt_params, updates)
     new_state = dataclasses.replace(
@@ -405,7 +494,7 @@ def make_train_step(
       config,
       loss,
       grad_norm,
-      grads,
+      grad_blocks(grads, layout) if state.fused and config.check_for_nan_in_grad else grads,
       aux if has_aux else None,
     )
 

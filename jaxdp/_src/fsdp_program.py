@@ -82,10 +82,18 @@ class UnitIO:
   gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param} (one layer)
   scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
   gather_each: Callable  # as gather, one all-gather per param (inside a scan)
+  shards: tuple[int, ...] | None = None
+  """Keys of the unit's trainable shards in `run_loss`'s `values`, which `gather` takes and
+  `scatter` returns: None = `trainable` (one block per leaf); a fused state's flat bucket
+  shards (`fsdp.unit_collectives`)."""
 
   @property
   def leaves(self) -> tuple[int, ...]:
     return tuple(sorted(self.trainable + self.frozen))
+
+  @property
+  def shard_keys(self) -> tuple[int, ...]:
+    return self.trainable if self.shards is None else self.shards
 
 
 # ----------------------------------------------------------------------------- jaxpr helpers
@@ -252,7 +260,7 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
   one all-gather per param)."""
   full = {}
   for u in units:
-    t = {i: shards[i] for i in u.trainable}
+    t = {i: shards[i] for i in u.shard_keys}
     f = {i: shards[i] for i in u.frozen}
     gather = u.gather_each if each else u.gather
     full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
@@ -285,7 +293,7 @@ def _unit_call(
   """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
   module docstring). `tokens` (k zeros) carry the backward prefetch order; returns
   `(outs, tokens for the next segment)`."""
-  trainable = {i: shards[i] for u in units for i in u.trainable}
+  trainable = {i: shards[i] for u in units for i in u.shard_keys}
   frozen = {i: shards[i] for u in units for i in u.frozen}
   k = len(tokens) - 1  # prefetch tokens, then the "reduce-scatter done" token
   token_avals = _avals(tokens)
@@ -492,7 +500,8 @@ def run_loss(
     treedef: the params' tree structure.
     leaf_avals: every leaf's whole shape and param dtype.
     values: leaf index -> this device's shard (float leaves of a unit: the trainable ones'
-      masters, the frozen ones as stored) or the whole value (integer leaves).
+      masters, the frozen ones as stored) or the whole value (integer leaves); a unit's
+      `UnitIO.shards` -> its flat master shards (fused state).
     units: every unit.
     batch: this device's batch.
     axes: the data-parallel axes (the gathered params vary over them).
@@ -616,7 +625,9 @@ def run_loss(
   op_shards = []
   for op in ops:
     names = op.units + list(getattr(op, "extra", []))
-    op_shards.append({i: values[i] for n in names for i in by_name[n].leaves})
+    op_shards.append(
+      {i: values[i] for n in names for i in by_name[n].shard_keys + by_name[n].frozen}
+    )
   tokens = [stand_in(jax.ShapeDtypeStruct((), jnp.float32)) for _ in range(prefetch + 1)]
   for n, op in enumerate(ops):
     acts = [env[v] for v in op.acts]

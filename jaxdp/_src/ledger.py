@@ -47,7 +47,7 @@ from jaxdp._src.layout import (
   round_up,
 )
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
-from jaxdp._src.units import gather_layout
+from jaxdp._src.units import assign_units, gather_layout
 
 PyTree = Any
 
@@ -135,6 +135,7 @@ def memory_ledger(
   overlap_param_gather: bool = True,
   frozen: Frozen = None,
   fused_update: bool | None = None,
+  fsdp: FSDPConfig | None = None,
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
@@ -150,6 +151,8 @@ def memory_ledger(
     grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather,
       fused_update: as in `DDPConfig` (a fused state holds its buckets' end padding too).
     frozen: as in `init_state`.
+    fsdp: the `FSDPConfig` of `optim_grads_params` (None: the default); its units are the
+      buckets of a fused FSDP state.
 
   Returns:
     A `MemoryLedger`.
@@ -177,12 +180,12 @@ def memory_ledger(
     grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
   )
   sharded = strategy != "no_shard"
-  fsdp = strategy == "optim_grads_params"
+  fsdp_step = strategy == "optim_grads_params"
   leaves_ = trainable_leaves(layout)
 
   model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
   trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) for x in leaves_)
-  if fsdp:  # trainable params live only in `master`; frozen float params are sharded too
+  if fsdp_step:  # trainable params live only in `master`; frozen float params are sharded too
     model = 0
     for i in layout.static:
       shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
@@ -206,10 +209,21 @@ def memory_ledger(
   if tx is None:
     tx = optax.scale_by_adam()
   config = DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
-  if use_fused(tx, layout, config):  # one flat array per bucket, its end padding included
+  flat_layout = layout
+  if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
+    units, stacked = assign_units(params, fsdp or FSDPConfig())
+    flat_layout = make_layout(
+      params,
+      dp=dp,
+      frozen=frozen,
+      units=units,
+      stacked=stacked,
+      grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
+    )
+  if use_fused(tx, flat_layout, config):  # one flat array per bucket, its end padding included
     flat = {
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
-      for name, buf, b in bucket_names(layout)
+      for name, buf, b in bucket_names(flat_layout)
     }
     if sharded:  # no_shard fuses only params that need no master
       master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
@@ -224,7 +238,7 @@ def memory_ledger(
     n = _nbytes(x.shape, x.dtype)
     opt += n // dp if is_sharded(path, x) else n
 
-  gathered = trainable_model if sharded and not fsdp and overlap_param_gather else 0
+  gathered = trainable_model if sharded and not fsdp_step and overlap_param_gather else 0
   return MemoryLedger(
     params=model, grads=grads, master=master, opt_state=opt, gathered_in_step=gathered
   )
@@ -404,6 +418,7 @@ def memory_report(
     overlap_param_gather=config.overlap_param_gather,
     frozen=frozen,
     fused_update=config.fused_update,
+    fsdp=fsdp if fsdp_step else None,
   )
   predicted_state = {**ledger.state, "step": 4}
 

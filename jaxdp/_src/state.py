@@ -79,8 +79,9 @@ class TrainState:
   fused: bool = False
   """The fused update (`DDPConfig.fused_update`): `opt_state` is the optax state of
   `{bucket name: flat}` (`bucket_names`), each bucket's `(dp * shard_size,)` elements in its
-  shard-major order. Under `optim`/`optim_grads` `master` is that flat tree and both are
-  sharded over "data" (`flat_master`); under `no_shard` they are replicated and `master`
+  shard-major order. Under `optim`/`optim_grads`/`optim_grads_params` (FSDP: a bucket per
+  unit) `master` is that flat tree and both are sharded over "data" (`flat_master`); under
+  `no_shard` they are replicated and `master`
   holds nothing (DDP fuses only params that need no fp32 copy).
   `distributed_optimizer.per_leaf_state` gives the per-leaf form every reader uses."""
 
