@@ -102,7 +102,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
           layout,
           leaves_of(params),
           tmaster,
-          fsdp_lib.unit_collectives(layout, mesh, config),
+          fsdp_lib.unit_collectives(layout, mesh, config, fsdp),
           fsdp,
           data_axes(mesh),
           batch,

@@ -45,7 +45,7 @@ from jaxdp._src.distributed_optimizer import check_exact
 from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype
 from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of
 from jaxdp._src.state import TrainState, extra_specs, leaves_of, opt_params_of, tree_of
-from jaxdp._src.units import assign_units, param_specs, units_of
+from jaxdp._src.units import assign_units, chunked_leaves, param_specs, units_of
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -223,9 +223,14 @@ def call_with_units(
   )
 
 
-def unit_collectives(layout: Layout, mesh, config: DDPConfig) -> list:
+def unit_collectives(
+  layout: Layout, mesh, config: DDPConfig, fsdp: FSDPConfig | None = None
+) -> list:
   """Inside the step: each unit's gather (forward all-gather) and scatter (backward
-  reduce-scatter), as `fsdp_program.run_loss` takes them."""
+  reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves `fsdp.chunks` names are
+  gathered by row blocks where the loss uses them (None: no chunks, for code that gathers
+  units whole outside `run_loss`)."""
+  chunks = chunked_leaves(layout, fsdp) if fsdp is not None else {}
   return [
     fsdp_program.UnitIO(
       u.name,
@@ -239,7 +244,9 @@ def unit_collectives(layout: Layout, mesh, config: DDPConfig) -> list:
         dp=dp_size(mesh),
         axes=data_axes(mesh),
         average=config.average_in_collective,
+        chunked=[i for i in u.leaves if i in chunks],
       ),
+      chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
     for u in units_of(layout)
   ]
@@ -272,7 +279,10 @@ def make_grad_fn(
     the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
     stored, trainable = leaves_of(params), layout.trainable
-    units = unit_collectives(layout, mesh, config)
+    # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
+    units = unit_collectives(
+      layout, mesh, config, fsdp if k == 1 or fsdp.reshard_after_backward else None
+    )
 
     def loss_of(tmaster, mb, j, ms):
       loss, extra = call_with_units(

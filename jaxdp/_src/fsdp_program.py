@@ -59,7 +59,7 @@ that uses it; a param passed into a scan as a const is gathered once before it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,8 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
 
 from jaxdp._src import collectives
+from jaxdp._src.buffer import pad_dim
+from jaxdp._src.mesh import DATA
 
 PyTree = Any
 
@@ -82,6 +84,9 @@ class UnitIO:
   gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param} (one layer)
   scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
   gather_each: Callable  # as gather, one all-gather per param (inside a scan)
+  gather_rows: Callable  # (leaf, rows [lo, hi) of its shard) -> every device's rows
+  scatter_rows: Callable  # (leaf, cotangent of gather_rows' output) -> reduced rows [lo, hi)
+  chunks: Mapping[int, int] = dataclasses.field(default_factory=dict)  # leaf -> row blocks
 
   @property
   def leaves(self) -> tuple[int, ...]:
@@ -102,9 +107,12 @@ def _bind(eqn, invals):
   return out if eqn.primitive.multiple_results else [out]
 
 
-def _eval(eqns, env):
+def _eval(eqns, env, rules=None):
+  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function run instead of binding it."""
   for eqn in eqns:
-    for v, x in zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])):
+    invals = [_read(env, v) for v in eqn.invars]
+    rule = rules.get(id(eqn)) if rules else None
+    for v, x in zip(eqn.outvars, rule(invals) if rule else _bind(eqn, invals)):
       env[v] = x
 
 
@@ -256,6 +264,7 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
     f = {i: shards[i] for i in u.frozen}
     gather = u.gather_each if each else u.gather
     full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
+    full.update((i, shards[i]) for i in u.chunks)  # gathered by row blocks where used
   return full
 
 
@@ -263,8 +272,9 @@ def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool) -> dict:
   grads = {}
   for u in units:
     if u.trainable:
-      c = {i: cts[i] for i in u.trainable}
+      c = {i: cts[i] for i in u.trainable if i not in u.chunks}
       grads.update(jax.vmap(u.scatter)(c) if layer_axis and u.stacked else u.scatter(c))
+      grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
   return grads
 
 
@@ -354,6 +364,146 @@ def _unit_call(
 
   call.defvjp(fwd, bwd)
   return call(acts, trainable, frozen, tokens)
+
+
+def _chunked_dot(eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x, block):
+  """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
+  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
+  `custom_vjp`.
+
+  Row block c is rows `[lo, hi)` of every device's block (`lo = c * r // n` for `r` rows
+  per device), i.e. rows `d * r + [lo, hi)` of the padded param for every device d: its
+  `gather_rows` is one all-gather of `block[lo:hi]`, and the reduce-scatter of its gradient
+  (`scatter_rows`) lands on this device's rows `[lo, hi)`. Where the leaf's rows are a free
+  dim of the product (logits `h @ wte.T`), block c computes the output's columns of those
+  rows; where they are contracted (`one_hot @ wte`) it computes a partial sum over them.
+  Forward: block c's gather waits for block c - 2's product (one block gathered ahead);
+  backward: gather block c again, its share of `x`'s cotangent, its weight gradient,
+  reduce-scatter; block c's gather waits for block c + 2's reduce-scatter. At most two
+  blocks and two block gradients are alive, never the whole param; the forward saves `x`.
+  """
+  (contract, batch) = eqn.params["dimension_numbers"]
+  if 0 in batch[w_pos]:
+    raise AssertionError("jaxdp FSDP: a chunked param used with its rows as a batch dim")
+  r = block.shape[0]
+  dp = jax.lax.axis_size(DATA)
+  padded = dp * r
+  bounds = [(c * r // n, (c + 1) * r // n) for c in range(n)]
+  x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
+  w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
+  x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
+  out_dim = None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
+
+  def rows_of(a, dim, lo, hi):
+    """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
+    param's rows (zeros for the padding)."""
+    a = pad_dim(a, a.shape, dim, padded)
+    a = a.reshape(*a.shape[:dim], dp, r, *a.shape[dim + 1 :])
+    a = jax.lax.slice_in_dim(a, lo, hi, axis=dim + 1)
+    return a.reshape(*a.shape[:dim], dp * (hi - lo), *a.shape[dim + 2 :])
+
+  def take(x, lo, hi):
+    """Block [lo, hi)'s share of `x`: all of it, or its rows if they are contracted."""
+    return x if x_dim is None else rows_of(x, x_dim, lo, hi)
+
+  def piece(x_c, w_c):
+    return _bind(eqn, [x_c, w_c] if w_pos else [w_c, x_c])[0]
+
+  def combine(pieces):
+    if x_dim is not None:
+      return sum(pieces[1:], pieces[0])
+    shape = pieces[0].shape
+    parts = [p.reshape(*shape[:out_dim], dp, -1, *shape[out_dim + 1 :]) for p in pieces]
+    out = jnp.concatenate(parts, axis=out_dim + 1)
+    out = out.reshape(*shape[:out_dim], padded, *shape[out_dim + 1 :])
+    return jax.lax.slice_in_dim(out, 0, size, axis=out_dim)
+
+  # Each block's operands leave a barrier of their own: XLA merges matmuls that share an
+  # operand (`x`, or the cotangent) into one whole-size matmul on the concatenated blocks.
+  def forward(x, block):
+    pieces = []
+    for c, (lo, hi) in enumerate(bounds):
+      own = (block[lo:hi], take(x, lo, hi))
+      if c < 2:  # gathered once the input exists
+        (rows, x_c), _ = _together(own, x if x_dim is None else own[1])
+      else:  # ... and once block c - 2 is computed: one block ahead
+        (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
+      pieces.append(piece(x_c, unit.gather_rows(leaf, rows)))
+    return combine(pieces)
+
+  @jax.custom_vjp
+  def dot(x, block):
+    return forward(x, block)
+
+  def fwd(x, block):
+    return forward(x, block), (x, block)
+
+  def bwd(res, d_out):
+    x, block = res
+    d_xs, grads = {}, {}
+    order = list(reversed(range(n)))
+    for k, c in enumerate(order):
+      lo, hi = bounds[c]
+      x_c, take_vjp = jax.vjp(lambda x: take(x, lo, hi), x)
+      if k < 2:  # gathered once the cotangent exists (not hoisted into the forward)
+        (rows, x_c), d_c = _together((block[lo:hi], x_c), d_out)
+      else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
+        prev = order[k - 2]
+        (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
+          (block[lo:hi], x_c, d_out), (d_xs[prev], grads[prev])
+        )
+      d_piece = d_c if x_dim is not None else rows_of(d_c, out_dim, lo, hi)
+      _, vjp = jax.vjp(piece, x_c, unit.gather_rows(leaf, rows))
+      d_x_c, dw = vjp(d_piece)
+      (d_xs[c],) = take_vjp(d_x_c)
+      trainable = leaf in unit.trainable
+      grads[c] = unit.scatter_rows(leaf, dw) if trainable else jnp.zeros_like(rows)
+    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]])
+    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(n)])
+
+  dot.defvjp(fwd, bwd)
+  return dot(x, block)
+
+
+def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> dict:
+  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
+  (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
+  use (its value is never whole, so a matmul on it is all a segment can do)."""
+  chunked = {v: i for v, i in param_var.items() if i in unit_of[i].chunks}
+  rules = {}
+  for eqn in jaxpr.eqns:
+    for pos, v in enumerate(eqn.invars):
+      if not (isinstance(v, jcore.Var) and v in chunked):
+        continue
+      i = chunked[v]
+      ok = (
+        eqn.primitive is prims.dot_general_p
+        and eqn.invars[1 - pos] not in chunked
+        and 0 not in eqn.params["dimension_numbers"][1][pos]
+        and not any(w in lazy_def for w in eqn.outvars)
+      )
+      if not ok:
+        paths = jax.tree_util.tree_flatten_with_path(
+          jax.tree.unflatten(treedef, list(range(len(leaf_avals))))
+        )[0]
+        path = jax.tree_util.keystr(paths[i][0])
+        raise ValueError(
+          f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
+          f"`{eqn.primitive.name}`, not as one operand of a matmul whose other operand "
+          "depends on the batch; a param gathered by row blocks can only be used by "
+          "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
+        )
+      u = unit_of[i]
+      size = leaf_avals[i].shape[0]
+      rules[id(eqn)] = lambda invals, eqn=eqn, pos=pos, i=i, u=u, size=size: [
+        _chunked_dot(eqn, pos, u, i, u.chunks[i], size, invals[1 - pos], invals[pos])
+      ]
+  if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
+    raise ValueError(
+      "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
+      "blocks can only be used by matmuls: leave it out of chunks="
+    )
+  return rules
 
 
 def _scan_unit(
@@ -529,6 +679,8 @@ def run_loss(
       for v in eqn.outvars:
         var_units[v] = us
 
+  rules = _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals)
+
   def stacked_xs(eqn):
     """{xs position: leaf} of a scan whose xs carry every leaf of some stacked units."""
     if eqn.primitive is not prims.scan_p:
@@ -633,7 +785,7 @@ def run_loss(
         local = dict(zip(op.acts, acts))
         local.update((v, full[i]) for v, i in param_var.items() if i in full)
         local.update((v, x) for v, x in zip(jaxpr.constvars, flat.consts))
-        _eval(op.lazy + op.eqns, local)
+        _eval(op.lazy + op.eqns, local, rules)
         return [local[v] for v in op.outs]
 
       outs, tokens = _unit_call(
