@@ -9,8 +9,8 @@ Models (`--model`):
 * `mlp`: issue 13's residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
   layer's params = 32 MiB), loss `mean(h ** 2)`, global batch 64 x 256 tokens.
 * `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU);
-  jaxdp's FSDP gathers its tied `wte` in `--wte-chunks` row blocks (default 8:
-  `FSDPConfig(chunks={"wte": 8})`).
+  jaxdp's FSDP gathers its tied `wte` in `--wte-chunks` row blocks (default 16:
+  `FSDPConfig(chunks={"wte": 16})`).
 
 each unrolled (a Python loop over the blocks) or scanned (`lax.scan` over stacked blocks),
 with each block under the user's `jax.checkpoint` (`--remat`, the default) or not.
@@ -275,7 +275,7 @@ def main():
   parser.add_argument(
     "--wte-chunks",
     type=int,
-    default=8,
+    default=16,
     help="GPT, jaxdp FSDP: FSDPConfig(chunks={'wte': N}), wte gathered and reduce-scattered "
     "in N row blocks where it is used (0: gathered whole)",
   )

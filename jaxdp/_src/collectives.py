@@ -275,7 +275,9 @@ def unit_collectives(
   specs = {p.index: p for b, _ in gather_buckets for p in b.params}
 
   def gather_rows(i, rows):
-    x = jax.lax.all_gather(rows.astype(dtypes[i]), DATA, axis=specs[i].axis, tiled=True, to="varying")
+    x = jax.lax.all_gather(
+      rows.astype(dtypes[i]), DATA, axis=specs[i].axis, tiled=True, to="varying"
+    )
     return make_varying(x, other) if other else x
 
   def scatter_rows(i, ct):

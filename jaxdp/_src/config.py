@@ -187,7 +187,9 @@ class FSDPConfig:
           "blocks the param is gathered in)"
         )
     object.__setattr__(self, "chunks", tuple(sorted((_prefix(p), n) for p, n in pairs)))
-    if any(_prefix_under(p, s) or _prefix_under(s, p) for p, _ in self.chunks for s in self.stacked):
+    if any(
+      _prefix_under(p, s) or _prefix_under(s, p) for p, _ in self.chunks for s in self.stacked
+    ):
       raise ValueError(
         f"FSDPConfig: chunks={dict(self.chunks)} names params under stacked={self.stacked}; "
         "a stacked layer is gathered whole inside its scan iteration: chunk only unstacked "

@@ -366,7 +366,9 @@ def _unit_call(
   return call(acts, trainable, frozen, tokens)
 
 
-def _chunked_dot(eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x, block):
+def _chunked_dot(
+  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block
+):
   """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
   `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
   `custom_vjp`.
@@ -381,6 +383,9 @@ def _chunked_dot(eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x,
   backward: gather block c again, its share of `x`'s cotangent, its weight gradient,
   reduce-scatter; block c's gather waits for block c + 2's reduce-scatter. At most two
   blocks and two block gradients are alive, never the whole param; the forward saves `x`.
+  Without `x_grad` (`x` is computed from integers alone, like a one-hot of the token ids) the
+  backward computes no cotangent for `x` and so gathers nothing: the weight gradient needs
+  no value of the param.
   """
   (contract, batch) = eqn.params["dimension_numbers"]
   if 0 in batch[w_pos]:
@@ -392,7 +397,9 @@ def _chunked_dot(eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x,
   x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
   w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
   x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
-  out_dim = None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
+  out_dim = (
+    None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
+  )
 
   def rows_of(a, dim, lo, hi):
     """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
@@ -450,15 +457,19 @@ def _chunked_dot(eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x,
       else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
         prev = order[k - 2]
         (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
-          (block[lo:hi], x_c, d_out), (d_xs[prev], grads[prev])
+          (block[lo:hi], x_c, d_out), (d_xs.get(prev), grads[prev])
         )
       d_piece = d_c if x_dim is not None else rows_of(d_c, out_dim, lo, hi)
-      _, vjp = jax.vjp(piece, x_c, unit.gather_rows(leaf, rows))
-      d_x_c, dw = vjp(d_piece)
-      (d_xs[c],) = take_vjp(d_x_c)
+      if x_grad:
+        _, vjp = jax.vjp(piece, x_c, unit.gather_rows(leaf, rows))
+        d_x_c, dw = vjp(d_piece)
+        (d_xs[c],) = take_vjp(d_x_c)
+      else:  # linear in the param: its gradient needs no value of it
+        w_aval = jax.eval_shape(lambda r: unit.gather_rows(leaf, r), rows)
+        (dw,) = jax.linear_transpose(lambda w: piece(x_c, w), w_aval)(d_piece)
       trainable = leaf in unit.trainable
       grads[c] = unit.scatter_rows(leaf, dw) if trainable else jnp.zeros_like(rows)
-    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]])
+    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if x_grad else None
     return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(n)])
 
   dot.defvjp(fwd, bwd)
@@ -470,6 +481,11 @@ def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> di
   (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
   use (its value is never whole, so a matmul on it is all a segment can do)."""
   chunked = {v: i for v, i in param_var.items() if i in unit_of[i].chunks}
+  # The vars a gradient flows to: those computed from a float input.
+  floats = {v for v in jaxpr.invars if _is_float(v.aval)}
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
+      floats.update(v for v in eqn.outvars if _is_float(v.aval))
   rules = {}
   for eqn in jaxpr.eqns:
     for pos, v in enumerate(eqn.invars):
@@ -493,10 +509,11 @@ def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> di
           "depends on the batch; a param gathered by row blocks can only be used by "
           "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
         )
-      u = unit_of[i]
+      u, x_var = unit_of[i], eqn.invars[1 - pos]
+      x_grad = isinstance(x_var, jcore.Var) and x_var in floats
       size = leaf_avals[i].shape[0]
-      rules[id(eqn)] = lambda invals, eqn=eqn, pos=pos, i=i, u=u, size=size: [
-        _chunked_dot(eqn, pos, u, i, u.chunks[i], size, invals[1 - pos], invals[pos])
+      rules[id(eqn)] = lambda invals, eqn=eqn, pos=pos, i=i, u=u, size=size, g=x_grad: [
+        _chunked_dot(eqn, pos, u, i, u.chunks[i], size, g, invals[1 - pos], invals[pos])
       ]
   if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
     raise ValueError(
