@@ -145,7 +145,8 @@ def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"wte": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, units={"['wte']": "wte", "['b']": "b"})
+    >>> units = {"['wte']": "wte", "['b']": "b"}
+    >>> layout = jaxdp.make_layout(params, dp=8, units=units, stacked=set())
     >>> chunked_leaves(layout, FSDPConfig(chunks={"wte": 4}))  # 300 rows: 38 per device
     {1: 4}
   """
