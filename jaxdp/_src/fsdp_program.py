@@ -50,6 +50,14 @@ trace), and everything FSDP adds is built by jaxdp from that jaxpr, per step bui
 layout alone. It also needs nothing from the model: unrolled and scanned models, `nnx.scan`
 ones included, are cut into units as they are.
 
+* A *chunked* param (`FSDPConfig(chunks={"wte": C})`, a large embedding or output
+  projection): its unit hands the segment this device's shard, and each matmul on it
+  (`dot_general`, the only use allowed) runs as one `custom_vjp` (`_chunked_dot`) over C
+  row blocks: forward, gather one block, compute its share of the product; backward, gather
+  it again (not at all when the other operand needs no cotangent, like a one-hot), compute
+  its shares of the gradients and reduce-scatter the block's weight gradient at once. The
+  param and its gradient are never whole (GPT-2's 147 MiB tied `wte`).
+
 What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
 anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
 them, a `jax.checkpoint` around the whole scan) is gathered whole, all layers, in the segment
@@ -381,8 +389,9 @@ def _chunked_dot(
   rows; where they are contracted (`one_hot @ wte`) it computes a partial sum over them.
   Forward: block c's gather waits for block c - 2's product (one block gathered ahead);
   backward: gather block c again, its share of `x`'s cotangent, its weight gradient,
-  reduce-scatter; block c's gather waits for block c + 2's reduce-scatter. At most two
-  blocks and two block gradients are alive, never the whole param; the forward saves `x`.
+  reduce-scatter; block c's gather waits for block c + 2's share of `x`'s cotangent and its
+  reduce-scatter. About two blocks and two block gradients are alive, never the whole param
+  or its whole gradient; the forward saves `x`.
   Without `x_grad` (`x` is computed from integers alone, like a one-hot of the token ids) the
   backward computes no cotangent for `x` and so gathers nothing: the weight gradient needs
   no value of the param.
