@@ -200,8 +200,9 @@ def compile_program(
   **kw,
 ):
   """One program compiled for 8 x H100 (`kw`: the model's sizes; `bucket_size`: the
-  `DDPConfig(bucket_size=)` of jaxdp's `no_shard` / `optim` rows, None: Megatron's;
-  `wte_chunks`: the GPT's jaxdp FSDP gathers `wte` in that many row blocks, 0: whole)."""
+  `DDPConfig(bucket_size=)` of jaxdp's `no_shard` / `optim` rows, None: the strategy's
+  default; `wte_chunks`: the GPT's jaxdp FSDP gathers `wte` in that many row blocks, 0:
+  whole)."""
   params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
   tx = optax.adam(1e-4)
   mesh = aot.gpu_mesh((DP,), ("data",))
@@ -284,7 +285,7 @@ def main():
     type=int,
     default=None,
     help="DDPConfig(bucket_size=) in elements for the jaxdp no_shard / optim rows "
-    "(default: Megatron's max(40M, 1M * dp))",
+    "(default: the strategy's, no_shard 25 MiB of fp32, optim Megatron's max(40M, 1M * dp))",
   )
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()

@@ -24,7 +24,7 @@ class DDPConfig:
     >>> jaxdp.DDPConfig(bucket_size=0)
     Traceback (most recent call last):
     ...
-    ValueError: bucket_size=0: must be a positive number of elements, or None for Megatron's default max(40_000_000, 1_000_000 * dp)
+    ValueError: bucket_size=0: must be a positive number of elements, or None for the strategy's default (no_shard: 6_553_600 = 25 MiB of fp32; sharded: Megatron's max(40_000_000, 1_000_000 * dp))
   """
 
   data_parallel_sharding_strategy: Strategy = "no_shard"
@@ -36,7 +36,9 @@ class DDPConfig:
   overlap_param_gather: bool = True
   """Sharded strategies: gather each bucket's params at the start of the next forward, not after the update."""
   bucket_size: int | None = None
-  """Elements per bucket; None: max(40_000_000, 1_000_000 * dp)."""
+  """Elements per bucket; None: no_shard 6_553_600 (PyTorch DDP's 25 MiB of fp32: XLA copies
+  a bucket before reducing it, see `layout.default_bucket_size`), the sharded strategies
+  Megatron's max(40_000_000, 1_000_000 * dp)."""
   average_in_collective: bool = False
   """Average inside the collective (pmean) instead of scaling by 1/dp and summing."""
   check_for_nan_in_grad: bool = False
@@ -61,7 +63,8 @@ class DDPConfig:
     ):
       raise ValueError(
         f"bucket_size={self.bucket_size!r}: must be a positive number of elements, "
-        "or None for Megatron's default max(40_000_000, 1_000_000 * dp)"
+        "or None for the strategy's default (no_shard: 6_553_600 = 25 MiB of fp32; "
+        "sharded: Megatron's max(40_000_000, 1_000_000 * dp))"
       )
     n = self.num_distributed_optimizer_instances
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -116,7 +116,9 @@ def layout_for(
     experts = jax.tree.unflatten(treedef, experts_of(model_specs))
     leading = jax.tree.unflatten(treedef, [any(dims) for dims in model_specs])
   if config.overlap_grad_reduce:
-    bucket_size = config.bucket_size or default_bucket_size(dp_size(mesh))
+    bucket_size = config.bucket_size or default_bucket_size(
+      dp_size(mesh), config.data_parallel_sharding_strategy
+    )
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward
   layout = make_layout(

@@ -164,7 +164,8 @@ def memory_ledger(
   """
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
-  size = (bucket_size or default_bucket_size(dp)) if overlap_grad_reduce else sys.maxsize
+  size = bucket_size or default_bucket_size(dp, strategy)
+  size = size if overlap_grad_reduce else sys.maxsize
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
   leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
   layout = make_layout(
