@@ -9,13 +9,15 @@ traced program (its jaxpr) in pieces:
   (`_unit_call`) whose inputs are the activations it reads and its unit's *shards*. Forward:
   all-gather the unit, run the equations, keep as residuals what `jax.vjp` of the segment
   keeps, except the values computed from the params alone (the gathered params themselves,
-  `W.T`, a bf16 cast of `W`, ...). Backward: all-gather the unit again (only if one of those
-  is needed: wpe's grad needs no value of wpe), recompute them from the re-gathered params
-  (everything else the backward reads is a saved residual), run the segment's vjp and
-  reduce-scatter the unit's weight gradients right there. Which activations are saved is therefore
-  the user's decision: a `jax.checkpoint` (or `nnx.remat`) in the model saves its inputs
-  only, exactly as under `jax.grad`; without one, the segment saves what `jax.grad` saves,
-  less the gathered params. A unit that two segments use (a tied embedding) is gathered and
+  `W.T`, a bf16 cast of `W`, ...) and those computed from integer inputs alone (a one-hot
+  of the token ids: the integers are saved instead). Backward: all-gather the unit again
+  (only if one of those is needed: wpe's grad needs no value of wpe), recompute them from
+  the re-gathered params and the integers (everything else the backward reads is a saved
+  residual), run the segment's vjp and reduce-scatter the unit's weight gradients right
+  there. Which activations are saved is therefore the user's decision: a `jax.checkpoint`
+  (or `nnx.remat`) in the model saves its inputs only, exactly as under `jax.grad`; without
+  one, the segment saves what `jax.grad` saves, less the gathered params and what the
+  integers give. A unit that two segments use (a tied embedding) is gathered and
   reduce-scattered in each.
 * A *scanned unit*: a `lax.scan` whose `xs` are the leaves of a stacked unit
   (`FSDPConfig(stacked=...)`), whatever made it (`jax.lax.scan`, `nnx.scan`, with or without
@@ -156,7 +158,9 @@ def _residual_masks(f, args, *taints: Sequence[bool]) -> list[list[bool]]:
   sizes = [len(jax.tree.leaves(a)) for a in args]
   masks = []
   for tainted in taints:
-    flat_taint = [t for n, t in zip(sizes, tainted) for _ in range(n)]
+    flat_taint = [
+      x for n, t in zip(sizes, tainted) for x in (t if isinstance(t, list) else [t] * n)
+    ]
     marked = {v for v, t in zip(closed.jaxpr.invars, flat_taint) if t}
     for eqn in closed.jaxpr.eqns:
       if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
@@ -318,11 +322,21 @@ def _unit_call(
   full_avals = jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
   # What the forward saves (the residuals that depend on the activations; None: all) and
   # which residuals the params feed: one trace of the segment's vjp, for both passes.
+  # Residuals computed from integer inputs alone (a one-hot of the token ids) are recomputed
+  # in the backward from the integers, which are saved instead.
+  ints = [jnp.issubdtype(a.dtype, jnp.integer) for a in act_avals]
   keep = of_params = None
   if reshard:
-    keep, of_params = _residual_masks(
-      fn, (_stand_ins(act_avals), _stand_ins(full_avals)), (True, False), (False, True)
+    of_floats, of_ints, of_params = _residual_masks(
+      fn,
+      (_stand_ins(act_avals), _stand_ins(full_avals)),
+      ([not i for i in ints], False),
+      (ints, False),
+      (False, True),
     )
+    keep = [a or (i and p) for a, i, p in zip(of_floats, of_ints, of_params)]
+    if not any(i and not k for i, k in zip(of_ints, keep)):
+      ints = [False] * len(ints)  # nothing to recompute from them
 
   @jax.custom_vjp
   def call(acts, t, f, tokens):
@@ -334,12 +348,24 @@ def _unit_call(
     leaves = jax.tree.leaves(vjp)
     saved = [x for x, s in zip(leaves, keep or [True] * len(leaves)) if s]
     zeros = _stand_ins(token_avals)
-    return (outs, zeros), (saved, t, f, None if reshard else full)
+    int_acts = [a for a, i in zip(acts, ints) if i]
+    return (outs, zeros), (saved, int_acts, t, f, None if reshard else full)
 
   def bwd(res, cts):
-    saved, t, f, full = res
+    saved, int_acts, t, f, full = res
     ct_outs, ct_tokens = cts
     acts0 = _stand_ins(act_avals)
+    if int_acts:
+      # The integers, recomputed from once this backward starts (plus a zero tied to its
+      # cotangents): else XLA merges the recomputation with the forward's, alive until here.
+      zero, ct_outs = _together(_stand_in(token_avals[0]), ct_outs)
+
+      def tie(a):  # (an input that varies over fewer axes than the zero is left as it is)
+        ok = _varying(jax.typeof(a)) >= _varying(jax.typeof(zero))
+        return a + zero.astype(a.dtype) if ok else a
+
+      it = iter(int_acts)
+      acts0 = [tie(next(it)) if i else x for i, x in zip(ints, acts0)]
     # This segment's backward has started: release the gather of the segment k earlier.
     fresh, ct_outs = _together(_stand_in(token_avals[0]), ct_outs) if k else (None, ct_outs)
     if reshard and not any(p and not s for p, s in zip(of_params, keep)):
