@@ -8,7 +8,9 @@ Models (`--model`):
 
 * `mlp`: issue 13's residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
   layer's params = 32 MiB), loss `mean(h ** 2)`, global batch 64 x 256 tokens.
-* `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU).
+* `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU);
+  jaxdp's FSDP gathers its tied `wte` in `--wte-chunks` row blocks (default 16:
+  `FSDPConfig(chunks={"wte": 16})`).
 
 each unrolled (a Python loop over the blocks) or scanned (`lax.scan` over stacked blocks),
 with each block under the user's `jax.checkpoint` (`--remat`, the default) or not.
@@ -194,11 +196,13 @@ def compile_program(
   fsdp=None,
   prefetch=1,
   bucket_size=None,
+  wte_chunks=0,
   **kw,
 ):
   """One program compiled for 8 x H100 (`kw`: the model's sizes; `bucket_size`: the
   `DDPConfig(bucket_size=)` of jaxdp's `no_shard` / `optim` rows, None: the strategy's
-  default)."""
+  default; `wte_chunks`: the GPT's jaxdp FSDP gathers `wte` in that many row blocks, 0:
+  whole)."""
   params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
   tx = optax.adam(1e-4)
   mesh = aot.gpu_mesh((DP,), ("data",))
@@ -207,7 +211,10 @@ def compile_program(
   strategy = JAXDP[program]
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=bucket_size)
   if strategy == "optim_grads_params":
-    fsdp = fsdp or FSDPConfig(stacked=["blocks"] if scanned else [], prefetch=prefetch)
+    chunks = {"wte": wte_chunks} if model == "gpt" and wte_chunks else {}
+    fsdp = fsdp or FSDPConfig(
+      stacked=["blocks"] if scanned else [], prefetch=prefetch, chunks=chunks
+    )
   return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh, fsdp=fsdp)
 
 
@@ -267,6 +274,13 @@ def main():
   parser.add_argument("--vocab", type=int, default=50304, help="GPT vocabulary (256: bytes)")
   parser.add_argument("--prefetch", type=int, default=1, help="jaxdp FSDP's FSDPConfig(prefetch=)")
   parser.add_argument(
+    "--wte-chunks",
+    type=int,
+    default=16,
+    help="GPT, jaxdp FSDP: FSDPConfig(chunks={'wte': N}), wte gathered and reduce-scattered "
+    "in N row blocks where it is used (0: gathered whole)",
+  )
+  parser.add_argument(
     "--bucket-size",
     type=int,
     default=None,
@@ -284,6 +298,7 @@ def main():
       kw = {"vocab": args.vocab} if args.model == "gpt" and not args.small else {}
       kw["prefetch"] = args.prefetch
       kw["bucket_size"] = args.bucket_size
+      kw["wte_chunks"] = args.wte_chunks
       stats = measure(
         args.model,
         args.layers,

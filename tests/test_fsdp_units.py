@@ -266,3 +266,57 @@ def test_grad_accumulation_keeps_units_gathered(scanned):
   units = 2 if scanned else 4  # blocks (stacked: one unit) + head
   assert len(re.findall(r" all-gather\(", hlo)) == units
   assert len(re.findall(r" reduce-scatter\(", hlo)) == units
+
+
+@pytest.mark.parametrize("scanned", [False, True])
+def test_chunked_tied_embedding(scanned):
+  """FSDPConfig(chunks={"wte": 4}) on a tiny GPT whose tied wte (vocab 300: 304 padded rows,
+  38 per device, blocks of 9 / 10 / 9 / 10) is used by the embedding (one_hot @ wte: rows
+  contracted) and the logits (h @ wte.T: rows free): the same update as one device, and wte
+  is never gathered whole. Per block, the embedding's forward, the logits' forward and the
+  logits' backward gather it (the embedding's gradient needs no value of wte), and the two
+  backwards reduce-scatter it: 3 all-gathers and 2 reduce-scatters per block, of 1/4 of wte."""
+  import re
+
+  from flax import nnx
+
+  from models.gpt import GPT, GPTConfig, gpt_loss
+
+  vocab, d = 300, 16
+  config = GPTConfig(
+    vocab_size=vocab, block_size=8, n_layer=2, n_head=2, d_model=d, remat=True, scan_layers=scanned
+  )
+  params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(0)), gpt_loss)
+  k1, k2 = jax.random.split(jax.random.key(1))
+  b = {
+    "x": jax.random.randint(k1, (16, 8), 0, vocab),
+    "y": jax.random.randint(k2, (16, 8), 0, vocab),
+  }
+  fsdp = FSDPConfig(chunks={"wte": 4}, stacked=["blocks"] if scanned else [])
+  one_sgd_step(params, loss_fn, b, fsdp)
+
+  mesh = jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  hlo = step.lower(state, b).as_text(dialect="hlo")
+  count = lambda kind, shape: len(re.findall(rf"= f32\[{shape}\]\S* {kind}\(", hlo))
+  for rows in (9, 10):  # two blocks of each size
+    assert count("all-gather", f"{DP * rows},{d}") == 3 * 2
+    assert count("reduce-scatter", f"{rows},{d}") == 2 * 2
+  assert count("all-gather", f"{304 * d}") == count("all-gather", f"304,{d}") == 0
+
+
+def test_chunks_refuse_a_param_used_outside_a_matmul():
+  """A chunked param's value is never whole, so any use but a matmul is refused, by name."""
+  params = {"wte": jnp.ones((64, 8)), "head": jnp.ones((8, 3))}
+
+  def loss_fn(params, batch):
+    h = jnp.take(params["wte"], batch["ids"], axis=0)  # a gather, not a matmul
+    return jnp.mean(h @ params["head"])
+
+  mesh = jax.make_mesh((DP,), ("data",))
+  fsdp = FSDPConfig(chunks={"wte": 2})
+  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  with pytest.raises(ValueError, match=r"params\['wte'\].*`gather`.*leave it out of chunks="):
+    step(state, {"ids": jnp.zeros((8,), jnp.int32)})

@@ -7,12 +7,19 @@ asks it to "reduce this bucket" or "gather this bucket".
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_ravel, shard_unravel, unpad_rows
+from jaxdp._src.buffer import (
+  bucket_ravel,
+  bucket_unravel,
+  pad_rows,
+  shard_ravel,
+  shard_unravel,
+  unpad_rows,
+)
 from jaxdp._src.layout import Bucket, Layout
 from jaxdp._src.mesh import DATA
 
@@ -219,13 +226,14 @@ def unit_collectives(
   dp: int,
   axes: Sequence[str],
   average: bool,
+  chunked: Collection[int] = (),
 ):
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
-  collectives), as two plain functions; `fsdp_program` calls them inside each unit's
+  collectives), as plain functions; `fsdp_program` calls them inside each unit's
   `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
   the end of its backward).
 
-  Returns `(gather, scatter, gather_each)`:
+  Returns `(gather, scatter, gather_each, gather_rows, scatter_rows)`:
 
   * `gather(trainable, frozen) -> full`: `trainable` and `frozen` map leaf indices to this
     device's row blocks `(rows / dp, ...)` of the unit's params (`trainable` in the
@@ -239,6 +247,17 @@ def unit_collectives(
   * `gather_each(trainable, frozen) -> full`: as `gather`, one `all_gather` per param (on its
     shard dim, no ravel): a scanned layer's params arrive one by one, so each param's
     gather overlaps the compute of the ones before it inside the loop iteration.
+  * `gather_rows(leaf, rows) -> gathered`: `rows` is a slice `[lo, hi)` of this device's
+    block of a `chunked` leaf; `gathered` stacks every device's slice, in the param dtype:
+    rows `d * rows/dp + [lo, hi)` of the padded param for d = 0..dp-1.
+  * `scatter_rows(leaf, ct) -> grad`: the inverse collective of `gather_rows` for the
+    cotangent of `gathered`: reduce-scattered in the grad dtype, this device's `[lo, hi)`
+    rows of the reduced gradient, in the `cotangent_dtypes` dtype.
+
+  The `chunked` leaves (`FSDPConfig(chunks=...)`) are left out of `gather`, `scatter` and
+  `gather_each` (`fsdp_program` gathers them a row block at a time with `gather_rows`); the
+  other params of a bucket that holds one are gathered and reduce-scattered one collective
+  per param.
 
   Args:
     gather_buckets: `(bucket, param dtype)` over all the unit's float params.
@@ -247,14 +266,40 @@ def unit_collectives(
     dp: data-parallel size (for averaging; replicas included).
     axes: the data-parallel mesh axes (`DATA` last).
     average: average inside the collective instead of pre-scaling.
+    chunked: leaves gathered by row blocks.
   """
   other = tuple(a for a in axes if a != DATA)
+  chunked = frozenset(chunked)
+  dtypes = {p.index: dtype for b, dtype in gather_buckets for p in b.params}
+  grad_dtypes = {p.index: dtype for b, dtype in grad_buckets for p in b.params}
+  specs = {p.index: p for b, _ in gather_buckets for p in b.params}
+
+  def gather_rows(i, rows):
+    x = jax.lax.all_gather(
+      rows.astype(dtypes[i]), DATA, axis=specs[i].axis, tiled=True, to="varying"
+    )
+    return make_varying(x, other) if other else x
+
+  def scatter_rows(i, ct):
+    p = specs[i]
+    ct = ct.astype(grad_dtypes[i])
+    if p.axis:  # reduce_bucket scatters dim 0
+      ct = jnp.moveaxis(ct, p.axis, 0)
+    g = reduce_bucket(ct, dp=dp, scatter=True, axes=axes, average=average)
+    return (jnp.moveaxis(g, 0, p.axis) if p.axis else g).astype(cotangent_dtypes[i])
 
   def gather(trainable, frozen):
     local = {**trainable, **frozen}
     shards = jax.lax.axis_size(DATA)
     out = {}
     for b, dtype in gather_buckets:
+      if any(p.index in chunked for p in b.params):
+        out.update(
+          (p.index, unpad_rows(gather_rows(p.index, local[p.index]), p))
+          for p in b.params
+          if p.index not in chunked
+        )
+        continue
       full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
       for p, x in zip(b.params, full):
         out[p.index] = make_varying(x, other) if other else x
@@ -264,15 +309,18 @@ def unit_collectives(
     shards = jax.lax.axis_size(DATA)
     grads = {}
     for b, grad_dtype in grad_buckets:
-      flat = bucket_ravel(
-        [
-          cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
+
+      def ct(p, grad_dtype=grad_dtype):
+        return cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
+
+      if any(p.index in chunked for p in b.params):
+        grads.update(
+          (p.index, scatter_rows(p.index, pad_rows(ct(p), p)))
           for p in b.params
-        ],
-        b,
-        shards,
-        grad_dtype,
-      )
+          if p.index not in chunked
+        )
+        continue
+      flat = bucket_ravel([ct(p) for p in b.params], b, shards, grad_dtype)
       shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
@@ -283,14 +331,11 @@ def unit_collectives(
     out = {}
     for b, dtype in gather_buckets:
       for p in b.params:
-        x = jax.lax.all_gather(
-          local[p.index].astype(dtype), DATA, axis=p.axis, tiled=True, to="varying"
-        )
-        x = unpad_rows(x, p)
-        out[p.index] = make_varying(x, other) if other else x
+        if p.index not in chunked:
+          out[p.index] = unpad_rows(gather_rows(p.index, local[p.index]), p)
     return out
 
-  return gather, scatter, gather_each
+  return gather, scatter, gather_each, gather_rows, scatter_rows
 
 
 def unit_collectives_flat(

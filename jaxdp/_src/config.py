@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 Strategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -136,6 +136,14 @@ class FSDPConfig:
   params are gathered one by one inside its iteration (each gather overlaps the compute of
   the params before it); with 2 or more, XLA's collective pipeliner also starts the next
   layer's gathers one iteration ahead (one more layer gathered at the peak)."""
+  chunks: Mapping[Prefix, int] = dataclasses.field(default_factory=dict)
+  """`{prefix: C}`: params gathered and reduce-scattered C row blocks at a time, for a large
+  embedding or output projection (`{"wte": 8}`): each matmul that uses such a param runs as C
+  matmuls, each on one block of rows (1/C of the param) gathered for it alone, and in the
+  backward each block's gradient is reduce-scattered right after its matmul, so a unit never
+  holds the whole param or its whole gradient (e.g. GPT-2's 147 MiB tied `wte`: 2/C of it
+  instead of twice it). Every use of the param in the loss must be a matmul
+  (`dot_general`: `x @ w.T`, `one_hot @ w`, an einsum); stored as sorted `(prefix, C)` pairs."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):
@@ -165,11 +173,36 @@ class FSDPConfig:
       raise ValueError(
         f"FSDPConfig: reshard_after_backward={self.reshard_after_backward!r}: must be True or False"
       )
+    if not isinstance(self.chunks, Mapping) and not isinstance(self.chunks, tuple):
+      raise ValueError(
+        f"FSDPConfig: chunks={self.chunks!r}: pass a dict from prefix to the number of row "
+        "blocks, e.g. chunks={'wte': 8}"
+      )
+    pairs = dict(self.chunks).items()
+    for prefix, n in pairs:
+      if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(
+          f"FSDPConfig: chunks[{prefix!r}]={n!r}: must be an int >= 1 (the number of row "
+          "blocks the param is gathered in)"
+        )
+    object.__setattr__(self, "chunks", tuple(sorted((_prefix(p), n) for p, n in pairs)))
+    if any(
+      _prefix_under(p, s) or _prefix_under(s, p) for p, _ in self.chunks for s in self.stacked
+    ):
+      raise ValueError(
+        f"FSDPConfig: chunks={dict(self.chunks)} names params under stacked={self.stacked}; "
+        "a stacked layer is gathered whole inside its scan iteration: chunk only unstacked "
+        "params (an embedding, an output projection)"
+      )
     if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
       raise ValueError(
         f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "
         "many units ahead an all-gather may start; 1 is the default)"
       )
+
+
+def _prefix_under(path: str, prefix: str) -> bool:
+  return path == prefix or (path.startswith(prefix) and path[len(prefix)] in "[.")
 
 
 def _prefix(p: Prefix) -> str:

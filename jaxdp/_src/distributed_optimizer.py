@@ -444,11 +444,12 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
   return True
 
 
-def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
+def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=False) -> bool:
   """Does the state keep flat buckets (`DDPConfig.fused_update`, `distributed_optimizer`)?
 
   Needs params the caller did not shard (no tensor or expert parallelism), no stacked FSDP
-  units, under `no_shard` trainable params that need no fp32 copy (DDP keeps a bf16 model's
+  units and no FSDP param gathered by row blocks (`chunked`: `FSDPConfig(chunks=...)`),
+  under `no_shard` trainable params that need no fp32 copy (DDP keeps a bf16 model's
   master per leaf), and `tx` exact on the flat buckets (`fuses`); None decides by these,
   True requires them.
   """
@@ -462,6 +463,11 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=()) -> bool:
     why = (
       "some params are stacked FSDP units (FSDPConfig(stacked=...)), whose master is "
       "(layers, rows, ...) with one layer gathered per scan iteration: they update per leaf"
+    )
+  elif chunked:
+    why = (
+      "FSDPConfig(chunks=...) gathers some params by row blocks of their own master: they "
+      "update per leaf"
     )
   elif strategy == "no_shard" and any(
     buf.param_dtype != master_dtype(buf.param_dtype) for buf in layout.buffers

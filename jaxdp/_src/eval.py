@@ -102,7 +102,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
           layout,
           leaves_of(params),
           fsdp_lib.unit_values(master, layout, fused),
-          fsdp_lib.unit_collectives(layout, mesh, config, fused),
+          fsdp_lib.unit_collectives(layout, mesh, config, fsdp, fused),
           fsdp,
           data_axes(mesh),
           batch,

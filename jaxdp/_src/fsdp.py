@@ -71,7 +71,7 @@ from jaxdp._src.state import (
   opt_params_of,
   tree_of,
 )
-from jaxdp._src.units import assign_units, param_specs, units_of
+from jaxdp._src.units import assign_units, chunked_leaves, param_specs, units_of
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -183,7 +183,7 @@ def init_state(
   layout = layout_for(params, mesh, config, fsdp, frozen)
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   specs, trainable = param_specs(layout), layout.trainable
-  fused = use_fused(tx, layout, config)
+  fused = use_fused(tx, layout, config, chunked=bool(chunked_leaves(layout, fsdp)))
 
   def build(params):
     leaves = leaves_of(params)
@@ -285,10 +285,14 @@ def unit_values(master, layout: Layout, fused: bool) -> dict:
   return {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
 
 
-def unit_collectives(layout: Layout, mesh, config: DDPConfig, fused: bool = False) -> list:
+def unit_collectives(
+  layout: Layout, mesh, config: DDPConfig, fsdp: FSDPConfig | None = None, fused: bool = False
+) -> list:
   """Inside the step: each unit's gather (forward all-gather) and scatter (backward
-  reduce-scatter), as `fsdp_program.run_loss` takes them; `fused`: on the flat master
-  shards of a fused state (`collectives.unit_collectives_flat`)."""
+  reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves `fsdp.chunks` names are
+  gathered by row blocks where the loss uses them (None: no chunks, for code that gathers
+  units whole outside `run_loss`); `fused`: on the flat master shards of a fused state
+  (`collectives.unit_collectives_flat`; a fused state has no chunks, see `init_state`)."""
   if fused:
     keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
     out = []
@@ -303,9 +307,20 @@ def unit_collectives(layout: Layout, mesh, config: DDPConfig, fused: bool = Fals
         axes=data_axes(mesh),
         average=config.average_in_collective,
       )
-      io = fsdp_program.UnitIO(u.name, u.trainable, u.frozen, bool(u.layers), gather, scatter, each)
-      out.append(dataclasses.replace(io, shards=tuple(k for *_, k in grad)))
+      out.append(
+        fsdp_program.UnitIO(
+          u.name,
+          u.trainable,
+          u.frozen,
+          bool(u.layers),
+          gather,
+          scatter,
+          each,
+          shards=tuple(k for *_, k in grad),
+        )
+      )
     return out
+  chunks = chunked_leaves(layout, fsdp) if fsdp is not None else {}
   return [
     fsdp_program.UnitIO(
       u.name,
@@ -319,7 +334,9 @@ def unit_collectives(layout: Layout, mesh, config: DDPConfig, fused: bool = Fals
         dp=dp_size(mesh),
         axes=data_axes(mesh),
         average=config.average_in_collective,
+        chunked=[i for i in u.leaves if i in chunks],
       ),
+      chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
     for u in units_of(layout)
   ]
@@ -352,7 +369,10 @@ def make_grad_fn(
     flat shard of every unit bucket), the loss, the aux and the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
     stored, trainable = leaves_of(params), layout.trainable
-    units = unit_collectives(layout, mesh, config, fused)
+    # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
+    units = unit_collectives(
+      layout, mesh, config, fsdp if k == 1 or fsdp.reshard_after_backward else None, fused
+    )
 
     def loss_of(tmaster, mb, j, ms):
       loss, extra = call_with_units(

@@ -9,13 +9,15 @@ traced program (its jaxpr) in pieces:
   (`_unit_call`) whose inputs are the activations it reads and its unit's *shards*. Forward:
   all-gather the unit, run the equations, keep as residuals what `jax.vjp` of the segment
   keeps, except the values computed from the params alone (the gathered params themselves,
-  `W.T`, a bf16 cast of `W`, ...). Backward: all-gather the unit again (only if one of those
-  is needed: wpe's grad needs no value of wpe), recompute them from the re-gathered params
-  (everything else the backward reads is a saved residual), run the segment's vjp and
-  reduce-scatter the unit's weight gradients right there. Which activations are saved is therefore
-  the user's decision: a `jax.checkpoint` (or `nnx.remat`) in the model saves its inputs
-  only, exactly as under `jax.grad`; without one, the segment saves what `jax.grad` saves,
-  less the gathered params. A unit that two segments use (a tied embedding) is gathered and
+  `W.T`, a bf16 cast of `W`, ...) and those computed from integer inputs alone (a one-hot
+  of the token ids: the integers are saved instead). Backward: all-gather the unit again
+  (only if one of those is needed: wpe's grad needs no value of wpe), recompute them from
+  the re-gathered params and the integers (everything else the backward reads is a saved
+  residual), run the segment's vjp and reduce-scatter the unit's weight gradients right
+  there. Which activations are saved is therefore the user's decision: a `jax.checkpoint`
+  (or `nnx.remat`) in the model saves its inputs only, exactly as under `jax.grad`; without
+  one, the segment saves what `jax.grad` saves, less the gathered params and what the
+  integers give. A unit that two segments use (a tied embedding) is gathered and
   reduce-scattered in each.
 * A *scanned unit*: a `lax.scan` whose `xs` are the leaves of a stacked unit
   (`FSDPConfig(stacked=...)`), whatever made it (`jax.lax.scan`, `nnx.scan`, with or without
@@ -50,6 +52,14 @@ trace), and everything FSDP adds is built by jaxdp from that jaxpr, per step bui
 layout alone. It also needs nothing from the model: unrolled and scanned models, `nnx.scan`
 ones included, are cut into units as they are.
 
+* A *chunked* param (`FSDPConfig(chunks={"wte": C})`, a large embedding or output
+  projection): its unit hands the segment this device's shard, and each matmul on it
+  (`dot_general`, the only use allowed) runs as one `custom_vjp` (`_chunked_dot`) over C
+  row blocks: forward, gather one block, compute its share of the product; backward, gather
+  it again (not at all when the other operand needs no cotangent, like a one-hot), compute
+  its shares of the gradients and reduce-scatter the block's weight gradient at once. The
+  param and its gradient are never whole (GPT-2's 147 MiB tied `wte`).
+
 What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
 anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
 them, a `jax.checkpoint` around the whole scan) is gathered whole, all layers, in the segment
@@ -59,7 +69,7 @@ that uses it; a param passed into a scan as a const is gathered once before it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +77,8 @@ from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
 
 from jaxdp._src import collectives
+from jaxdp._src.buffer import pad_dim
+from jaxdp._src.mesh import DATA
 
 PyTree = Any
 
@@ -82,10 +94,13 @@ class UnitIO:
   gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param} (one layer)
   scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
   gather_each: Callable  # as gather, one all-gather per param (inside a scan)
+  gather_rows: Callable | None = None  # (leaf, rows [lo, hi) of its shard) -> every device's rows
+  scatter_rows: Callable | None = None  # (leaf, ct of gather_rows' output) -> reduced rows [lo, hi)
+  chunks: Mapping[int, int] = dataclasses.field(default_factory=dict)  # leaf -> row blocks
   shards: tuple[int, ...] | None = None
   """Keys of the unit's trainable shards in `run_loss`'s `values`, which `gather` takes and
   `scatter` returns: None = `trainable` (one block per leaf); a fused state's flat bucket
-  shards (`fsdp.unit_collectives`)."""
+  shards (`fsdp.unit_collectives`; a fused state has no chunks)."""
 
   @property
   def leaves(self) -> tuple[int, ...]:
@@ -110,9 +125,12 @@ def _bind(eqn, invals):
   return out if eqn.primitive.multiple_results else [out]
 
 
-def _eval(eqns, env):
+def _eval(eqns, env, rules=None):
+  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function run instead of binding it."""
   for eqn in eqns:
-    for v, x in zip(eqn.outvars, _bind(eqn, [_read(env, v) for v in eqn.invars])):
+    invals = [_read(env, v) for v in eqn.invars]
+    rule = rules.get(id(eqn)) if rules else None
+    for v, x in zip(eqn.outvars, rule(invals) if rule else _bind(eqn, invals)):
       env[v] = x
 
 
@@ -148,7 +166,9 @@ def _residual_masks(f, args, *taints: Sequence[bool]) -> list[list[bool]]:
   sizes = [len(jax.tree.leaves(a)) for a in args]
   masks = []
   for tainted in taints:
-    flat_taint = [t for n, t in zip(sizes, tainted) for _ in range(n)]
+    flat_taint = [
+      x for n, t in zip(sizes, tainted) for x in (t if isinstance(t, list) else [t] * n)
+    ]
     marked = {v for v, t in zip(closed.jaxpr.invars, flat_taint) if t}
     for eqn in closed.jaxpr.eqns:
       if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
@@ -264,6 +284,7 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
     f = {i: shards[i] for i in u.frozen}
     gather = u.gather_each if each else u.gather
     full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
+    full.update((i, shards[i]) for i in u.chunks)  # gathered by row blocks where used
   return full
 
 
@@ -271,8 +292,9 @@ def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool) -> dict:
   grads = {}
   for u in units:
     if u.trainable:
-      c = {i: cts[i] for i in u.trainable}
+      c = {i: cts[i] for i in u.trainable if i not in u.chunks}
       grads.update(jax.vmap(u.scatter)(c) if layer_axis and u.stacked else u.scatter(c))
+      grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
   return grads
 
 
@@ -308,11 +330,21 @@ def _unit_call(
   full_avals = jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
   # What the forward saves (the residuals that depend on the activations; None: all) and
   # which residuals the params feed: one trace of the segment's vjp, for both passes.
+  # Residuals computed from integer inputs alone (a one-hot of the token ids) are recomputed
+  # in the backward from the integers, which are saved instead.
+  ints = [jnp.issubdtype(a.dtype, jnp.integer) for a in act_avals]
   keep = of_params = None
   if reshard:
-    keep, of_params = _residual_masks(
-      fn, (_stand_ins(act_avals), _stand_ins(full_avals)), (True, False), (False, True)
+    of_floats, of_ints, of_params = _residual_masks(
+      fn,
+      (_stand_ins(act_avals), _stand_ins(full_avals)),
+      ([not i for i in ints], False),
+      (ints, False),
+      (False, True),
     )
+    keep = [a or (i and p) for a, i, p in zip(of_floats, of_ints, of_params)]
+    if not any(i and not k for i, k in zip(of_ints, keep)):
+      ints = [False] * len(ints)  # nothing to recompute from them
 
   @jax.custom_vjp
   def call(acts, t, f, tokens):
@@ -324,12 +356,24 @@ def _unit_call(
     leaves = jax.tree.leaves(vjp)
     saved = [x for x, s in zip(leaves, keep or [True] * len(leaves)) if s]
     zeros = _stand_ins(token_avals)
-    return (outs, zeros), (saved, t, f, None if reshard else full)
+    int_acts = [a for a, i in zip(acts, ints) if i]
+    return (outs, zeros), (saved, int_acts, t, f, None if reshard else full)
 
   def bwd(res, cts):
-    saved, t, f, full = res
+    saved, int_acts, t, f, full = res
     ct_outs, ct_tokens = cts
     acts0 = _stand_ins(act_avals)
+    if int_acts:
+      # The integers, recomputed from once this backward starts (plus a zero tied to its
+      # cotangents): else XLA merges the recomputation with the forward's, alive until here.
+      zero, ct_outs = _together(_stand_in(token_avals[0]), ct_outs)
+
+      def tie(a):  # (an input that varies over fewer axes than the zero is left as it is)
+        ok = _varying(jax.typeof(a)) >= _varying(jax.typeof(zero))
+        return a + zero.astype(a.dtype) if ok else a
+
+      it = iter(int_acts)
+      acts0 = [tie(next(it)) if i else x for i, x in zip(ints, acts0)]
     # This segment's backward has started: release the gather of the segment k earlier.
     fresh, ct_outs = _together(_stand_in(token_avals[0]), ct_outs) if k else (None, ct_outs)
     if reshard and not any(p and not s for p, s in zip(of_params, keep)):
@@ -362,6 +406,164 @@ def _unit_call(
 
   call.defvjp(fwd, bwd)
   return call(acts, trainable, frozen, tokens)
+
+
+def _chunked_dot(
+  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block
+):
+  """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
+  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
+  `custom_vjp`.
+
+  Row block c is rows `[lo, hi)` of every device's block (`lo = c * r // n` for `r` rows
+  per device), i.e. rows `d * r + [lo, hi)` of the padded param for every device d: its
+  `gather_rows` is one all-gather of `block[lo:hi]`, and the reduce-scatter of its gradient
+  (`scatter_rows`) lands on this device's rows `[lo, hi)`. Where the leaf's rows are a free
+  dim of the product (logits `h @ wte.T`), block c computes the output's columns of those
+  rows; where they are contracted (`one_hot @ wte`) it computes a partial sum over them.
+  Forward: block c's gather waits for block c - 2's product (one block gathered ahead);
+  backward: gather block c again, its share of `x`'s cotangent, its weight gradient,
+  reduce-scatter; block c's gather waits for block c + 2's share of `x`'s cotangent and its
+  reduce-scatter. About two blocks and two block gradients are alive, never the whole param
+  or its whole gradient; the forward saves `x`.
+  Without `x_grad` (`x` is computed from integers alone, like a one-hot of the token ids) the
+  backward computes no cotangent for `x` and so gathers nothing: the weight gradient needs
+  no value of the param.
+  """
+  (contract, batch) = eqn.params["dimension_numbers"]
+  if 0 in batch[w_pos]:
+    raise AssertionError("jaxdp FSDP: a chunked param used with its rows as a batch dim")
+  r = block.shape[0]
+  dp = jax.lax.axis_size(DATA)
+  padded = dp * r
+  bounds = [(c * r // n, (c + 1) * r // n) for c in range(n)]
+  x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
+  w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
+  x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
+  out_dim = (
+    None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
+  )
+
+  def rows_of(a, dim, lo, hi):
+    """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
+    param's rows (zeros for the padding)."""
+    a = pad_dim(a, a.shape, dim, padded)
+    a = a.reshape(*a.shape[:dim], dp, r, *a.shape[dim + 1 :])
+    a = jax.lax.slice_in_dim(a, lo, hi, axis=dim + 1)
+    return a.reshape(*a.shape[:dim], dp * (hi - lo), *a.shape[dim + 2 :])
+
+  def take(x, lo, hi):
+    """Block [lo, hi)'s share of `x`: all of it, or its rows if they are contracted."""
+    return x if x_dim is None else rows_of(x, x_dim, lo, hi)
+
+  def piece(x_c, w_c):
+    return _bind(eqn, [x_c, w_c] if w_pos else [w_c, x_c])[0]
+
+  def combine(pieces):
+    if x_dim is not None:
+      return sum(pieces[1:], pieces[0])
+    shape = pieces[0].shape
+    parts = [p.reshape(*shape[:out_dim], dp, -1, *shape[out_dim + 1 :]) for p in pieces]
+    out = jnp.concatenate(parts, axis=out_dim + 1)
+    out = out.reshape(*shape[:out_dim], padded, *shape[out_dim + 1 :])
+    return jax.lax.slice_in_dim(out, 0, size, axis=out_dim)
+
+  # Each block's operands leave a barrier of their own: XLA merges matmuls that share an
+  # operand (`x`, or the cotangent) into one whole-size matmul on the concatenated blocks.
+  def forward(x, block):
+    pieces = []
+    for c, (lo, hi) in enumerate(bounds):
+      own = (block[lo:hi], take(x, lo, hi))
+      if c < 2:  # gathered once the input exists
+        (rows, x_c), _ = _together(own, x if x_dim is None else own[1])
+      else:  # ... and once block c - 2 is computed: one block ahead
+        (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
+      pieces.append(piece(x_c, unit.gather_rows(leaf, rows)))
+    return combine(pieces)
+
+  @jax.custom_vjp
+  def dot(x, block):
+    return forward(x, block)
+
+  def fwd(x, block):
+    return forward(x, block), (x, block)
+
+  def bwd(res, d_out):
+    x, block = res
+    d_xs, grads = {}, {}
+    order = list(reversed(range(n)))
+    for k, c in enumerate(order):
+      lo, hi = bounds[c]
+      x_c, take_vjp = jax.vjp(lambda x: take(x, lo, hi), x)
+      if k < 2:  # gathered once the cotangent exists (not hoisted into the forward)
+        (rows, x_c), d_c = _together((block[lo:hi], x_c), d_out)
+      else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
+        prev = order[k - 2]
+        (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
+          (block[lo:hi], x_c, d_out), (d_xs.get(prev), grads[prev])
+        )
+      d_piece = d_c if x_dim is not None else rows_of(d_c, out_dim, lo, hi)
+      if x_grad:
+        _, vjp = jax.vjp(piece, x_c, unit.gather_rows(leaf, rows))
+        d_x_c, dw = vjp(d_piece)
+        (d_xs[c],) = take_vjp(d_x_c)
+      else:  # linear in the param: its gradient needs no value of it
+        w_aval = jax.eval_shape(lambda r: unit.gather_rows(leaf, r), rows)
+        (dw,) = jax.linear_transpose(lambda w: piece(x_c, w), w_aval)(d_piece)
+      trainable = leaf in unit.trainable
+      grads[c] = unit.scatter_rows(leaf, dw) if trainable else jnp.zeros_like(rows)
+    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if x_grad else None
+    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(n)])
+
+  dot.defvjp(fwd, bwd)
+  return dot(x, block)
+
+
+def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> dict:
+  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
+  (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
+  use (its value is never whole, so a matmul on it is all a segment can do)."""
+  chunked = {v: i for v, i in param_var.items() if i in unit_of[i].chunks}
+  # The vars a gradient flows to: those computed from a float input.
+  floats = {v for v in jaxpr.invars if _is_float(v.aval)}
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
+      floats.update(v for v in eqn.outvars if _is_float(v.aval))
+  rules = {}
+  for eqn in jaxpr.eqns:
+    for pos, v in enumerate(eqn.invars):
+      if not (isinstance(v, jcore.Var) and v in chunked):
+        continue
+      i = chunked[v]
+      ok = (
+        eqn.primitive is prims.dot_general_p
+        and eqn.invars[1 - pos] not in chunked
+        and 0 not in eqn.params["dimension_numbers"][1][pos]
+        and not any(w in lazy_def for w in eqn.outvars)
+      )
+      if not ok:
+        paths = jax.tree_util.tree_flatten_with_path(
+          jax.tree.unflatten(treedef, list(range(len(leaf_avals))))
+        )[0]
+        path = jax.tree_util.keystr(paths[i][0])
+        raise ValueError(
+          f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
+          f"`{eqn.primitive.name}`, not as one operand of a matmul whose other operand "
+          "depends on the batch; a param gathered by row blocks can only be used by "
+          "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
+        )
+      u, x_var = unit_of[i], eqn.invars[1 - pos]
+      x_grad = isinstance(x_var, jcore.Var) and x_var in floats
+      size = leaf_avals[i].shape[0]
+      rules[id(eqn)] = lambda invals, eqn=eqn, pos=pos, i=i, u=u, size=size, g=x_grad: [
+        _chunked_dot(eqn, pos, u, i, u.chunks[i], size, g, invals[1 - pos], invals[pos])
+      ]
+  if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
+    raise ValueError(
+      "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
+      "blocks can only be used by matmuls: leave it out of chunks="
+    )
+  return rules
 
 
 def _scan_unit(
@@ -538,6 +740,8 @@ def run_loss(
       for v in eqn.outvars:
         var_units[v] = us
 
+  rules = _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals)
+
   def stacked_xs(eqn):
     """{xs position: leaf} of a scan whose xs carry every leaf of some stacked units."""
     if eqn.primitive is not prims.scan_p:
@@ -644,7 +848,7 @@ def run_loss(
         local = dict(zip(op.acts, acts))
         local.update((v, full[i]) for v, i in param_var.items() if i in full)
         local.update((v, x) for v, x in zip(jaxpr.constvars, flat.consts))
-        _eval(op.lazy + op.eqns, local)
+        _eval(op.lazy + op.eqns, local, rules)
         return [local[v] for v in op.outs]
 
       outs, tokens = _unit_call(

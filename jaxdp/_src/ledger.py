@@ -47,7 +47,7 @@ from jaxdp._src.layout import (
   round_up,
 )
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
-from jaxdp._src.units import assign_units, gather_layout
+from jaxdp._src.units import assign_units, chunked_leaves, gather_layout
 
 PyTree = Any
 
@@ -209,7 +209,7 @@ def memory_ledger(
   if tx is None:
     tx = optax.scale_by_adam()
   config = DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
-  flat_layout = layout
+  flat_layout, chunked = layout, False
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
     units, stacked = assign_units(params, fsdp or FSDPConfig())
     flat_layout = make_layout(
@@ -220,7 +220,8 @@ def memory_ledger(
       stacked=stacked,
       grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
     )
-  if use_fused(tx, flat_layout, config):  # one flat array per bucket, its end padding included
+    chunked = bool(chunked_leaves(flat_layout, fsdp or FSDPConfig()))
+  if use_fused(tx, flat_layout, config, chunked=chunked):  # flat buckets, end padding included
     flat = {
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
       for name, buf, b in bucket_names(flat_layout)

@@ -137,6 +137,30 @@ def units_of(layout: Layout) -> tuple[Unit, ...]:
   return tuple(units)
 
 
+def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
+  """Leaf index -> the number of row blocks it is gathered in (`FSDPConfig(chunks=...)`), for
+  the float leaves under a prefix of `fsdp.chunks` (the longest prefix decides), at most one
+  block per row of a device's shard.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"wte": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
+    >>> units = {"['wte']": "wte", "['b']": "b"}
+    >>> layout = jaxdp.make_layout(params, dp=8, units=units, stacked=set())
+    >>> chunked_leaves(layout, FSDPConfig(chunks={"wte": 4}))  # 300 rows: 38 per device
+    {1: 4}
+  """
+  if not fsdp.chunks:
+    return {}
+  specs = param_specs(layout)
+  out = {}
+  for i, path in enumerate(layout.paths):
+    under = [(len(p), n) for p, n in fsdp.chunks if _under(path, p)]
+    if under and i in specs and max(under)[1] > 1:
+      out[i] = min(max(under)[1], specs[i].rows // layout.dp)
+  return out
+
+
 def param_specs(layout: Layout) -> dict[int, ParamSpec]:
   """Leaf index -> its `ParamSpec` (one layer's, for stacked leaves), frozen ones included."""
   return {p.index: p for p in gather_layout(layout).params}
