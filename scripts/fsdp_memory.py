@@ -237,8 +237,10 @@ def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, lo
 
 
 def growth(stats, program, layers):
-  """Peak bytes added per added layer (least squares over the layer counts)."""
+  """Peak bytes added per added layer (least squares over the layer counts; nan for one)."""
   xs = list(layers)
+  if len(set(xs)) < 2:
+    return float("nan")
   ys = [stats[program, n] for n in xs]
   mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
   return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
