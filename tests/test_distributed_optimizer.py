@@ -589,20 +589,21 @@ def test_fused_update_is_taken_and_equals_single_device(strategy):
 
 
 def test_no_shard_fused_update_equals_single_device_and_keeps_no_master():
-  """DDP fuses too: the optax state is one flat array per bucket, replicated; the params
-  stay the leaves the forward uses (no flat master: they are raveled for the update and the
-  updates' slices added to them). Same tolerance and argument as the sharded test above
-  (only the clip's norm sums in another order). The ledger predicts the flat state byte for
-  byte; bf16 params, which DDP keeps an fp32 master of, keep the per-leaf update."""
+  """DDP fuses when asked (fused_update=True; None keeps its per-leaf update): the optax
+  state is one flat array per bucket, replicated; the params stay the leaves the forward
+  uses (no flat master: they are raveled for the update and the updates' slices added to
+  them). Same tolerance and argument as the sharded test above (only the clip's norm sums
+  in another order). The ledger predicts the flat state byte for byte; bf16 params, which
+  DDP keeps an fp32 master of, cannot fuse."""
   params, loss_fn, batch = mlp_problem()
   tx = adamw_tx(params, mask=None)
   loss_rtol, norm_rtol, bound = mlp_tolerances(params)
   ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, bound=bound)
   runs = {}
-  for fused in (None, False):
+  for fused in (True, None):
     config = jaxdp.DDPConfig(bucket_size=BUCKET, fused_update=fused)
     state, step, losses, norms = runs[fused] = train(params, loss_fn, batch, tx, config)
-    assert state.fused == (fused is None)
+    assert state.fused == bool(fused)
     np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
     np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
     bound.check(jaxdp.get_params(state), ref)
@@ -610,17 +611,16 @@ def test_no_shard_fused_update_equals_single_device_and_keeps_no_master():
     ledger = memory_ledger(params, "no_shard", DP, tx, bucket_size=BUCKET, fused_update=fused)
     assert {k: measured_bytes(state)[k] for k in ledger.state} == ledger.state
 
-  state = runs[None][0]
+  state = runs[True][0]
   flat = {name: (b.shard_size * DP,) for name, _, b in bucket_names(state.layout)}
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
   assert sorted(x.shape for x in moments) == sorted(2 * list(flat.values()))  # mu, nu
   assert all(x.sharding.is_fully_replicated for x in moments)
   assert jax.tree.leaves(state.master) == []
-  fused, per_leaf = (jaxdp.get_opt_state(runs[k][0]) for k in (None, False))
+  fused, per_leaf = (jaxdp.get_opt_state(runs[k][0]) for k in (True, None))
   assert jax.tree.map(jnp.shape, fused) == jax.tree.map(jnp.shape, per_leaf)
   bf16, _, _ = mlp_problem(jnp.bfloat16)
   mesh = jax.make_mesh((DP,), ("data",))
-  assert not jaxdp.init_state(bf16, tx, mesh, jaxdp.DDPConfig()).fused
   with pytest.raises(ValueError, match="no_shard keeps an fp32 copy of low-precision params"):
     jaxdp.init_state(bf16, tx, mesh, jaxdp.DDPConfig(fused_update=True))
 

@@ -46,10 +46,11 @@ class DDPConfig:
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
   fused_update: bool | None = None
-  """Every strategy: update each bucket (its shard; FSDP: each unit's) as one flat array
-  (Megatron's fused multi-tensor Adam); None: when the optax transformation gives the same
-  updates on the flat buckets (probed at init), no FSDP unit is stacked and (no_shard) no
-  param needs an fp32 copy, True: require it, False: per-leaf update."""
+  """Update each bucket (its shard; FSDP: each unit's) as one flat array (Megatron's fused
+  multi-tensor Adam); None: the sharded strategies do when the optax transformation gives
+  the same updates on the flat buckets (probed at init) and no FSDP unit is stacked or
+  chunked, `no_shard` updates per leaf; True: require it (no_shard: params that need no fp32
+  copy); False: per-leaf update."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
