@@ -24,13 +24,13 @@ bucket's `(dp * shard_size,)` elements in the layout's shard-major order, sharde
 one `tx.update` on it: the reduce-scattered bucket shards *are* the flat grads (no slicing
 into leaves), and the params are gathered per bucket from the flat master
 (`collectives.all_gather_shards`; FSDP's unit gathers read it too,
-`collectives.unit_collectives_flat`). DDP (`no_shard`) fuses the same way where its params
-need no fp32 master: the optax state is the flat buckets, replicated; the all-reduced
-buckets are the grads; the params, which DDP keeps as the forward's leaves, are raveled
-into the buckets for the update (`fused_master`) and each gets its slice of the flat
-updates (`unravel_flat`): a transient of the params' size during the update, the price of
-having no views into a buffer. `DDPConfig.fused_update=False` turns it off, True requires
-it. Exactness: every element sees the same arithmetic; a global norm sums its
+`collectives.unit_collectives_flat`). DDP (`no_shard`) fuses the same way when asked
+(`fused_update=True`; `use_fused` says why not by default) and its params need no fp32
+master: the optax state is the flat buckets, replicated; the all-reduced buckets are the
+grads; the params, which DDP keeps as the forward's leaves, are raveled into the buckets
+for the update (`fused_master`) and each gets its slice of the flat updates
+(`unravel_flat`): a transient of the params' size during the update, the price of having
+no views into a buffer. `DDPConfig.fused_update=False` turns it off, True requires it. Exactness: every element sees the same arithmetic; a global norm sums its
 squares per bucket instead of per leaf (another order, padding zeros add nothing).
 
 Readers never see the flat form: `per_leaf_state` (and its inverse `fused_state`) is the
