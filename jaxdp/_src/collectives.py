@@ -218,6 +218,22 @@ def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] =
   return jax.lax.pcast(sink, axes, to="varying") if axes else sink
 
 
+def _scatter_bucket(cts, bucket: Bucket, grad_dtype, *, dp: int, axes, average: bool):
+  """One grad bucket of an FSDP unit reduce-scattered: its leaves' whole cotangents (`cts`,
+  leaf index -> cotangent; a missing one counts as zeros) raveled in `grad_dtype`, and this
+  device's flat shard of their reduced sum."""
+  flat = bucket_ravel(
+    [
+      cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
+      for p in bucket.params
+    ],
+    bucket,
+    jax.lax.axis_size(DATA),
+    grad_dtype,
+  )
+  return reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
+
+
 def unit_collectives(
   gather_buckets: Sequence[tuple[Bucket, Any]],
   grad_buckets: Sequence[tuple[Bucket, Any]],
@@ -320,8 +336,7 @@ def unit_collectives(
           if p.index not in chunked
         )
         continue
-      flat = bucket_ravel([ct(p) for p in b.params], b, shards, grad_dtype)
-      shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
+      shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
     return grads
@@ -394,32 +409,21 @@ def unit_collectives_flat(
     return out
 
   def scatter(cts):
-    shards = jax.lax.axis_size(DATA)
-    grads = {}
-    for b, grad_dtype, dtype, key in grad_buckets:
-      flat = bucket_ravel(
-        [
-          cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
-          for p in b.params
-        ],
-        b,
-        shards,
-        grad_dtype,
-      )
-      shard = reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
-      grads[key] = shard.astype(dtype)
-    return grads
+    return {
+      key: _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average).astype(dtype)
+      for b, grad_dtype, dtype, key in grad_buckets
+    }
 
-  def gather_each(trainable, frozen):
-    local = {**blocks(trainable), **frozen}
-    out = {}
-    for b, dtype in gather_buckets:
-      for p in b.params:
-        x = jax.lax.all_gather(
-          local[p.index].astype(dtype), DATA, axis=p.axis, tiled=True, to="varying"
-        )
-        x = unpad_rows(x, p)
-        out[p.index] = make_varying(x, other) if other else x
-    return out
+  _, _, each, _, _ = unit_collectives(
+    gather_buckets,
+    [(b, grad_dtype) for b, grad_dtype, _, _ in grad_buckets],
+    {},
+    dp=dp,
+    axes=axes,
+    average=average,
+  )
+
+  def gather_each(trainable, frozen):  # per param, from the flat shards' blocks
+    return each(blocks(trainable), frozen)
 
   return gather, scatter, gather_each
