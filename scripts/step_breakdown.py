@@ -113,10 +113,11 @@ if args.size not in SIZES:
   sys.exit(f"--size: unknown size {args.size!r}; use one of {list(SIZES)}")
 variant_names = args.variants.split(",")
 for v in variant_names:
-  if v not in JAXDP + tuple(GSPMD) + tuple(f"{s}+perleaf" for s in JAXDP):
+  strategy, _, extra = v.partition("+")
+  if v not in GSPMD and (strategy not in JAXDP or extra not in ("", "perleaf", "fused")):
     sys.exit(
       f"--variants: unknown variant {v!r}; use some of {list(GSPMD) + list(JAXDP)} "
-      "(a jaxdp one with +perleaf: DDPConfig(fused_update=False))"
+      "(a jaxdp one with +perleaf or +fused: DDPConfig(fused_update=False / True))"
     )
 
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
