@@ -287,7 +287,7 @@ def main():
     type=int,
     default=None,
     help="DDPConfig(bucket_size=) in elements for the jaxdp no_shard / optim rows "
-    "(default: the strategy's, no_shard 25 MiB of fp32, optim Megatron's max(40M, 1M * dp))",
+    "(default: the strategy's, no_shard 25 MiB of fp32, optim max(16M, 1M * dp))",
   )
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()

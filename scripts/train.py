@@ -61,7 +61,7 @@ warmup_steps = 30
 weight_decay = 0.1
 grad_clip = 1.0
 bucket_size = 100_000  # elements per bucket; small so this small model has several
-# (the defaults, 25 MiB of fp32 under no_shard and Megatron's max(40M, 1M * dp) under the
+# (the defaults, 25 MiB of fp32 under no_shard and max(16M, 1M * dp) under the
 # sharded strategies, give this model one bucket)
 eval_every = 50  # steps between validation losses (also at step 0 and at the end)
 eval_batches = 4
@@ -129,7 +129,7 @@ parser.add_argument(
   type=int,
   default=bucket_size,
   help="gradient bucket size in elements (the defaults, 25 MiB of fp32 under no_shard and "
-  "Megatron's max(40M, 1M * dp) under the sharded strategies, would give this small model "
+  "max(16M, 1M * dp) under the sharded strategies, would give this small model "
   "one bucket)",
 )
 parser.add_argument(

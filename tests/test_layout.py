@@ -76,12 +76,13 @@ def test_dtype_buffers_and_odd_dp():
   assert bf16.buckets[0].params[0].rows == 3  # 2 -> 3
 
 
-def test_default_bucket_size_is_megatrons_sharded_and_pytorch_ddps_for_no_shard():
-  """make_layout and the sharded strategies default to Megatron's max(40M, 1M * dp) elements;
-  DDP (no_shard) to PyTorch DDP's 25 MiB of fp32, because XLA copies a bucket before its
-  all-reduce (layout.default_bucket_size says what was measured)."""
+def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
+  """make_layout and the sharded strategies default to max(16M, 1M * dp) elements (Megatron's
+  rule with 16M for its 40M: a 40M bucket's ravel copy put ZeRO-1 on models/gpt.py above GSPMD
+  ZeRO-1); DDP (no_shard) to PyTorch DDP's 25 MiB of fp32, because XLA copies a bucket before
+  its all-reduce (layout.default_bucket_size says what was measured)."""
   params = {"w": jnp.zeros((4,))}
-  assert jaxdp.make_layout(params, dp=8).bucket_size == 40_000_000
+  assert jaxdp.make_layout(params, dp=8).bucket_size == 16_000_000
   assert jaxdp.make_layout(params, dp=64).bucket_size == 64_000_000
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax.sgd(0.1)
@@ -91,7 +92,7 @@ def test_default_bucket_size_is_megatrons_sharded_and_pytorch_ddps_for_no_shard(
     ).layout.bucket_size
     for s in ("no_shard", "optim", "optim_grads")
   }
-  assert sizes == {"no_shard": 25 * 2**20 // 4, "optim": 40_000_000, "optim_grads": 40_000_000}
+  assert sizes == {"no_shard": 25 * 2**20 // 4, "optim": 16_000_000, "optim_grads": 16_000_000}
 
 
 def test_a_param_is_never_split_and_every_bucket_reaches_bucket_size():

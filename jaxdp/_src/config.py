@@ -24,7 +24,7 @@ class DDPConfig:
     >>> jaxdp.DDPConfig(bucket_size=0)
     Traceback (most recent call last):
     ...
-    ValueError: bucket_size=0: must be a positive number of elements, or None for the strategy's default (no_shard: 6_553_600 = 25 MiB of fp32; sharded: Megatron's max(40_000_000, 1_000_000 * dp))
+    ValueError: bucket_size=0: must be a positive number of elements, or None for the strategy's default (no_shard: 6_553_600 = 25 MiB of fp32; sharded: max(16_000_000, 1_000_000 * dp))
   """
 
   data_parallel_sharding_strategy: Strategy = "no_shard"
@@ -38,7 +38,7 @@ class DDPConfig:
   bucket_size: int | None = None
   """Elements per bucket; None: no_shard 6_553_600 (PyTorch DDP's 25 MiB of fp32: XLA copies
   a bucket before reducing it, see `layout.default_bucket_size`), the sharded strategies
-  Megatron's max(40_000_000, 1_000_000 * dp)."""
+  max(16_000_000, 1_000_000 * dp)."""
   average_in_collective: bool = False
   """Average inside the collective (pmean) instead of scaling by 1/dp and summing."""
   check_for_nan_in_grad: bool = False
@@ -66,7 +66,7 @@ class DDPConfig:
       raise ValueError(
         f"bucket_size={self.bucket_size!r}: must be a positive number of elements, "
         "or None for the strategy's default (no_shard: 6_553_600 = 25 MiB of fp32; "
-        "sharded: Megatron's max(40_000_000, 1_000_000 * dp))"
+        "sharded: max(16_000_000, 1_000_000 * dp))"
       )
     n = self.num_distributed_optimizer_instances
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:

@@ -43,21 +43,29 @@ DDP_BUCKET_SIZE = 25 * 2**20 // 4
 def default_bucket_size(dp: int, strategy: str = "optim") -> int:
   """The bucket size in elements that `DDPConfig(bucket_size=None)` means under `strategy`.
 
-  * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads. XLA cannot
-    all-reduce a bucket's grads where they lie: they are concatenated into the bucket
-    first, so one bucket's bytes are transient memory at the backward's peak (Megatron's
-    grads are views of the buffer and pay nothing). Measured on a residual MLP of 32 MiB
-    layers (8 x H100 compile, `scripts/fsdp_memory.py`): with 40M-element buckets jaxdp's
-    DDP peaked 11% above `jax.jit`'s all-reduce-per-grad program; with 25 MiB ones, below it.
-  * the sharded strategies: Megatron's `max(40_000_000, 1_000_000 * dp)`; a bucket's copy
-    is 1/dp of it after the reduce-scatter, and smaller buckets measured a higher ZeRO-1
-    peak there (more gathered buckets in flight).
+  XLA has no views into a buffer: a bucket's grads are concatenated into a copy before its
+  collective (Megatron's grads are views of the buffer and pay nothing), so a bucket's size
+  is transient memory in the backward. Measured on 8 x H100 compiles (`scripts/fsdp_memory.py`,
+  peak per device):
+
+  * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads. The copy is
+    whole-size and alive at the backward's peak: on a residual MLP of 32 MiB layers jaxdp's
+    DDP peaked 11% above `jax.jit`'s all-reduce-per-grad program with 40M-element buckets;
+    with 25 MiB ones, below it.
+  * the sharded strategies: `max(16_000_000, 1_000_000 * dp)` (Megatron's rule with 16M in
+    place of its 40M; the `dp` term keeps each device's shard >= 1M elements). With 40M,
+    ZeRO-1 on models/gpt.py (vocab 50304) peaked 6% above GSPMD ZeRO-1 at 4 layers: the
+    ravel copy of the 160 MiB bucket holding the tied embedding (147 MiB) next to its two
+    whole-size grads; with 16M the embedding fills a bucket alone, whose ravel is a bitcast
+    (537 MiB vs GSPMD's 631). Much smaller buckets cost more than they save: 8.4M (one
+    layer) raised the residual MLP's ZeRO-1 peak by 9-18% (more gathered buckets in
+    flight); 16M lowered it slightly (304 / 592 MiB at 4 / 8 layers, was 312 / 600).
 
   Examples:
     >>> default_bucket_size(8, "no_shard"), default_bucket_size(8), default_bucket_size(64)
-    (6553600, 40000000, 64000000)
+    (6553600, 16000000, 64000000)
   """
-  return DDP_BUCKET_SIZE if strategy == "no_shard" else max(40_000_000, 1_000_000 * dp)
+  return DDP_BUCKET_SIZE if strategy == "no_shard" else max(16_000_000, 1_000_000 * dp)
 
 
 def round_up(n: int, k: int) -> int:
@@ -273,7 +281,7 @@ class Layout:
       buffer float32: 1,280 elements (77 padding)
         bucket 0: [0, 1,280)  2 params, 1,203 elements, 77 padding  ['w'] .. ['b']
       >>> print(jaxdp.make_layout({"stack": jnp.zeros((4, 64, 8))}, dp=8).summary())
-      dp=8, bucket_size=40,000,000 elements; 1 buffer, 1 bucket, 2,048 param elements
+      dp=8, bucket_size=16,000,000 elements; 1 buffer, 1 bucket, 2,048 param elements
       buffer float32: 2,048 elements (0 padding)
         bucket 0: [0, 2,048)  1 param, 2,048 elements, 0 padding  ['stack'] .. ['stack']
       1 param sharded on a dim that pads less than the leading one: ['stack'] dim 1
@@ -440,8 +448,8 @@ def make_layout(
     params: a pytree of arrays or `jax.ShapeDtypeStruct`s.
     dp: number of data-parallel shards every bucket divides into.
     bucket_size: elements after which a bucket closes (a param is never split);
-      None: Megatron's default `max(40_000_000, 1_000_000 * dp)` (the sharded
-      strategies'; `DDPConfig` gives `no_shard` smaller ones, see `default_bucket_size`).
+      None: the sharded strategies' default `max(16_000_000, 1_000_000 * dp)` (`DDPConfig`
+      gives `no_shard` smaller ones; see `default_bucket_size`).
       Ignored with `units`.
     grad_dtype: dtype gradients are reduced in (e.g. `jnp.float32` for fp32 main grads);
       None: each param's own dtype.
@@ -506,7 +514,7 @@ def make_layout(
   if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
     raise ValueError(
       f"bucket_size={bucket_size!r}: must be a positive number of elements, "
-      "or None for Megatron's default"
+      "or None for the default (`default_bucket_size`)"
     )
   keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
   paths = [jax.tree_util.keystr(k) for k, _ in keyed]
