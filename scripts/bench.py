@@ -70,6 +70,8 @@ import statistics
 import sys
 import time
 
+import host_malloc  # scripts/, beside this file
+
 # -----------------------------------------------------------------------------
 # defaults
 sizes = "small,medium,mlp512x8,mlp256x4"
@@ -109,7 +111,15 @@ parser.add_argument(
   help="tiny GPT (block 16, batch 8) and mlp32x2, dp 1 and 8, 2 rounds of 2 steps "
   "(options given explicitly win)",
 )
+parser.add_argument(
+  "--system-malloc",
+  action="store_true",
+  help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
+  "does; see scripts/host_malloc.py)",
+)
 args = parser.parse_args()
+if not args.system_malloc:
+  host_malloc.keep_freed_memory()
 QUICK = dict(
   sizes="tiny,mlp32x2", dps="1,8", block_size=16, batch_size=8, steps=2, rounds=2, warmup=1
 )
@@ -382,7 +392,8 @@ lines = [
   f"{'; '.join(models)}. AdamW + global-norm clipping, fp32. {jax.device_count()} "
   f"{jax.devices()[0].platform} devices on {os.cpu_count()} cores "
   f"({platform.processor() or platform.machine()}), jax {jax.__version__}; load average "
-  f"{load_start[0]:.1f} at start, {load_end[0]:.1f} at end. Median of "
+  f"{load_start[0]:.1f} at start, {load_end[0]:.1f} at end; {host_malloc.describe()}. "
+  f"Median of "
   f"{args.steps * args.rounds} steps per variant, timed round-robin; ratio = median step "
   f"time / the baseline's in the same run (< 1 is faster), the baseline being the GSPMD "
   f"program of the same memory; compile ratio likewise for lower + compile. comm = ring "

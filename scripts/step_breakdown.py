@@ -53,6 +53,8 @@ import sys
 import tempfile
 import time
 
+import host_malloc  # scripts/, beside this file
+
 # -----------------------------------------------------------------------------
 # defaults
 size = "small"
@@ -82,7 +84,15 @@ parser.add_argument("--steps", type=int, default=steps)
 parser.add_argument("--profile-steps", type=int, default=profile_steps)
 parser.add_argument("--out", default=out)
 parser.add_argument("--details", action="store_true", help="print each phase's top instructions")
+parser.add_argument(
+  "--system-malloc",
+  action="store_true",
+  help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
+  "does; see scripts/host_malloc.py)",
+)
 args = parser.parse_args()
+if not args.system_malloc:
+  host_malloc.keep_freed_memory()
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
@@ -325,7 +335,7 @@ lines = [
   f"{what}, {n_params / 1e6:.2f}M params, AdamW + global-norm clipping, dp={args.dp} "
   f"({jax.devices()[0].platform} devices on {os.cpu_count()} cores, "
   f"{platform.processor() or platform.machine()}, jax {jax.__version__}; load average "
-  f"{os.getloadavg()[0]:.1f} at the end). Each phase's share (in brackets) of the "
+  f"{os.getloadavg()[0]:.1f} at the end; {host_malloc.describe()}). Each phase's share (in brackets) of the "
   f"instruction events in XLA:CPU's profile of {args.profile_steps} steps (summed per "
   f"device, averaged over devices), times the step's wall time in ms (the median of "
   f"{args.rounds * args.steps} unprofiled steps, timed round-robin). Waiting = a "
