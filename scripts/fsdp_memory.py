@@ -209,7 +209,10 @@ def compile_program(
   if program.startswith("GSPMD"):
     return gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned)
   strategy = JAXDP[program]
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=bucket_size)
+  stacked = ["blocks"] if scanned and strategy in ("optim", "optim_grads") else []
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy, bucket_size=bucket_size, stacked=stacked
+  )
   if strategy == "optim_grads_params":
     chunks = {"wte": wte_chunks} if model == "gpt" and wte_chunks else {}
     fsdp = fsdp or FSDPConfig(

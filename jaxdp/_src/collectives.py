@@ -20,7 +20,7 @@ from jaxdp._src.buffer import (
   shard_unravel,
   unpad_rows,
 )
-from jaxdp._src.layout import Bucket, Layout
+from jaxdp._src.layout import Bucket, Layout, ParamSpec
 from jaxdp._src.mesh import DATA
 
 
@@ -113,37 +113,81 @@ def all_gather_bucket(
   return bucket_unravel(full, bucket, dp)
 
 
-def all_gather_params(masters: Sequence[Any], layout: Layout, out: Sequence[Any]) -> list[Any]:
+def all_gather_params(
+  masters: Sequence[Any], layout: Layout, out: Sequence[Any], scanned: bool = True
+) -> list[Any]:
   """All-gathers every bucket of `layout` from each device's rows: one collective per bucket
-  (Megatron's `start_param_sync`), the params replicated ("invarying").
+  (Megatron's `start_param_sync`), or per param in a `scanned` bucket (no ravel, no copy of
+  the stacked layers), the params replicated ("invarying").
 
   Args:
     masters: per leaf in tree order, this device's rows of each trainable param (any float
       dtype: each bucket casts them to its param dtype).
     layout: the layout whose buckets to gather.
     out: per leaf, what to return for the leaves no bucket holds.
+    scanned: False leaves the `scanned` buckets' params as `out` has them (a step that
+      gathers them layer by layer inside the scan).
 
   Returns:
     `out` with every bucket's params in their full shapes, in their param dtype.
   """
-  shards = [
-    shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype)
-    for buf in layout.buffers
-    for b in buf.buckets
-  ]
-  return all_gather_shards(shards, layout, out)
+  out = list(out)
+  for buf in layout.buffers:
+    for b in buf.buckets:
+      if b.scanned and not scanned:
+        continue
+      if b.scanned:
+        for p in b.params:
+          out[p.index] = all_gather_rows(masters[p.index], p, buf.param_dtype, "invarying")
+        continue
+      full = jax.lax.all_gather(
+        shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype),
+        DATA,
+        tiled=True,
+        to="invarying",
+      )
+      for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
+        out[p.index] = x
+  return out
 
 
-def all_gather_shards(shards: Sequence[Any], layout: Layout, out: Sequence[Any]) -> list[Any]:
+def all_gather_shards(
+  shards: Sequence[Any], layout: Layout, out: Sequence[Any], scanned: bool = True
+) -> list[Any]:
   """`all_gather_params` from each device's shard of every bucket (buffer and bucket order,
   any float dtype), as a fused state keeps its master."""
   out = list(out)
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
   for (buf, b), shard in zip(buckets, shards):
+    if b.scanned and not scanned:
+      continue
+    if b.scanned:
+      for p, x in zip(b.params, shard_unravel(shard, b, layout.dp)):
+        out[p.index] = all_gather_rows(x, p, buf.param_dtype, "invarying")
+      continue
     full = jax.lax.all_gather(shard.astype(buf.param_dtype), DATA, tiled=True, to="invarying")
     for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
       out[p.index] = x
   return out
+
+
+def all_gather_rows(block: jax.Array, spec: ParamSpec, dtype, to: str = "varying") -> jax.Array:
+  """One param whole from every device's block (`spec.local_shape`): one all-gather on its
+  shard dim (`spec.axis`) in `dtype`, no ravel; its padding rows cut off."""
+  full = jax.lax.all_gather(block.astype(dtype), DATA, axis=spec.axis, tiled=True, to=to)
+  return unpad_rows(full, spec)
+
+
+def reduce_scatter_rows(ct: jax.Array, spec: ParamSpec, grad_dtype, **reduce_kwargs) -> jax.Array:
+  """One param's whole cotangent reduced over the data-parallel axes and scattered on its
+  shard dim (`spec.axis`, padded to `spec.rows` first): this device's block
+  (`spec.local_shape`), in `grad_dtype`; one collective, no ravel (`reduce_bucket`'s
+  scaling; `reduce_kwargs`: its `dp`, `axes`, `average`)."""
+  ct = pad_rows(ct, spec).astype(grad_dtype)
+  if spec.axis:  # reduce_bucket scatters dim 0
+    ct = jnp.moveaxis(ct, spec.axis, 0)
+  g = reduce_bucket(ct, scatter=True, **reduce_kwargs)
+  return jnp.moveaxis(g, 0, spec.axis) if spec.axis else g
 
 
 def reduce_bucket(

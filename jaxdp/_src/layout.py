@@ -164,6 +164,9 @@ class Bucket:
   """Elements per shard, padding included; the bucket holds `dp * shard_size`."""
   unit: str | None = None
   """The FSDP unit this bucket holds (layouts made with `units=`); None for size buckets."""
+  scanned: bool = False
+  """Its params are `scanned` ones (`make_layout`): whole stacked leaves sharded on a dim of
+  a layer, reduced one layer at a time inside the scan over them."""
 
   @property
   def numel(self) -> int:
@@ -433,6 +436,7 @@ def make_layout(
   experts: Frozen = None,
   expert_parallel: int = 1,
   leading: Frozen = None,
+  scanned: Frozen = None,
 ) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
@@ -465,6 +469,12 @@ def make_layout(
       other param of a size-bucket layout is sharded on the dim `shard_axis` picks; with
       `units`, and for expert and stacked params, the shard dim is the leading one (of a
       layer).
+    scanned: size-bucket layouts only, like `frozen`: params of at least two dims whose
+      leading dim is a layer axis that a scan iterates over (the bucketed strategies'
+      `DDPConfig(stacked=...)`). Each is sharded on the dim of a layer that `shard_axis`
+      picks (+ 1), never on the layers, so that one layer's reduced gradient is a slice
+      of every device's block and can be reduce-scattered inside the scan's backward; and
+      a bucket holds scanned params only, or none.
 
   Returns:
     A static `Layout`.
@@ -515,6 +525,12 @@ def make_layout(
   frozen_leaves = _frozen_mask(params, frozen, paths)
   expert_leaves = _frozen_mask(params, experts, paths, "experts")
   leading_leaves = _frozen_mask(params, leading, paths, "leading")
+  scanned_leaves = [
+    s and len(shape) >= 2 and units is None and not (e or lead)
+    for s, shape, e, lead in zip(
+      _frozen_mask(params, scanned, paths, "scanned"), shapes, expert_leaves, leading_leaves
+    )
+  ]
   local_shapes = _expert_shapes(expert_leaves, expert_parallel, paths, shapes)
   unit_of = _unit_names(units, paths)
   layers = _layer_counts(stacked, paths, shapes, unit_of)
@@ -542,6 +558,9 @@ def make_layout(
     else:
       group, count = [], 0
       for i in leaves:
+        if group and scanned_leaves[i] != scanned_leaves[group[0]]:
+          groups.append(group)
+          group, count = [], 0
         group.append(i)
         count += math.prod(local_shapes[i])
         if count >= bucket_size:
@@ -557,13 +576,15 @@ def make_layout(
         shape = local_shapes[i][1:] if n else local_shapes[i]
         free = unit_of is None and not (expert_leaves[i] or leading_leaves[i])
         axis = shard_axis(shape, dp) if free else 0
+        if scanned_leaves[i]:
+          axis = 1 + shard_axis(shape[1:], dp)
         rows = round_up(shape[axis] if shape else 1, dp)
         spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
         shard += spec.shard_size(dp)
       shard = round_up(shard, align)
       unit = unit_of[group[0]] if unit_of is not None else None
-      buckets.append(Bucket(b, tuple(specs), offset, shard, unit))
+      buckets.append(Bucket(b, tuple(specs), offset, shard, unit, scanned_leaves[group[0]]))
       offset += shard * dp
     buffers.append(
       BufferLayout(
