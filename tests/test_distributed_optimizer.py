@@ -284,6 +284,57 @@ def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strateg
     assert block.nbytes * DP == x.nbytes, path
 
 
+def scanned_mlp_problem(n_layer, d=12, ffn=20):
+  """A residual MLP scanned over stacked blocks `h + tanh(h @ w1) @ w2` (widths 12, 20: 8
+  divides neither) and an unstacked head, each block under the user's `jax.checkpoint`;
+  the loss is the mean of 16 x 3 squared errors."""
+  keys = jax.random.split(jax.random.key(2), 5)
+  params = {
+    "blocks": {
+      "w1": jax.random.normal(keys[0], (n_layer, d, ffn)) / np.sqrt(d),
+      "w2": jax.random.normal(keys[1], (n_layer, ffn, d)) / np.sqrt(ffn),
+    },
+    "head": jax.random.normal(keys[2], (d, 3)) / np.sqrt(d),
+  }
+  block = jax.checkpoint(lambda h, w: h + jnp.tanh(h @ w["w1"]) @ w["w2"])
+
+  def loss_fn(params, batch):
+    h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), batch["x"], params["blocks"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+  batch = {"x": jax.random.normal(keys[3], (16, d)), "y": jax.random.normal(keys[4], (16, 3))}
+  return params, loss_fn, batch
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(strategy, n_layer):
+  """`DDPConfig(stacked=["blocks"])`: each stacked leaf is sharded on a dim of a layer,
+  gathered and reduce-scattered one layer per iteration inside the scan (one all-gather and
+  one reduce-scatter per param in the loop body, none of the whole stacked leaf), and 5
+  steps equal one device, with the step built twice in one process."""
+  params, loss_fn, batch = scanned_mlp_problem(n_layer)
+  tx = adamw_tx(params)
+  # The loss averages 16 x 3 squared errors through n_layer blocks of widths 12 and 20.
+  loss_rtol, norm_rtol, bound = step_tolerances(params, 16 * 3, n_layer * 32, schedule(), clip=0.5)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=5, bound=bound)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=["blocks"])
+  mesh = jax.make_mesh((DP,), ("data",))
+  for _ in range(2):  # a second build in the same process reuses JAX's cached scan trace
+    state, step, losses, norms = train(params, loss_fn, batch, tx, config, mesh, steps=5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+    np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+    bound.check(jaxdp.get_params(state), ref)
+  for name in ("w1", "w2"):
+    spec = state.master["blocks"][name].sharding.spec
+    assert spec[0] is None and "data" in spec[1:], (name, spec)
+  found = collectives(step, state, batch)
+  looped = sorted((kind, n) for kind, n, _, trips in found if trips == n_layer)
+  if n_layer > 1:  # per layer: w1 (12, 20) on dim 1, w2 (20, 12) on dim 0, 20 padded to 24
+    assert looped == [("all-gather", 12 * 24)] * 2 + [("reduce-scatter", 12 * 24 // DP)] * 2, found
+  assert not [c for c in found if c[1] >= n_layer * 12 * 24 and n_layer > 1], found
+
+
 @pytest.mark.parametrize("strategy", ("no_shard",) + SHARDED)
 def test_grad_accumulation_equals_large_batch(strategy):
   """k=4 micro-batches of 4 per device equal one step on the 32-example batch, and the
