@@ -310,9 +310,9 @@ def scanned_mlp_problem(n_layer, d=12, ffn=20):
 @pytest.mark.parametrize("n_layer", [1, 3])
 def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(strategy, n_layer):
   """`DDPConfig(stacked=["blocks"])`: each stacked leaf is sharded on a dim of a layer,
-  gathered and reduce-scattered one layer per iteration inside the scan (one all-gather and
-  one reduce-scatter per param in the loop body, none of the whole stacked leaf), and 5
-  steps equal one device, with the step built twice in one process."""
+  gathered and reduce-scattered one layer per iteration inside the scan (one all-gather per
+  param and one reduce-scatter per layer in the loop bodies, none of a whole stacked leaf),
+  and 5 steps equal one device, with the step built twice in one process."""
   params, loss_fn, batch = scanned_mlp_problem(n_layer)
   tx = adamw_tx(params)
   # The loss averages 16 x 3 squared errors through n_layer blocks of widths 12 and 20.
@@ -330,8 +330,9 @@ def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(st
     assert spec[0] is None and "data" in spec[1:], (name, spec)
   found = collectives(step, state, batch)
   looped = sorted((kind, n) for kind, n, _, trips in found if trips == n_layer)
-  if n_layer > 1:  # per layer: w1 (12, 20) on dim 1, w2 (20, 12) on dim 0, 20 padded to 24
-    assert looped == [("all-gather", 12 * 24)] * 2 + [("reduce-scatter", 12 * 24 // DP)] * 2, found
+  if n_layer > 1:  # w1 (12, 20) on dim 1, w2 (20, 12) on dim 0, 20 padded to 24: per layer
+    # one all-gather per param, one reduce-scatter of both
+    assert looped == [("all-gather", 12 * 24)] * 2 + [("reduce-scatter", 2 * 12 * 24 // DP)], found
   assert not [c for c in found if c[1] >= n_layer * 12 * 24 and n_layer > 1], found
 
 

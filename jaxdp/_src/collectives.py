@@ -20,7 +20,7 @@ from jaxdp._src.buffer import (
   shard_unravel,
   unpad_rows,
 )
-from jaxdp._src.layout import Bucket, Layout, ParamSpec
+from jaxdp._src.layout import Bucket, Layout, ParamSpec, layer_bucket
 from jaxdp._src.mesh import DATA
 
 
@@ -114,19 +114,19 @@ def all_gather_bucket(
 
 
 def all_gather_params(
-  masters: Sequence[Any], layout: Layout, out: Sequence[Any], scanned: bool = True
+  masters: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
 ) -> list[Any]:
   """All-gathers every bucket of `layout` from each device's rows: one collective per bucket
-  (Megatron's `start_param_sync`), or per param in a `scanned` bucket (no ravel, no copy of
-  the stacked layers), the params replicated ("invarying").
+  (Megatron's `start_param_sync`; per param in a stack's bucket, `Bucket.stack`: no ravel,
+  no copy of the stacked layers), the params replicated ("invarying").
 
   Args:
     masters: per leaf in tree order, this device's rows of each trainable param (any float
       dtype: each bucket casts them to its param dtype).
     layout: the layout whose buckets to gather.
     out: per leaf, what to return for the leaves no bucket holds.
-    scanned: False leaves the `scanned` buckets' params as `out` has them (a step that
-      gathers them layer by layer inside the scan).
+    stacks: False leaves the params of the stacks' buckets (`Bucket.stack`) as `out` has
+      them (a step that gathers them layer by layer inside the scan).
 
   Returns:
     `out` with every bucket's params in their full shapes, in their param dtype.
@@ -134,9 +134,9 @@ def all_gather_params(
   out = list(out)
   for buf in layout.buffers:
     for b in buf.buckets:
-      if b.scanned and not scanned:
+      if b.stack is not None and not stacks:
         continue
-      if b.scanned:
+      if b.stack is not None:
         for p in b.params:
           out[p.index] = all_gather_rows(masters[p.index], p, buf.param_dtype, "invarying")
         continue
@@ -152,16 +152,16 @@ def all_gather_params(
 
 
 def all_gather_shards(
-  shards: Sequence[Any], layout: Layout, out: Sequence[Any], scanned: bool = True
+  shards: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
 ) -> list[Any]:
   """`all_gather_params` from each device's shard of every bucket (buffer and bucket order,
   any float dtype), as a fused state keeps its master."""
   out = list(out)
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
   for (buf, b), shard in zip(buckets, shards):
-    if b.scanned and not scanned:
+    if b.stack is not None and not stacks:
       continue
-    if b.scanned:
+    if b.stack is not None:
       for p, x in zip(b.params, shard_unravel(shard, b, layout.dp)):
         out[p.index] = all_gather_rows(x, p, buf.param_dtype, "invarying")
       continue
@@ -178,16 +178,17 @@ def all_gather_rows(block: jax.Array, spec: ParamSpec, dtype, to: str = "varying
   return unpad_rows(full, spec)
 
 
-def reduce_scatter_rows(ct: jax.Array, spec: ParamSpec, grad_dtype, **reduce_kwargs) -> jax.Array:
-  """One param's whole cotangent reduced over the data-parallel axes and scattered on its
-  shard dim (`spec.axis`, padded to `spec.rows` first): this device's block
-  (`spec.local_shape`), in `grad_dtype`; one collective, no ravel (`reduce_bucket`'s
-  scaling; `reduce_kwargs`: its `dp`, `axes`, `average`)."""
-  ct = pad_rows(ct, spec).astype(grad_dtype)
-  if spec.axis:  # reduce_bucket scatters dim 0
-    ct = jnp.moveaxis(ct, spec.axis, 0)
-  g = reduce_bucket(ct, scatter=True, **reduce_kwargs)
-  return jnp.moveaxis(g, 0, spec.axis) if spec.axis else g
+def reduce_scatter_layer(cts: Sequence[Any], bucket: Bucket, grad_dtype, **reduce_kwargs):
+  """One layer of a stack's bucket (`Bucket.stack`) reduced inside the scan's backward: the
+  whole cotangents of the layer's params (`bucket.params` order; None counts as zeros)
+  raveled into one buffer in `grad_dtype` and reduce-scattered (`reduce_bucket`; its `dp`,
+  `axes`, `average` in `reduce_kwargs`): one collective per layer. Returns this device's
+  block of each param's layer (`layer_bucket`'s `local_shape`)."""
+  shards = jax.lax.axis_size(DATA)
+  layer = layer_bucket(bucket, shards)
+  cts = [jnp.zeros(p.shape, grad_dtype) if c is None else c for c, p in zip(cts, layer.params)]
+  shard = reduce_bucket(bucket_ravel(cts, layer, shards, grad_dtype), scatter=True, **reduce_kwargs)
+  return shard_unravel(shard, layer, shards)
 
 
 def reduce_bucket(

@@ -109,15 +109,15 @@ class DDPConfig:
         "leave stacked out, or use data_parallel_sharding_strategy='optim'"
       )
 
-  def is_stacked(self, path: str) -> bool:
-    """Whether the leaf at `path` (`jax.tree_util.keystr`) is under a `stacked` prefix.
+  def stack_of(self, path: str) -> str | None:
+    """The `stacked` prefix the leaf at `path` (`jax.tree_util.keystr`) is under, else None.
 
     Examples:
       >>> c = DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
-      >>> c.is_stacked("['blocks']['w1']"), c.is_stacked("['head']")
-      (True, False)
+      >>> c.stack_of("['blocks']['w1']"), c.stack_of("['head']")
+      ("['blocks']", None)
     """
-    return any(_prefix_under(path, s) for s in self.stacked)
+    return next((s for s in self.stacked if _prefix_under(path, s)), None)
 
   @property
   def use_distributed_optimizer(self) -> bool:

@@ -56,7 +56,14 @@ from jaxdp._src.distributed_optimizer import (
   unravel_flat,
   use_fused,
 )
-from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
+from jaxdp._src.layout import (
+  Frozen,
+  Layout,
+  default_bucket_size,
+  layer_bucket,
+  make_layout,
+  master_dtype,
+)
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
@@ -134,7 +141,7 @@ def layout_for(
     experts=experts,
     leading=leading,
     expert_parallel=mesh.shape.get(EXPERT, 1),
-    scanned=(lambda path, _: config.is_stacked(path)) if config.stacked else None,
+    scanned=config.stack_of if config.stacked else None,
   )
   if not layout.buffers:
     raise ValueError(
@@ -279,7 +286,7 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
   full = leaves_of(params)
   if plan.gather_in_step:
-    full = gather_master(master, layout, full, plan.fused, scanned=not plan.in_scan)
+    full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan)
   return [
     collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
     for i, (t, x) in enumerate(zip(layout.trainable, full))
@@ -356,7 +363,7 @@ def forward_backward(
     params' blocks, which the scans' backward loops reduce into (`scanned_units`)."""
     leaves, scanned = list(full), {}
     for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
-      if plan.in_scan and b.scanned:  # (master block or whole param, sink block)
+      if plan.in_scan and b.stack is not None:  # (master block or whole param, sink block)
         for p, block in zip(b.params, shard_unravel(sink, b, layout.dp)):
           scanned[p.index] = (blocks[p.index] if plan.gather_in_step else leaves[p.index], block)
         continue
@@ -429,42 +436,49 @@ def forward_backward(
 
 
 def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
-  """One stacked `fsdp_program.UnitIO` per param of a scanned bucket, for `run_loss` to run
-  each scan over such params as one `custom_vjp` whose backward loop reduce-scatters each
-  layer's gradient in its own iteration: the ZeRO-1 form of FSDP's scanned unit, which keeps
-  its forward's layers for the backward (`FSDPConfig(reshard_after_forward=False)`).
+  """One stacked `fsdp_program.UnitIO` per stack's bucket (`Bucket.stack`), for `run_loss`
+  to run each scan over the stack as one `custom_vjp` whose loops gather and reduce-scatter
+  one layer per iteration: the ZeRO-1 form of FSDP's scanned unit, which keeps its forward's
+  layers for the backward (`FSDPConfig(reshard_after_forward=False)`).
 
-  The unit's value (`run_loss`'s `values[i]`) is a pair: this device's master block, whose
-  layer the forward loop all-gathers in its iteration (`gather_in_step`), or the whole
-  param, whose layer it reads; and the sink block, to which the backward hands the layer's
-  reduce-scattered gradient (its cotangent: this device's block of the reduced grad, the
-  layers stacked). The first gets no cotangent.
+  A param's value (`run_loss`'s `values[i]`) is a pair: this device's master block, whose
+  layer the forward loop all-gathers in its iteration (`gather_in_step`; one all-gather per
+  param), or the whole param, whose layer it reads; and the sink block, to which the
+  backward hands the layer's reduced gradient (one reduce-scatter per layer for the whole
+  bucket; the sink's cotangent, the layers stacked, is this device's block of the reduced
+  grad). The first gets no cotangent.
   """
   units = []
   for buf in layout.buffers:
     for b in buf.buckets:
-      for p in b.params if b.scanned else ():
-        layer = dataclasses.replace(p, shape=p.shape[1:], axis=p.axis - 1)
+      if b.stack is None:
+        continue
+      layer = layer_bucket(b, layout.dp)
+      other = [a for a in plan.axes if a != DATA]
 
-        def gather(t, f, i=p.index, layer=layer, dtype=buf.param_dtype):
-          (x, _) = t[i]
-          if not plan.gather_in_step:
-            return {i: x}
-          x = collectives.all_gather_rows(x, layer, dtype)
-          return {i: collectives.make_varying(x, [a for a in plan.axes if a != DATA])}
-
-        def scatter(cts, i=p.index, layer=layer, buf=buf):
-          g = collectives.reduce_scatter_rows(
-            cts[i],
-            layer,
-            buf.grad_dtype,
-            dp=plan.dp,
-            axes=plan.reduce_axes(buf),
-            average=plan.average,
+      def gather(t, f, layer=layer, dtype=buf.param_dtype):
+        if not plan.gather_in_step:
+          return {p.index: t[p.index][0] for p in layer.params}
+        return {
+          p.index: collectives.make_varying(
+            collectives.all_gather_rows(t[p.index][0], p, dtype), other
           )
-          return {i: (None, g)}
+          for p in layer.params
+        }
 
-        units.append(fsdp_program.UnitIO(p.path, (p.index,), (), True, gather, scatter, gather))
+      def scatter(cts, b=b, buf=buf):
+        blocks = collectives.reduce_scatter_layer(
+          [cts.get(p.index) for p in b.params],
+          b,
+          buf.grad_dtype,
+          dp=plan.dp,
+          axes=plan.reduce_axes(buf),
+          average=plan.average,
+        )
+        return {p.index: (None, g) for p, g in zip(b.params, blocks)}
+
+      trainable = tuple(sorted(p.index for p in b.params))
+      units.append(fsdp_program.UnitIO(b.stack, trainable, (), True, gather, scatter, gather))
   return units
 
 
@@ -585,7 +599,7 @@ def make_train_step(
   def step(state: TrainState, batch):
     layout = state.layout
     in_scan = (grad_accum_steps == 1 or plan.scatter_each_microbatch) and any(
-      b.scanned for buf in layout.buffers for b in buf.buckets
+      b.stack is not None for buf in layout.buffers for b in buf.buckets
     )
     plan_ = dataclasses.replace(plan, fused=state.fused, in_scan=in_scan)
     checks.check_state(state, mesh, config)

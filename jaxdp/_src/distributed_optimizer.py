@@ -610,23 +610,23 @@ def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
   return {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
 
 
-def gather_master(master, layout: Layout, out, fused: bool, scanned: bool = True) -> list[Any]:
+def gather_master(master, layout: Layout, out, fused: bool, stacks: bool = True) -> list[Any]:
   """Inside `shard_map`: `out` (tree order) with every trainable param all-gathered whole,
-  one collective per bucket (per param in a scanned bucket), from `master`: the per-leaf row
+  one collective per bucket (per param in a stack's bucket), from `master`: the per-leaf row
   shards (a param tree or its leaves), or a fused state's flat buckets (`fused`);
-  `scanned=False` leaves the scanned buckets' params out."""
+  `stacks=False` leaves the params of the stacks' buckets out."""
   if fused:
     shards = [master[name] for name, _, _ in bucket_names(layout)]
-    return collectives.all_gather_shards(shards, layout, out, scanned)
-  return collectives.all_gather_params(leaves_of(master), layout, out, scanned)
+    return collectives.all_gather_shards(shards, layout, out, stacks)
+  return collectives.all_gather_params(leaves_of(master), layout, out, stacks)
 
 
 def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
   """Inside `shard_map`: {leaf: this device's block of its master} of every param of a
-  scanned bucket; `master` as `gather_master` takes it."""
+  stack's bucket; `master` as `gather_master` takes it."""
   out = {}
   for name, _, b in bucket_names(layout):
-    if not b.scanned:
+    if b.stack is None:
       continue
     if fused:
       out.update(zip((p.index for p in b.params), shard_unravel(master[name], b, layout.dp)))
