@@ -307,14 +307,18 @@ def scanned_mlp_problem(n_layer, d=12, ffn=20):
 
 
 @pytest.mark.parametrize("strategy", SHARDED)
-@pytest.mark.parametrize("n_layer", [1, 3])
-def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(strategy, n_layer):
+@pytest.mark.parametrize("n_layer,fused", [(1, False), (3, False), (3, True)])
+def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(
+  strategy, n_layer, fused
+):
   """`DDPConfig(stacked=["blocks"])`: each stacked leaf is sharded on a dim of a layer,
   gathered and reduce-scattered one layer per iteration inside the scan (one all-gather per
   param and one reduce-scatter per layer in the loop bodies, none of a whole stacked leaf),
   and 5 steps equal one device, with the step built twice in one process."""
   params, loss_fn, batch = scanned_mlp_problem(n_layer)
-  tx = adamw_tx(params)
+  # Without a mask the update is fused (one flat array per bucket: the stack's layer blocks
+  # are slices of its flat master shard); with one, per leaf.
+  tx = adamw_tx(params, mask=None if fused else "callable")
   # The loss averages 16 x 3 squared errors through n_layer blocks of widths 12 and 20.
   loss_rtol, norm_rtol, bound = step_tolerances(params, 16 * 3, n_layer * 32, schedule(), clip=0.5)
   ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=5, bound=bound)
@@ -325,15 +329,46 @@ def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(st
     np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
     np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
     bound.check(jaxdp.get_params(state), ref)
-  for name in ("w1", "w2"):
-    spec = state.master["blocks"][name].sharding.spec
-    assert spec[0] is None and "data" in spec[1:], (name, spec)
+  assert state.fused == fused
+  if not fused:
+    for name in ("w1", "w2"):
+      spec = state.master["blocks"][name].sharding.spec
+      assert spec[0] is None and "data" in spec[1:], (name, spec)
   found = collectives(step, state, batch)
   looped = sorted((kind, n) for kind, n, _, trips in found if trips == n_layer)
   if n_layer > 1:  # w1 (12, 20) on dim 1, w2 (20, 12) on dim 0, 20 padded to 24: per layer
     # one all-gather per param, one reduce-scatter of both
     assert looped == [("all-gather", 12 * 24)] * 2 + [("reduce-scatter", 2 * 12 * 24 // DP)], found
   assert not [c for c in found if c[1] >= n_layer * 12 * 24 and n_layer > 1], found
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_stacked_scan_with_grad_accumulation_equals_single_device(strategy):
+  """`stacked=` with 2 micro-batches: `optim_grads` reduce-scatters each micro-batch's layers
+  inside the scan and sums the shards; `optim` accumulates whole local grads (`no_sync`) and
+  reduces the stack's bucket once after the last scan. Both equal one device's step on the
+  whole batch."""
+  params, loss_fn, batch = scanned_mlp_problem(3)
+  tx = adamw_tx(params)
+  loss_rtol, norm_rtol, bound = step_tolerances(params, 16 * 3, 3 * 32, schedule(), clip=0.5)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=3, bound=bound)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=["blocks"])
+  state, step, losses, norms = train(
+    params, loss_fn, batch, tx, config, steps=3, grad_accum_steps=2
+  )
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+  np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+  bound.check(jaxdp.get_params(state), ref)
+  scatters = [
+    (n, t) for kind, n, _, t in collectives(step, state, batch) if kind == "reduce-scatter"
+  ]
+  stack = 2 * 12 * 24  # one layer of w1 and w2, padded
+  if strategy == "optim_grads":  # per layer, in the backward loop of each micro-batch
+    assert (stack // DP, 3) in scatters, scatters
+  else:  # the whole stack's bucket (its shard padded to a multiple of 16), once
+    (bucket,) = [b for buf in state.layout.buffers for b in buf.buckets if b.stack]
+    assert bucket.shard_size == 224 >= 3 * stack // DP
+    assert (bucket.shard_size, 1) in scatters, scatters
 
 
 @pytest.mark.parametrize("strategy", ("no_shard",) + SHARDED)
