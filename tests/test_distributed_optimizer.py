@@ -250,9 +250,12 @@ def test_sharded_equals_single_device_bf16():
 
 @pytest.mark.slow  # a GPT, compiled twice
 @pytest.mark.parametrize("strategy", SHARDED)
-def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strategy):
-  """A scanned GPT with 2 layers on 8 devices: each stacked `(2, ...)` weight is sharded on
-  a dim that 8 divides, not padded from 2 layers to 8; training equals one device."""
+@pytest.mark.parametrize("stacked", [(), ("blocks",)])
+def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strategy, stacked):
+  """A scanned GPT (`nnx.scan`) with 2 layers on 8 devices: each stacked `(2, ...)` weight is
+  sharded on a dim that 8 divides, not padded from 2 layers to 8; training equals one
+  device, also with `DDPConfig(stacked=["blocks"])` (each layer gathered and reduced inside
+  the scan)."""
   gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16, scan_layers=True)
   params, loss_fn = jaxdp.nnx_split(GPT(gpt, rngs=nnx.Rngs(0)), gpt_loss)
   tokens = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
@@ -261,7 +264,7 @@ def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strateg
   # The loss averages 16 x 8 tokens, each a row of d_model + vocab products.
   loss_rtol, _, bound = step_tolerances(params, 16 * 8, 16 + 32, schedule(), clip=0.5)
   ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5, bound=bound)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=stacked)
   state, _, losses, _ = train(params, loss_fn, batch, tx, config, steps=5)
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
   bound.check(jaxdp.get_params(state), ref)
