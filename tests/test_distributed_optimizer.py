@@ -345,6 +345,36 @@ def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(
   assert not [c for c in found if c[1] >= n_layer * 12 * 24 and n_layer > 1], found
 
 
+@pytest.mark.parametrize("use", ["inside and outside the scan", "no scan"])
+def test_stacked_used_outside_a_scan_is_reduced_whole_and_equals_single_device(use):
+  """A stack the loss also indexes outside the scan (`w1[1]`), or loops over in Python, is
+  gathered and reduced whole where it is used (`fsdp_program`'s fallback): still equal to
+  one device. A `stacked=` prefix that names no param is refused."""
+  params, loss_fn, batch = scanned_mlp_problem(3)
+
+  def looped(p, b):
+    h = b["x"]
+    for layer in range(3):
+      h = h + jnp.tanh(h @ p["blocks"]["w1"][layer]) @ p["blocks"]["w2"][layer]
+    return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+  if use == "no scan":
+    loss = looped
+  else:
+    loss = lambda p, b: loss_fn(p, b) + 0.1 * jnp.sum(p["blocks"]["w1"][1] ** 2)
+  tx = adamw_tx(params)
+  loss_rtol, _, bound = step_tolerances(params, 16 * 3, 3 * 32, schedule(), clip=0.5)
+  ref, ref_losses, _ = reference(params, loss, batch, tx, steps=3, bound=bound)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
+  state, _, losses, _ = train(params, loss, batch, tx, config, steps=3)
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+  bound.check(jaxdp.get_params(state), ref)
+  with pytest.raises(ValueError, match=r"stacked=.*names params\['blox'\]"):
+    jaxdp.init_state(
+      params, tx, jax.make_mesh((DP,), ("data",)), dataclasses.replace(config, stacked=["blox"])
+    )
+
+
 @pytest.mark.parametrize("strategy", SHARDED)
 def test_stacked_scan_with_grad_accumulation_equals_single_device(strategy):
   """`stacked=` with 2 micro-batches: `optim_grads` reduce-scatters each micro-batch's layers

@@ -243,6 +243,6 @@ def _prefix(p: Prefix) -> str:
   if isinstance(p, tuple) and p:
     return "".join(f"[{k!r}]" for k in p)
   raise ValueError(
-    f"FSDPConfig: prefix {p!r}: use a key tuple like ('blocks', 3), a "
+    f"prefix {p!r}: use a key tuple like ('blocks', 3), a "
     "top-level key like 'wte', or a keystr like \"['blocks'][3]\""
   )

@@ -148,6 +148,15 @@ def layout_for(
       "params have no trainable floating-point leaf (all are frozen or integer): there "
       "is nothing to train; pass float params, or unfreeze some"
     )
+  stacks = {b.stack for buf in layout.buffers for b in buf.buckets}
+  for prefix in config.stacked:
+    if prefix not in stacks:
+      raise ValueError(
+        f"DDPConfig(stacked=...) names params{prefix}, but no trainable param of two or "
+        f"more dims is under it (params: {', '.join(layout.paths[:4])}"
+        f"{' ..' if len(layout.paths) > 4 else ''}); name the subtree whose leaves carry the "
+        "layer axis the loss scans over, e.g. stacked=['blocks']"
+      )
   return layout
 
 
