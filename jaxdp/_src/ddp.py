@@ -19,6 +19,13 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
 
+Scanned layers (`DDPConfig(stacked=...)`, sharded strategies): a stack's leaves are one
+bucket, sharded on a dim of a layer, and the loss runs through `fsdp_program.run_loss`, which
+turns each scan over them into one `custom_vjp` (`scanned_units`): the forward loop gathers a
+layer per iteration, the backward loop reduce-scatters a layer per iteration into the stack
+bucket's sink, so neither the gathered stack nor its whole gradient is built at once outside
+the loops (GSPMD's ZeRO-1 reduce-scatters in its backward loop the same way).
+
 Step 1 is a sequence of named phases (`start_param_sync`, `register_grad_ready_hooks`,
 `forward_backward`, `grad_metrics`, `finish_grad_sync`), composed by `local_grads`.
 """
@@ -278,7 +285,7 @@ class _Plan:
   """The state keeps flat buckets (`TrainState.fused`): the grads stay the reduced buckets
   (shards)."""
   in_scan: bool = False
-  """The layout has scanned buckets (`DDPConfig(stacked=...)`) and nothing is accumulated
+  """The layout has stack buckets (`DDPConfig(stacked=...)`) and nothing is accumulated
   before a micro-batch's reduction (one micro-batch, or `optim_grads`): each scan over their
   params runs as one `custom_vjp` (`scanned_units`) whose backward reduce-scatters every
   layer in its iteration; with `gather_in_step` its forward gathers every layer in its
@@ -368,7 +375,7 @@ def forward_backward(
 
   def hooked_loss(sinks, accs, mb, j, ms):
     """The loss with every bucket's params passed through its hook: its grad w.r.t. the
-    sinks is the reduced buckets (plus `accs`). A scanned bucket's sink is split into its
+    sinks is the reduced buckets (plus `accs`). A stack bucket's sink is split into its
     params' blocks, which the scans' backward loops reduce into (`scanned_units`)."""
     leaves, scanned = list(full), {}
     for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
@@ -542,7 +549,7 @@ def local_grads(
   key = loop.device_key(key, collectives.data_index(plan.axes))
   full = start_param_sync(params, master, layout, plan, own_axes)
   buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
-  blocks = master_blocks(master, layout, plan.fused) if plan.gather_in_step else {}
+  blocks = master_blocks(master, layout, plan.fused) if plan.in_scan and plan.gather_in_step else {}
   loss, reduced, aux, model_state = forward_backward(
     loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state, blocks
   )

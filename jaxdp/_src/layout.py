@@ -303,6 +303,7 @@ class Layout:
           f"param{'s' * (len(b.params) != 1)}, {b.numel:,} elements, "
           f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}"
           + (f"  unit {b.unit}" if b.unit is not None else "")
+          + (f"  stack {b.stack}, reduced per layer" if b.stack is not None else "")
           + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else "")
         )
     moved = [f"{p.path} dim {p.axis}" for p in self.params if p.axis and not p.layers]
