@@ -306,7 +306,14 @@ class Layout:
           + (f"  stack {b.stack}, reduced per layer" if b.stack is not None else "")
           + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else "")
         )
-    moved = [f"{p.path} dim {p.axis}" for p in self.params if p.axis and not p.layers]
+    moved = [
+      f"{p.path} dim {p.axis}"
+      for buf in self.buffers
+      for b in buf.buckets
+      if b.stack is None
+      for p in b.params
+      if p.axis and not p.layers
+    ]
     if moved:
       lines.append(
         f"{len(moved)} param{'s' * (len(moved) != 1)} sharded on a dim that pads "
