@@ -18,8 +18,8 @@ with each block under the user's `jax.checkpoint` (`--remat`, the default) or no
 Rows: GSPMD programs (`jax.jit` of `value_and_grad` + `tx.update`, `NamedSharding`s; what a
 MaxText-style user writes): DDP = everything replicated, ZeRO-1 = optimizer state sharded,
 FSDP = params and optimizer state sharded over "data" on their first non-layer dim that 8
-divides. Then jaxdp's `no_shard` (DDP), `optim` (ZeRO-1) and `optim_grads_params` (FSDP,
-`FSDPConfig(stacked=["blocks"])` when scanned). Last: each row's growth per added layer
+divides. Then jaxdp's `no_shard` (DDP), `optim` (ZeRO-1; `DDPConfig(stacked=["blocks"])` when
+scanned) and `optim_grads_params` (FSDP, `FSDPConfig(stacked=["blocks"])` when scanned). Last: each row's growth per added layer
 (least squares over the layer counts).
 
 Usage:
@@ -209,7 +209,10 @@ def compile_program(
   if program.startswith("GSPMD"):
     return gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned)
   strategy = JAXDP[program]
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=bucket_size)
+  stacked = ["blocks"] if scanned and strategy in ("optim", "optim_grads") else []
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy, bucket_size=bucket_size, stacked=stacked
+  )
   if strategy == "optim_grads_params":
     chunks = {"wte": wte_chunks} if model == "gpt" and wte_chunks else {}
     fsdp = fsdp or FSDPConfig(

@@ -250,9 +250,12 @@ def test_sharded_equals_single_device_bf16():
 
 @pytest.mark.slow  # a GPT, compiled twice
 @pytest.mark.parametrize("strategy", SHARDED)
-def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strategy):
-  """A scanned GPT with 2 layers on 8 devices: each stacked `(2, ...)` weight is sharded on
-  a dim that 8 divides, not padded from 2 layers to 8; training equals one device."""
+@pytest.mark.parametrize("stacked", [(), ("blocks",)])
+def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strategy, stacked):
+  """A scanned GPT (`nnx.scan`) with 2 layers on 8 devices: each stacked `(2, ...)` weight is
+  sharded on a dim that 8 divides, not padded from 2 layers to 8; training equals one
+  device, also with `DDPConfig(stacked=["blocks"])` (each layer gathered and reduced inside
+  the scan)."""
   gpt = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, d_model=16, scan_layers=True)
   params, loss_fn = jaxdp.nnx_split(GPT(gpt, rngs=nnx.Rngs(0)), gpt_loss)
   tokens = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
@@ -261,7 +264,7 @@ def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strateg
   # The loss averages 16 x 8 tokens, each a row of d_model + vocab products.
   loss_rtol, _, bound = step_tolerances(params, 16 * 8, 16 + 32, schedule(), clip=0.5)
   ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5, bound=bound)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=stacked)
   state, _, losses, _ = train(params, loss_fn, batch, tx, config, steps=5)
   np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
   bound.check(jaxdp.get_params(state), ref)
@@ -282,6 +285,123 @@ def test_scanned_layers_fewer_than_devices_are_sharded_within_each_layer(strateg
     assert m.sharding.spec[0] is None and m.sharding.spec[1] == "data", path
     (block,) = [s.data for s in m.addressable_shards if s.device == device]
     assert block.nbytes * DP == x.nbytes, path
+
+
+def scanned_mlp_problem(n_layer, d=12, ffn=20):
+  """A residual MLP scanned over stacked blocks `h + tanh(h @ w1) @ w2` (widths 12, 20: 8
+  divides neither) and an unstacked head, each block under the user's `jax.checkpoint`;
+  the loss is the mean of 16 x 3 squared errors."""
+  keys = jax.random.split(jax.random.key(2), 5)
+  params = {
+    "blocks": {
+      "w1": jax.random.normal(keys[0], (n_layer, d, ffn)) / np.sqrt(d),
+      "w2": jax.random.normal(keys[1], (n_layer, ffn, d)) / np.sqrt(ffn),
+    },
+    "head": jax.random.normal(keys[2], (d, 3)) / np.sqrt(d),
+  }
+  block = jax.checkpoint(lambda h, w: h + jnp.tanh(h @ w["w1"]) @ w["w2"])
+
+  def loss_fn(params, batch):
+    h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), batch["x"], params["blocks"])
+    return jnp.mean((h @ params["head"] - batch["y"]) ** 2)
+
+  batch = {"x": jax.random.normal(keys[3], (16, d)), "y": jax.random.normal(keys[4], (16, 3))}
+  return params, loss_fn, batch
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+@pytest.mark.parametrize("n_layer,fused", [(1, False), (3, False), (3, True)])
+def test_stacked_scan_reduces_each_layer_in_the_loop_and_equals_single_device(
+  strategy, n_layer, fused
+):
+  """`DDPConfig(stacked=["blocks"])`: each stacked leaf is sharded on a dim of a layer,
+  gathered and reduce-scattered one layer per iteration inside the scan (one all-gather per
+  param and one reduce-scatter per layer in the loop bodies, none of a whole stacked leaf),
+  and 5 steps equal one device, with the step built twice in one process."""
+  params, loss_fn, batch = scanned_mlp_problem(n_layer)
+  # Without a mask the update is fused (one flat array per bucket: the stack's layer blocks
+  # are slices of its flat master shard); with one, per leaf.
+  tx = adamw_tx(params, mask=None if fused else "callable")
+  # The loss averages 16 x 3 squared errors through n_layer blocks of widths 12 and 20.
+  loss_rtol, norm_rtol, bound = step_tolerances(params, 16 * 3, n_layer * 32, schedule(), clip=0.5)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=5, bound=bound)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=["blocks"])
+  mesh = jax.make_mesh((DP,), ("data",))
+  for _ in range(2):  # a second build in the same process reuses JAX's cached scan trace
+    state, step, losses, norms = train(params, loss_fn, batch, tx, config, mesh, steps=5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+    np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+    bound.check(jaxdp.get_params(state), ref)
+  assert state.fused == fused
+  if not fused:
+    for name in ("w1", "w2"):
+      spec = state.master["blocks"][name].sharding.spec
+      assert spec[0] is None and "data" in spec[1:], (name, spec)
+  found = collectives(step, state, batch)
+  looped = sorted((kind, n) for kind, n, _, trips in found if trips == n_layer)
+  if n_layer > 1:  # w1 (12, 20) on dim 1, w2 (20, 12) on dim 0, 20 padded to 24: per layer
+    # one all-gather per param, one reduce-scatter of both
+    assert looped == [("all-gather", 12 * 24)] * 2 + [("reduce-scatter", 2 * 12 * 24 // DP)], found
+  assert not [c for c in found if c[1] >= n_layer * 12 * 24 and n_layer > 1], found
+
+
+@pytest.mark.parametrize("use", ["inside and outside the scan", "no scan"])
+def test_stacked_used_outside_a_scan_is_reduced_whole_and_equals_single_device(use):
+  """A stack the loss also indexes outside the scan (`w1[1]`), or loops over in Python, is
+  gathered and reduced whole where it is used (`fsdp_program`'s fallback): still equal to
+  one device. A `stacked=` prefix that names no param is refused."""
+  params, loss_fn, batch = scanned_mlp_problem(3)
+
+  def looped(p, b):
+    h = b["x"]
+    for layer in range(3):
+      h = h + jnp.tanh(h @ p["blocks"]["w1"][layer]) @ p["blocks"]["w2"][layer]
+    return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+  if use == "no scan":
+    loss = looped
+  else:
+    loss = lambda p, b: loss_fn(p, b) + 0.1 * jnp.sum(p["blocks"]["w1"][1] ** 2)
+  tx = adamw_tx(params)
+  loss_rtol, _, bound = step_tolerances(params, 16 * 3, 3 * 32, schedule(), clip=0.5)
+  ref, ref_losses, _ = reference(params, loss, batch, tx, steps=3, bound=bound)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
+  state, _, losses, _ = train(params, loss, batch, tx, config, steps=3)
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+  bound.check(jaxdp.get_params(state), ref)
+  with pytest.raises(ValueError, match=r"stacked=.*names params\['blox'\]"):
+    jaxdp.init_state(
+      params, tx, jax.make_mesh((DP,), ("data",)), dataclasses.replace(config, stacked=["blox"])
+    )
+
+
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_stacked_scan_with_grad_accumulation_equals_single_device(strategy):
+  """`stacked=` with 2 micro-batches: `optim_grads` reduce-scatters each micro-batch's layers
+  inside the scan and sums the shards; `optim` accumulates whole local grads (`no_sync`) and
+  reduces the stack's bucket once after the last scan. Both equal one device's step on the
+  whole batch."""
+  params, loss_fn, batch = scanned_mlp_problem(3)
+  tx = adamw_tx(params)
+  loss_rtol, norm_rtol, bound = step_tolerances(params, 16 * 3, 3 * 32, schedule(), clip=0.5)
+  ref, ref_losses, ref_norms = reference(params, loss_fn, batch, tx, steps=3, bound=bound)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=["blocks"])
+  state, step, losses, norms = train(
+    params, loss_fn, batch, tx, config, steps=3, grad_accum_steps=2
+  )
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+  np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
+  bound.check(jaxdp.get_params(state), ref)
+  scatters = [
+    (n, t) for kind, n, _, t in collectives(step, state, batch) if kind == "reduce-scatter"
+  ]
+  stack = 2 * 12 * 24  # one layer of w1 and w2, padded
+  if strategy == "optim_grads":  # per layer, in the backward loop of each micro-batch
+    assert (stack // DP, 3) in scatters, scatters
+  else:  # the whole stack's bucket (its shard padded to a multiple of 16), once
+    (bucket,) = [b for buf in state.layout.buffers for b in buf.buckets if b.stack]
+    assert bucket.shard_size == 224 >= 3 * stack // DP
+    assert (bucket.shard_size, 1) in scatters, scatters
 
 
 @pytest.mark.parametrize("strategy", ("no_shard",) + SHARDED)

@@ -9,6 +9,7 @@ formula only by the padding (rows padded to a multiple of dp, bucket ends to 128
 elements).
 """
 
+import dataclasses
 import functools
 import math
 
@@ -146,6 +147,30 @@ def test_distributed_optimizer_reduce_scatters_overlap_backward_gemms():
 def test_distributed_optimizer_without_overlap_reduces_once_after_backward():
   s, layout = gpu_step("optim", False)
   check_after_backward(s, layout, "reduce-scatter")
+
+
+@needs_gpu_compile
+def test_scanned_distributed_optimizer_gathers_and_reduces_each_layer_in_the_loops():
+  """`optim` on the scanned GPT with `DDPConfig(stacked=["blocks"])`: each layer's params
+  are all-gathered in the forward loop's iteration (one per param) and its grads
+  reduce-scattered in the backward loop's (one per layer), each overlapping that loop's
+  compute; outside the loops only the other bucket's gather and reduce-scatter (the last)."""
+  params, loss_fn = jaxdp.nnx_split(
+    GPT(dataclasses.replace(GPT_CONFIG, scan_layers=True), rngs=nnx.Rngs(0)), gpt_loss
+  )
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  _, _, batch = gpt()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
+  s = schedule(compile_train_step(loss_fn, tx(), config, params, batch, dp=N))
+  n_blocks = len(jax.tree.leaves(params["blocks"]))
+  looped = [c for c in s.collectives if c.trip_count == GPT_CONFIG.n_layer]
+  gathers = [c for c in looped if c.kind == "all-gather"]
+  (scatter,) = [c for c in looped if c.kind == "reduce-scatter"]
+  assert len(gathers) == n_blocks, report(s)
+  for c in gathers + [scatter]:
+    assert c.is_async and c.overlaps_compute, report(s)
+  once = [c for c in s.collectives if c.trip_count == 1 and c.operand_bytes > METRIC_BYTES]
+  assert sorted(c.kind for c in once) == ["all-gather", "reduce-scatter"], report(s)
 
 
 @needs_gpu_compile

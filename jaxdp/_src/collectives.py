@@ -20,7 +20,7 @@ from jaxdp._src.buffer import (
   shard_unravel,
   unpad_rows,
 )
-from jaxdp._src.layout import Bucket, Layout
+from jaxdp._src.layout import Bucket, Layout, ParamSpec, layer_bucket
 from jaxdp._src.mesh import DATA
 
 
@@ -113,37 +113,82 @@ def all_gather_bucket(
   return bucket_unravel(full, bucket, dp)
 
 
-def all_gather_params(masters: Sequence[Any], layout: Layout, out: Sequence[Any]) -> list[Any]:
+def all_gather_params(
+  masters: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
+) -> list[Any]:
   """All-gathers every bucket of `layout` from each device's rows: one collective per bucket
-  (Megatron's `start_param_sync`), the params replicated ("invarying").
+  (Megatron's `start_param_sync`; per param in a stack's bucket, `Bucket.stack`: no ravel,
+  no copy of the stacked layers), the params replicated ("invarying").
 
   Args:
     masters: per leaf in tree order, this device's rows of each trainable param (any float
       dtype: each bucket casts them to its param dtype).
     layout: the layout whose buckets to gather.
     out: per leaf, what to return for the leaves no bucket holds.
+    stacks: False leaves the params of the stacks' buckets (`Bucket.stack`) as `out` has
+      them (a step that gathers them layer by layer inside the scan).
 
   Returns:
     `out` with every bucket's params in their full shapes, in their param dtype.
   """
-  shards = [
-    shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype)
-    for buf in layout.buffers
-    for b in buf.buckets
-  ]
-  return all_gather_shards(shards, layout, out)
+  out = list(out)
+  for buf in layout.buffers:
+    for b in buf.buckets:
+      if b.stack is not None and not stacks:
+        continue
+      if b.stack is not None:
+        for p in b.params:
+          out[p.index] = all_gather_rows(masters[p.index], p, buf.param_dtype, "invarying")
+        continue
+      full = jax.lax.all_gather(
+        shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype),
+        DATA,
+        tiled=True,
+        to="invarying",
+      )
+      for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
+        out[p.index] = x
+  return out
 
 
-def all_gather_shards(shards: Sequence[Any], layout: Layout, out: Sequence[Any]) -> list[Any]:
+def all_gather_shards(
+  shards: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
+) -> list[Any]:
   """`all_gather_params` from each device's shard of every bucket (buffer and bucket order,
   any float dtype), as a fused state keeps its master."""
   out = list(out)
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
   for (buf, b), shard in zip(buckets, shards):
+    if b.stack is not None and not stacks:
+      continue
+    if b.stack is not None:
+      for p, x in zip(b.params, shard_unravel(shard, b, layout.dp)):
+        out[p.index] = all_gather_rows(x, p, buf.param_dtype, "invarying")
+      continue
     full = jax.lax.all_gather(shard.astype(buf.param_dtype), DATA, tiled=True, to="invarying")
     for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
       out[p.index] = x
   return out
+
+
+def all_gather_rows(block: jax.Array, spec: ParamSpec, dtype, to: str = "varying") -> jax.Array:
+  """One param whole from every device's block (`spec.local_shape`): one all-gather on its
+  shard dim (`spec.axis`) in `dtype`, no ravel; its padding rows cut off."""
+  full = jax.lax.all_gather(block.astype(dtype), DATA, axis=spec.axis, tiled=True, to=to)
+  return unpad_rows(full, spec)
+
+
+def reduce_scatter_layer(cts: Sequence[Any], bucket: Bucket, grad_dtype, **reduce_kwargs):
+  """One layer of a stack's bucket (`Bucket.stack`) reduced inside the scan's backward: the
+  whole cotangents of the layer's params (`bucket.params` order; None counts as zeros)
+  raveled into one buffer in `grad_dtype` and reduce-scattered (`reduce_bucket`; its `dp`,
+  `axes`, `average` in `reduce_kwargs`): one collective per layer. Returns this device's
+  block of each param's layer (`layer_bucket`'s `local_shape`)."""
+  shards = jax.lax.axis_size(DATA)
+  layer = layer_bucket(bucket, shards)
+  cts = [jnp.zeros(p.shape, grad_dtype) if c is None else c for c, p in zip(cts, layer.params)]
+  shard = reduce_bucket(bucket_ravel(cts, layer, shards, grad_dtype), scatter=True, **reduce_kwargs)
+  return shard_unravel(shard, layer, shards)
 
 
 def reduce_bucket(

@@ -51,6 +51,14 @@ class DDPConfig:
   the same updates on the flat buckets (probed at init) and no FSDP unit is stacked or
   chunked, `no_shard` updates per leaf; True: require it (no_shard: params that need no fp32
   copy); False: per-leaf update."""
+  stacked: Sequence[Prefix] = ()
+  """Sharded strategies (not a Megatron field): prefixes, as `FSDPConfig.stacked`, of subtrees
+  whose leaves carry a leading layer axis that the loss scans over (`lax.scan`, `nnx.scan`).
+  Each such leaf is sharded on a dim of a layer, not on the layers, and each layer's
+  gradients are reduce-scattered inside the backward loop of the scan, in that layer's
+  iteration, so no stacked whole-size gradient is ever built (GSPMD's ZeRO-1 does the same);
+  with `overlap_param_gather` each is all-gathered on its own (no bucket copy). A leaf of
+  one dim, or one the loss uses outside a scan's `xs`, is reduced whole as before."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
@@ -88,6 +96,28 @@ class DDPConfig:
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
+    if isinstance(self.stacked, (str, bytes)):
+      raise ValueError(
+        f"stacked={self.stacked!r} is one string; pass a list of prefixes, e.g. "
+        f"stacked=[{self.stacked!r}]"
+      )
+    object.__setattr__(self, "stacked", tuple(_prefix(s) for s in self.stacked))
+    if self.stacked and self.data_parallel_sharding_strategy == "no_shard":
+      raise ValueError(
+        f"stacked={self.stacked} needs a sharded strategy (it places and reduce-scatters "
+        "the optimizer's shards of scanned layers); 'no_shard' all-reduces whole grads: "
+        "leave stacked out, or use data_parallel_sharding_strategy='optim'"
+      )
+
+  def stack_of(self, path: str) -> str | None:
+    """The `stacked` prefix the leaf at `path` (`jax.tree_util.keystr`) is under, else None.
+
+    Examples:
+      >>> c = DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
+      >>> c.stack_of("['blocks']['w1']"), c.stack_of("['head']")
+      ("['blocks']", None)
+    """
+    return next((s for s in self.stacked if _prefix_under(path, s)), None)
 
   @property
   def use_distributed_optimizer(self) -> bool:
@@ -213,6 +243,6 @@ def _prefix(p: Prefix) -> str:
   if isinstance(p, tuple) and p:
     return "".join(f"[{k!r}]" for k in p)
   raise ValueError(
-    f"FSDPConfig: prefix {p!r}: use a key tuple like ('blocks', 3), a "
+    f"prefix {p!r}: use a key tuple like ('blocks', 3), a "
     "top-level key like 'wte', or a keystr like \"['blocks'][3]\""
   )

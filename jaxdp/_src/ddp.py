@@ -19,6 +19,13 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
 3. Sharded strategies gather the updated params per bucket, either at the start of the
    next step's forward (`overlap_param_gather`) or right after the update.
 
+Scanned layers (`DDPConfig(stacked=...)`, sharded strategies): a stack's leaves are one
+bucket, sharded on a dim of a layer, and the loss runs through `fsdp_program.run_loss`, which
+turns each scan over them into one `custom_vjp` (`scanned_units`): the forward loop gathers a
+layer per iteration, the backward loop reduce-scatters a layer per iteration into the stack
+bucket's sink, so neither the gathered stack nor its whole gradient is built at once outside
+the loops (GSPMD's ZeRO-1 reduce-scatters in its backward loop the same way).
+
 Step 1 is a sequence of named phases (`start_param_sync`, `register_grad_ready_hooks`,
 `forward_backward`, `grad_metrics`, `finish_grad_sync`), composed by `local_grads`.
 """
@@ -37,7 +44,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives, loop
+from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
@@ -49,13 +56,21 @@ from jaxdp._src.distributed_optimizer import (
   gather_master,
   gather_params,
   grad_blocks,
+  master_blocks,
   pad_leaf,
   per_leaf_state,
   unpad_leaf,
   unravel_flat,
   use_fused,
 )
-from jaxdp._src.layout import Frozen, Layout, default_bucket_size, make_layout, master_dtype
+from jaxdp._src.layout import (
+  Frozen,
+  Layout,
+  default_bucket_size,
+  layer_bucket,
+  make_layout,
+  master_dtype,
+)
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
@@ -133,12 +148,22 @@ def layout_for(
     experts=experts,
     leading=leading,
     expert_parallel=mesh.shape.get(EXPERT, 1),
+    scanned=config.stack_of if config.stacked else None,
   )
   if not layout.buffers:
     raise ValueError(
       "params have no trainable floating-point leaf (all are frozen or integer): there "
       "is nothing to train; pass float params, or unfreeze some"
     )
+  stacks = {b.stack for buf in layout.buffers for b in buf.buckets}
+  for prefix in config.stacked:
+    if prefix not in stacks:
+      raise ValueError(
+        f"DDPConfig(stacked=...) names params{prefix}, but no trainable param of two or "
+        f"more dims is under it (params: {', '.join(layout.paths[:4])}"
+        f"{' ..' if len(layout.paths) > 4 else ''}); name the subtree whose leaves carry the "
+        "layer axis the loss scans over, e.g. stacked=['blocks']"
+      )
   return layout
 
 
@@ -259,6 +284,12 @@ class _Plan:
   fused: bool = False
   """The state keeps flat buckets (`TrainState.fused`): the grads stay the reduced buckets
   (shards)."""
+  in_scan: bool = False
+  """The layout has stack buckets (`DDPConfig(stacked=...)`) and nothing is accumulated
+  before a micro-batch's reduction (one micro-batch, or `optim_grads`): each scan over their
+  params runs as one `custom_vjp` (`scanned_units`) whose backward reduce-scatters every
+  layer in its iteration; with `gather_in_step` its forward gathers every layer in its
+  iteration too."""
 
   def reduce_axes(self, buf) -> tuple[str, ...]:
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
@@ -271,7 +302,7 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
   full = leaves_of(params)
   if plan.gather_in_step:
-    full = gather_master(master, layout, full, plan.fused)
+    full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan)
   return [
     collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
     for i, (t, x) in enumerate(zip(layout.trainable, full))
@@ -313,6 +344,7 @@ def forward_backward(
   sinks,
   key=None,
   model_state=None,
+  blocks=None,
 ):
   """`(local loss, reduced buckets, aux, model state)` of the step's micro-batches.
 
@@ -326,22 +358,35 @@ def forward_backward(
   """
   k = plan.grad_accum_steps
   sync = lambda ms: collectives.sync_model_state(ms, plan.axes)
+  units = scanned_units(layout, plan) if plan.in_scan else []
 
-  def scaled_loss(leaves, mb, j, ms):
-    loss, extra = loop.call_loss(
-      loss_fn, plan.has_aux, tree_of(layout, leaves), mb, loop.micro_key(key, j), ms
-    )
+  def scaled_loss(leaves, mb, j, ms, scanned=None):
+    call = lambda tree, a: loop.call_loss(loss_fn, plan.has_aux, tree, *a)
+    args = (mb, loop.micro_key(key, j), ms)
+    if scanned:
+      values = {**dict(enumerate(leaves)), **scanned}
+      avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+      loss, extra = fsdp_program.run_loss(
+        call, layout.treedef, avals, values, units, args, plan.axes, reshard=False
+      )
+    else:
+      loss, extra = call(tree_of(layout, leaves), args)
     return loss / k, extra
 
   def hooked_loss(sinks, accs, mb, j, ms):
     """The loss with every bucket's params passed through its hook: its grad w.r.t. the
-    sinks is the reduced buckets (plus `accs`)."""
-    leaves = list(full)
+    sinks is the reduced buckets (plus `accs`). A stack bucket's sink is split into its
+    params' blocks, which the scans' backward loops reduce into (`scanned_units`)."""
+    leaves, scanned = list(full), {}
     for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
+      if plan.in_scan and b.stack is not None:  # (master block or whole param, sink block)
+        for p, block in zip(b.params, shard_unravel(sink, b, layout.dp)):
+          scanned[p.index] = (blocks[p.index] if plan.gather_in_step else leaves[p.index], block)
+        continue
       out = hook([leaves[p.index] for p in b.params], sink, acc)
       for p, x in zip(b.params, out):
         leaves[p.index] = x
-    return scaled_loss(leaves, mb, j, ms)
+    return scaled_loss(leaves, mb, j, ms, scanned)
 
   def local_accum(mb, j, ms):
     """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
@@ -406,6 +451,53 @@ def forward_backward(
   return loss + mb_loss, reduced, loop.mean_micro(first_aux, aux, k), sync(model_state)
 
 
+def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
+  """One stacked `fsdp_program.UnitIO` per stack's bucket (`Bucket.stack`), for `run_loss`
+  to run each scan over the stack as one `custom_vjp` whose loops gather and reduce-scatter
+  one layer per iteration: the ZeRO-1 form of FSDP's scanned unit, which keeps its forward's
+  layers for the backward (`FSDPConfig(reshard_after_forward=False)`).
+
+  A param's value (`run_loss`'s `values[i]`) is a pair: this device's master block, whose
+  layer the forward loop all-gathers in its iteration (`gather_in_step`; one all-gather per
+  param), or the whole param, whose layer it reads; and the sink block, to which the
+  backward hands the layer's reduced gradient (one reduce-scatter per layer for the whole
+  bucket; the sink's cotangent, the layers stacked, is this device's block of the reduced
+  grad). The first gets no cotangent.
+  """
+  units = []
+  for buf in layout.buffers:
+    for b in buf.buckets:
+      if b.stack is None:
+        continue
+      layer = layer_bucket(b, layout.dp)
+      other = [a for a in plan.axes if a != DATA]
+
+      def gather(t, f, layer=layer, dtype=buf.param_dtype):
+        if not plan.gather_in_step:
+          return {p.index: t[p.index][0] for p in layer.params}
+        return {
+          p.index: collectives.make_varying(
+            collectives.all_gather_rows(t[p.index][0], p, dtype), other
+          )
+          for p in layer.params
+        }
+
+      def scatter(cts, b=b, buf=buf):
+        blocks = collectives.reduce_scatter_layer(
+          [cts.get(p.index) for p in b.params],
+          b,
+          buf.grad_dtype,
+          dp=plan.dp,
+          axes=plan.reduce_axes(buf),
+          average=plan.average,
+        )
+        return {p.index: (None, g) for p, g in zip(b.params, blocks)}
+
+      trainable = tuple(sorted(p.index for p in b.params))
+      units.append(fsdp_program.UnitIO(b.stack, trainable, (), True, gather, scatter, gather))
+  return units
+
+
 def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
   """The reduced buckets as a grad tree: whole grads (`no_shard`), or this device's rows of
   each (the sharded strategies); None for leaves that are not trained. A fused state's
@@ -457,8 +549,9 @@ def local_grads(
   key = loop.device_key(key, collectives.data_index(plan.axes))
   full = start_param_sync(params, master, layout, plan, own_axes)
   buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
+  blocks = master_blocks(master, layout, plan.fused) if plan.in_scan and plan.gather_in_step else {}
   loss, reduced, aux, model_state = forward_backward(
-    loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state
+    loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state, blocks
   )
   loss, grad_norm = grad_metrics(loss, reduced, layout, plan, buckets)
   return (
@@ -521,7 +614,10 @@ def make_train_step(
 
   def step(state: TrainState, batch):
     layout = state.layout
-    plan_ = dataclasses.replace(plan, fused=state.fused)
+    in_scan = (grad_accum_steps == 1 or plan.scatter_each_microbatch) and any(
+      b.stack is not None for buf in layout.buffers for b in buf.buckets
+    )
+    plan_ = dataclasses.replace(plan, fused=state.fused, in_scan=in_scan)
     checks.check_state(state, mesh, config)
     checks.check_batch(batch, dp * grad_accum_steps)
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)

@@ -61,7 +61,7 @@ import optax
 
 from jaxdp._src import collectives
 from jaxdp._src.config import DDPConfig
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, unpad_dim
+from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, shard_unravel, unpad_dim
 from jaxdp._src.layout import Layout, make_layout, master_dtype, sharded_shape
 from jaxdp._src.mesh import DATA, EXPERT, constrain, data_axes, manual_spec
 from jaxdp._src.state import (
@@ -610,14 +610,29 @@ def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
   return {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
 
 
-def gather_master(master, layout: Layout, out, fused: bool) -> list[Any]:
+def gather_master(master, layout: Layout, out, fused: bool, stacks: bool = True) -> list[Any]:
   """Inside `shard_map`: `out` (tree order) with every trainable param all-gathered whole,
-  one collective per bucket, from `master`: the per-leaf row shards (a param tree or its
-  leaves), or a fused state's flat buckets (`fused`)."""
+  one collective per bucket (per param in a stack's bucket), from `master`: the per-leaf row
+  shards (a param tree or its leaves), or a fused state's flat buckets (`fused`);
+  `stacks=False` leaves the params of the stacks' buckets out."""
   if fused:
     shards = [master[name] for name, _, _ in bucket_names(layout)]
-    return collectives.all_gather_shards(shards, layout, out)
-  return collectives.all_gather_params(leaves_of(master), layout, out)
+    return collectives.all_gather_shards(shards, layout, out, stacks)
+  return collectives.all_gather_params(leaves_of(master), layout, out, stacks)
+
+
+def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
+  """Inside `shard_map`: {leaf: this device's block of its master} of every param of a
+  stack's bucket; `master` as `gather_master` takes it."""
+  out = {}
+  for name, _, b in bucket_names(layout):
+    if b.stack is None:
+      continue
+    if fused:
+      out.update(zip((p.index for p in b.params), shard_unravel(master[name], b, layout.dp)))
+    else:
+      out.update((p.index, leaves_of(master)[p.index]) for p in b.params)
+  return out
 
 
 # ----------------------------------------------------------------------------- the sharded state

@@ -172,6 +172,10 @@ class Bucket:
   """Elements per shard, padding included; the bucket holds `dp * shard_size`."""
   unit: str | None = None
   """The FSDP unit this bucket holds (layouts made with `units=`); None for size buckets."""
+  stack: str | None = None
+  """The stack its params belong to (`make_layout(scanned=...)`): whole stacked leaves
+  sharded on a dim of a layer, gathered and reduced one layer at a time inside the scan over
+  them; None for other buckets."""
 
   @property
   def numel(self) -> int:
@@ -307,9 +311,17 @@ class Layout:
           f"param{'s' * (len(b.params) != 1)}, {b.numel:,} elements, "
           f"{size - b.numel:,} padding  {b.params[0].path} .. {b.params[-1].path}"
           + (f"  unit {b.unit}" if b.unit is not None else "")
+          + (f"  stack {b.stack}, reduced per layer" if b.stack is not None else "")
           + (f" (per layer, x{b.params[0].layers})" if b.params[0].layers else "")
         )
-    moved = [f"{p.path} dim {p.axis}" for p in self.params if p.axis and not p.layers]
+    moved = [
+      f"{p.path} dim {p.axis}"
+      for buf in self.buffers
+      for b in buf.buckets
+      if b.stack is None
+      for p in b.params
+      if p.axis and not p.layers
+    ]
     if moved:
       lines.append(
         f"{len(moved)} param{'s' * (len(moved) != 1)} sharded on a dim that pads "
@@ -329,6 +341,28 @@ def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   axis = layout.shard_axes[i]
   rows = round_up(shape[axis], layout.dp)
   return (*shape[:axis], rows, *shape[axis + 1 :]), axis
+
+
+def layer_bucket(bucket: Bucket, dp: int) -> Bucket:
+  """One layer of a stack's bucket (`Bucket.stack`): each param's `ParamSpec` of one layer
+  (its shape without the layer axis, its shard dim one lower), laid out one after the other:
+  what one reduce-scatter inside the scan's backward reduces.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"blocks": {"w": jnp.zeros((4, 12, 20))}, "head": jnp.zeros((12, 3))}
+    >>> layout = make_layout(params, dp=8, scanned=lambda p: "blocks" if "blocks" in p else None)
+    >>> (b,) = [b for b in layout.buffers[0].buckets if b.stack]
+    >>> w = b.params[0]  # sharded on 20 (padded to 24), not on the 4 layers
+    >>> w.shape, w.axis, w.local_shape(8), layer_bucket(b, 8).params[0].local_shape(8)
+    ((4, 12, 20), 2, (4, 12, 3), (12, 3))
+  """
+  specs, offset = [], 0
+  for p in bucket.params:
+    spec = dataclasses.replace(p, shape=p.shape[1:], axis=p.axis - 1, offset=offset)
+    specs.append(spec)
+    offset += spec.shard_size(dp)
+  return Bucket(bucket.index, tuple(specs), 0, offset, bucket.unit, bucket.stack)
 
 
 def _is_float(dtype) -> bool:
@@ -441,6 +475,7 @@ def make_layout(
   experts: Frozen = None,
   expert_parallel: int = 1,
   leading: Frozen = None,
+  scanned: Callable[[str], str | None] | None = None,
 ) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
@@ -473,6 +508,13 @@ def make_layout(
       other param of a size-bucket layout is sharded on the dim `shard_axis` picks; with
       `units`, and for expert and stacked params, the shard dim is the leading one (of a
       layer).
+    scanned: size-bucket layouts only: `fn(path) -> stack name or None`, the stack of
+      params whose leading dim is a layer axis that one scan iterates over (the bucketed
+      strategies' `DDPConfig(stacked=...)`; params of fewer than two dims, expert and
+      `leading` ones are left out). Each is sharded on the dim of a layer that
+      `shard_axis` picks (+ 1), never on the layers, so that one layer's reduced gradient
+      is a slice of every device's block; a stack's params of one buffer are one bucket
+      (`Bucket.stack`) whatever `bucket_size`, reduced one layer at a time.
 
   Returns:
     A static `Layout`.
@@ -523,6 +565,10 @@ def make_layout(
   frozen_leaves = _frozen_mask(params, frozen, paths)
   expert_leaves = _frozen_mask(params, experts, paths, "experts")
   leading_leaves = _frozen_mask(params, leading, paths, "leading")
+  stack_of = [
+    scanned(path) if scanned and len(shape) >= 2 and units is None and not (e or lead) else None
+    for path, shape, e, lead in zip(paths, shapes, expert_leaves, leading_leaves)
+  ]
   local_shapes = _expert_shapes(expert_leaves, expert_parallel, paths, shapes)
   unit_of = _unit_names(units, paths)
   layers = _layer_counts(stacked, paths, shapes, unit_of)
@@ -550,9 +596,12 @@ def make_layout(
     else:
       group, count = [], 0
       for i in leaves:
+        if group and stack_of[i] != stack_of[group[0]]:
+          groups.append(group)
+          group, count = [], 0
         group.append(i)
         count += math.prod(local_shapes[i])
-        if count >= bucket_size:
+        if count >= bucket_size and stack_of[i] is None:
           groups.append(group)
           group, count = [], 0
       if group:
@@ -565,13 +614,15 @@ def make_layout(
         shape = local_shapes[i][1:] if n else local_shapes[i]
         free = unit_of is None and not (expert_leaves[i] or leading_leaves[i])
         axis = shard_axis(shape, dp) if free else 0
+        if stack_of[i] is not None:
+          axis = 1 + shard_axis(shape[1:], dp)
         rows = round_up(shape[axis] if shape else 1, dp)
         spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
         shard += spec.shard_size(dp)
       shard = round_up(shard, align)
       unit = unit_of[group[0]] if unit_of is not None else None
-      buckets.append(Bucket(b, tuple(specs), offset, shard, unit))
+      buckets.append(Bucket(b, tuple(specs), offset, shard, unit, stack_of[group[0]]))
       offset += shard * dp
     buffers.append(
       BufferLayout(
