@@ -384,7 +384,6 @@ def test_fsdp_collectives_inside_scan_body(reshard):
   state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=fsdp)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
   outside, loops = collectives_by_scope(step.lower(state, batch).as_text(dialect="hlo"))
-  shard = unit_shard(state, "['blocks']")
 
   # A layer's params, whole: what its per-param all-gathers return (the GPT's dims divide 8).
   def gathered(keep):
@@ -395,17 +394,21 @@ def test_fsdp_collectives_inside_scan_body(reshard):
     )
 
   # Forward loop: one all-gather per param of the layer in each iteration. Backward loop:
-  # one reduce-scatter of the layer's bucket per iteration, after, when resharding, the
+  # one reduce-scatter per param of the layer per iteration (no ravel of the layer's
+  # whole-size grads into a bucket: that copy was the scanned program's memory peak),
+  # each returning the param's block of one layer, after, when resharding, the
   # all-gathers of the params whose values the backward needs: the kernels and LayerNorm
   # scales (a bias's grad needs only the cotangent, so its gather is dead code, dropped).
   forward = gathered(lambda name: True)
-  backward = Counter({("reduce-scatter", f"f32[{shard}]"): 1})
+  backward = Counter(
+    ("reduce-scatter", "f32[" + ",".join(map(str, x.shape[1:])) + "]")
+    for x in jax.tree.leaves(state.master["blocks"])
+  )
   if reshard:
     backward.update(gathered(lambda name: name in ("kernel", "scale")))
-  assert sorted(loops, key=len) == sorted([forward, backward], key=len)
-  assert not any(
-    kind == "reduce-scatter" and size == f"f32[{shard}]" for kind, size in outside
-  )  # none outside
+  items = lambda counters: sorted(sorted(c.items()) for c in counters)
+  assert items(loops) == items([forward, backward]), loops
+  assert not any(key[0] == "reduce-scatter" and key in outside for key in backward)  # none outside
   # Outside the loops only the unrolled units' 1-D bucket gathers: no kernel of a layer.
   assert not any(kind == "all-gather" and "," in size for kind, size in outside), outside
 
@@ -618,12 +621,15 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
 
   state, compiled = gpu_step("gpt_scan")
   s = jinspect.schedule(compiled)
-  shard = 4 * unit_shard(state, "['blocks']")  # f32 bytes; a reduce-scatter takes dp shards
   n_params = len(jax.tree.leaves(state.master["blocks"]))
   in_loop = [c for c in s.collectives if c.trip_count > 1]
   gathers = [c for c in in_loop if c.kind == "all-gather"]
   scatters = [c for c in in_loop if c.kind == "reduce-scatter"]
-  assert all(c.operand_bytes == DP * shard for c in scatters), scatters
+  layer_blocks = Counter(4 * x[0].size for x in jax.tree.leaves(state.master["blocks"]))
+  # One reduce-scatter per param of a layer, of its whole-size (dp blocks) gradient.
+  assert Counter(c.operand_bytes // DP for c in scatters if c.trip_count == N_LAYER) == (
+    layer_blocks
+  ), scatters
   # Inside the loops a layer's params are gathered one by one, each while the compute of
   # the ones before it runs: every in-loop gather overlaps compute, some of them GEMMs.
   assert all(c.is_async and c.overlaps_compute for c in gathers), [c.overlapped for c in gathers]
@@ -632,9 +638,12 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
   for c in in_loop:
     runs[c.kind] += c.trip_count
   # Per layer: a gather per param forward, one per kernel and LayerNorm scale backward (the
-  # params whose values the backward needs), one reduce-scatter.
+  # params whose values the backward needs), one reduce-scatter per param.
   needed = sum(
     path[-1].key in ("kernel", "scale")
     for path, _ in jax.tree_util.tree_leaves_with_path(state.master["blocks"])
   )
-  assert runs == {"all-gather": (n_params + needed) * N_LAYER, "reduce-scatter": N_LAYER}, runs
+  assert runs == {
+    "all-gather": (n_params + needed) * N_LAYER,
+    "reduce-scatter": n_params * N_LAYER,
+  }, runs

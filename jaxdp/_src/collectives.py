@@ -294,7 +294,7 @@ def unit_collectives(
   `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
   the end of its backward).
 
-  Returns `(gather, scatter, gather_each, gather_rows, scatter_rows)`:
+  Returns `(gather, scatter, gather_each, gather_rows, scatter_rows, scatter_each)`:
 
   * `gather(trainable, frozen) -> full`: `trainable` and `frozen` map leaf indices to this
     device's row blocks `(rows / dp, ...)` of the unit's params (`trainable` in the
@@ -314,9 +314,12 @@ def unit_collectives(
   * `scatter_rows(leaf, ct) -> grad`: the inverse collective of `gather_rows` for the
     cotangent of `gathered`: reduce-scattered in the grad dtype, this device's `[lo, hi)`
     rows of the reduced gradient, in the `cotangent_dtypes` dtype.
+  * `scatter_each(cts) -> grads`: as `scatter`, one reduce-scatter per param (on its shard
+    dim, no ravel): inside a scanned layer's backward, where the ravel would be a copy of
+    the layer's whole-size grads alive next to them (the program's memory peak).
 
-  The `chunked` leaves (`FSDPConfig(chunks=...)`) are left out of `gather`, `scatter` and
-  `gather_each` (`fsdp_program` gathers them a row block at a time with `gather_rows`); the
+  The `chunked` leaves (`FSDPConfig(chunks=...)`) are left out of `gather`, `scatter`,
+  `gather_each` and `scatter_each` (`fsdp_program` gathers them a row block at a time with `gather_rows`); the
   other params of a bucket that holds one are gathered and reduce-scattered one collective
   per param.
 
@@ -395,7 +398,17 @@ def unit_collectives(
           out[p.index] = unpad_rows(gather_rows(p.index, local[p.index]), p)
     return out
 
-  return gather, scatter, gather_each, gather_rows, scatter_rows
+  def scatter_each(cts):
+    grads = {}
+    for b, grad_dtype in grad_buckets:
+      for p in b.params:
+        if p.index not in chunked:
+          ct = cts.get(p.index)
+          ct = jnp.zeros(p.shape, grad_dtype) if ct is None else ct
+          grads[p.index] = scatter_rows(p.index, pad_rows(ct, p))
+    return grads
+
+  return gather, scatter, gather_each, gather_rows, scatter_rows, scatter_each
 
 
 def unit_collectives_flat(
@@ -459,7 +472,7 @@ def unit_collectives_flat(
       for b, grad_dtype, dtype, key in grad_buckets
     }
 
-  _, _, each, _, _ = unit_collectives(
+  _, _, each, _, _, _ = unit_collectives(
     gather_buckets,
     [(b, grad_dtype) for b, grad_dtype, _, _ in grad_buckets],
     {},

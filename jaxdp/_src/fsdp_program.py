@@ -96,6 +96,7 @@ class UnitIO:
   gather_each: Callable  # as gather, one all-gather per param (inside a scan)
   gather_rows: Callable | None = None  # (leaf, rows [lo, hi) of its shard) -> every device's rows
   scatter_rows: Callable | None = None  # (leaf, ct of gather_rows' output) -> reduced rows [lo, hi)
+  scatter_each: Callable | None = None  # as scatter, one reduce-scatter per param (in a scan)
   chunks: Mapping[int, int] = dataclasses.field(default_factory=dict)  # leaf -> row blocks
   shards: tuple[int, ...] | None = None
   """Keys of the unit's trainable shards in `run_loss`'s `values`, which `gather` takes and
@@ -215,6 +216,21 @@ def _together(a, b):
   return jax.tree.unflatten(ta, la), jax.tree.unflatten(tb, lb)
 
 
+def _barrier_groups(tree):
+  """`tree` through `optimization_barrier`s, one per set of float leaves that vary over the
+  same mesh axes (the barrier's results vary over every axis any operand varies over); other
+  leaves pass outside. Not differentiable: for values of a backward pass."""
+  leaves, treedef = jax.tree.flatten(tree)
+  groups: dict = {}
+  for n, x in enumerate(leaves):
+    if _is_float(x):
+      groups.setdefault(_varying(jax.typeof(x)), []).append(n)
+  for ns in groups.values():
+    for n, x in zip(ns, jax.lax.optimization_barrier([leaves[n] for n in ns])):
+      leaves[n] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
 @jax.custom_vjp
 def _barrier_vjp(a, b):
   return jax.lax.optimization_barrier((a, b))
@@ -288,12 +304,13 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
   return full
 
 
-def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool) -> dict:
+def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = False) -> dict:
   grads = {}
   for u in units:
     if u.trainable:
       c = {i: cts[i] for i in u.trainable if i not in u.chunks}
-      grads.update(jax.vmap(u.scatter)(c) if layer_axis and u.stacked else u.scatter(c))
+      scatter = u.scatter_each if each and u.scatter_each else u.scatter
+      grads.update(jax.vmap(scatter)(c) if layer_axis and u.stacked else scatter(c))
       grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
   return grads
 
@@ -652,7 +669,14 @@ def _scan_unit(
       d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
       d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
       d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
-      d_t = _scatter(units, d_full, layer_axis=False)
+      # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
+      # layer's whole-size grads (the backward's peak). The barrier keeps each layer's
+      # reduce-scatters in its own iteration: without it XLA's collective pipeliner moves
+      # them into the next one, which then holds two layers' whole-size grads (measured on
+      # the scanned GPT: 110 MiB with the pipelined per-param reduce-scatters, 111 with the
+      # bucket, 94 with both changes; notes/issue-13.md, session 6).
+      d_t = _scatter(units, d_full, layer_axis=False, each=True)
+      d_t = _barrier_groups(d_t)
       return (d_carry, d_consts), (d_x, d_t)
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
