@@ -179,7 +179,7 @@ def test_nnx_scan_model_with_nnx_remat():
   params, loss_fn = jaxdp.nnx_split(Model(16, 3, nnx.Rngs(0)), model_loss)
   one_sgd_step(params, loss_fn, batch(), FSDPConfig(stacked=["blocks"]))
   # The blocks are gathered one layer per iteration inside the loops (forward: a gather per
-  # param; backward: the same and a reduce-scatter), never whole outside them.
+  # param; backward: the same and a reduce-scatter per param), never whole outside them.
   from tests.test_fsdp import collectives_by_scope
 
   mesh, fsdp = jax.make_mesh((DP,), ("data",)), FSDPConfig(stacked=["blocks"])
@@ -187,8 +187,9 @@ def test_nnx_scan_model_with_nnx_remat():
   step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
   outside, loops = collectives_by_scope(step.lower(state, batch()).as_text(dialect="hlo"))
   layer = {("all-gather", "f32[16,16]"): 1, ("all-gather", "f32[16]"): 1}  # kernel, bias
-  # (the reduce-scatter's shard: kernel 16 x 16 + bias 16 over 8 devices, padded to 48)
-  assert sorted(map(dict, loops), key=len) == [layer, {**layer, ("reduce-scatter", "f32[48]"): 1}]
+  # (each reduce-scatter's shard: 16 rows over 8 devices)
+  scatters = {("reduce-scatter", "f32[2,16]"): 1, ("reduce-scatter", "f32[2]"): 1}
+  assert sorted(map(dict, loops), key=len) == [layer, {**layer, **scatters}]
   assert all(size not in ("f32[3,16,16]", "f32[3,16]") for _, size in outside)
 
 
