@@ -676,7 +676,8 @@ def _scan_unit(
       # the scanned GPT: 110 MiB with the pipelined per-param reduce-scatters, 111 with the
       # bucket, 94 with both changes; notes/issue-13.md, session 6).
       d_t = _scatter(units, d_full, layer_axis=False, each=True)
-      d_t = _barrier_groups(d_t)
+      if any(u.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
+        d_t = _barrier_groups(d_t)
       return (d_carry, d_consts), (d_x, d_t)
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
