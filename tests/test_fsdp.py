@@ -629,6 +629,10 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
     4 * math.prod(x.shape[1:]) for x in jax.tree.leaves(state.master["blocks"])
   )
   assert Counter(c.operand_bytes for c in scatters) == layer_params, scatters
+  # Each overlaps compute (the backward's weight-gradient GEMMs or, the iteration's last, a
+  # fusion): kept in its iteration by a barrier with the carry's cotangent, not one on the
+  # shards alone (which made the last one synchronous).
+  assert all(c.is_async and c.overlaps_compute for c in scatters), [c.overlapped for c in scatters]
   # Inside the loops a layer's params are gathered one by one, each while the compute of
   # the ones before it runs: every in-loop gather overlaps compute, some of them GEMMs.
   assert all(c.is_async and c.overlaps_compute for c in gathers), [c.overlapped for c in gathers]

@@ -216,21 +216,6 @@ def _together(a, b):
   return jax.tree.unflatten(ta, la), jax.tree.unflatten(tb, lb)
 
 
-def _barrier_groups(tree):
-  """`tree` through `optimization_barrier`s, one per set of float leaves that vary over the
-  same mesh axes (the barrier's results vary over every axis any operand varies over); other
-  leaves pass outside. Not differentiable: for values of a backward pass."""
-  leaves, treedef = jax.tree.flatten(tree)
-  groups: dict = {}
-  for n, x in enumerate(leaves):
-    if _is_float(x):
-      groups.setdefault(_varying(jax.typeof(x)), []).append(n)
-  for ns in groups.values():
-    for n, x in zip(ns, jax.lax.optimization_barrier([leaves[n] for n in ns])):
-      leaves[n] = x
-  return jax.tree.unflatten(treedef, leaves)
-
-
 @jax.custom_vjp
 def _barrier_vjp(a, b):
   return jax.lax.optimization_barrier((a, b))
@@ -670,14 +655,15 @@ def _scan_unit(
       d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
       d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
       # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
-      # layer's whole-size grads (the backward's peak). The barrier keeps each layer's
-      # reduce-scatters in its own iteration: without it XLA's collective pipeliner moves
-      # them into the next one, which then holds two layers' whole-size grads (measured on
-      # the scanned GPT: 110 MiB with the pipelined per-param reduce-scatters, 111 with the
-      # bucket, 94 with both changes; notes/issue-13.md, session 6).
+      # layer's whole-size grads (the backward's peak). The barrier with the carry's
+      # cotangent keeps each layer's reduce-scatters in its own iteration: without it XLA's
+      # collective pipeliner moves them into the next one, which then holds two layers'
+      # whole-size grads (measured on the scanned GPT: 110 MiB with the pipelined per-param
+      # reduce-scatters, 111 with the bucket, 94 with both changes; notes/issue-13.md,
+      # session 6). A barrier on the shards alone made the iteration's last one synchronous.
       d_t = _scatter(units, d_full, layer_axis=False, each=True)
       if any(u.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
-        d_t = _barrier_groups(d_t)
+        d_t, d_carry = _together(d_t, d_carry)
       return (d_carry, d_consts), (d_x, d_t)
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
