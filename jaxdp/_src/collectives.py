@@ -131,38 +131,30 @@ def all_gather_params(
   Returns:
     `out` with every bucket's params in their full shapes, in their param dtype.
   """
-  out = list(out)
-  for buf in layout.buffers:
-    for b in buf.buckets:
-      if b.stack is not None and not stacks:
-        continue
-      if b.stack is not None:
-        for p in b.params:
-          out[p.index] = all_gather_rows(masters[p.index], p, buf.param_dtype, "invarying")
-        continue
-      full = jax.lax.all_gather(
-        shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype),
-        DATA,
-        tiled=True,
-        to="invarying",
-      )
-      for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
-        out[p.index] = x
-  return out
+  shards = [
+    [masters[p.index] for p in b.params]  # a stack's: gathered per param, never ravelled
+    if b.stack is not None
+    else shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype)
+    for buf in layout.buffers
+    for b in buf.buckets
+  ]
+  return all_gather_shards(shards, layout, out, stacks)
 
 
 def all_gather_shards(
   shards: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
 ) -> list[Any]:
   """`all_gather_params` from each device's shard of every bucket (buffer and bucket order,
-  any float dtype), as a fused state keeps its master."""
+  any float dtype), as a fused state keeps its master; a stack's bucket's shard may also be
+  given as its params' blocks (`ParamSpec.local_shape`), each gathered on its own."""
   out = list(out)
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
   for (buf, b), shard in zip(buckets, shards):
     if b.stack is not None and not stacks:
       continue
     if b.stack is not None:
-      for p, x in zip(b.params, shard_unravel(shard, b, layout.dp)):
+      blocks = shard if isinstance(shard, list) else shard_unravel(shard, b, layout.dp)
+      for p, x in zip(b.params, blocks):
         out[p.index] = all_gather_rows(x, p, buf.param_dtype, "invarying")
       continue
     full = jax.lax.all_gather(shard.astype(buf.param_dtype), DATA, tiled=True, to="invarying")
@@ -178,17 +170,16 @@ def all_gather_rows(block: jax.Array, spec: ParamSpec, dtype, to: str = "varying
   return unpad_rows(full, spec)
 
 
-def reduce_scatter_layer(cts: Sequence[Any], bucket: Bucket, grad_dtype, **reduce_kwargs):
+def reduce_scatter_layer(cts, bucket: Bucket, grad_dtype, **reduce_kwargs):
   """One layer of a stack's bucket (`Bucket.stack`) reduced inside the scan's backward: the
-  whole cotangents of the layer's params (`bucket.params` order; None counts as zeros)
-  raveled into one buffer in `grad_dtype` and reduce-scattered (`reduce_bucket`; its `dp`,
-  `axes`, `average` in `reduce_kwargs`): one collective per layer. Returns this device's
-  block of each param's layer (`layer_bucket`'s `local_shape`)."""
+  whole cotangents of the layer's params (`cts`, leaf index -> cotangent; a missing one
+  counts as zeros) raveled into one buffer in `grad_dtype` and reduce-scattered
+  (`_scatter_bucket`; its `dp`, `axes`, `average` in `reduce_kwargs`): one collective per
+  layer. Returns this device's block of each param's layer (`layer_bucket`'s
+  `local_shape`), in `bucket.params` order."""
   shards = jax.lax.axis_size(DATA)
   layer = layer_bucket(bucket, shards)
-  cts = [jnp.zeros(p.shape, grad_dtype) if c is None else c for c, p in zip(cts, layer.params)]
-  shard = reduce_bucket(bucket_ravel(cts, layer, shards, grad_dtype), scatter=True, **reduce_kwargs)
-  return shard_unravel(shard, layer, shards)
+  return shard_unravel(_scatter_bucket(cts, layer, grad_dtype, **reduce_kwargs), layer, shards)
 
 
 def reduce_bucket(
@@ -263,15 +254,18 @@ def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] =
   return jax.lax.pcast(sink, axes, to="varying") if axes else sink
 
 
+def _whole_ct(cts, p: ParamSpec, grad_dtype) -> jax.Array:
+  """Leaf `p.index`'s whole cotangent in `cts`, zeros if it has none."""
+  ct = cts.get(p.index)
+  return jnp.zeros(p.shape, grad_dtype) if ct is None else ct
+
+
 def _scatter_bucket(cts, bucket: Bucket, grad_dtype, *, dp: int, axes, average: bool):
   """One grad bucket of an FSDP unit reduce-scattered: its leaves' whole cotangents (`cts`,
   leaf index -> cotangent; a missing one counts as zeros) raveled in `grad_dtype`, and this
   device's flat shard of their reduced sum."""
   flat = bucket_ravel(
-    [
-      cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
-      for p in bucket.params
-    ],
+    [_whole_ct(cts, p, grad_dtype) for p in bucket.params],
     bucket,
     jax.lax.axis_size(DATA),
     grad_dtype,
@@ -352,17 +346,29 @@ def unit_collectives(
     g = reduce_bucket(ct, dp=dp, scatter=True, axes=axes, average=average)
     return (jnp.moveaxis(g, 0, p.axis) if p.axis else g).astype(cotangent_dtypes[i])
 
+  def gathered_each(local, buckets):  # one all-gather per param of `buckets`, no ravel
+    return {
+      p.index: unpad_rows(gather_rows(p.index, local[p.index]), p)
+      for b, _ in buckets
+      for p in b.params
+      if p.index not in chunked
+    }
+
+  def scattered_each(cts, buckets):  # one reduce-scatter per param of `buckets`, no ravel
+    return {
+      p.index: scatter_rows(p.index, pad_rows(_whole_ct(cts, p, grad_dtypes[p.index]), p))
+      for b, _ in buckets
+      for p in b.params
+      if p.index not in chunked
+    }
+
   def gather(trainable, frozen):
     local = {**trainable, **frozen}
     shards = jax.lax.axis_size(DATA)
     out = {}
     for b, dtype in gather_buckets:
       if any(p.index in chunked for p in b.params):
-        out.update(
-          (p.index, unpad_rows(gather_rows(p.index, local[p.index]), p))
-          for p in b.params
-          if p.index not in chunked
-        )
+        out.update(gathered_each(local, [(b, dtype)]))
         continue
       full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
       for p, x in zip(b.params, full):
@@ -373,16 +379,8 @@ def unit_collectives(
     shards = jax.lax.axis_size(DATA)
     grads = {}
     for b, grad_dtype in grad_buckets:
-
-      def ct(p, grad_dtype=grad_dtype):
-        return cts[p.index] if cts.get(p.index) is not None else jnp.zeros(p.shape, grad_dtype)
-
       if any(p.index in chunked for p in b.params):
-        grads.update(
-          (p.index, scatter_rows(p.index, pad_rows(ct(p), p)))
-          for p in b.params
-          if p.index not in chunked
-        )
+        grads.update(scattered_each(cts, [(b, grad_dtype)]))
         continue
       shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
@@ -390,23 +388,10 @@ def unit_collectives(
     return grads
 
   def gather_each(trainable, frozen):
-    local = {**trainable, **frozen}
-    out = {}
-    for b, dtype in gather_buckets:
-      for p in b.params:
-        if p.index not in chunked:
-          out[p.index] = unpad_rows(gather_rows(p.index, local[p.index]), p)
-    return out
+    return gathered_each({**trainable, **frozen}, gather_buckets)
 
   def scatter_each(cts):
-    grads = {}
-    for b, grad_dtype in grad_buckets:
-      for p in b.params:
-        if p.index not in chunked:
-          ct = cts.get(p.index)
-          ct = jnp.zeros(p.shape, grad_dtype) if ct is None else ct
-          grads[p.index] = scatter_rows(p.index, pad_rows(ct, p))
-    return grads
+    return scattered_each(cts, grad_buckets)
 
   return gather, scatter, gather_each, gather_rows, scatter_rows, scatter_each
 

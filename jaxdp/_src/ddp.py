@@ -465,12 +465,12 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
   grad). The first gets no cotangent.
   """
   units = []
+  other = [a for a in plan.axes if a != DATA]
   for buf in layout.buffers:
     for b in buf.buckets:
       if b.stack is None:
         continue
       layer = layer_bucket(b, layout.dp)
-      other = [a for a in plan.axes if a != DATA]
 
       def gather(t, f, layer=layer, dtype=buf.param_dtype):
         if not plan.gather_in_step:
@@ -484,7 +484,7 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
 
       def scatter(cts, b=b, buf=buf):
         blocks = collectives.reduce_scatter_layer(
-          [cts.get(p.index) for p in b.params],
+          cts,
           b,
           buf.grad_dtype,
           dp=plan.dp,

@@ -625,13 +625,14 @@ def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
   """Inside `shard_map`: {leaf: this device's block of its master} of every param of a
   stack's bucket; `master` as `gather_master` takes it."""
   out = {}
+  leaves = None if fused else leaves_of(master)
   for name, _, b in bucket_names(layout):
     if b.stack is None:
       continue
     if fused:
       out.update(zip((p.index for p in b.params), shard_unravel(master[name], b, layout.dp)))
     else:
-      out.update((p.index, leaves_of(master)[p.index]) for p in b.params)
+      out.update((p.index, leaves[p.index]) for p in b.params)
   return out
 
 
