@@ -22,7 +22,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 import jaxdp
 from jaxdp._src import distributed_optimizer, train as train_lib
 from jaxdp._src.distributed_optimizer import check_exact
-from jaxdp._src.ledger import measured_bytes, memory_ledger
+from jaxdp._src.ledger import measured_bytes, memory_ledger, memory_report
 from jaxdp._src.state import bucket_names
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.mlp import MLP, mlp_loss
@@ -535,6 +535,24 @@ def test_opt_state_is_one_dp_th_and_ledger_matches_arrays(dtype):
     sharded = opt_bytes(states[strategy, True]) - scalars
     assert sharded * DP == full + 2 * 4 * padding
     assert sharded * DP < 1.2 * full  # the padding is small even for this tiny MLP
+
+
+@pytest.mark.parametrize("fused_update", [None, False])
+@pytest.mark.parametrize("n_layer,d,ffn", [(8, 12, 20), (5, 3, 3)])
+def test_ledger_matches_arrays_with_stacked_layers(n_layer, d, ffn, fused_update):
+  """`DDPConfig(stacked=)` shards a stack's leaves on a dim of a layer, so their padding
+  is not the unstacked layout's: the ledger (via `memory_report`) predicts the built state
+  byte for byte, for shapes where the two layouts' bytes differ."""
+  params, _, _ = scanned_mlp_problem(n_layer, d, ffn)
+  tx = adamw_tx(params)
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy="optim", stacked=["blocks"], fused_update=fused_update
+  )
+  rows = {r["kind"]: r for r in memory_report(params, tx, config, dp=DP)}
+  for kind in ("params", "master", "opt_state"):
+    assert rows[kind]["predicted"] == rows[kind]["measured"], (kind, rows[kind])
+  unstacked = memory_ledger(params, "optim", DP, tx, fused_update=fused_update)
+  assert unstacked.master != rows["master"]["predicted"]  # the stacks' own padding
 
 
 def test_ledger_reproduces_the_design_table():

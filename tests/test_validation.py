@@ -91,6 +91,19 @@ def test_unknown_strategy():
     jaxdp.DDPConfig(data_parallel_sharding_strategy="zero3")
 
 
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_stacked_needs_optim_or_optim_grads(strategy):
+  """DDPConfig(stacked=) is ZeRO-1/2's: DDP has no shards to place, FSDP's stacks are
+  FSDPConfig's (silently ignoring them would leave the stacks gathered whole)."""
+  fix = (
+    "use data_parallel_sharding_strategy='optim'"
+    if strategy == "no_shard"
+    else (r"pass FSDPConfig\(stacked=\['blocks'\]\)")
+  )
+  with pytest.raises(ValueError, match=fix):
+    jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=["blocks"])
+
+
 def test_params_without_float_leaf():
   with pytest.raises(ValueError, match="no trainable floating-point leaf"):
     jaxdp.init_state({"n": jnp.arange(4)}, TX, _mesh(8), jaxdp.DDPConfig())

@@ -52,8 +52,9 @@ class DDPConfig:
   chunked, `no_shard` updates per leaf; True: require it (no_shard: params that need no fp32
   copy); False: per-leaf update."""
   stacked: Sequence[Prefix] = ()
-  """Sharded strategies (not a Megatron field): prefixes, as `FSDPConfig.stacked`, of subtrees
-  whose leaves carry a leading layer axis that the loss scans over (`lax.scan`, `nnx.scan`).
+  """`optim` and `optim_grads` (not a Megatron field; FSDP's is `FSDPConfig.stacked`):
+  prefixes, as `FSDPConfig.stacked`, of subtrees whose leaves carry a leading layer axis
+  that the loss scans over (`lax.scan`, `nnx.scan`).
   Each such leaf is sharded on a dim of a layer, not on the layers, and each layer's
   gradients are reduce-scattered inside the backward loop of the scan, in that layer's
   iteration, so no stacked whole-size gradient is ever built (GSPMD's ZeRO-1 does the same);
@@ -100,6 +101,12 @@ class DDPConfig:
       raise ValueError(
         f"stacked={self.stacked!r} is one string; pass a list of prefixes, e.g. "
         f"stacked=[{self.stacked!r}]"
+      )
+    if self.stacked and self.data_parallel_sharding_strategy == "optim_grads_params":
+      raise ValueError(
+        f"DDPConfig(stacked={list(self.stacked)}) is for 'optim' and 'optim_grads'; FSDP "
+        "('optim_grads_params') takes its stacks from its own config: pass "
+        f"FSDPConfig(stacked={list(self.stacked)}) and leave DDPConfig's stacked out"
       )
     object.__setattr__(self, "stacked", tuple(_prefix(s) for s in self.stacked))
     if self.stacked and self.data_parallel_sharding_strategy == "no_shard":

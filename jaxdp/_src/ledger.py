@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -136,6 +136,7 @@ def memory_ledger(
   frozen: Frozen = None,
   fused_update: bool | None = None,
   fsdp: FSDPConfig | None = None,
+  stacked: Sequence[str] = (),
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
@@ -153,6 +154,8 @@ def memory_ledger(
     frozen: as in `init_state`.
     fsdp: the `FSDPConfig` of `optim_grads_params` (None: the default); its units are the
       buckets of a fused FSDP state.
+    stacked: as in `DDPConfig` (the sharded strategies shard those stacks' leaves on a dim
+      of a layer, so their padding differs).
 
   Returns:
     A `MemoryLedger`.
@@ -167,6 +170,9 @@ def memory_ledger(
   """
   if strategy not in STRATEGIES:
     raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
+  config = DDPConfig(
+    data_parallel_sharding_strategy=strategy, fused_update=fused_update, stacked=stacked
+  )
   size = bucket_size or default_bucket_size(dp, strategy)
   size = size if overlap_grad_reduce else sys.maxsize
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
@@ -178,6 +184,7 @@ def memory_ledger(
     frozen=frozen,
     leading=leading,
     grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
+    scanned=config.stack_of if config.stacked else None,
   )
   sharded = strategy != "no_shard"
   fsdp_step = strategy == "optim_grads_params"
@@ -208,7 +215,6 @@ def memory_ledger(
       master += _nbytes(shape, dtype)
   if tx is None:
     tx = optax.scale_by_adam()
-  config = DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
   flat_layout, chunked = layout, False
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
     units, stacked = assign_units(params, fsdp or FSDPConfig())
@@ -420,6 +426,7 @@ def memory_report(
     frozen=frozen,
     fused_update=config.fused_update,
     fsdp=fsdp if fsdp_step else None,
+    stacked=config.stacked,
   )
   predicted_state = {**ledger.state, "step": 4}
 
