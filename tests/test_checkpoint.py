@@ -307,6 +307,68 @@ def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
     np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=rtol_sum(16 * 3) + rtol_sum(15))
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_stacked_optim_layers_to_other_forms_and_back(tmp_path, fused):
+  """`DDPConfig(stacked=)` pads a stack's leaf `(layers, n, ...)` on a dim of a layer;
+  unstacked `optim` pads another dim, stacked FSDP axis 1: a stacked `optim` checkpoint
+  (fused flat buckets or per leaf) restores into each, and each restores into stacked
+  `optim`, the params and moments bit for bit."""
+  from jaxdp._src.config import FSDPConfig
+
+  k1, k2 = jax.random.split(jax.random.key(1))
+  params = {
+    "blocks": {"w": jax.random.normal(k1, (3, 5, 5)) * 0.3, "b": jnp.zeros((3, 5))},
+    "head": jax.random.normal(k2, (5, 3)),
+  }
+
+  def loss(p, batch):
+    body = lambda h, layer: (jnp.tanh(h @ layer["w"] + layer["b"]), None)
+    h, _ = jax.lax.scan(body, batch["x"], p["blocks"])
+    return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
+
+  def config(strategy, stacked=()):
+    return jaxdp.DDPConfig(
+      data_parallel_sharding_strategy=strategy, stacked=stacked, fused_update=fused
+    )
+
+  stacked = config("optim", ["blocks"])
+  state = jaxdp.init_state(params, TX, _mesh(8), stacked)
+  step = jaxdp.make_train_step(loss, TX, _mesh(8), stacked)
+  for i in range(2):
+    state, _ = step(state, _batch(i))
+  assert state.fused == (fused is None)
+  assert _per_leaf(state).master["blocks"]["w"].shape == (3, 8, 5)  # a layer's dim padded
+  mgr = jaxdp.CheckpointManager(tmp_path / "stacked")
+  mgr.save(2, state)
+  mgr.wait_until_finished()
+  saved, saved_params = _host(_per_leaf(state)), _host(jaxdp.get_params(state))
+  _, want = step(state, _batch(2))
+  fsdp = FSDPConfig(stacked=["blocks"])
+  targets = [
+    (config("optim"), None),
+    (config("optim", ["blocks"]), None),
+    (config("optim_grads_params"), fsdp),
+  ]
+  for n, (target, target_fsdp) in enumerate(targets):
+    like = jaxdp.init_state(params, TX, _mesh(4), target, fsdp=target_fsdp)
+    got = mgr.restore(like)
+    for a, b in zip(jax.tree.leaves(saved_params), jax.tree.leaves(jaxdp.get_params(got))):
+      np.testing.assert_array_equal(a, b)
+    mu = _per_leaf(got).opt_state[0].mu["blocks"]["w"]
+    _assert_same_rows(mu, saved.opt_state[0].mu["blocks"]["w"], str(target))
+    # And back: the restored state, saved, restores into stacked `optim` unchanged.
+    back = jaxdp.CheckpointManager(tmp_path / f"back{n}")
+    back.save(2, got)
+    back.wait_until_finished()
+    again = back.restore(jaxdp.init_state(params, TX, _mesh(8), stacked))
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(_host(_per_leaf(again)))):
+      np.testing.assert_array_equal(a, b)
+    _, metrics = jaxdp.make_train_step(loss, TX, _mesh(4), target, fsdp=target_fsdp)(got, _batch(2))
+    # The same params (restored bit for bit), the mean of 16 x 3 squared errors through 3
+    # layers of 5 summed over 4 devices instead of 8: rtol_sum (tests/tolerances.py).
+    np.testing.assert_allclose(metrics["loss"], want["loss"], rtol=rtol_sum(16 * 3) + rtol_sum(15))
+
+
 # ----------------------------------------------------------------------------- mismatches
 
 
