@@ -37,7 +37,10 @@ with `+combine` (e.g. `--variants gspmd,optim,optim+combine`) is compiled with t
 combiner back on, to measure what separate collectives cost on this machine; one named
 with `+perleaf` (`optim+perleaf`) is built with `DDPConfig(fused_update=False)`: the
 per-leaf optimizer update it had before the flat per-bucket one, in the same run; one named
-with `+fused` (`no_shard+fused`) with `DDPConfig(fused_update=True)`. The
+with `+fused` (`no_shard+fused`) with `DDPConfig(fused_update=True)`; one named with
+`+after` (`optim+after`) with `DDPConfig(overlap_param_gather=False)`: the params gathered
+after the update and kept whole between steps, gspmd_zero1's memory (by default jaxdp's
+`optim` keeps only the master shards between steps and gathers at the next step's start). The
 baselines a variant needs are added to --variants when missing. All variants of one
 (size, dp) are compiled first, then timed round-robin: `--rounds` rounds of `--steps`
 steps each, the order rotated every round, so that load from other processes falls on
@@ -165,7 +168,7 @@ from bench_programs import (  # noqa: E402
 
 size_names = args.sizes.split(",")
 dp_list = [int(d) for d in args.dps.split(",")]
-EXTRAS = ("combine", "perleaf", "fused")  # jaxdp variant suffixes, see the docstring
+EXTRAS = ("combine", "perleaf", "fused", "after")  # jaxdp variant suffixes, see the docstring
 BASELINE = {  # the GSPMD program that holds the same memory as the variant
   "gspmd": "gspmd",
   "gspmd_zero1": "gspmd_zero1",
@@ -185,7 +188,7 @@ variant_names = args.variants.split(",")
 for v in variant_names:
   if v not in tuple(BASELINE) + tuple(f"{s}+{x}" for s in JAXDP for x in EXTRAS):
     sys.exit(
-      f"--variants: unknown variant {v!r}; use some of {list(BASELINE)} (+combine, +perleaf, +fused)"
+      f"--variants: unknown variant {v!r}; use some of {list(BASELINE)} (+combine, +perleaf, +fused, +after)"
     )
 needed = {"gspmd"} | {BASELINE[v.partition("+")[0]] for v in variant_names}
 variant_names = [b for b in GSPMD if b in needed and b not in variant_names] + variant_names

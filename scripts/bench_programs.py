@@ -146,10 +146,16 @@ def gspmd_step(loss_fn, params, mesh, batch, tx, shard="", reduce=None):
 
 def jaxdp_step(loss_fn, params, mesh, batch, tx, variant):
   """jaxdp's step of `variant` (a strategy, `+perleaf` for the per-leaf optimizer update,
-  `+fused` for the flat one): `(carry, placed batch, step)` as `gspmd_step`'s."""
+  `+fused` for the flat one, `+after` for the sharded strategies' params gathered after the
+  update, `DDPConfig(overlap_param_gather=False)`): `(carry, placed batch, step)` as
+  `gspmd_step`'s."""
   strategy, _, extra = variant.partition("+")
   fused_update = {"perleaf": False, "fused": True}.get(extra)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused_update)
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy,
+    fused_update=fused_update,
+    overlap_param_gather=extra != "after",
+  )
   state = jaxdp.init_state(params, tx, mesh, config)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
   return (state,), jax.device_put(batch, NamedSharding(mesh, P("data"))), step

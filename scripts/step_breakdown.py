@@ -124,10 +124,11 @@ if args.size not in SIZES:
 variant_names = args.variants.split(",")
 for v in variant_names:
   strategy, _, extra = v.partition("+")
-  if v not in GSPMD and (strategy not in JAXDP or extra not in ("", "perleaf", "fused")):
+  if v not in GSPMD and (strategy not in JAXDP or extra not in ("", "perleaf", "fused", "after")):
     sys.exit(
       f"--variants: unknown variant {v!r}; use some of {list(GSPMD) + list(JAXDP)} "
-      "(a jaxdp one with +perleaf or +fused: DDPConfig(fused_update=False / True))"
+      "(a jaxdp one with +perleaf, +fused or +after: DDPConfig(fused_update=False / True, "
+      "overlap_param_gather=False))"
     )
 
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
