@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxdp
+from jaxdp._src.ledger import memory_ledger
 
 
 def test_buckets_offsets_and_padding_by_hand():
@@ -80,7 +81,8 @@ def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
   """make_layout and the sharded strategies default to max(16M, 1M * dp) elements (Megatron's
   rule with 16M for its 40M: a 40M bucket's ravel copy put ZeRO-1 on models/gpt.py above GSPMD
   ZeRO-1); DDP (no_shard) to PyTorch DDP's 25 MiB of fp32, because XLA copies a bucket before
-  its all-reduce (layout.default_bucket_size says what was measured)."""
+  its all-reduce, and a model that fits one such bucket to 16 buckets, so that its all-reduces
+  start inside the backward (layout.default_bucket_size says what was measured)."""
   params = {"w": jnp.zeros((4,))}
   assert jaxdp.make_layout(params, dp=8).bucket_size == 16_000_000
   assert jaxdp.make_layout(params, dp=64).bucket_size == 64_000_000
@@ -92,7 +94,16 @@ def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
     ).layout.bucket_size
     for s in ("no_shard", "optim", "optim_grads")
   }
-  assert sizes == {"no_shard": 25 * 2**20 // 4, "optim": 16_000_000, "optim_grads": 16_000_000}
+  # A DDP model that fits one 25 MiB bucket is cut into 16 (buckets of >= 16,384 elements).
+  assert sizes == {"no_shard": 16_384, "optim": 16_000_000, "optim_grads": 16_000_000}
+  big = {"w": jnp.zeros((4096, 2048)), "b": jnp.zeros((2048,))}  # 8.4M elements: > 25 MiB
+  small = {f"w{i}": jnp.zeros((100, 1001)) for i in range(10)}  # 1M: 16 buckets of 62,563
+  ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy="no_shard")
+  for p, size, buckets in ((big, 25 * 2**20 // 4, 2), (small, 62_563, 10)):
+    layout = jaxdp.init_state(p, tx, mesh, ddp).layout
+    assert (layout.bucket_size, layout.num_buckets) == (size, buckets)
+    # the ledger counts the same buckets' end padding
+    assert memory_ledger(p, "no_shard", 8, tx).grads == layout.buffers[0].size * 4
 
 
 def test_a_param_is_never_split_and_every_bucket_reaches_bucket_size():

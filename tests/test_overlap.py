@@ -59,19 +59,21 @@ def gpt():
   return params, loss_fn, {"x": tokens, "y": tokens}
 
 
-def gpt_config(strategy, overlap):
+def gpt_config(strategy, overlap, default_buckets=False):
   params, _, _ = gpt()
   psi = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   return jaxdp.DDPConfig(
-    data_parallel_sharding_strategy=strategy, bucket_size=psi // 5, overlap_grad_reduce=overlap
+    data_parallel_sharding_strategy=strategy,
+    bucket_size=None if default_buckets else psi // 5,
+    overlap_grad_reduce=overlap,
   )
 
 
 @functools.cache
-def gpu_step(strategy, overlap=True):
+def gpu_step(strategy, overlap=True, default_buckets=False):
   """The GPT train step for 8 H100s: (schedule, layout)."""
   params, loss_fn, batch = gpt()
-  config = gpt_config(strategy, overlap)
+  config = gpt_config(strategy, overlap, default_buckets)
   compiled = compile_train_step(loss_fn, tx(), config, params, batch, dp=N)
   mesh = jax.make_mesh((N,), ("data",))
   state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx(), mesh, config), params)
@@ -116,6 +118,22 @@ def check_after_backward(s, layout, kind):
 def test_ddp_bucket_all_reduces_overlap_backward_gemms():
   s, layout = gpu_step("no_shard", True)
   check_overlapped(s, layout, "all-reduce")
+
+
+@needs_gpu_compile
+def test_ddp_default_buckets_of_a_model_that_fits_one_overlap_backward_gemms():
+  """This GPT (0.2M params) fits one 25 MiB bucket, where its all-reduce could start only
+  after the backward; by default DDP cuts such a model into buckets of 16,384 elements (a
+  16th of it, at least that), of whole params, and all but the last two issued run under a
+  backward GEMM: the embedding's and the first block's last params', both complete only when
+  the backward is."""
+  s, layout = gpu_step("no_shard", True, default_buckets=True)
+  psi = sum(math.prod(x.shape) for x in jax.tree.leaves(gpt()[0]))
+  assert layout.bucket_size == max(16_384, -(-psi // 16)) == 16_384
+  reductions = bucket_collectives(s, "all-reduce", grad_bucket_bytes(layout))
+  assert len(reductions) == layout.num_buckets >= 10, report(s)
+  for c in reductions[:-2]:
+    assert c.is_async and c.overlaps_gemm, report(s)
 
 
 @needs_gpu_compile

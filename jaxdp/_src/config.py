@@ -37,8 +37,8 @@ class DDPConfig:
   """Sharded strategies: gather each bucket's params at the start of the next forward, not after the update."""
   bucket_size: int | None = None
   """Elements per bucket; None: no_shard 6_553_600 (PyTorch DDP's 25 MiB of fp32: XLA copies
-  a bucket before reducing it, see `layout.default_bucket_size`), the sharded strategies
-  max(16_000_000, 1_000_000 * dp)."""
+  a bucket before reducing it; a model that fits one gets 16 buckets, of at least 16_384), the
+  sharded strategies max(16_000_000, 1_000_000 * dp); see `layout.default_bucket_size`."""
   average_in_collective: bool = False
   """Average inside the collective (pmean) instead of scaling by 1/dp and summing."""
   check_for_nan_in_grad: bool = False

@@ -67,6 +67,7 @@ from jaxdp._src.layout import (
   Frozen,
   Layout,
   default_bucket_size,
+  float_elements,
   layer_bucket,
   make_layout,
   master_dtype,
@@ -135,7 +136,7 @@ def layout_for(
     leading = jax.tree.unflatten(treedef, [any(dims) for dims in model_specs])
   if config.overlap_grad_reduce:
     bucket_size = config.bucket_size or default_bucket_size(
-      dp_size(mesh), config.data_parallel_sharding_strategy
+      dp_size(mesh), config.data_parallel_sharding_strategy, float_elements(params)
     )
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward

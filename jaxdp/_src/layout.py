@@ -37,10 +37,14 @@ Stacked = Collection[str] | Callable[[str], bool] | None
 
 
 DDP_BUCKET_SIZE = 25 * 2**20 // 4
+DDP_MIN_BUCKETS = 16
+"""A `no_shard` model that fits one default bucket is split into this many."""
+DDP_SMALLEST_BUCKET = 16_384
+"""The smallest default `no_shard` bucket, in elements (64 KiB of fp32)."""
 """`no_shard`'s default bucket in elements: PyTorch DDP's 25 MiB (`bucket_cap_mb`) of fp32."""
 
 
-def default_bucket_size(dp: int, strategy: str = "optim") -> int:
+def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None = None) -> int:
   """The bucket size in elements that `DDPConfig(bucket_size=None)` means under `strategy`.
 
   XLA has no views into a buffer: a bucket's grads are concatenated into a copy before its
@@ -51,7 +55,15 @@ def default_bucket_size(dp: int, strategy: str = "optim") -> int:
   * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads. The copy is
     whole-size and alive at the backward's peak: on a residual MLP of 32 MiB layers jaxdp's
     DDP peaked 11% above `jax.jit`'s all-reduce-per-grad program with 40M-element buckets;
-    with 25 MiB ones, below it.
+    with 25 MiB ones, below it (with 2.1M-element ones, 8% above 25 MiB's). A model that
+    fits one such bucket (`elements`: its floating-point elements) gets `DDP_MIN_BUCKETS`
+    (buckets of at least `DDP_SMALLEST_BUCKET`): in one bucket its reduction could start
+    only after the whole backward (8 x H100, GPT small of models/gpt.py: its one all-reduce
+    overlaps no GEMM; in 16 buckets all overlap the backward, and the peak falls from 27.3
+    to 22.1 MiB). One bucket also compiles slowly: each per-leaf update fusion reads its own
+    slice of the one reduced buffer, so no two are alike and XLA emits a kernel for each
+    (GPT small on 8 CPU devices: 310 kernels and 1.7 x replicated jit's compile time in one
+    bucket, 189 and 1.2-1.3 x in 13-16).
   * the sharded strategies: `max(16_000_000, 1_000_000 * dp)` (Megatron's rule with 16M in
     place of its 40M; the `dp` term keeps each device's shard >= 1M elements). With 40M,
     ZeRO-1 on models/gpt.py (vocab 50304) peaked 6% above GSPMD ZeRO-1 at 4 layers: the
@@ -64,8 +76,22 @@ def default_bucket_size(dp: int, strategy: str = "optim") -> int:
   Examples:
     >>> default_bucket_size(8, "no_shard"), default_bucket_size(8), default_bucket_size(64)
     (6553600, 16000000, 64000000)
+    >>> default_bucket_size(8, "no_shard", elements=834_304)  # GPT small: 16 buckets
+    52144
   """
-  return DDP_BUCKET_SIZE if strategy == "no_shard" else max(16_000_000, 1_000_000 * dp)
+  if strategy != "no_shard":
+    return max(16_000_000, 1_000_000 * dp)
+  if elements is None or elements > DDP_BUCKET_SIZE:
+    return DDP_BUCKET_SIZE
+  return max(DDP_SMALLEST_BUCKET, -(-elements // DDP_MIN_BUCKETS))
+
+
+def float_elements(params) -> int:
+  """The number of floating-point elements of a param tree (what `default_bucket_size`
+  divides among a small model's DDP buckets)."""
+  return sum(
+    math.prod(x.shape) for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)
+  )
 
 
 def round_up(n: int, k: int) -> int:

@@ -42,6 +42,7 @@ from jaxdp._src.layout import (
   Frozen,
   Layout,
   default_bucket_size,
+  float_elements,
   make_layout,
   master_dtype,
   round_up,
@@ -173,7 +174,7 @@ def memory_ledger(
   config = DDPConfig(
     data_parallel_sharding_strategy=strategy, fused_update=fused_update, stacked=stacked
   )
-  size = bucket_size or default_bucket_size(dp, strategy)
+  size = bucket_size or default_bucket_size(dp, strategy, float_elements(params))
   size = size if overlap_grad_reduce else sys.maxsize
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
   leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
