@@ -37,11 +37,11 @@ Stacked = Collection[str] | Callable[[str], bool] | None
 
 
 DDP_BUCKET_SIZE = 25 * 2**20 // 4
+"""`no_shard`'s default bucket in elements: PyTorch DDP's 25 MiB (`bucket_cap_mb`) of fp32."""
 DDP_MIN_BUCKETS = 16
 """A `no_shard` model that fits one default bucket is split into this many."""
 DDP_SMALLEST_BUCKET = 16_384
 """The smallest default `no_shard` bucket, in elements (64 KiB of fp32)."""
-"""`no_shard`'s default bucket in elements: PyTorch DDP's 25 MiB (`bucket_cap_mb`) of fp32."""
 
 
 def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None = None) -> int:

@@ -218,13 +218,13 @@ def memory_ledger(
     tx = optax.scale_by_adam()
   flat_layout, chunked = layout, False
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
-    units, stacked = assign_units(params, fsdp or FSDPConfig())
+    units, unit_stacks = assign_units(params, fsdp or FSDPConfig())
     flat_layout = make_layout(
       params,
       dp=dp,
       frozen=frozen,
       units=units,
-      stacked=stacked,
+      stacked=unit_stacks,
       grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
     )
     chunked = bool(chunked_leaves(flat_layout, fsdp or FSDPConfig()))
