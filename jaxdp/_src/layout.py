@@ -89,9 +89,7 @@ def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None =
 def float_elements(params) -> int:
   """The number of floating-point elements of a param tree (what `default_bucket_size`
   divides among a small model's DDP buckets)."""
-  return sum(
-    math.prod(x.shape) for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)
-  )
+  return sum(math.prod(x.shape) for x in jax.tree.leaves(params) if _is_float(x.dtype))
 
 
 def round_up(n: int, k: int) -> int:
