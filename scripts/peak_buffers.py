@@ -4,6 +4,7 @@ Compile with `XLA_FLAGS=--xla_dump_to=DIR` (e.g. one `scripts/fsdp_memory.py` ro
 
     python scripts/peak_buffers.py DIR            # the peak and what is alive there
     python scripts/peak_buffers.py DIR --every 8  # live bytes along the schedule
+    python scripts/peak_buffers.py DIR --module jit_step  # only modules named so
 
 It reads the optimized module's `*-live-range.txt` (each value's live range in the flattened
 schedule, while bodies included) and `*-buffer-assignment.txt` (each value's allocation and
@@ -23,16 +24,26 @@ import sys
 MiB = 2**20
 
 
-def _one(directory: str, suffix: str) -> str:
-  files = sorted(glob.glob(f"{directory}/*after_optimizations-{suffix}.txt"))
+def _modules(directory: str, name: str | None) -> list[str]:
+  """The dump's module prefixes (whose file names contain `name`, if given)."""
+  files = glob.glob(f"{directory}/*after_optimizations-live-range.txt")
+  if name is not None:
+    files = [f for f in files if name in f.rsplit("/", 1)[-1]]
   if not files:
-    sys.exit(f"{directory}: no *after_optimizations-{suffix}.txt (compile with --xla_dump_to)")
-  return open(files[-1]).read()  # the last module: the train step, after any probe programs
+    named = f" naming {name!r}" if name else ""
+    sys.exit(
+      f"{directory}: no *after_optimizations-live-range.txt{named} (compile with --xla_dump_to)"
+    )
+  return sorted(f.removesuffix("live-range.txt") for f in files)
 
 
-def live_bytes(directory: str):
-  """`(schedule names, per step {(allocation, offset): (bytes, value)})`."""
-  ranges_text = _one(directory, "live-range")
+def _one(module: str, suffix: str) -> str:
+  return open(f"{module}{suffix}.txt").read()
+
+
+def live_bytes(module: str):
+  """`(schedule names, per step {(allocation, offset): (bytes, value)})` of a `_module` prefix."""
+  ranges_text = _one(module, "live-range")
   sequence, rest = ranges_text.split("BufferLiveRange:")
   names = {int(i): n for i, n in re.findall(r"^    (\d+):(\S+)$", sequence, re.M)}
   ranges = {
@@ -40,7 +51,7 @@ def live_bytes(directory: str):
     for v, a, b in re.findall(r"^    (\S+):(\d+)-(\d+)$", rest.split("Live ranges at")[0], re.M)
   }
   values, alloc, skip = [], None, True
-  for line in _one(directory, "buffer-assignment").splitlines():
+  for line in _one(module, "buffer-assignment").splitlines():
     m = re.match(r"allocation (\d+): size \d+(.*)", line)
     if m:
       alloc = int(m[1])
@@ -64,10 +75,21 @@ def main():
   parser.add_argument("dump", help="the --xla_dump_to directory")
   parser.add_argument("--every", type=int, default=0, help="also print live MiB every N steps")
   parser.add_argument("--min-mib", type=float, default=1.0, help="list buffers of at least this")
+  parser.add_argument(
+    "--module",
+    help="only modules whose file name contains this (default: all; the one with the most temporaries is read)",
+  )
   args = parser.parse_args()
-  names, live = live_bytes(args.dump)
-  total = [sum(s for s, _ in step.values()) for step in live]
+  # A dump holds every program the process compiled (probes, RNG seeding, conversions)
+  # beside the train step: by default, the module with the most temporaries at its peak.
+  found = []
+  for module in _modules(args.dump, args.module):
+    names, live = live_bytes(module)
+    total = [sum(s for s, _ in step.values()) for step in live]
+    found.append((max(total), module, names, live, total))
+  _, module, names, live, total = max(found, key=lambda f: f[0])
   peak = max(range(len(total)), key=total.__getitem__)
+  print(f"module: {module.rsplit('/', 1)[-1].removesuffix('_after_optimizations-')}")
   print(f"temporaries at the peak: {total[peak] / MiB:.1f} MiB, step {peak} ({names.get(peak)})")
   for size, name in sorted(live[peak].values(), reverse=True):
     if size >= args.min_mib * MiB:
