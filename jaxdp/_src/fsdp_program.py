@@ -353,7 +353,11 @@ def _unit_call(
     return fn(acts, full_of(t, f)), _stand_ins(token_avals)
 
   def fwd(acts, t, f, tokens):
-    full = full_of(t, f)
+    # The gathered params through a barrier (with the inputs, which the forward waits for
+    # anyway): the backward reads the saved residuals, never the gathered bucket. Else XLA
+    # moves a cheap residual's computation (`x @ w + b`) into the backward's fusions, which
+    # read `b` from the gathered bucket, alive from this forward to that backward.
+    full, acts = _together(full_of(t, f), acts)
     outs, vjp = jax.vjp(fn, acts, full)
     leaves = jax.tree.leaves(vjp)
     saved = [x for x, s in zip(leaves, keep or [True] * len(leaves)) if s]
