@@ -397,6 +397,11 @@ def _unit_call(
       full, ct_outs = _together(full_of(t, f), ct_outs)
     _, vjp = jax.vjp(fn, acts0, full)
     d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
+    # These gradients go into their bucket once the segment after this one has reduce-scattered
+    # its own (the token it handed on): one unit's full-size gradient bucket alive at a time
+    # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
+    # that reduce-scatter still overlaps this segment's backward matmuls).
+    d_full = _after(d_full, ct_tokens[k])
     d_t = _scatter(units, d_full, layer_axis=True)
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
