@@ -276,6 +276,24 @@ def _swap(vjp, saved, keep):
 # ----------------------------------------------------------------------------- units
 
 
+def _bucket_after(units: Sequence[UnitIO], cts: dict, token):
+  """`(cts, token)` with each gradient bucket's ravel held back until `token` exists: the
+  smallest float cotangent of each (unit, dtype) passes one barrier with `token`, so the
+  bucket's concatenation, which reads it, waits; the others stay free to fuse into it (a
+  barrier on all of them would materialize each whole-size cotangent first). Use the
+  returned token (the barrier's)."""
+  picks = {}
+  for u in units:
+    for i in u.trainable:
+      x = cts.get(i)
+      if x is not None and _is_float(x) and i not in u.chunks:
+        key = (u.name, jnp.dtype(x.dtype))
+        if key not in picks or x.size < cts[picks[key]].size:
+          picks[key] = i
+  tied, token = _together({i: cts[i] for i in picks.values()}, token)
+  return {**cts, **tied}, token
+
+
 def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
   """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
   one all-gather per param)."""
@@ -397,11 +415,11 @@ def _unit_call(
       full, ct_outs = _together(full_of(t, f), ct_outs)
     _, vjp = jax.vjp(fn, acts0, full)
     d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
-    # These gradients go into their bucket once the segment after this one has reduce-scattered
+    # These gradients go into their buckets once the segment after this one has reduce-scattered
     # its own (the token it handed on): one unit's full-size gradient bucket alive at a time
     # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
     # that reduce-scatter still overlaps this segment's backward matmuls).
-    d_full = _after(d_full, ct_tokens[k])
+    d_full, later_done = _bucket_after(units, d_full, ct_tokens[k])
     d_t = _scatter(units, d_full, layer_axis=True)
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
@@ -410,7 +428,7 @@ def _unit_call(
     # then; tying this segment's own cotangents to them would leave the reduce-scatter
     # nothing to overlap).
     done, d_t = _together(_stand_in(token_avals[-1]), d_t)
-    d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
+    d_acts = _after(dict(enumerate(d_acts)), later_done)
     d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
     d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
     return d_acts, d_t, None, d_tokens
