@@ -276,12 +276,11 @@ def _swap(vjp, saved, keep):
 # ----------------------------------------------------------------------------- units
 
 
-def _bucket_after(units: Sequence[UnitIO], cts: dict, token):
-  """`(cts, token)` with each gradient bucket's ravel held back until `token` exists: the
-  smallest float cotangent of each (unit, dtype) passes one barrier with `token`, so the
-  bucket's concatenation, which reads it, waits; the others stay free to fuse into it (a
-  barrier on all of them would materialize each whole-size cotangent first). Use the
-  returned token (the barrier's)."""
+def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
+  """`cts` with each gradient bucket's ravel held back until `token` exists: the smallest
+  float cotangent of each (unit, dtype) gets the (zero) token added, so the bucket's
+  concatenation, which reads it, waits for it (adding it to every cotangent costs a pass
+  over each on XLA:CPU, where the add does not fuse into the concatenation)."""
   picks = {}
   for u in units:
     for i in u.trainable:
@@ -290,8 +289,7 @@ def _bucket_after(units: Sequence[UnitIO], cts: dict, token):
         key = (u.name, jnp.dtype(x.dtype))
         if key not in picks or x.size < cts[picks[key]].size:
           picks[key] = i
-  tied, token = _together({i: cts[i] for i in picks.values()}, token)
-  return {**cts, **tied}, token
+  return {**cts, **_after({i: cts[i] for i in picks.values()}, token)}
 
 
 def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
@@ -419,7 +417,7 @@ def _unit_call(
     # its own (the token it handed on): one unit's full-size gradient bucket alive at a time
     # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
     # that reduce-scatter still overlaps this segment's backward matmuls).
-    d_full, later_done = _bucket_after(units, d_full, ct_tokens[k])
+    d_full = _bucket_after(units, d_full, ct_tokens[k])
     d_t = _scatter(units, d_full, layer_axis=True)
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
@@ -428,7 +426,7 @@ def _unit_call(
     # then; tying this segment's own cotangents to them would leave the reduce-scatter
     # nothing to overlap).
     done, d_t = _together(_stand_in(token_avals[-1]), d_t)
-    d_acts = _after(dict(enumerate(d_acts)), later_done)
+    d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
     d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
     d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
     return d_acts, d_t, None, d_tokens
