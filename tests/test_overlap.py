@@ -223,8 +223,8 @@ def test_fsdp_holds_one_gathered_bucket_per_unit_and_one_grad_bucket_in_flight()
   * a unit's f32 gradients were copied into their bucket while the later unit's
     reduce-scatter was still in flight, two gradient buckets alive (now they wait for it).
 
-  Measured peaks (MiB): ZeRO-1 5.92; FSDP 6.42 with both, 5.42 without the first, 4.49
-  without either. Structurally: no unit's gradient bucket is assembled while another unit's
+  Measured peaks (MiB): ZeRO-1 5.92; FSDP 6.42 before either fix, 5.42 after the first,
+  4.49 after both. Structurally: no unit's gradient bucket is assembled while another unit's
   reduce-scatter is in flight, and each reduce-scatter but the last still runs under a
   backward matmul."""
   width = 512
