@@ -45,16 +45,15 @@ from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import __version__
-from jaxdp._src.distributed_optimizer import fused_state, per_leaf_state
+from jaxdp._src.distributed_optimizer import fused_state, per_leaf_state, unpad_view
 from jaxdp._src.layout import master_dtype, sharded_shape
-from jaxdp._src.mesh import constrain
 from jaxdp._src.state import TrainState, leaves_of, match_opt_leaf
-from jaxdp._src.train import whole_params
 
 PyTree = Any
 
-FORMAT = 1
-"""Version of the stored layout; `restore` refuses checkpoints written by a newer format."""
+FORMAT = 2
+"""Version of the stored layout; `restore` reads this format and format 1 (every leaf stored
+in its logical shape), and refuses checkpoints written by a newer format."""
 
 _STATE, _META = "state", "meta"
 
@@ -187,34 +186,27 @@ def _rows(shape: tuple[int, ...], axis: int) -> int:
   return shape[axis] if len(shape) > axis else 1
 
 
-def _unpad(x: jax.Array, shape: tuple[int, ...], axis: int, mesh) -> jax.Array:
-  """Traced: a padded row-shard leaf back in its full shape, replicated (the rows do not
-  divide)."""
-  rows = (slice(None),) * axis + (slice(0, _rows(shape, axis)),)
-  return constrain(constrain(x, mesh, P())[rows].reshape(shape), mesh, P())
+def _stored_arrays(state: TrainState) -> dict[str, jax.Array]:
+  """What a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`, `model_state_<j>`,
+  `rng`: the state's own arrays in the per-leaf form, each in the shape and sharding the
+  state holds it (padded rows included), so each device writes its own shards.
 
-
-def _canonical(state: TrainState) -> dict[str, jax.Array]:
-  """The arrays a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`."""
-  # One program for the whole state, never eager per-leaf gathers: with several processes
-  # each eager op on a global array is a program of its own, and dozens in flight hung
-  # 2-process jobs on a busy machine (issue 17).
-  return _canonical_program(state, state.step.sharding.mesh)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _canonical_program(state: TrainState, mesh) -> dict[str, jax.Array]:
-  state = per_leaf_state(state, mesh)
+  A fused state is read through `per_leaf_state`, one program in which every device converts
+  its own shard; any other state's arrays are stored as they are, with no program at all."""
+  if state.fused:
+    state = _per_leaf_program(state, state.step.sharding.mesh)
   layout = state.layout
-  out = {f"params_{i}": x for i, x in enumerate(leaves_of(whole_params(state, mesh)))}
-  masters = leaves_of(state.master)
-  for i in _stored_masters(state):
-    m, shape = masters[i], layout.shapes[i]
-    out[f"master_{i}"] = (
-      m if tuple(m.shape) == shape else _unpad(m, shape, sharded_shape(layout, i)[1], mesh)
-    )
-  for j, (x, (shape, axis)) in enumerate(zip(jax.tree.leaves(state.opt_state), _opt_forms(state))):
-    out[f"opt_{j}"] = x if tuple(x.shape) == shape else _unpad(x, shape, axis, mesh)
+  params, masters = leaves_of(state.params), leaves_of(state.master)
+  out = {}
+  for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
+    if not t:
+      out[f"params_{i}"] = params[i]
+    elif _stores_master(dtype):
+      out[f"master_{i}"] = masters[i]
+    else:  # an fp32 param is its own master: stored once
+      out[f"params_{i}"] = masters[i] if masters[i] is not None else params[i]
+  for j, x in enumerate(jax.tree.leaves(state.opt_state)):
+    out[f"opt_{j}"] = x
   for j, x in enumerate(jax.tree.leaves(state.model_state)):
     out[f"model_state_{j}"] = x
   if state.rng is not None:
@@ -222,14 +214,58 @@ def _canonical_program(state: TrainState, mesh) -> dict[str, jax.Array]:
   return out
 
 
-def get_opt_state(state: TrainState) -> PyTree:
+@functools.partial(jax.jit, static_argnums=1)
+def _per_leaf_program(state: TrainState, mesh) -> TrainState:
+  return per_leaf_state(state, mesh)
+
+
+def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...], keep: bool) -> jax.Array:
+  """Traced: a stored leaf `x` in `like`'s shape and dtype. The stored leaf holds its logical
+  region `logical` first on every dim, then padding rows; every element outside the logical
+  region is `like`'s (the padding `init_state` put there), unless `keep` (`x` was stored in
+  `like`'s very shape: the saved run's own padding, so that a resumed run is bitwise the
+  uninterrupted one).
+
+  orbax read `x` into `like`'s shape and sharding where it could (cut or zero-extended at
+  the end of each dim, shard by shard), so this is elementwise on each device's shard. A
+  leaf read once for two targets (a param and its master) is cut or extended here, and a
+  scalar stored as one padded dim (or the other way round) is reshaped."""
+  if x.ndim != like.ndim or not logical:  # a scalar: its one element
+    value = x.reshape(-1)[0].astype(like.dtype)
+    if like.ndim == 0:
+      return value
+    first = jax.lax.broadcasted_iota(jnp.int32, like.shape, 0) == 0
+    return jnp.where(first, value, like)
+  x = x.astype(like.dtype)
+  if tuple(x.shape) != tuple(like.shape):
+    x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, like.shape))]
+    x = jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, like.shape)])
+  if keep or tuple(like.shape) == tuple(logical):
+    return x
+  inside = functools.reduce(
+    jnp.logical_and,
+    [
+      jax.lax.broadcasted_iota(jnp.int32, like.shape, d) < n
+      for d, n in enumerate(logical)
+      if like.shape[d] > n
+    ],
+  )
+  return jnp.where(inside, x, like)
+
+
+def get_opt_state(state: TrainState, *, sharded: bool = False) -> PyTree:
   """The optax state of `state` as one device would hold it: per-param leaves in their
   param's shape (the sharded strategies' padding rows dropped), the rest as they are.
 
   What optax helpers that read the state need, on every strategy: `schedule_free`'s
   `optax.contrib.schedule_free_eval_params(jaxdp.get_opt_state(state),
-  jaxdp.get_params(state))`, `inject_hyperparams`' `.hyperparams`. The unpadded leaves are
-  replicated copies (gathered for the view); the state itself is not changed.
+  jaxdp.get_params(state))`, `inject_hyperparams`' `.hyperparams`. Fresh copies (they
+  outlive the next donated step); the state itself is not changed.
+
+  Args:
+    state: a `TrainState` of any strategy.
+    sharded: False: every leaf whole on every device. True: each per-param leaf sharded over
+      "data" as `get_params(state, sharded=True)` shards its param (for a big model).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -241,35 +277,132 @@ def get_opt_state(state: TrainState) -> PyTree:
     >>> jax.tree.map(jnp.shape, jaxdp.get_opt_state(state)[0].mu)
     {'w': (30,)}
   """
-  return _opt_state_program(state, state.step.sharding.mesh)
+  return _opt_state_program(state, state.step.sharding.mesh, bool(sharded))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _opt_state_program(state: TrainState, mesh) -> PyTree:
-  """One program (see `_canonical`); copies, so the view outlives the next donated step."""
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
+  """One program for the whole tree (never eager per-leaf ops: see `get_params`)."""
   state = per_leaf_state(state, mesh)
   leaves, treedef = jax.tree.flatten(state.opt_state)
-  return jax.tree.unflatten(
-    treedef,
-    [
-      jnp.copy(x) if tuple(x.shape) == tuple(shape) else _unpad(x, shape, axis, mesh)
-      for x, (shape, axis) in zip(leaves, _opt_forms(state))
-    ],
+  out = []
+  for x, (shape, axis) in zip(leaves, _opt_forms(state)):
+    if tuple(x.shape) == tuple(shape) and not sharded:
+      out.append(jnp.copy(x))
+    else:
+      out.append(jnp.copy(unpad_view(x, shape, axis, mesh, (), sharded)))
+  return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReadPlan:
+  """Which stored key fills each leaf of the per-leaf `like`, and how each key is read."""
+
+  params: tuple[str | None, ...]
+  """Per param leaf: its stored key (a trainable low-precision param: its master's, cast)."""
+  master: tuple[str | None, ...]
+  opt: tuple[str, ...]
+  model_state: tuple[str, ...]
+  rng: bool
+  stored: dict[str, tuple[int, ...]]
+  """Each key's shape on disk (its logical shape in a format-1 checkpoint)."""
+  logical: dict[str, tuple[int, ...]]
+  dtypes: dict[str, str]
+  reads: dict[str, tuple[Any, str, int]]
+  """Each key read once, into the shape and sharding of the first leaf that needs it:
+  `(that leaf, field, index)`; other leaves that need the key are cut from it."""
+
+
+def _read_plan(meta: dict[str, Any], like: TrainState) -> _ReadPlan:
+  """The keys of checkpoint `meta` that fill the per-leaf state `like` (any format)."""
+  layout = like.layout
+  masters_saved = set(meta["master"])
+  logical, dtypes = {}, {}
+  for i, (path, shape, dtype, _) in enumerate(meta["params"]):
+    logical[f"params_{i}"], dtypes[f"params_{i}"] = tuple(shape), dtype
+    if i in masters_saved:
+      logical[f"master_{i}"], dtypes[f"master_{i}"] = tuple(shape), master_dtype(dtype).name
+  for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
+    logical[f"opt_{j}"], dtypes[f"opt_{j}"] = tuple(shape), dtype
+  for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
+    logical[f"model_state_{j}"], dtypes[f"model_state_{j}"] = tuple(shape), dtype
+  if meta.get("rng"):
+    logical["rng"], dtypes["rng"] = (2,), "uint32"
+  stored = {k: tuple(v) for k, v in meta.get("stored", logical).items()}
+
+  def value_key(i):  # the stored key of trainable leaf i's (master) value
+    return f"master_{i}" if i in masters_saved else f"params_{i}"
+
+  params, masters = leaves_of(like.params), leaves_of(like.master)
+  master_keys = [None if m is None else value_key(i) for i, m in enumerate(masters)]
+  param_keys = [
+    None if p is None else value_key(i) if layout.trainable[i] else f"params_{i}"
+    for i, p in enumerate(params)
+  ]
+  opt_keys = tuple(f"opt_{j}" for j in range(len(jax.tree.leaves(like.opt_state))))
+  ms_keys = tuple(f"model_state_{j}" for j in range(len(jax.tree.leaves(like.model_state))))
+  reads = {}
+  opt_leaves, ms_leaves = jax.tree.leaves(like.opt_state), jax.tree.leaves(like.model_state)
+  for field, keys, leaves in (
+    ("master", master_keys, masters),
+    ("params", param_keys, params),
+    ("opt", opt_keys, opt_leaves),
+    ("model_state", ms_keys, ms_leaves),
+  ):
+    for j, (key, x) in enumerate(zip(keys, leaves)):
+      if key is not None and key not in reads:
+        reads[key] = (x, field, j)
+  if like.rng is not None:
+    reads["rng"] = (like.rng, "rng", 0)
+  return _ReadPlan(
+    tuple(param_keys),
+    tuple(master_keys),
+    opt_keys,
+    ms_keys,
+    like.rng is not None,
+    stored,
+    logical,
+    dtypes,
+    reads,
   )
 
 
-def _pad_from(full: jax.Array, like: jax.Array, sharding: NamedSharding, axis: int) -> jax.Array:
-  """Traced: `full` in `like`'s padded shape (rows padded on `axis`), on `sharding`.
+def _build(stored: dict[str, jax.Array], like: TrainState, *, plan: _ReadPlan, step) -> TrainState:
+  """Traced: `like` (per-leaf) holding the checkpoint's values, each leaf fitted by `_fit`."""
 
-  The padding rows are `like`'s own: what `init_state` put there (zeros, or e.g. Adagrad's
-  initial accumulator, which must not become 0).
-  """
-  if tuple(full.shape) != tuple(like.shape):
-    n = _rows(tuple(full.shape), axis)
-    head = full.reshape(*like.shape[:axis], n, *like.shape[axis + 1 :]).astype(like.dtype)
-    tail = constrain(like, sharding.mesh, P())[(slice(None),) * axis + (slice(n, None),)]
-    full = jnp.concatenate([head, tail], axis=axis)
-  return constrain(full.astype(like.dtype), sharding.mesh, sharding.spec)
+  def fill(key, field, j, x):
+    if key is None or x is None:
+      return x
+    got = stored[key]
+    direct = plan.reads[key][1:] == (field, j)
+    keep = direct and tuple(plan.stored[key]) == tuple(x.shape)
+    return _fit(got, x, plan.logical[key], keep)
+
+  params = [
+    fill(k, "params", i, x) for i, (k, x) in enumerate(zip(plan.params, leaves_of(like.params)))
+  ]
+  master = [
+    fill(k, "master", i, x) for i, (k, x) in enumerate(zip(plan.master, leaves_of(like.master)))
+  ]
+  opt_leaves, opt_def = jax.tree.flatten(like.opt_state)
+  ms_leaves, ms_def = jax.tree.flatten(like.model_state)
+  return dataclasses.replace(
+    like,
+    step=jnp.asarray(step, like.step.dtype),
+    params=jax.tree.unflatten(like.layout.treedef, params),
+    master=jax.tree.unflatten(like.layout.treedef, master),
+    opt_state=jax.tree.unflatten(
+      opt_def, [fill(k, "opt", j, x) for j, (k, x) in enumerate(zip(plan.opt, opt_leaves))]
+    ),
+    model_state=jax.tree.unflatten(
+      ms_def,
+      [fill(k, "model_state", j, x) for j, (k, x) in enumerate(zip(plan.model_state, ms_leaves))],
+    ),
+    rng=fill("rng", "rng", 0, like.rng) if plan.rng else None,
+  )
 
 
 # ----------------------------------------------------------------------------- manager
@@ -369,7 +502,8 @@ class CheckpointManager:
       "layout": state.layout.summary(),
       **_describe(state),
     }
-    arrays = _canonical(state)
+    arrays = _stored_arrays(state)
+    meta["stored"] = {k: list(x.shape) for k, x in arrays.items()}
     return self._mgr.save(
       step,
       args=ocp.args.Composite(
@@ -439,77 +573,28 @@ class CheckpointManager:
       )
 
     given, mesh = like, like.step.sharding.mesh
-    if like.fused:  # restored in the per-leaf form, then made flat again
-      like = jax.jit(per_leaf_state, static_argnums=1)(like, mesh)
-    layout = like.layout
-    params, masters = leaves_of(like.params), leaves_of(like.master)
-    opt = jax.tree.leaves(like.opt_state)
-    replicated = NamedSharding(like.step.sharding.mesh, P())
-
-    def place(shape, target):
-      """Read a stored leaf straight into `target`'s sharding when no padding is in the way."""
-      if target is not None and tuple(target.shape) == tuple(shape):
-        return target.sharding
-      return replicated
-
+    if like.fused:  # restored in the per-leaf form, then made flat again (shard by shard)
+      like = _per_leaf_program(like, mesh)
+    plan = _read_plan(meta, like)
+    replicated = NamedSharding(mesh, P())
     abstract = {}
-    for i, (path, shape, dtype, _) in enumerate(meta["params"]):
-      target = params[i] if params[i] is not None else masters[i]
-      abstract[f"params_{i}"] = (shape, dtype, place(shape, target))
-    for i in meta["master"]:
-      abstract[f"master_{i}"] = (
-        meta["params"][i][1],
-        master_dtype(meta["params"][i][2]).name,
-        place(meta["params"][i][1], masters[i]),
-      )
-    for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
-      abstract[f"opt_{j}"] = (shape, dtype, place(shape, opt[j]))
-    for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
-      abstract[f"model_state_{j}"] = (shape, dtype, replicated)
-    if meta.get("rng"):
-      abstract["rng"] = ((2,), "uint32", replicated)
-    abstract = {
-      k: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=sh)
-      for k, (s, d, sh) in abstract.items()
-    }
+    for key, (target, _, _) in plan.reads.items():
+      shape = tuple(target.shape)
+      if len(shape) != len(plan.stored[key]) or not plan.logical[key]:
+        shape, sharding = tuple(plan.stored[key]), replicated  # a scalar
+      else:
+        sharding = target.sharding
+      abstract[key] = jax.ShapeDtypeStruct(shape, np.dtype(plan.dtypes[key]), sharding=sharding)
     stored = self._mgr.restore(
-      step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract)})
+      step,
+      args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract, strict=False)}),
     )[_STATE]
-
-    stored_master = set(meta["master"])
-    axes = [sharded_shape(layout, i)[1] for i in range(len(layout.shapes))]
-    param_shardings = [None if p is None else p.sharding for p in params]
-    master_shardings = [None if m is None else m.sharding for m in masters]
-    opt_forms, opt_shardings = _opt_forms(like), [x.sharding for x in opt]
-
-    def build(stored, like):
-      new_params, new_master = [], []
-      for i, (p, m) in enumerate(zip(leaves_of(like.params), leaves_of(like.master))):
-        new_params.append(
-          None if p is None else _pad_from(stored[f"params_{i}"], p, param_shardings[i], axes[i])
-        )
-        full = stored[f"master_{i}" if i in stored_master else f"params_{i}"]
-        new_master.append(None if m is None else _pad_from(full, m, master_shardings[i], axes[i]))
-      opt_leaves, treedef = jax.tree.flatten(like.opt_state)
-      new_opt = [
-        _pad_from(stored[f"opt_{j}"], x, opt_shardings[j], opt_forms[j][1])
-        for j, x in enumerate(opt_leaves)
-      ]
-      ms_leaves, ms_def = jax.tree.flatten(like.model_state)
-      return dataclasses.replace(
-        like,
-        step=jnp.asarray(meta["state_step"], like.step.dtype),
-        params=jax.tree.unflatten(layout.treedef, new_params),
-        master=jax.tree.unflatten(layout.treedef, new_master),
-        opt_state=jax.tree.unflatten(treedef, new_opt),
-        model_state=jax.tree.unflatten(
-          ms_def, [stored[f"model_state_{j}"] for j in range(len(ms_leaves))]
-        ),
-        rng=stored["rng"] if like.rng is not None else None,
-      )
-
     shardings = jax.tree.map(lambda x: x.sharding, like)
-    out = jax.jit(build, out_shardings=shardings)(stored, like)
+    out = jax.jit(
+      functools.partial(_build, plan=plan, step=meta["state_step"]),
+      out_shardings=shardings,
+      donate_argnums=0,
+    )(stored, like)
     if not given.fused:
       return out
     return jax.jit(fused_state, static_argnums=1)(out, mesh, given)

@@ -59,7 +59,7 @@ from jaxdp._src.distributed_optimizer import (
   master_blocks,
   pad_leaf,
   per_leaf_state,
-  unpad_leaf,
+  unpad_view,
   unravel_flat,
   use_fused,
 )
@@ -84,6 +84,7 @@ from jaxdp._src.mesh import (
   model_specs_of,
   own_axes,
   pspec,
+  view_dims,
   with_data,
 )
 from jaxdp._src.state import (
@@ -230,15 +231,19 @@ def init_state(
   return jax.jit(build_placed)(params)
 
 
-def whole_params(state: TrainState, mesh) -> PyTree:
-  """Traced `get_params`: every leaf whole, fresh, in its own dtype and model sharding."""
+def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
+  """Traced `get_params`: every leaf in its own shape and dtype, fresh, over its model
+  sharding, and with `sharded` over "data" too (`unpad_view`)."""
   state = per_leaf_state(state, mesh)
   layout = state.layout
 
   def whole(i, x, m):
-    if x is None:  # gathered inside the next step: gather it from `master` here
-      x = unpad_leaf(constrain(m, mesh, P()), layout, i).astype(layout.dtypes[i])
-    return constrain(jnp.copy(x), mesh, pspec(model_spec(state, i, x.ndim)))
+    dims = model_spec(state, i, len(layout.shapes[i]))
+    if x is None:  # gathered inside the next step: read it from `master` here
+      x = unpad_view(m, layout.shapes[i], layout.shard_axes[i], mesh, dims, sharded)
+      return jnp.copy(x.astype(layout.dtypes[i]))
+    view = view_dims(layout.shapes[i], dims, mesh.shape[DATA], layout.shard_axes[i])
+    return constrain(jnp.copy(x), mesh, pspec(view if sharded else dims))
 
   return tree_of(
     layout,

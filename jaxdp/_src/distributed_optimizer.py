@@ -61,9 +61,25 @@ import optax
 
 from jaxdp._src import collectives
 from jaxdp._src.config import DDPConfig
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, pad_dim, shard_unravel, unpad_dim
+from jaxdp._src.buffer import (
+  bucket_ravel,
+  bucket_unravel,
+  pad_dim,
+  shard_ravel,
+  shard_unravel,
+  unpad_dim,
+)
 from jaxdp._src.layout import Layout, make_layout, master_dtype, sharded_shape
-from jaxdp._src.mesh import DATA, EXPERT, constrain, data_axes, manual_spec
+from jaxdp._src.mesh import (
+  DATA,
+  EXPERT,
+  constrain,
+  data_axes,
+  manual_spec,
+  pspec,
+  view_dims,
+  with_data,
+)
 from jaxdp._src.state import (
   TrainState,
   bucket_names,
@@ -512,33 +528,123 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   optax leaf (`mu[name]`) back as the param tree, each leaf padded on its shard dim.
 
   The one conversion from flat to per-leaf: `get_params`, `get_opt_state`, checkpoints and
-  eval read a fused state through it. Traceable; returns an unfused state as it is. Each
-  bucket is gathered whole on every device for the conversion (readers, not the step), and
-  `master` and `opt_state` are placed as `state_specs` places an unfused state (each leaf
-  sharded on its shard dim: also FSDP's placement of unstacked leaves, the only ones it
-  fuses); `params` stay as they are.
+  eval read a fused state through it. Traceable; returns an unfused state as it is. Under a
+  sharded strategy every device converts its own shard (`shard_unravel`: device `d`'s shard
+  of a bucket *is* block `d` of each of its params' shard dims), so nothing is gathered;
+  `master` and `opt_state` come out where `state_specs` places an unfused state, `params`
+  stay as they are. `no_shard`'s flat buckets are replicated and unravel as they are.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> state = jaxdp.init_state({"w": jnp.ones((12, 4))}, optax.adam(1e-3), mesh, config)
+    >>> leafy = per_leaf_state(state, mesh)
+    >>> leafy.master["w"].shape, leafy.master["w"].sharding.spec
+    ((16, 4), P('data', None))
   """
   if not state.fused:
     return state
   layout = state.layout
   names = {name for name, _, _ in bucket_names(layout)}
   is_flat = lambda x: isinstance(x, dict) and set(x) == names
-  pad = pad_leaf if state.config.use_distributed_optimizer else lambda x, *_: x
-
-  def tree(flat):
-    if not is_flat(flat):
-      return flat
-    whole = {name: constrain(x, mesh, P()) for name, x in flat.items()}
-    out = [x if x is None else pad(x, layout, i) for i, x in enumerate(unravel_flat(whole, layout))]
-    return jax.tree.unflatten(layout.treedef, out)
-
+  flats = [state.master] + [
+    x for x in jax.tree.leaves(state.opt_state, is_leaf=is_flat) if is_flat(x)
+  ]
+  if state.config.use_distributed_optimizer:
+    trees = iter(_leaves_of_shards(flats, layout, mesh))
+  else:
+    trees = iter(
+      unravel_flat({k: constrain(x, mesh, P()) for k, x in f.items()}, layout) for f in flats
+    )
+  tree = lambda flat: jax.tree.unflatten(layout.treedef, next(trees)) if is_flat(flat) else flat
+  master = tree(state.master)
   out = dataclasses.replace(
     state,
-    master=tree(state.master),
+    master=master,
     opt_state=jax.tree.map(tree, state.opt_state, is_leaf=is_flat),
     fused=False,
   )
   return _placed(out, mesh)
+
+
+def _leaf_shard_specs(layout: Layout, axes) -> list[P | None]:
+  """Each trainable leaf's padded per-leaf form as `shard_map` sees it: split over "data" on
+  its shard dim (a fused state has no tensor- or expert-parallel leaf); None elsewhere."""
+  return [
+    manual_spec(with_data(((),) * len(shape), axes, layout.shard_axes[i]), axes) if t else None
+    for i, (t, shape) in enumerate(zip(layout.trainable, layout.shapes))
+  ]
+
+
+def _leaves_of_shards(flats: list[dict], layout: Layout, mesh) -> list[list[Any]]:
+  """Each flat tree of a sharded fused state as padded per-leaf arrays (tree order, None
+  for leaves without a bucket), each device unraveling its own shard."""
+  axes = data_axes(mesh)
+
+  def local(flats):
+    out = []
+    for flat in flats:
+      leaves = [None] * len(layout.shapes)
+      for name, _, b in bucket_names(layout):
+        for p, x in zip(b.params, shard_unravel(flat[name], b, layout.dp)):
+          leaves[p.index] = x
+      out.append(leaves)
+    return out
+
+  specs = flat_master_specs(layout, axes)
+  leaf_specs_ = _leaf_shard_specs(layout, axes)
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=([specs] * len(flats),),
+    out_specs=[leaf_specs_] * len(flats),
+    axis_names=set(axes),
+  )(flats)
+
+
+def _shards_of_leaves(trees: list[list[Any]], likes: list[dict | None], layout: Layout, mesh):
+  """Inverse of `_leaves_of_shards`: each device ravels its blocks of the padded per-leaf
+  arrays into its shard of every bucket; a bucket's tail past its last param is `likes`'
+  (the flat trees of a fused state), else zero."""
+  axes = data_axes(mesh)
+
+  def local(trees, likes):
+    out = []
+    for leaves, like in zip(trees, likes):
+      flat = {}
+      for name, _, b in bucket_names(layout):
+        blocks = [leaves[p.index] for p in b.params]
+        shard = shard_ravel(blocks, b, blocks[0].dtype)
+        if like is not None:
+          used = sum(p.shard_size(layout.dp) for p in b.params)
+          shard = jnp.concatenate([shard[:used], like[name][used:].astype(shard.dtype)])
+        flat[name] = shard
+      out.append(flat)
+    return out
+
+  specs = flat_master_specs(layout, axes)
+  leaf_specs_ = _leaf_shard_specs(layout, axes)
+  like_specs = [None if like is None else specs for like in likes]
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=([leaf_specs_] * len(trees), like_specs),
+    out_specs=[specs] * len(trees),
+    axis_names=set(axes),
+  )(trees, likes)
+
+
+def _ravel_whole(leaves, like: dict | None, layout: Layout, mesh) -> dict[str, jax.Array]:
+  """`no_shard`'s flat buckets from whole leaves; every padding element `like`'s, else 0."""
+  out = {}
+  for name, _, b in bucket_names(layout):
+    flat = bucket_ravel([constrain(leaves[p.index], mesh, P()) for p in b.params], b, layout.dp)
+    if like is not None:
+      real = bucket_ravel([np.ones(p.shape, bool) for p in b.params], b, layout.dp)
+      flat = jnp.where(real, flat, constrain(like[name], mesh, P()))
+    out[name] = flat
+  return out
 
 
 def _placed(state: TrainState, mesh) -> TrainState:
@@ -554,9 +660,11 @@ def _placed(state: TrainState, mesh) -> TrainState:
 
 
 def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> TrainState:
-  """Inverse of `per_leaf_state`: a per-leaf state in fused form. Each bucket's padding is
-  `like`'s (a fused state: what `init_state` put there, e.g. Adagrad's initial
-  accumulator), else zero. Traceable."""
+  """Inverse of `per_leaf_state`: a per-leaf state in fused form. The padding rows of each
+  leaf's shard dim are the per-leaf state's own; a bucket's tail past its last param is
+  `like`'s (a fused state: what `init_state` put there), else zero (`no_shard`: every
+  padding element `like`'s). Traceable; a sharded state converts shard by shard (nothing
+  gathered)."""
   layout = state.layout
   sharded = state.config.use_distributed_optimizer
   trainable = [i for i, t in enumerate(layout.trainable) if t]
@@ -564,7 +672,6 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     jax.tree.unflatten(layout.treedef, [0 if t else None for t in layout.trainable])
   )
   padded = {i: sharded_shape(layout, i)[0] if sharded else layout.shapes[i] for i in trainable}
-  unpad = unpad_leaf if sharded else lambda x, *_: x
 
   def is_tree(x):
     if jax.tree.structure(x) != tree_def:
@@ -572,24 +679,27 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     xs = jax.tree.leaves(x)
     return all(tuple(np.shape(v)) == padded[i] for v, i in zip(xs, trainable))
 
-  def flat(x, pad=None):
-    if not is_tree(x):
-      return x
-    xs = jax.tree.flatten(x, is_leaf=lambda v: v is None)[0]
-    out = {}
-    for name, _, b in bucket_names(layout):
-      leaves = [unpad(constrain(xs[p.index], mesh, P()), layout, p.index) for p in b.params]
-      out[name] = bucket_ravel(leaves, b, layout.dp, leaves[0].dtype)
-      if pad is not None:
-        real = bucket_ravel([np.ones(p.shape, bool) for p in b.params], b, layout.dp)
-        out[name] = jnp.where(real, out[name], constrain(pad[name], mesh, P()))
-    return out
+  trees, likes = [], []
+
+  def collect(x, pad=None):
+    if is_tree(x):
+      trees.append(jax.tree.flatten(x, is_leaf=lambda v: v is None)[0])
+      likes.append(pad)
+    return x
 
   if like is None:
-    master, opt_state = flat(state.master), jax.tree.map(flat, state.opt_state, is_leaf=is_tree)
+    collect(state.master)
+    jax.tree.map(collect, state.opt_state, is_leaf=is_tree)
   else:
-    master = flat(state.master, like.master if sharded else None)
-    opt_state = jax.tree.map(flat, state.opt_state, like.opt_state, is_leaf=is_tree)
+    collect(state.master, like.master)
+    jax.tree.map(collect, state.opt_state, like.opt_state, is_leaf=is_tree)
+  if sharded:
+    flats = iter(_shards_of_leaves(trees, likes, layout, mesh))
+  else:  # replicated: ravel whole, the padding (rows and tail) `like`'s
+    flats = iter(_ravel_whole(leaves, pad, layout, mesh) for leaves, pad in zip(trees, likes))
+  flat = lambda x: next(flats) if is_tree(x) else x
+  master = flat(state.master)
+  opt_state = jax.tree.map(flat, state.opt_state, is_leaf=is_tree)
   out = dataclasses.replace(state, master=master, opt_state=opt_state, fused=True)
   return _placed(out, mesh)
 
@@ -648,6 +758,26 @@ def pad_leaf(x, layout: Layout, i: int):
 def unpad_leaf(x, layout: Layout, i: int):
   """Inverse of `pad_leaf`."""
   return unpad_dim(x, layout.shapes[i], layout.shard_axes[i])
+
+
+def unpad_view(x, shape: tuple[int, ...], axis: int, mesh, dims, sharded: bool):
+  """Traced: a leaf `x` padded on dim `axis` back in its own `shape`, in the params' dtype
+  unchanged, placed over its own axes `dims` and, if `sharded`, over "data" on a dim that dp
+  divides (`view_dims`); replicated over "data" otherwise.
+
+  Shard by shard where it can: a leaf whose padded dim is sharded moves to the view's dim
+  first (an all-to-all, each device keeping `1 / dp` of the leaf), then drops its padding
+  rows, so no device holds the whole leaf unless the view is replicated.
+  """
+  ndim = len(shape)
+  dims = tuple(dims) if dims else ((),) * ndim
+  view = view_dims(shape, dims, mesh.shape[DATA], axis) if sharded else dims
+  if tuple(x.shape) != tuple(shape):
+    # `view` splits no padded dim (dp divides none of them): the padded leaf takes it as it
+    # is, rows to drop included; a scalar stored as one padded dim is gathered (it is tiny)
+    mid = view if x.ndim == ndim else ((),)
+    x = unpad_dim(constrain(x, mesh, pspec(mid)), shape, axis)
+  return constrain(x, mesh, pspec(view))
 
 
 def check_expert_rows(layout: Layout, mesh):

@@ -49,7 +49,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
-from jaxdp._src.buffer import pad_rows, unpad_rows
+from jaxdp._src.buffer import pad_rows
 from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import (
@@ -57,10 +57,11 @@ from jaxdp._src.distributed_optimizer import (
   fused_master,
   grad_blocks,
   per_leaf_state,
+  unpad_view,
   use_fused,
 )
-from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype
-from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of
+from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype, sharded_shape
+from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of, pspec, view_dims
 from jaxdp._src.state import (
   FLAT_SPEC,
   TrainState,
@@ -104,10 +105,6 @@ def _shard_dim(spec: ParamSpec) -> int:
 
 def _pad(x, spec: ParamSpec):
   return jax.vmap(lambda y: pad_rows(y, spec))(x) if spec.layers else pad_rows(x, spec)
-
-
-def _unpad(x, spec: ParamSpec):
-  return jax.vmap(lambda y: unpad_rows(y, spec))(x) if spec.layers else unpad_rows(x, spec)
 
 
 def _spec(ndim: int, dim: int | None) -> P:
@@ -219,16 +216,22 @@ def init_state(
   return jax.jit(build, out_shardings=shardings)(params)
 
 
-def whole_params(state: TrainState, mesh) -> PyTree:
-  """Traced `get_params`: every leaf whole, fresh, in its own dtype, replicated."""
+def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
+  """Traced `get_params`: every leaf in its own shape and dtype, fresh, replicated, or with
+  `sharded` over "data" on a dim that dp divides (`unpad_view`)."""
   state = per_leaf_state(state, mesh)
   layout = state.layout
   specs = param_specs(layout)
 
   def whole(i, x, m):
-    if m is not None or i in specs:  # stored padded and sharded: gather and unpad
-      x = _unpad(constrain(m if m is not None else x, mesh, P()), specs[i])
-    return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, P())
+    shape = layout.shapes[i]
+    if m is not None or i in specs:  # stored padded and sharded
+      x = unpad_view(
+        m if m is not None else x, shape, sharded_shape(layout, i)[1], mesh, (), sharded
+      )
+      return jnp.copy(x.astype(layout.dtypes[i]))
+    view = view_dims(shape, (), mesh.shape[DATA]) if sharded else ()
+    return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, pspec(view))
 
   return tree_of(
     layout,

@@ -145,3 +145,21 @@ def own_axes(dims: ModelSpec, manual: tuple[str, ...]) -> tuple[str, ...]:
 def experts_of(model_specs: tuple[ModelSpec, ...]) -> list[bool]:
   """Per leaf: is it an expert param (sharded over "expert")?"""
   return [any(EXPERT in axes for axes in dims) for dims in model_specs]
+
+
+def view_dims(shape: tuple[int, ...], dims: ModelSpec, dp: int, prefer: int = 0) -> ModelSpec:
+  """A leaf in its own shape, sharded over `DATA` as well as over its own axes `dims`: on dim
+  `prefer` if dp divides it, else on the first other dim that dp divides and no other axis
+  splits; not over `DATA` (replicated) if there is none. What a sharded view of a big model
+  holds: each device about `1 / dp` of every leaf that has such a dim.
+
+  Examples:
+    >>> view_dims((50257, 768), ((), ()), 8), view_dims((7, 3), ((), ()), 8)
+    (((), ('data',)), ((), ()))
+  """
+  dims = tuple(dims) if dims else ((),) * len(shape)
+  order = [prefer] + [d for d in range(len(shape)) if d != prefer] if shape else []
+  for d in order:
+    if shape[d] % dp == 0 and not dims[d]:
+      return (*dims[:d], (DATA,), *dims[d + 1 :])
+  return dims

@@ -101,12 +101,22 @@ def init_state(
   return loop.with_extras(state, mesh, rng, model_state)
 
 
-def get_params(state: TrainState) -> PyTree:
-  """The full model param tree of a state, in the params' own dtypes.
+def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
+  """The model param tree of a state, every leaf in its own shape and dtype.
 
   Fresh arrays: they stay valid after the state is donated to the next train step. The
-  gather, unpadding and copy of every leaf are one compiled program (with several processes,
-  eager per-leaf ops each ran a program of their own, and a job could hang; issue 17).
+  unpadding and copy of every leaf are one compiled program (with several processes, eager
+  per-leaf ops would each run a program of their own, which can hang a job).
+
+  Args:
+    state: a `TrainState` of any strategy.
+    sharded: False: every leaf whole on every device (over the data axes; a
+      tensor-parallel leaf keeps its own sharding), what a small model's export or eval
+      wants. True: every leaf also sharded over "data" on a dim that dp divides (replicated
+      if none does), so that no device holds the whole of a big model: for export
+      (`orbax` writes it shard by shard), evaluation and sampling under `jax.jit`. A leaf
+      that a sharded strategy padded moves to that dim by an all-to-all; nothing is
+      gathered whole.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -115,25 +125,28 @@ def get_params(state: TrainState) -> PyTree:
     >>> state = jaxdp.init_state({"w": jnp.ones((3, 2))}, optax.sgd(0.1), mesh, config)
     >>> jaxdp.get_params(state)["w"].shape
     (3, 2)
+    >>> state = jaxdp.init_state({"w": jnp.ones((3, 16))}, optax.sgd(0.1), mesh, config)
+    >>> jaxdp.get_params(state, sharded=True)["w"].sharding.spec  # 3 rows: on the 16
+    PartitionSpec(None, 'data')
   """
   # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
   # processes each eager op on a global array is a program of its own, and dozens of them
-  # in flight hung 2-process jobs on a busy machine (issue 17). The copy inside it also
-  # keeps the result alive when the next step donates `state` (under `no_shard` the params
-  # *are* the state's buffers).
-  return _params_program(state, state.step.sharding.mesh)
+  # in flight hung 2-process jobs on a busy machine. The copy inside it also keeps the
+  # result alive when the next step donates `state` (under `no_shard` the params *are* the
+  # state's buffers).
+  return _params_program(state, state.step.sharding.mesh, bool(sharded))
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _params_program(state: TrainState, mesh) -> PyTree:
-  return whole_params(state, mesh)
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _params_program(state: TrainState, mesh, sharded: bool) -> PyTree:
+  return whole_params(state, mesh, sharded)
 
 
-def whole_params(state: TrainState, mesh) -> PyTree:
-  """Traced `get_params`, for a program that does more (a checkpoint's canonical form)."""
+def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
+  """Traced `get_params`, for a program that does more (the eval step)."""
   if _fsdp_branch(state.config, None):
-    return fsdp_lib.whole_params(state, mesh)
-  return ddp.whole_params(state, mesh)
+    return fsdp_lib.whole_params(state, mesh, sharded)
+  return ddp.whole_params(state, mesh, sharded)
 
 
 def make_train_step(
