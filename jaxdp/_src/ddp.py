@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
@@ -89,6 +89,7 @@ from jaxdp._src.mesh import (
 )
 from jaxdp._src.state import (
   TrainState,
+  init_source,
   bucket_names,
   extra_specs,
   leaf_specs,
@@ -180,7 +181,10 @@ def init_state(
   *,
   frozen: Frozen = None,
 ) -> TrainState:
-  """`jaxdp.init_state` for `no_shard`, `optim` and `optim_grads`."""
+  """`jaxdp.init_state` for `no_shard`, `optim` and `optim_grads`; `params` may be a function
+  of no arguments that returns them (`init_source`)."""
+  source = init_source(params)
+  params = source.abstract
   model_specs = model_specs_of(params, mesh)
   layout = layout_for(params, mesh, config, frozen, model_specs)
   sharded, trainable = _sharded(config), layout.trainable
@@ -217,18 +221,16 @@ def init_state(
       opt_params = opt_params_of(layout, state.params, state.master)
     return dataclasses.replace(state, opt_state=tx.init(opt_params))
 
-  placed = [NamedSharding(mesh, pspec(dims)) for dims in model_specs]
-  params = tree_of(
-    layout, [jax.device_put(x, s, may_alias=False) for x, s in zip(jax.tree.leaves(params), placed)]
-  )
+  # each leaf enters sharded over "data" where dp divides a dim (the params stay whole only
+  # where the state keeps them whole): no device receives or computes a whole sharded leaf
+  views = [
+    pspec(view_dims(shape, dims, mesh.shape[DATA], layout.shard_axes[i]) if sharded else dims)
+    for i, (shape, dims) in enumerate(zip(layout.shapes, model_specs))
+  ]
   specs = state_specs(jax.eval_shape(build, params))
-
-  def build_placed(params):
-    # Placed the way the step places its output state (not by out_shardings, whose specs
-    # an Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
-    return jax.tree.map(lambda x, s: constrain(x, mesh, s), build(params), specs)
-
-  return jax.jit(build_placed)(params)
+  # Placed the way the step places its output state (not by out_shardings, whose specs an
+  # Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
+  return source.run(build, mesh, layout, views, specs)
 
 
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:

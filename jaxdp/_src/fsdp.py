@@ -46,7 +46,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src.buffer import pad_rows
@@ -65,6 +65,7 @@ from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of,
 from jaxdp._src.state import (
   FLAT_SPEC,
   TrainState,
+  init_source,
   bucket_names,
   extra_specs,
   is_flat_leaf,
@@ -163,8 +164,11 @@ def init_state(
   frozen: Frozen = None,
   fsdp: FSDPConfig | None = None,
 ) -> TrainState:
-  """`jaxdp.init_state` for `optim_grads_params`: every float param sharded by unit."""
+  """`jaxdp.init_state` for `optim_grads_params`: every float param sharded by unit;
+  `params` may be a function of no arguments that returns them (`init_source`)."""
   fsdp = fsdp or FSDPConfig()
+  source = init_source(params)
+  params = source.abstract
   model_specs = model_specs_of(params, mesh)
   if any(any(dims) for dims in model_specs):
     path = jax.tree_util.keystr(
@@ -210,10 +214,14 @@ def init_state(
     opt_params = master if fused else opt_params_of(layout, state.params, state.master)
     return dataclasses.replace(state, opt_state=tx.init(opt_params))
 
-  params = jax.device_put(params, NamedSharding(mesh, P()), may_alias=False)
-  abstract = jax.eval_shape(build, params)
-  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), state_specs(abstract))
-  return jax.jit(build, out_shardings=shardings)(params)
+  # each leaf enters sharded over "data" where dp divides a dim: no device receives or
+  # computes a whole leaf
+  views = [
+    pspec(view_dims(shape, (), mesh.shape[DATA], sharded_shape(layout, i)[1]))
+    for i, shape in enumerate(layout.shapes)
+  ]
+  out_specs = state_specs(jax.eval_shape(build, params))
+  return source.run(build, mesh, layout, views, out_specs)
 
 
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:

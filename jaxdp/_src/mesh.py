@@ -163,3 +163,28 @@ def view_dims(shape: tuple[int, ...], dims: ModelSpec, dp: int, prefer: int = 0)
     if shape[d] % dp == 0 and not dims[d]:
       return (*dims[:d], (DATA,), *dims[d + 1 :])
   return dims
+
+
+def explicit_axes(mesh) -> tuple[str, ...]:
+  """The mesh's axes of type Explicit (`jax.make_mesh`'s default)."""
+  return tuple(
+    a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
+  )
+
+
+def run_auto(fn, mesh, out_specs):
+  """`fn` with the mesh's Explicit axes made Auto, as if on a mesh with Auto axes: the
+  compiler propagates shardings and picks the collectives, so that ops on sharded values
+  (pads, reshapes, random init) need no sharding types; its outputs are placed on
+  `out_specs` (a tree of PartitionSpecs like its output). Inside, place values with
+  `constrain_auto`."""
+  if not explicit_axes(mesh):
+    return lambda *a: jax.tree.map(lambda x, s: constrain(x, mesh, s), fn(*a), out_specs)
+  return jax.sharding.auto_axes(fn, axes=explicit_axes(mesh), out_sharding=out_specs)
+
+
+def constrain_auto(x, mesh, spec):
+  """`constrain` inside `run_auto`: a sharding constraint on the mesh with Auto axes."""
+  if not explicit_axes(mesh):
+    return constrain(x, mesh, spec)
+  return jax.lax.with_sharding_constraint(x, spec)

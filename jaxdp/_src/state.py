@@ -10,14 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.layout import Layout
-from jaxdp._src.mesh import DATA, ModelSpec, data_axes_in, pspec, with_data
+from jaxdp._src.mesh import (
+  DATA,
+  ModelSpec,
+  constrain_auto,
+  data_axes_in,
+  pspec,
+  run_auto,
+  with_data,
+)
 
 PyTree = Any
 
@@ -279,3 +287,66 @@ def is_flat_leaf(path, x, flat: Mapping[str, tuple[int, ...]]) -> bool:
   key = path[-1] if path else None
   name = getattr(key, "key", None)
   return name in flat and tuple(x.shape) == flat[name]
+
+
+# ----------------------------------------------------------------------------- init
+
+
+@dataclasses.dataclass(frozen=True)
+class InitSource:
+  """Where `init_state`'s params come from: arrays (host or device), or a function of no
+  arguments that returns them (the model's init), run under `jit` so that each device
+  computes only its shards."""
+
+  abstract: PyTree
+  """The params' shapes and dtypes (`jax.ShapeDtypeStruct`s for a function)."""
+  fn: Callable[[], PyTree] | None = None
+
+  def run(self, build, mesh, layout: Layout, views: Sequence[P], specs) -> Any:
+    """`build(params)` in one program whose output is placed on `specs`, each param leaf
+    entering it on `views` (per leaf in tree order): a host array is sent to the devices
+    slice by slice, a function's params are computed there shard by shard."""
+
+    def program(params):
+      leaves = [constrain_auto(x, mesh, v) for x, v in zip(jax.tree.leaves(params), views)]
+      return build(tree_of(layout, leaves))
+
+    with jax.set_mesh(mesh):
+      if self.fn is None:
+        leaves = [
+          jax.device_put(x, NamedSharding(mesh, v), may_alias=False)
+          for x, v in zip(jax.tree.leaves(self.abstract), views)
+        ]
+      else:  # computed where they go: each device runs the init of its shards only
+        shardings = [NamedSharding(mesh, v) for v in views]
+        leaves = jax.jit(lambda: jax.tree.leaves(self.fn()), out_shardings=shardings)()
+      return jax.jit(run_auto(program, mesh, specs))(tree_of(layout, leaves))
+
+
+def init_source(params) -> InitSource:
+  """`init_state`'s `params` argument: a pytree of arrays, or a function of no arguments
+  returning one (traced once here, by `jax.eval_shape`, to read its shapes).
+
+  Raises:
+    TypeError: the function takes arguments, or returns something that is not a pytree of
+      arrays.
+  """
+  if not callable(params):
+    return InitSource(params)
+  try:
+    abstract = jax.eval_shape(params)
+  except TypeError as e:
+    if "argument" not in str(e):
+      raise
+    raise TypeError(
+      f"init_state(params=...): a function must take no arguments and return the params "
+      f"(e.g. lambda: model.init(key, x)['params']); calling it failed: {e}"
+    ) from e
+  for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      raise TypeError(
+        f"init_state(params=...): the function returned params{jax.tree_util.keystr(path)} "
+        f"= {type(x).__name__}, not an array; return the param pytree only (e.g. "
+        "model.init(key, x)['params'])"
+      )
+  return InitSource(abstract, params)
