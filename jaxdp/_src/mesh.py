@@ -178,13 +178,18 @@ def run_auto(fn, mesh, out_specs):
   (pads, reshapes, random init) need no sharding types; its outputs are placed on
   `out_specs` (a tree of PartitionSpecs like its output). Inside, place values with
   `constrain_auto`."""
-  if not explicit_axes(mesh):
+  explicit = explicit_axes(mesh)
+  if not explicit:
     return lambda *a: jax.tree.map(lambda x, s: constrain(x, mesh, s), fn(*a), out_specs)
-  return jax.sharding.auto_axes(fn, axes=explicit_axes(mesh), out_sharding=out_specs)
+  shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), out_specs)
+  return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=shardings)
 
 
 def constrain_auto(x, mesh, spec):
   """`constrain` inside `run_auto`: a sharding constraint on the mesh with Auto axes."""
   if not explicit_axes(mesh):
     return constrain(x, mesh, spec)
-  return jax.lax.with_sharding_constraint(x, spec)
+  auto = jax.sharding.Mesh(
+    mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  )
+  return jax.lax.with_sharding_constraint(x, NamedSharding(auto, spec))

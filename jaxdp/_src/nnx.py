@@ -275,7 +275,12 @@ class NNXOptimizer:
   from which every step's dropout keys are derived per step and per data shard.
 
   Args:
-    model: the `nnx.Module` to train. Its arrays are copied, not donated.
+    model: the `nnx.Module` to train (its arrays are copied, not donated), or a function of
+      no arguments that builds it (`lambda: Model(cfg, rngs=nnx.Rngs(0))`), for a model too
+      big for one device: it runs under `jit`, each device computing only its shards of the
+      params (Flax's sharded init with `nnx.jit`). Train it with `nnx_train_step(...,
+      update_model=False)` on `nnx.eval_shape(build)` (the model's structure) and read the
+      params with `jaxdp.get_params(optimizer.state, sharded=True)`.
     tx: the optax transformation.
     mesh, config: as `init_state` takes them.
     rng: the key of the train state (see `init_state`); None: the model's first stream's.
@@ -299,9 +304,22 @@ class NNXOptimizer:
     (1, True)
   """
 
-  def __init__(self, model: nnx.Module, tx, mesh, config, *, rng=None, frozen=None, fsdp=None):
+  def __init__(self, model, tx, mesh, config, *, rng=None, frozen=None, fsdp=None):
     self.tx, self.mesh, self.config, self.fsdp = tx, mesh, config, fsdp
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if isinstance(model, nnx.Module):
+      params, model_state = nnx.to_pure_dict(nnx.state(model, nnx.Param)), nnx_model_state(model)
+      key = _model_key(model)
+    elif callable(model):  # builds the model: its params are computed shard by shard
+      build = model
+      params = lambda: nnx.to_pure_dict(nnx.state(build(), nnx.Param))
+      # the model state and key alone (XLA drops the rest of the model's init)
+      model_state = jax.jit(lambda: nnx_model_state(build()))()
+      key = jax.jit(lambda: _model_key(build()))() if rng is None else None
+    else:
+      raise TypeError(
+        f"NNXOptimizer(model=...): got {type(model).__name__}; pass an nnx.Module, or a "
+        "function of no arguments that builds one (for a model too big for one device)"
+      )
     self.state = init_state(
       params,
       tx,
@@ -309,8 +327,8 @@ class NNXOptimizer:
       config,
       frozen=frozen,
       fsdp=fsdp,
-      rng=_model_key(model) if rng is None else rng,
-      model_state=nnx_model_state(model),
+      rng=key if rng is None else rng,
+      model_state=model_state,
     )
 
   @property

@@ -311,16 +311,15 @@ class InitSource:
       leaves = [constrain_auto(x, mesh, v) for x, v in zip(jax.tree.leaves(params), views)]
       return build(tree_of(layout, leaves))
 
-    with jax.set_mesh(mesh):
-      if self.fn is None:
-        leaves = [
-          jax.device_put(x, NamedSharding(mesh, v), may_alias=False)
-          for x, v in zip(jax.tree.leaves(self.abstract), views)
-        ]
-      else:  # computed where they go: each device runs the init of its shards only
-        shardings = [NamedSharding(mesh, v) for v in views]
-        leaves = jax.jit(lambda: jax.tree.leaves(self.fn()), out_shardings=shardings)()
-      return jax.jit(run_auto(program, mesh, specs))(tree_of(layout, leaves))
+    if self.fn is None:
+      leaves = [
+        jax.device_put(x, NamedSharding(mesh, v), may_alias=False)
+        for x, v in zip(jax.tree.leaves(self.abstract), views)
+      ]
+    else:  # computed where they go: each device runs the init of its shards only
+      shardings = [NamedSharding(mesh, v) for v in views]
+      leaves = jax.jit(lambda: jax.tree.leaves(self.fn()), out_shardings=shardings)()
+    return jax.jit(run_auto(program, mesh, specs))(tree_of(layout, leaves))
 
 
 def init_source(params) -> InitSource:
