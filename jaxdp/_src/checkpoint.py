@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -45,9 +46,16 @@ from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import __version__
-from jaxdp._src.distributed_optimizer import fused_state, per_leaf_state, unpad_view
+from jaxdp._src import train
+from jaxdp._src.distributed_optimizer import (
+  fused_state,
+  leaves_of_shards,
+  per_leaf_state,
+  shards_of_leaves,
+  unpad_view,
+)
 from jaxdp._src.layout import master_dtype, sharded_shape
-from jaxdp._src.state import TrainState, leaves_of, match_opt_leaf
+from jaxdp._src.state import TrainState, bucket_names, leaves_of, match_opt_leaf, tree_of
 
 PyTree = Any
 
@@ -182,10 +190,6 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
 # ----------------------------------------------------------------------------- conversion
 
 
-def _rows(shape: tuple[int, ...], axis: int) -> int:
-  return shape[axis] if len(shape) > axis else 1
-
-
 def _stored_arrays(state: TrainState) -> dict[str, jax.Array]:
   """What a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`, `model_state_<j>`,
   `rng`: the state's own arrays in the per-leaf form, each in the shape and sharding the
@@ -298,27 +302,36 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
 
 
 @dataclasses.dataclass(frozen=True)
-class _ReadPlan:
-  """Which stored key fills each leaf of the per-leaf `like`, and how each key is read."""
+class _Target:
+  """One leaf of the per-leaf form of `like` and the stored key that fills it."""
 
-  params: tuple[str | None, ...]
-  """Per param leaf: its stored key (a trainable low-precision param: its master's, cast)."""
-  master: tuple[str | None, ...]
-  opt: tuple[str, ...]
-  model_state: tuple[str, ...]
-  rng: bool
-  stored: dict[str, tuple[int, ...]]
-  """Each key's shape on disk (its logical shape in a format-1 checkpoint)."""
-  logical: dict[str, tuple[int, ...]]
-  dtypes: dict[str, str]
-  reads: dict[str, tuple[Any, str, int]]
-  """Each key read once, into the shape and sharding of the first leaf that needs it:
-  `(that leaf, field, index)`; other leaves that need the key are cut from it."""
+  field: str
+  """"params", "master", "opt" (`jax.tree.leaves` order), "model_state" or "rng"."""
+  index: int
+  key: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  """The leaf's dtype (a trainable low-precision param: its master's key, cast)."""
+  spec: P
+  logical: tuple[int, ...]
+  stored: tuple[int, ...]
+  stored_dtype: str
+  bucket: str | None = None
+  """A fused state's flat leaves: the bucket that holds this leaf."""
+
+  @property
+  def bytes(self) -> int:
+    return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _read_plan(meta: dict[str, Any], like: TrainState) -> _ReadPlan:
-  """The keys of checkpoint `meta` that fill the per-leaf state `like` (any format)."""
-  layout = like.layout
+def _targets(meta: dict[str, Any], like: TrainState, mesh) -> list[_Target]:
+  """Every leaf of `like`'s per-leaf form with the stored key of checkpoint `meta` (any
+  format) that fills it, in the order the stored keys are first needed."""
+  per_leaf = like
+  if like.fused:
+    per_leaf = jax.eval_shape(functools.partial(per_leaf_state, mesh=mesh), like)
+  specs = train.state_specs(per_leaf)
+  layout = per_leaf.layout
   masters_saved = set(meta["master"])
   logical, dtypes = {}, {}
   for i, (path, shape, dtype, _) in enumerate(meta["params"]):
@@ -332,77 +345,217 @@ def _read_plan(meta: dict[str, Any], like: TrainState) -> _ReadPlan:
   if meta.get("rng"):
     logical["rng"], dtypes["rng"] = (2,), "uint32"
   stored = {k: tuple(v) for k, v in meta.get("stored", logical).items()}
+  value = lambda i: f"master_{i}" if i in masters_saved else f"params_{i}"
+  buckets = {p.index: name for name, _, b in bucket_names(layout) for p in b.params}
+  flat = like.fused and like.config.use_distributed_optimizer
+  flat_opt = _flat_opt_leaves(like) if flat else {}
 
-  def value_key(i):  # the stored key of trainable leaf i's (master) value
-    return f"master_{i}" if i in masters_saved else f"params_{i}"
+  def target(field, i, key, x, spec, bucket=None):
+    return _Target(
+      field,
+      i,
+      key,
+      tuple(x.shape),
+      np.dtype(x.dtype),
+      spec,
+      logical[key],
+      stored[key],
+      dtypes[key],
+      bucket,
+    )
 
-  params, masters = leaves_of(like.params), leaves_of(like.master)
-  master_keys = [None if m is None else value_key(i) for i, m in enumerate(masters)]
-  param_keys = [
-    None if p is None else value_key(i) if layout.trainable[i] else f"params_{i}"
-    for i, p in enumerate(params)
-  ]
-  opt_keys = tuple(f"opt_{j}" for j in range(len(jax.tree.leaves(like.opt_state))))
-  ms_keys = tuple(f"model_state_{j}" for j in range(len(jax.tree.leaves(like.model_state))))
-  reads = {}
-  opt_leaves, ms_leaves = jax.tree.leaves(like.opt_state), jax.tree.leaves(like.model_state)
-  for field, keys, leaves in (
-    ("master", master_keys, masters),
-    ("params", param_keys, params),
-    ("opt", opt_keys, opt_leaves),
-    ("model_state", ms_keys, ms_leaves),
+  out = []
+  for field, tree, spec_tree in (
+    ("master", per_leaf.master, specs.master),
+    ("params", per_leaf.params, specs.params),
   ):
-    for j, (key, x) in enumerate(zip(keys, leaves)):
-      if key is not None and key not in reads:
-        reads[key] = (x, field, j)
-  if like.rng is not None:
-    reads["rng"] = (like.rng, "rng", 0)
-  return _ReadPlan(
-    tuple(param_keys),
-    tuple(master_keys),
-    opt_keys,
-    ms_keys,
-    like.rng is not None,
-    stored,
-    logical,
-    dtypes,
-    reads,
-  )
+    for i, (x, spec) in enumerate(zip(leaves_of(tree), leaves_of(spec_tree))):
+      if x is None:
+        continue
+      key = value(i) if layout.trainable[i] else f"params_{i}"
+      fused_leaf = flat and field == "master"
+      out.append(target(field, i, key, x, spec, buckets[i] if fused_leaf else None))
+  opt_specs = jax.tree.leaves(specs.opt_state)
+  for j, x in enumerate(jax.tree.leaves(per_leaf.opt_state)):
+    out.append(target("opt", j, f"opt_{j}", x, opt_specs[j], buckets.get(flat_opt.get(j))))
+  for j, x in enumerate(jax.tree.leaves(per_leaf.model_state)):
+    out.append(target("model_state", j, f"model_state_{j}", x, P()))
+  if per_leaf.rng is not None:
+    out.append(target("rng", 0, "rng", per_leaf.rng, P()))
+  return out
 
 
-def _build(stored: dict[str, jax.Array], like: TrainState, *, plan: _ReadPlan, step) -> TrainState:
-  """Traced: `like` (per-leaf) holding the checkpoint's values, each leaf fitted by `_fit`."""
+def _flat_opt_leaves(like: TrainState) -> dict[int, int]:
+  """A fused state: per-leaf optax leaf (`jax.tree.leaves` order of the per-leaf form) ->
+  the param it belongs to, for the leaves that are one bucket's elements (`mu[name]`)."""
+  names = {name for name, _, _ in bucket_names(like.layout)}
+  items = jax.tree.leaves(like.opt_state, is_leaf=lambda x: isinstance(x, dict) and set(x) == names)
+  trainable = [i for i, t in enumerate(like.layout.trainable) if t]
+  out, j = {}, 0
+  for item in items:
+    if isinstance(item, dict) and set(item) == names:
+      for i in trainable:
+        out[j] = i
+        j += 1
+    else:
+      j += 1
+  return out
 
-  def fill(key, field, j, x):
-    if key is None or x is None:
-      return x
-    got = stored[key]
-    direct = plan.reads[key][1:] == (field, j)
-    keep = direct and tuple(plan.stored[key]) == tuple(x.shape)
-    return _fit(got, x, plan.logical[key], keep)
 
-  params = [
-    fill(k, "params", i, x) for i, (k, x) in enumerate(zip(plan.params, leaves_of(like.params)))
-  ]
-  master = [
-    fill(k, "master", i, x) for i, (k, x) in enumerate(zip(plan.master, leaves_of(like.master)))
-  ]
-  opt_leaves, opt_def = jax.tree.flatten(like.opt_state)
-  ms_leaves, ms_def = jax.tree.flatten(like.model_state)
-  return dataclasses.replace(
-    like,
-    step=jnp.asarray(step, like.step.dtype),
-    params=jax.tree.unflatten(like.layout.treedef, params),
-    master=jax.tree.unflatten(like.layout.treedef, master),
-    opt_state=jax.tree.unflatten(
-      opt_def, [fill(k, "opt", j, x) for j, (k, x) in enumerate(zip(plan.opt, opt_leaves))]
-    ),
-    model_state=jax.tree.unflatten(
-      ms_def,
-      [fill(k, "model_state", j, x) for j, (k, x) in enumerate(zip(plan.model_state, ms_leaves))],
-    ),
-    rng=fill("rng", "rng", 0, like.rng) if plan.rng else None,
-  )
+def _groups(targets: list[_Target]) -> list[list[_Target]]:
+  """The targets in groups of about an eighth of the state (at least one leaf or one bucket
+  each), read and fitted one group at a time: a restore holds the state plus one group.
+  A fused state's bucket is one group's; a stored key is read once per group."""
+  total = sum(t.bytes for t in targets)
+  budget = total / 8
+  units: dict[Any, list[_Target]] = {}
+  for t in targets:
+    units.setdefault(("bucket", t.bucket) if t.bucket else ("leaf", t.field, t.index), []).append(t)
+  groups, current, size = [], [], 0
+  for unit in units.values():
+    n = sum(t.bytes for t in unit)
+    if current and size + n > budget:
+      groups.append(current)
+      current, size = [], 0
+    current += unit
+    size += n
+  if current:
+    groups.append(current)
+  out = []
+  for group in groups:  # a key needed twice (a param and its master): once per group
+    seen, first, again = set(), [], []
+    for t in group:
+      (again if t.key in seen else first).append(t)
+      seen.add(t.key)
+    out += [first] + ([again] if again else [])
+  return out
+
+
+def _fitted(stored: dict[str, jax.Array], likes: list[jax.Array], targets) -> list[jax.Array]:
+  """Traced: each target's leaf of `like` holding its stored value (`_fit`)."""
+  return [_fit(stored[t.key], x, t.logical, t.stored == t.shape) for t, x in zip(targets, likes)]
+
+
+def _read_args(abstract: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
+  """orbax's restore arguments: each key read into its target's shape and sharding, shard by
+  shard, cut or zero-extended at the end of each dim where the stored shape differs."""
+  return {
+    k: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype, strict=False)
+    for k, x in abstract.items()
+  }
+
+
+class _LikeLeaves:
+  """The arrays of `like`, overwritten group by group with a checkpoint's values: each
+  group's program takes the leaves it fills as donated buffers and writes into them, so a
+  restore holds one state and one group's reads.
+
+  A sharded fused state is filled bucket by bucket in its flat form (each device converts
+  its shard of the group's buckets to per-leaf blocks and back); `no_shard`'s fused state,
+  replicated, is filled in its per-leaf form and made flat at the end."""
+
+  def __init__(self, like: TrainState, mesh):
+    self.mesh, self.given = mesh, like
+    self.flat = like.fused and like.config.use_distributed_optimizer
+    if like.fused and not self.flat:
+      like = _per_leaf_program(like, mesh)
+    self.like = like
+    names = {name for name, _, _ in bucket_names(like.layout)}
+    self.is_flat = lambda x: self.flat and isinstance(x, dict) and set(x) == names
+    self.items, self.opt_def = jax.tree.flatten(like.opt_state, is_leaf=self.is_flat)
+    self.items = [dict(x) if self.is_flat(x) else x for x in self.items]
+    self.values = {
+      "params": leaves_of(like.params),
+      "master": None if self.flat else leaves_of(like.master),
+      "model_state": jax.tree.leaves(like.model_state),
+      "rng": [like.rng],
+    }
+    self.master_flat = dict(like.master) if self.flat else None
+    # per-leaf optax leaf j -> (its item in `items`, the param of a flat item)
+    self.opt_where, j = [], 0
+    trainable = [i for i, t in enumerate(like.layout.trainable) if t]
+    for k, item in enumerate(self.items):
+      for i in trainable if self.is_flat(item) else [None]:
+        self.opt_where.append((k, i))
+        j += 1
+
+  def _flat_of(self, t: _Target) -> tuple[dict, int]:
+    """A bucket target's flat tree (master's or an optax item's) and its param."""
+    if t.field == "master":
+      return self.master_flat, t.index
+    k, i = self.opt_where[t.index]
+    return self.items[k], i
+
+  def _get(self, t: _Target):
+    if t.field == "opt":
+      return self.items[self.opt_where[t.index][0]]
+    return self.values[t.field][t.index]
+
+  def _set(self, t: _Target, x):
+    if t.field == "opt":
+      self.items[self.opt_where[t.index][0]] = x
+    else:
+      self.values[t.field][t.index] = x
+
+  def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
+    plain = [t for t in group if t.bucket is None]
+    if plain:
+      fit = jax.jit(functools.partial(_fitted, targets=tuple(plain)), donate_argnums=1)
+      for t, x in zip(
+        plain, fit({t.key: stored[t.key] for t in plain}, [self._get(t) for t in plain])
+      ):
+        self._set(t, x)
+    bucketed = [t for t in group if t.bucket is not None]
+    if bucketed:
+      names = sorted({t.bucket for t in bucketed})
+      flats, order = [], {}
+      for t in bucketed:
+        flat, _ = self._flat_of(t)
+        order.setdefault(id(flat), len(flats))
+        if order[id(flat)] == len(flats):
+          flats.append(flat)
+      program = functools.partial(
+        _fitted_buckets,
+        targets=tuple(bucketed),
+        slots=tuple(order[id(self._flat_of(t)[0])] for t in bucketed),
+        params=tuple(self._flat_of(t)[1] for t in bucketed),
+        names=tuple(names),
+        layout=self.like.layout,
+        mesh=self.mesh,
+      )
+      parts = [{n: flat[n] for n in names} for flat in flats]
+      new = jax.jit(program, donate_argnums=1)({t.key: stored[t.key] for t in bucketed}, parts)
+      for flat, part in zip(flats, new):
+        flat.update(part)
+
+  def state(self, step: int) -> TrainState:
+    like = self.like
+    layout = like.layout
+    opt_state = jax.tree.unflatten(self.opt_def, self.items)
+    out = dataclasses.replace(
+      like,
+      step=jax.device_put(np.asarray(step, like.step.dtype), like.step.sharding),
+      params=tree_of(layout, self.values["params"]),
+      master=self.master_flat if self.flat else tree_of(layout, self.values["master"]),
+      opt_state=opt_state,
+      model_state=jax.tree.unflatten(
+        jax.tree.structure(like.model_state), self.values["model_state"]
+      ),
+      rng=self.values["rng"][0],
+    )
+    if self.given.fused and not self.flat:
+      return jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
+    return out
+
+
+def _fitted_buckets(stored, parts, *, targets, slots, params, names, layout, mesh):
+  """Traced: the group's buckets of each flat tree in `parts` holding the stored values
+  (per-leaf blocks fitted by `_fit`, the rest of each bucket `parts`' own)."""
+  leaves = leaves_of_shards(parts, layout, mesh, set(names))
+  for t, slot, i in zip(targets, slots, params):
+    x = leaves[slot][i]
+    leaves[slot][i] = _fit(stored[t.key], x, t.logical, t.stored == t.shape)
+  return shards_of_leaves(leaves, parts, layout, mesh, set(names))
 
 
 # ----------------------------------------------------------------------------- manager
@@ -507,7 +660,7 @@ class CheckpointManager:
     return self._mgr.save(
       step,
       args=ocp.args.Composite(
-        **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}
+        **{_STATE: ocp.args.PyTreeSave(arrays), _META: ocp.args.JsonSave(meta)}
       ),
       force=force,
     )
@@ -572,32 +725,29 @@ class CheckpointManager:
         f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})"
       )
 
-    given, mesh = like, like.step.sharding.mesh
-    if like.fused:  # restored in the per-leaf form, then made flat again (shard by shard)
-      like = _per_leaf_program(like, mesh)
-    plan = _read_plan(meta, like)
-    replicated = NamedSharding(mesh, P())
-    abstract = {}
-    for key, (target, _, _) in plan.reads.items():
-      shape = tuple(target.shape)
-      if len(shape) != len(plan.stored[key]) or not plan.logical[key]:
-        shape, sharding = tuple(plan.stored[key]), replicated  # a scalar
-      else:
-        sharding = target.sharding
-      abstract[key] = jax.ShapeDtypeStruct(shape, np.dtype(plan.dtypes[key]), sharding=sharding)
-    stored = self._mgr.restore(
-      step,
-      args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(abstract, strict=False)}),
-    )[_STATE]
-    shardings = jax.tree.map(lambda x: x.sharding, like)
-    out = jax.jit(
-      functools.partial(_build, plan=plan, step=meta["state_step"]),
-      out_shardings=shardings,
-      donate_argnums=0,
-    )(stored, like)
-    if not given.fused:
-      return out
-    return jax.jit(fused_state, static_argnums=1)(out, mesh, given)
+    mesh = like.step.sharding.mesh
+    leaves = _LikeLeaves(like, mesh)
+    for group in _groups(_targets(meta, like, mesh)):
+      abstract = {}
+      for t in group:
+        scalar = len(t.shape) != len(t.stored) or not t.logical
+        abstract[t.key] = jax.ShapeDtypeStruct(
+          t.stored if scalar else t.shape,
+          np.dtype(t.stored_dtype),
+          sharding=NamedSharding(mesh, P() if scalar else t.spec),
+        )
+      stored = self._mgr.restore(
+        step,
+        args=ocp.args.Composite(
+          **{
+            _STATE: ocp.args.PyTreeRestore(
+              abstract, restore_args=_read_args(abstract), partial_restore=True
+            )
+          }
+        ),
+      )[_STATE]
+      leaves.fill(stored, group)
+    return leaves.state(meta["state_step"])
 
   def _step(self, step: int | None) -> int:
     steps = self.all_steps()

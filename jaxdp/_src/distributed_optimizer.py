@@ -552,7 +552,7 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
     x for x in jax.tree.leaves(state.opt_state, is_leaf=is_flat) if is_flat(x)
   ]
   if state.config.use_distributed_optimizer:
-    trees = iter(_leaves_of_shards(flats, layout, mesh))
+    trees = iter(leaves_of_shards(flats, layout, mesh))
   else:
     trees = iter(
       unravel_flat({k: constrain(x, mesh, P()) for k, x in f.items()}, layout) for f in flats
@@ -577,23 +577,27 @@ def _leaf_shard_specs(layout: Layout, axes) -> list[P | None]:
   ]
 
 
-def _leaves_of_shards(flats: list[dict], layout: Layout, mesh) -> list[list[Any]]:
-  """Each flat tree of a sharded fused state as padded per-leaf arrays (tree order, None
-  for leaves without a bucket), each device unraveling its own shard."""
+def leaves_of_shards(flats: list[dict], layout: Layout, mesh, names=None) -> list[list[Any]]:
+  """Each flat tree of a sharded fused state (`{bucket name: flat}`, or its buckets `names`)
+  as padded per-leaf arrays (tree order, None for leaves of no such bucket), each device
+  unraveling its own shard. Traced."""
   axes = data_axes(mesh)
+  buckets = [(n, buf, b) for n, buf, b in bucket_names(layout) if names is None or n in names]
 
   def local(flats):
     out = []
     for flat in flats:
       leaves = [None] * len(layout.shapes)
-      for name, _, b in bucket_names(layout):
+      for name, _, b in buckets:
         for p, x in zip(b.params, shard_unravel(flat[name], b, layout.dp)):
           leaves[p.index] = x
       out.append(leaves)
     return out
 
-  specs = flat_master_specs(layout, axes)
-  leaf_specs_ = _leaf_shard_specs(layout, axes)
+  specs = {n: manual_spec(((DATA,),), axes) for n, _, _ in buckets}
+  held = {p.index for _, _, b in buckets for p in b.params}
+  leaf_specs_ = [s if i in held else None for i, s in enumerate(_leaf_shard_specs(layout, axes))]
+  flats = [{n: flat[n] for n in specs} for flat in flats]
   return jax.shard_map(
     local,
     mesh=mesh,
@@ -603,17 +607,18 @@ def _leaves_of_shards(flats: list[dict], layout: Layout, mesh) -> list[list[Any]
   )(flats)
 
 
-def _shards_of_leaves(trees: list[list[Any]], likes: list[dict | None], layout: Layout, mesh):
-  """Inverse of `_leaves_of_shards`: each device ravels its blocks of the padded per-leaf
-  arrays into its shard of every bucket; a bucket's tail past its last param is `likes`'
-  (the flat trees of a fused state), else zero."""
+def shards_of_leaves(trees: list[list[Any]], likes: list, layout: Layout, mesh, names=None):
+  """Inverse of `leaves_of_shards`: each device ravels its blocks of the padded per-leaf
+  arrays into its shard of every bucket (or of the buckets `names`); a bucket's tail past
+  its last param is `likes`' (flat trees of a fused state, or None), else zero. Traced."""
   axes = data_axes(mesh)
+  buckets = [(n, buf, b) for n, buf, b in bucket_names(layout) if names is None or n in names]
 
   def local(trees, likes):
     out = []
     for leaves, like in zip(trees, likes):
       flat = {}
-      for name, _, b in bucket_names(layout):
+      for name, _, b in buckets:
         blocks = [leaves[p.index] for p in b.params]
         shard = shard_ravel(blocks, b, blocks[0].dtype)
         if like is not None:
@@ -623,8 +628,11 @@ def _shards_of_leaves(trees: list[list[Any]], likes: list[dict | None], layout: 
       out.append(flat)
     return out
 
-  specs = flat_master_specs(layout, axes)
-  leaf_specs_ = _leaf_shard_specs(layout, axes)
+  specs = {n: manual_spec(((DATA,),), axes) for n, _, _ in buckets}
+  held = {p.index for _, _, b in buckets for p in b.params}
+  leaf_specs_ = [s if i in held else None for i, s in enumerate(_leaf_shard_specs(layout, axes))]
+  trees = [[x if i in held else None for i, x in enumerate(leaves)] for leaves in trees]
+  likes = [None if like is None else {n: like[n] for n in specs} for like in likes]
   like_specs = [None if like is None else specs for like in likes]
   return jax.shard_map(
     local,
@@ -694,7 +702,7 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     collect(state.master, like.master)
     jax.tree.map(collect, state.opt_state, like.opt_state, is_leaf=is_tree)
   if sharded:
-    flats = iter(_shards_of_leaves(trees, likes, layout, mesh))
+    flats = iter(shards_of_leaves(trees, likes, layout, mesh))
   else:  # replicated: ravel whole, the padding (rows and tail) `like`'s
     flats = iter(_ravel_whole(leaves, pad, layout, mesh) for leaves, pad in zip(trees, likes))
   flat = lambda x: next(flats) if is_tree(x) else x

@@ -127,7 +127,7 @@ def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
     (3, 2)
     >>> state = jaxdp.init_state({"w": jnp.ones((3, 16))}, optax.sgd(0.1), mesh, config)
     >>> jaxdp.get_params(state, sharded=True)["w"].sharding.spec  # 3 rows: on the 16
-    PartitionSpec(None, 'data')
+    P(None, 'data')
   """
   # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
   # processes each eager op on a global array is a program of its own, and dozens of them
