@@ -48,7 +48,7 @@ all of them alike. Reported: the median step time and its ratio to the baseline'
 *from the same run*, compile time (lower + compile) and its ratio to the baseline's, the
 collectives of the compiled program (count and ring bytes per device per step, from
 `jaxdp.inspect.schedule`), and the bytes of the training state (params, optimizer state,
-master params) that device 0 holds. Issue 16's targets (at the largest dp: step time
+master params) that device 0 holds. The targets (at the largest dp: step time
 <= 0.85 and compile time <= 1.5 x the baseline's) are checked at the end.
 
 Without an accelerator JAX's CPU backend is split into `--cpu-devices` (default 8)
@@ -90,7 +90,7 @@ variants = "gspmd,gspmd_zero1,gspmd_fsdp,gspmd_fsdp_gather,no_shard,optim,optim_
 out = "out/bench"
 cpu_devices = 8
 seed = 0
-TARGET_STEP, TARGET_COMPILE = 0.85, 1.5  # issue 16, at dp = 8: x the baseline's
+TARGET_STEP, TARGET_COMPILE = 0.85, 1.5  # at the largest dp: x the baseline's
 # -----------------------------------------------------------------------------
 
 parser = argparse.ArgumentParser(
@@ -434,7 +434,7 @@ for size in size_names:
 if strategies:
   lines += [
     "",
-    f"Issue 16's targets at dp={top}, as ratios to the baseline: step time <= "
+    f"Targets at dp={top}, as ratios to the baseline: step time <= "
     f"{TARGET_STEP:.2f}, compile time <= {TARGET_COMPILE:.1f}. Met: {sum(verdicts)} of "
     f"{len(verdicts)}.",
     "",

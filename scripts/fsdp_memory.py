@@ -6,7 +6,7 @@ H100 target description; nothing runs) and `memory_analysis()` gives the per-dev
 
 Models (`--model`):
 
-* `mlp`: issue 13's residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
+* `mlp`: a residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
   layer's params = 32 MiB), loss `mean(h ** 2)`, global batch 64 x 256 tokens.
 * `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU);
   jaxdp's FSDP gathers its tied `wte` in `--wte-chunks` row blocks (default 16:

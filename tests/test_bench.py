@@ -59,7 +59,7 @@ def test_bench_writes_table_plot_and_samples(bench):
   for r in rows:
     if r[3].startswith("gspmd"):  # a baseline's ratio (step and compile) to itself
       assert r[6] == r[9] == "1.00", r
-  assert "Issue 16's targets at dp=8" in table
+  assert "Targets at dp=8" in table
   targets = [r for r in table_rows(table) if len(r) == 4]  # size + one cell per strategy
   assert [r[0] for r in targets] == SIZES
   assert all(("met" in c or "missed" in c) for r in targets for c in r[1:])

@@ -1,4 +1,4 @@
-"""FSDP on models jaxdp did not write: the scanned / unrolled residual MLP of issue 13, built
+"""FSDP on models jaxdp did not write: the scanned / unrolled residual MLP of docs/memory.md, built
 any number of times, with the user's remat, next to DDP; equal to the single-device program."""
 
 import jax

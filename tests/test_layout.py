@@ -82,7 +82,7 @@ def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
   rule with 16M for its 40M: a 40M bucket's ravel copy put ZeRO-1 on models/gpt.py above GSPMD
   ZeRO-1); DDP (no_shard) to PyTorch DDP's 25 MiB of fp32, because XLA copies a bucket before
   its all-reduce, and a model that fits one such bucket to 16 buckets, so that its all-reduces
-  start inside the backward (layout.default_bucket_size says what was measured)."""
+  start inside the backward (docs/design.md, "Default bucket sizes", says what was measured)."""
   params = {"w": jnp.zeros((4,))}
   assert jaxdp.make_layout(params, dp=8).bucket_size == 16_000_000
   assert jaxdp.make_layout(params, dp=64).bucket_size == 64_000_000

@@ -58,7 +58,7 @@ def _kernel_env() -> dict[str, str]:
 
 
 def executed(path: pathlib.Path) -> nbformat.NotebookNode:
-  """The notebook after running every cell (run once per test session)."""
+  """The notebook after running every cell (run once per pytest run)."""
   if path.stem not in _executed:
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(

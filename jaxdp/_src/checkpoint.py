@@ -198,7 +198,7 @@ def _canonical(state: TrainState) -> dict[str, jax.Array]:
   """The arrays a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`."""
   # One program for the whole state, never eager per-leaf gathers: with several processes
   # each eager op on a global array is a program of its own, and dozens in flight hung
-  # 2-process jobs on a busy machine (issue 17).
+  # 2-process jobs on a busy machine (docs/design.md, "One program per call").
   return _canonical_program(state, state.step.sharding.mesh)
 
 

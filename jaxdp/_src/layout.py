@@ -49,29 +49,16 @@ def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None =
 
   XLA has no views into a buffer: a bucket's grads are concatenated into a copy before its
   collective (Megatron's grads are views of the buffer and pay nothing), so a bucket's size
-  is transient memory in the backward. Measured on 8 x H100 compiles (`scripts/fsdp_memory.py`,
-  peak per device):
+  is transient memory in the backward. docs/design.md ("Default bucket sizes") gives the
+  measurements behind each rule.
 
-  * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads. The copy is
-    whole-size and alive at the backward's peak: on a residual MLP of 32 MiB layers jaxdp's
-    DDP peaked 11% above `jax.jit`'s all-reduce-per-grad program with 40M-element buckets;
-    with 25 MiB ones, below it (with 2.1M-element ones, 8% above 25 MiB's). A model that
-    fits one such bucket (`elements`: its floating-point elements) gets `DDP_MIN_BUCKETS`
-    (buckets of at least `DDP_SMALLEST_BUCKET`): in one bucket its reduction could start
-    only after the whole backward (8 x H100, GPT small of models/gpt.py: its one all-reduce
-    overlaps no GEMM; in 16 buckets all overlap the backward, and the peak falls from 27.3
-    to 22.1 MiB). One bucket also compiles slowly: each per-leaf update fusion reads its own
-    slice of the one reduced buffer, so no two are alike and XLA emits a kernel for each
-    (GPT small on 8 CPU devices: 310 kernels and 1.7 x replicated jit's compile time in one
-    bucket, 189 and 1.2-1.3 x in 13-16).
+  * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads, since the copy
+    is whole-size and alive at the backward's peak. A model that fits one such bucket
+    (`elements`: its floating-point elements) gets `DDP_MIN_BUCKETS` buckets (of at least
+    `DDP_SMALLEST_BUCKET`), so that its reduction starts inside the backward.
   * the sharded strategies: `max(16_000_000, 1_000_000 * dp)` (Megatron's rule with 16M in
-    place of its 40M; the `dp` term keeps each device's shard >= 1M elements). With 40M,
-    ZeRO-1 on models/gpt.py (vocab 50304) peaked 6% above GSPMD ZeRO-1 at 4 layers: the
-    ravel copy of the 160 MiB bucket holding the tied embedding (147 MiB) next to its two
-    whole-size grads; with 16M the embedding fills a bucket alone, whose ravel is a bitcast
-    (537 MiB vs GSPMD's 631). Much smaller buckets cost more than they save: 8.4M (one
-    layer) raised the residual MLP's ZeRO-1 peak by 9-18% (more gathered buckets in
-    flight); 16M lowered it slightly (304 / 592 MiB at 4 / 8 layers, was 312 / 600).
+    place of its 40M, so that a large embedding fills a bucket alone and its ravel is a
+    bitcast; the `dp` term keeps each device's shard >= 1M elements).
 
   Examples:
     >>> default_bucket_size(8, "no_shard"), default_bucket_size(8), default_bucket_size(64)

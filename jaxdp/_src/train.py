@@ -106,7 +106,7 @@ def get_params(state: TrainState) -> PyTree:
 
   Fresh arrays: they stay valid after the state is donated to the next train step. The
   gather, unpadding and copy of every leaf are one compiled program (with several processes,
-  eager per-leaf ops each ran a program of their own, and a job could hang; issue 17).
+  eager per-leaf ops would each run a program of their own, and a job could hang).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -118,7 +118,7 @@ def get_params(state: TrainState) -> PyTree:
   """
   # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
   # processes each eager op on a global array is a program of its own, and dozens of them
-  # in flight hung 2-process jobs on a busy machine (issue 17). The copy inside it also
+  # in flight hung 2-process jobs on a busy machine (docs/design.md). The copy inside it also
   # keeps the result alive when the next step donates `state` (under `no_shard` the params
   # *are* the state's buffers).
   return _params_program(state, state.step.sharding.mesh)
