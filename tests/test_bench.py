@@ -1,4 +1,4 @@
-"""scripts/bench.py runs end to end at tiny sizes and writes its table, plot and samples."""
+"""scripts/bench/bench.py runs end to end at tiny sizes and writes its table, plot and samples."""
 
 import json
 import os
@@ -23,7 +23,7 @@ def bench(tmp_path_factory):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   command = [
     sys.executable,
-    os.path.join(ROOT, "scripts", "bench.py"),
+    os.path.join(ROOT, "scripts", "bench", "bench.py"),
     "--quick",
     "--dps",
     "8",
@@ -49,7 +49,7 @@ def table_rows(text, sizes=("tiny", "mlp32x2", "small", "medium", "mlp512x8", "m
 def test_bench_writes_table_plot_and_samples(bench):
   out, stdout = bench
   table = (out / "bench.md").read_text()
-  assert table.startswith("Command: `python scripts/bench.py --quick --dps 8 --out ")
+  assert table.startswith("Command: `python scripts/bench/bench.py --quick --dps 8 --out ")
   assert table in stdout
   rows = [r for r in table_rows(table) if len(r) == COLUMNS]
   assert [(r[0], r[3], r[4]) for r in rows] == [
@@ -129,11 +129,11 @@ def test_readme_table_is_the_dp8_rows_of_docs_bench():
 
 
 def test_step_breakdown_puts_each_instruction_in_a_phase(tmp_path):
-  """scripts/step_breakdown.py profiles the steps and finds each strategy's collectives."""
+  """scripts/bench/step_breakdown.py profiles the steps and finds each strategy's collectives."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   command = [
     sys.executable,
-    os.path.join(ROOT, "scripts", "step_breakdown.py"),
+    os.path.join(ROOT, "scripts", "bench", "step_breakdown.py"),
     "--size",
     "mlp32x2",
     "--variants",

@@ -197,7 +197,7 @@ def _script():
   import importlib.util
   from pathlib import Path
 
-  path = Path(__file__).parents[1] / "scripts" / "fsdp_memory.py"
+  path = Path(__file__).parents[1] / "scripts" / "bench" / "fsdp_memory.py"
   spec = importlib.util.spec_from_file_location("fsdp_memory", path)
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
@@ -210,7 +210,7 @@ def _script():
   reason="no GPU compile here",
 )
 def test_memory_relations_on_the_residual_mlp():
-  """scripts/fsdp_memory.py's relations on a half-width residual MLP (d 512, ffn 2048, each
+  """scripts/bench/fsdp_memory.py's relations on a half-width residual MLP (d 512, ffn 2048, each
   block under the user's jax.checkpoint, Adam, f32), 8 x H100. Unrolled, jaxdp's FSDP peaks
   below GSPMD's FSDP and below its own ZeRO-1 and DDP; in both forms it grows per layer by its
   1/8 share of the layer (params + Adam state + grad shard: 16 bytes x 2M elements / 8) plus

@@ -55,10 +55,10 @@ Without an accelerator JAX's CPU backend is split into `--cpu-devices` (default 
 simulated devices: collectives are real, and all devices share the machine's cores.
 
 Usage:
-    python scripts/bench.py --dps 8            # GPT small, medium and both MLPs at dp = 8
-    python scripts/bench.py                    # the same at dp = 1, 2, 4, 8
-    python scripts/bench.py --quick --out /tmp/bench   # tiny sizes, for a test
-    python scripts/bench.py --sizes medium --dps 8 --rounds 10 --variants gspmd,psum_leaf,no_shard
+    python scripts/bench/bench.py --dps 8            # GPT small, medium and both MLPs at dp = 8
+    python scripts/bench/bench.py                    # the same at dp = 1, 2, 4, 8
+    python scripts/bench/bench.py --quick --out /tmp/bench   # tiny sizes, for a test
+    python scripts/bench/bench.py --sizes medium --dps 8 --rounds 10 --variants gspmd,psum_leaf,no_shard
 
 Writes to `--out`: `bench.md` (the table, with the command that produced it: docs/bench.md's
 table), `readme.md` (its rows at the largest dp, in README's columns), `bench.png`
@@ -73,7 +73,7 @@ import statistics
 import sys
 import time
 
-import host_malloc  # scripts/, beside this file
+import host_malloc  # scripts/bench/, beside this file
 
 # -----------------------------------------------------------------------------
 # defaults
@@ -97,7 +97,7 @@ parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
 )
 parser.add_argument(
-  "--sizes", default=sizes, help="comma-separated, of scripts/bench_programs.py's SIZES"
+  "--sizes", default=sizes, help="comma-separated, of scripts/bench/bench_programs.py's SIZES"
 )
 parser.add_argument("--dps", default=dps, help="comma-separated data-parallel sizes")
 parser.add_argument("--batch-size", type=int, default=batch_size)
@@ -118,7 +118,7 @@ parser.add_argument(
   "--system-malloc",
   action="store_true",
   help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
-  "does; see scripts/host_malloc.py)",
+  "does; see scripts/bench/host_malloc.py)",
 )
 args = parser.parse_args()
 if not args.system_malloc:
@@ -151,7 +151,8 @@ from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)  # the repo root
 import jaxdp  # noqa: E402
 from bench_programs import (  # noqa: E402
   GSPMD,
@@ -205,7 +206,7 @@ for dp in dp_list:
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
 
 # ----------------------------------------------------------------------------- variants
-# Every variant is one of scripts/bench_programs.py's steps (what scripts/step_breakdown.py
+# Every variant is one of scripts/bench/bench_programs.py's steps (what scripts/bench/step_breakdown.py
 # profiles): `gspmd_step` with what it shards and how it reduces, or `jaxdp_step`.
 
 
@@ -368,7 +369,7 @@ load_end = os.getloadavg()
 
 # ----------------------------------------------------------------------------- report
 
-command = "python scripts/bench.py" + "".join(f" {a}" for a in sys.argv[1:])
+command = "python scripts/bench/bench.py" + "".join(f" {a}" for a in sys.argv[1:])
 os.makedirs(args.out, exist_ok=True)
 
 gpts = [s for s in size_names if not is_mlp(s)]

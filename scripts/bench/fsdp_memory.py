@@ -23,11 +23,11 @@ scanned) and `optim_grads_params` (FSDP, `FSDPConfig(stacked=["blocks"])` when s
 (least squares over the layer counts).
 
 Usage:
-    python scripts/fsdp_memory.py --model mlp --layers 4 8              # ~10 min, 2 cores
-    python scripts/fsdp_memory.py --model gpt --layers 4 8 --scanned
-    python scripts/fsdp_memory.py --model mlp --layers 4 8 16 --both-forms --no-remat
-    python scripts/fsdp_memory.py --small ...   # d 64, ffn 256, batch 8 x 16: seconds
-    python scripts/fsdp_memory.py --both-forms --bucket-size 16000000 \
+    python scripts/bench/fsdp_memory.py --model mlp --layers 4 8              # ~10 min, 2 cores
+    python scripts/bench/fsdp_memory.py --model gpt --layers 4 8 --scanned
+    python scripts/bench/fsdp_memory.py --model mlp --layers 4 8 16 --both-forms --no-remat
+    python scripts/bench/fsdp_memory.py --small ...   # d 64, ffn 256, batch 8 x 16: seconds
+    python scripts/bench/fsdp_memory.py --both-forms --bucket-size 16000000 \
         --programs "jaxdp no_shard" "jaxdp optim"   # DDP / ZeRO-1 with smaller buckets
 """
 
@@ -37,7 +37,7 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import jax
 import jax.numpy as jnp
