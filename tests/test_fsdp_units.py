@@ -16,11 +16,10 @@ FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
 
 
 def block(h, w):
-  """The issue's residual MLP block: h + gelu(h @ W1) @ W2."""
+  """The residual MLP block of docs/memory.md: h + gelu(h @ W1) @ W2."""
   return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
 
 
-@jaxdp.scan_unit
 def body(h, w):  # a module-level scan body: lax.scan caches its trace
   return block(h, w), None
 

@@ -74,7 +74,7 @@ def gpu_step(strategy, overlap=True, default_buckets=False):
   """The GPT train step for 8 H100s: (schedule, layout)."""
   params, loss_fn, batch = gpt()
   config = gpt_config(strategy, overlap, default_buckets)
-  compiled = compile_train_step(loss_fn, tx(), config, params, batch, dp=N)
+  compiled = compile_train_step(loss_fn, tx(), N, config, params, batch)
   mesh = jax.make_mesh((N,), ("data",))
   state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx(), mesh, config), params)
   return schedule(compiled), state.layout
@@ -178,7 +178,7 @@ def test_scanned_distributed_optimizer_gathers_and_reduces_each_layer_in_the_loo
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   _, _, batch = gpt()
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
-  s = schedule(compile_train_step(loss_fn, tx(), config, params, batch, dp=N))
+  s = schedule(compile_train_step(loss_fn, tx(), N, config, params, batch))
   n_blocks = len(jax.tree.leaves(params["blocks"]))
   looped = [c for c in s.collectives if c.trip_count == GPT_CONFIG.n_layer]
   gathers = [c for c in looped if c.kind == "all-gather"]
@@ -235,7 +235,7 @@ def test_fsdp_holds_one_gathered_bucket_per_unit_and_one_grad_bucket_in_flight()
   for strategy in ("optim", "optim_grads_params"):
     config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=width * width)
     compiled[strategy] = compile_train_step(
-      loss_fn, optax.adamw(1e-3), config, params, {"x": x, "y": x}, dp=N
+      loss_fn, optax.adamw(1e-3), N, config, params, {"x": x, "y": x}
     )
     peak[strategy] = jaxdp.inspect.memory_stats(compiled[strategy]).peak_bytes
   assert peak["optim_grads_params"] < peak["optim"], peak
@@ -390,7 +390,7 @@ def test_memory_report_predicted_equals_measured(strategy):
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=3000)
   compile_gpu = GPU_REASON is None and strategy == "optim"
   rows = memory_report(
-    params, tx(), config, dp=N, loss_fn=loss_fn if compile_gpu else None, batch=batch
+    params, tx(), N, config, loss_fn=loss_fn if compile_gpu else None, batch=batch
   )
   by_kind = {r["kind"]: r for r in rows}
   assert list(by_kind) == ["params", "master", "opt_state", "state", "grads", "gathered", "total"]

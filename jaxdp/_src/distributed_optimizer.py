@@ -257,7 +257,7 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxdp
     >>> from jaxdp._src.distributed_optimizer import check_exact
-    >>> layout = jaxdp.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
+    >>> layout = jaxdp.layout.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
     >>> check_exact(optax.lamb(1e-3), layout)  # per-leaf norms: exact on zero padding
     >>> check_exact(optax.adafactor(1e-3), layout)
     Traceback (most recent call last):
@@ -354,7 +354,7 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxdp
     >>> from jaxdp._src.distributed_optimizer import fuses
-    >>> layout = jaxdp.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
+    >>> layout = jaxdp.layout.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
     >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     >>> fuses(tx, layout), fuses(optax.lamb(1e-3), layout)
     (True, False)

@@ -106,7 +106,7 @@ class ParamSpec:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> w = layout.buffers[0].buckets[0].params[0]  # 300 rows pad to 304 = 8 x 38
     >>> w.path, w.index, w.rows, w.offset, w.shard_size(8), w.padded_shape
     ("['w']", 1, 304, 0, 152, (304, 4))
@@ -169,7 +169,7 @@ class Bucket:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> (bucket,) = layout.buffers[0].buckets  # 8 shards of 160, 77 of them padding
     >>> [p.path for p in bucket.params], bucket.numel, bucket.shard_size
     (["['w']", "['b']"], 1203, 160)
@@ -201,7 +201,7 @@ class BufferLayout:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> (buf,) = layout.buffers
     >>> buf.name, buf.param_dtype, buf.grad_dtype, buf.size, buf.numel
     ('float32', dtype('float32'), dtype('float32'), 1280, 1203)
@@ -234,7 +234,7 @@ class Layout:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> layout.paths, layout.shapes, layout.num_buckets, layout.trainable
     (("['b']", "['w']"), ((3,), (300, 4)), 1, (True, True))
   """
@@ -291,11 +291,11 @@ class Layout:
     Examples:
       >>> import jax, jax.numpy as jnp, jaxdp
       >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros((3,))}
-      >>> print(jaxdp.make_layout(params, dp=8, bucket_size=2000).summary())
+      >>> print(jaxdp.layout.make_layout(params, dp=8, bucket_size=2000).summary())
       dp=8, bucket_size=2,000 elements; 1 buffer, 1 bucket, 1,203 param elements
       buffer float32: 1,280 elements (77 padding)
         bucket 0: [0, 1,280)  2 params, 1,203 elements, 77 padding  ['w'] .. ['b']
-      >>> print(jaxdp.make_layout({"stack": jnp.zeros((4, 64, 8))}, dp=8).summary())
+      >>> print(jaxdp.layout.make_layout({"stack": jnp.zeros((4, 64, 8))}, dp=8).summary())
       dp=8, bucket_size=16,000,000 elements; 1 buffer, 1 bucket, 2,048 param elements
       buffer float32: 2,048 elements (0 padding)
         bucket 0: [0, 2,048)  1 param, 2,048 elements, 0 padding  ['stack'] .. ['stack']
@@ -538,7 +538,7 @@ def make_layout(
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"a": jnp.zeros((1000,)), "b": jnp.zeros((10, 10), jnp.bfloat16)}
-    >>> layout = jaxdp.make_layout(params, dp=8, grad_dtype=jnp.float32)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, grad_dtype=jnp.float32)
     >>> [buf.name for buf in layout.buffers]
     ['bfloat16/float32', 'float32']
     >>> layout.buffers[1].size  # 1000 elements padded to a multiple of lcm(8, 128)
@@ -547,7 +547,7 @@ def make_layout(
     One bucket per unit, a stacked unit described per layer:
 
     >>> params = {"blocks": {"w": jnp.zeros((4, 16, 3))}, "head": jnp.zeros((3, 2))}
-    >>> layout = jaxdp.make_layout(params, dp=8, units=lambda path: path[2:6],
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, units=lambda path: path[2:6],
     ...                            stacked={"['blocks']['w']"})
     >>> [(b.unit, b.params[0].layers, b.params[0].shape) for b in layout.buffers[0].buckets]
     [('head', 0, (3, 2)), ('bloc', 4, (16, 3))]
@@ -555,7 +555,7 @@ def make_layout(
     Expert params (8 experts over 2 expert-parallel ranks) in a buffer of their own:
 
     >>> params = {"router": jnp.zeros((4, 8)), "w": jnp.zeros((8, 4, 16))}
-    >>> layout = jaxdp.make_layout(params, dp=4, experts=lambda path, _: path == "['w']",
+    >>> layout = jaxdp.layout.make_layout(params, dp=4, experts=lambda path, _: path == "['w']",
     ...                            expert_parallel=2)
     >>> [(buf.name, buf.expert, buf.params[0].shape) for buf in layout.buffers]
     [('expert/float32', True, (4, 4, 16)), ('float32', False, (4, 8))]

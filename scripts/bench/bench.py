@@ -57,12 +57,12 @@ simulated devices: collectives are real, and all devices share the machine's cor
 Usage:
     python scripts/bench/bench.py --dps 8            # GPT small, medium and both MLPs at dp = 8
     python scripts/bench/bench.py                    # the same at dp = 1, 2, 4, 8
-    python scripts/bench/bench.py --quick --out /tmp/bench   # tiny sizes, for a test
+    python scripts/bench/bench.py --quick --out out/bench-quick   # tiny sizes, for a test
     python scripts/bench/bench.py --sizes medium --dps 8 --rounds 10 --variants gspmd,psum_leaf,no_shard
 
 Writes to `--out`: `bench.md` (the table, with the command that produced it: docs/bench.md's
-table), `readme.md` (its rows at the largest dp, in README's columns), `bench.png`
-(step-time ratios and step times against dp), `bench.json` (every sample).
+table), `bench.png` (step-time ratios and step times against dp), `bench.json` (every
+sample).
 """
 
 import argparse
@@ -448,22 +448,6 @@ if strategies:
 table = "\n".join(lines) + "\n"
 with open(os.path.join(args.out, "bench.md"), "w") as f:
   f.write(table)
-# README's table: the rows of the largest dp, fewer columns (tests/test_bench.py checks it
-# against docs/bench.md)
-readme = [
-  "| size | variant | baseline | step ms | ratio | ratio to gspmd | compile ratio "
-  "| collectives | state MiB/dev |",
-  "|---|---|---|---:|---:|---:|---:|---:|---:|",
-]
-for row in results:
-  if row["dp"] == top:
-    readme.append(
-      f"| {row['size']} ({row['params'] / 1e6:.2f}M) | {row['variant']} | {row['baseline']} "
-      f"| {row['step_ms']:.0f} | {row['ratio']:.2f} | {row['ratio_gspmd']:.2f} "
-      f"| {row['compile_ratio']:.2f} | {row['collectives']} | {mib(row['state_bytes'])} |"
-    )
-with open(os.path.join(args.out, "readme.md"), "w") as f:
-  f.write("\n".join(readme) + "\n")
 with open(os.path.join(args.out, "bench.json"), "w") as f:
   json.dump(
     dict(
@@ -503,4 +487,4 @@ fig.savefig(os.path.join(args.out, "bench.png"), dpi=110)
 
 print("\n".join(gspmd_checks))
 print(table)
-print(f"wrote {args.out}/bench.md, readme.md, bench.png, bench.json")
+print(f"wrote {args.out}/bench.md, bench.png, bench.json")

@@ -218,7 +218,7 @@ def compile_program(
     fsdp = fsdp or FSDPConfig(
       stacked=["blocks"] if scanned else [], prefetch=prefetch, chunks=chunks
     )
-  return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh, fsdp=fsdp)
+  return aot.compile_train_step(loss_fn, tx, mesh, config, params, batch, fsdp=fsdp)
 
 
 def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True, **kw):

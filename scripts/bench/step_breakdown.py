@@ -36,7 +36,7 @@ less forward+backward and more waiting than one with few, for the same work; com
 Usage:
     python scripts/bench/step_breakdown.py                           # GPT small, dp = 8
     python scripts/bench/step_breakdown.py --size mlp512x8 --details
-    python scripts/bench/step_breakdown.py --size tiny --rounds 2 --out /tmp/breakdown   # a test
+    python scripts/bench/step_breakdown.py --size tiny --rounds 2 --out out/breakdown-tiny   # a test
 
 Writes `breakdown.md` (the table) and `breakdown.json` (per instruction) to `--out`.
 """
