@@ -29,3 +29,27 @@ from jaxdp._src.ledger import measured_bytes as measured_bytes
 from jaxdp._src.ledger import memory_ledger as memory_ledger
 from jaxdp._src.ledger import memory_report as memory_report
 from jaxdp._src.ledger import ring_formula as ring_formula
+
+__all__ = [
+  "abstract_like",
+  "Collective",
+  "compile_for_gpu",
+  "compile_train_step",
+  "compiler_options",
+  "gpu_compile_unavailable",
+  "gpu_mesh",
+  "gpu_topology",
+  "h100_target_config",
+  "measured_bytes",
+  "memory_ledger",
+  "memory_report",
+  "memory_stats",
+  "MemoryLedger",
+  "MemoryStats",
+  "report",
+  "ring_bytes",
+  "ring_formula",
+  "Schedule",
+  "schedule",
+  "ScheduledOp",
+]

@@ -11,3 +11,12 @@ from jaxdp._src.plot import plot_bucket as plot_bucket
 from jaxdp._src.plot import plot_layout as plot_layout
 from jaxdp._src.plot import plot_memory as plot_memory
 from jaxdp._src.plot import plot_timeline as plot_timeline
+
+__all__ = [
+  "MEMORY_KINDS",
+  "param_group",
+  "plot_bucket",
+  "plot_layout",
+  "plot_memory",
+  "plot_timeline",
+]

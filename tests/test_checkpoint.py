@@ -263,7 +263,6 @@ def test_fused_fsdp_restores_into_other_forms(tmp_path, dp, strategy, fused):
 def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
   """A stacked FSDP leaf `(layers, n, ...)` is padded on axis 1, an `optim` one on axis 0."""
   from jaxdp._src.config import FSDPConfig
-  from jaxdp._src.units import gather_unit
 
   k1, k2 = jax.random.split(jax.random.key(1))
   params = {
@@ -273,7 +272,6 @@ def test_stacked_fsdp_layers_to_optim_and_back(tmp_path):
 
   def loss(p, batch):
     def body(h, layer):
-      layer = gather_unit(layer)
       return jnp.tanh(h @ layer["w"] + layer["b"]), None
 
     h, _ = jax.lax.scan(body, batch["x"], p["blocks"])

@@ -384,7 +384,7 @@ def test_doctests_launch():
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
 def test_get_params_is_one_program_and_outlives_the_next_step(strategy, caplog):
   """`get_params` compiles (and so runs) one program, however many leaves: eager per-leaf
-  gathers hung 2-process jobs (issue 17). Its arrays are its own: the next step donates the
+  gathers hung 2-process jobs (docs/design.md, "One program per call"). Its arrays are its own: the next step donates the
   state, and the params read before it are still there, bitwise the initial params."""
   mesh = jax.make_mesh((8,), ("data",))
   config, tx = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy), mp_worker.make_tx()
@@ -507,9 +507,8 @@ BUSY_LOOP = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() <
 def test_train_script_under_the_launcher_survives_a_busy_machine(tmp_path):
   """scripts/train.py as 2 processes x 4 devices, with evaluation (steps 0, 1 and 2) and a
   checkpoint (step 2), 5 times in a row over every strategy, while two busy loops keep both
-  cores busy. Before issue 17 was fixed such runs hung after a train step (eager per-leaf
-  gathers in get_params): 3 of 4 in the issue, 5 of 22 here (notes/issue-17.md). Each run
-  must finish inside its timeout; if one does not, the launcher's hang guard names where
+  cores busy. With eager per-leaf gathers in get_params such runs hung after a train step
+  (docs/design.md, "One program per call"). Each run must finish inside its timeout; if one does not, the launcher's hang guard names where
   the processes were."""
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   busy = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(2)]

@@ -514,9 +514,7 @@ def test_opt_state_is_one_dp_th_and_ledger_matches_arrays(dtype):
         data_parallel_sharding_strategy=strategy, bucket_size=BUCKET, overlap_param_gather=overlap
       )
       state = states[strategy, overlap] = jaxdp.init_state(params, tx, mesh, config)
-      ledger = memory_ledger(
-        params, strategy, DP, tx, bucket_size=BUCKET, overlap_param_gather=overlap
-      )
+      ledger = memory_ledger(params, tx, DP, config)
       measured = measured_bytes(state)
       assert measured["step"] == 4
       assert {k: measured[k] for k in ledger.state} == ledger.state, (strategy, overlap)
@@ -548,16 +546,17 @@ def test_ledger_matches_arrays_with_stacked_layers(n_layer, d, ffn, fused_update
   config = jaxdp.DDPConfig(
     data_parallel_sharding_strategy="optim", stacked=["blocks"], fused_update=fused_update
   )
-  rows = {r["kind"]: r for r in memory_report(params, tx, config, dp=DP)}
+  rows = {r["kind"]: r for r in memory_report(params, tx, DP, config)}
   for kind in ("params", "master", "opt_state"):
     assert rows[kind]["predicted"] == rows[kind]["measured"], (kind, rows[kind])
-  unstacked = memory_ledger(params, "optim", DP, tx, fused_update=fused_update)
+  unstacked = memory_ledger(params, tx, DP, dataclasses.replace(config, stacked=()))
   assert unstacked.master != rows["master"]["predicted"]  # the stacks' own padding
 
 
 def test_ledger_reproduces_the_design_table():
   """Mixed-precision Adam, bf16 params, no padding: psi = 2^20 params, N = 8."""
   psi, n = 2**20, DP
+  ddp = lambda strategy, **kw: jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, **kw)
   params = {
     "w": jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16),
     "v": jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16),
@@ -570,16 +569,17 @@ def test_ledger_reproduces_the_design_table():
     "optim_grads_params": (0, 4 / n, 4 / n, 8 / n),
   }
   for strategy, (p, g, m, o) in expected.items():
-    ledger = memory_ledger(params, strategy, n)
+    ledger = memory_ledger(params, None, n, ddp(strategy))
     assert ledger.params == p * psi and ledger.grads == g * psi
     assert ledger.master == m * psi
     assert ledger.opt_state == o * psi + 4  # + Adam's int32 step count
-  assert memory_ledger(params, "no_shard", n).total == 18 * psi + 4
-  assert memory_ledger(params, "optim", n).total == 6 * psi + 12 * psi // n + 4
-  assert memory_ledger(params, "optim_grads", n).total == 2 * psi + 16 * psi // n + 4
+  assert memory_ledger(params, None, n, ddp("no_shard")).total == 18 * psi + 4
+  assert memory_ledger(params, None, n, ddp("optim")).total == 6 * psi + 12 * psi // n + 4
+  assert memory_ledger(params, None, n, ddp("optim_grads")).total == 2 * psi + 16 * psi // n + 4
   # fp16/bf16 grads when grad_reduce_in_fp32=False; frozen params have no grads or state.
-  assert memory_ledger(params, "optim", n, grad_reduce_in_fp32=False).grads == 2 * psi
-  frozen = memory_ledger(params, "optim", n, frozen={"w": True, "v": False})
+  bf16_grads = ddp("optim", grad_reduce_in_fp32=False)
+  assert memory_ledger(params, None, n, bf16_grads).grads == 2 * psi
+  frozen = memory_ledger(params, None, n, ddp("optim"), frozen={"w": True, "v": False})
   assert frozen.grads == 2 * psi and frozen.opt_state == 8 * psi // 2 // n + 4
 
 
@@ -634,7 +634,7 @@ def test_shape_dependent_transformation_runs_where_nothing_is_padded(axis_type):
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2)
   tx = optax.adafactor(1e-2)
   assert distributed_optimizer._shape_dependent_state(  # really factored
-    tx, jaxdp.make_layout(params, dp=DP)
+    tx, jaxdp.layout.make_layout(params, dp=DP)
   )
   ref, ref_losses, _ = reference(params, loss_fn, batch, tx, steps=5)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
@@ -660,7 +660,7 @@ def test_lamb_is_exact_on_padded_leaves(axis_type):
 
 
 def test_check_exact_accepts_elementwise_and_global_norm_transformations():
-  layout = jaxdp.make_layout(
+  layout = jaxdp.layout.make_layout(
     {"w": jnp.zeros((130, 7)), "b": jnp.zeros((3,)), "s": jnp.zeros(())}, dp=DP
   )
   for tx in (
@@ -746,7 +746,7 @@ def test_no_shard_fused_update_equals_single_device_and_keeps_no_master():
     np.testing.assert_allclose(norms, ref_norms, rtol=norm_rtol)
     bound.check(jaxdp.get_params(state), ref)
     assert step._cache_size() == 1, "the second step recompiled"
-    ledger = memory_ledger(params, "no_shard", DP, tx, bucket_size=BUCKET, fused_update=fused)
+    ledger = memory_ledger(params, tx, DP, config)
     assert {k: measured_bytes(state)[k] for k in ledger.state} == ledger.state
 
   state = runs[True][0]
@@ -768,7 +768,7 @@ def test_fused_update_falls_back_for_masks_and_per_leaf_statistics():
   per-leaf update (exact: test_sharded_equals_single_device_f32, test_lamb_is_exact_...);
   only fused_update=True turns that into an error."""
   params, _, _ = mlp_problem()
-  layout = jaxdp.make_layout(params, dp=DP, bucket_size=BUCKET)
+  layout = jaxdp.layout.make_layout(params, dp=DP, bucket_size=BUCKET)
   for tx in (
     adamw_tx(params, mask=None),
     optax.sgd(0.1, momentum=0.9),

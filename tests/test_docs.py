@@ -1,9 +1,10 @@
-"""The commands of README.md and docs/multi-host.md, run as a reader runs them.
+"""The commands of README.md and docs/, run as a reader runs them.
 
-Python blocks run from an empty folder with only the `jaxdp` package importable (what
-`pip install -e .` packages: not `models/`, not `scripts/`); bash blocks run where they
-can run on one machine (the local launcher stands in for a cluster), and otherwise have
-their scripts, flags, extras and markers checked to exist.
+Python blocks (README, docs/guide.md, docs/multi-host.md) run from an empty folder with only
+the `jaxdp` package importable (what `pip install -e .` packages: not `models/`, not
+`scripts/`); bash blocks run where they can run on one machine (the local launcher stands in
+for a cluster), and otherwise have their scripts, flags, extras and markers checked to exist
+(docs/bench.md and docs/memory.md: the command beside each table).
 """
 
 import glob
@@ -22,6 +23,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MULTI_HOST = (ROOT / "docs" / "multi-host.md").read_text()
+GUIDE = (ROOT / "docs" / "guide.md").read_text()
+MEASURED = {name: (ROOT / "docs" / name).read_text() for name in ("bench.md", "memory.md")}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
 
@@ -117,8 +120,36 @@ def test_readme_bash_blocks_name_what_exists():
 
 
 def test_readme_links_exist():
-  for link in re.findall(r"\]\(((?:docs|notebooks|notes)/[^)#]+)\)", README):
+  for link in re.findall(r"\]\(((?:docs|notebooks)/[^)#]*|[\w-]+\.md)\)", README):
     assert (ROOT / link).exists(), link
+
+
+# ----------------------------------------------------------------------------- docs/
+
+
+@pytest.mark.parametrize("i", range(len(blocks(GUIDE, "python"))))
+def test_guide_python_block_runs_from_any_folder(tmp_path, i):
+  code = blocks(GUIDE, "python")[i]
+  (tmp_path / "snippet.py").write_text(code)
+  proc = run(["python", "snippet.py"], tmp_path, reader_env(tmp_path))
+  assert proc.returncode == 0, f"docs/guide.md python block {i}:\n{code}\n{proc.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_measurement_commands_name_real_scripts_and_flags(name):
+  """Every table of docs/bench.md and docs/memory.md comes with the command that made it:
+  a script of scripts/ with flags it takes, writing inside the repository (no scratch
+  folders)."""
+  found = commands(MEASURED[name])
+  assert found, name
+  for args in found:
+    if args[0] == "bash":
+      assert (ROOT / args[1]).is_file(), args
+      continue
+    assert args[0] == "python" and args[1].startswith("scripts/"), args
+    flags = {a.split("=")[0] for a in args[2:] if a.startswith("--")}
+    assert flags <= help_flags(args[1]), (args, flags - help_flags(args[1]))
+    assert not any(a.startswith("/tmp") for a in args), args
 
 
 # ----------------------------------------------------------------------------- multi-host

@@ -477,7 +477,7 @@ def test_fsdp_fused_update_is_taken_and_equals_single_device(freeze):
   assert jax.tree.structure(fused) == jax.tree.structure(per_leaf)
   assert jax.tree.map(jnp.shape, fused) == jax.tree.map(jnp.shape, per_leaf)
   # The ledger predicts the flat state byte for byte (unit buckets' end padding included).
-  rows = memory_report(params, adamw_clip(), FSDP, dp=DP, frozen=frozen, fsdp=fsdp)
+  rows = memory_report(params, adamw_clip(), DP, FSDP, frozen=frozen, fsdp=fsdp)
   for r in rows[:4]:
     assert r["measured"] == r["predicted"], r
   measured = {r["kind"]: r["measured"] for r in rows}
@@ -546,8 +546,7 @@ def test_fsdp_errors_name_the_fix():
   with pytest.raises(ValueError, match="same fsdp="):
     jaxdp.make_train_step(loss_fn, tx, mesh, FSDP)(state, batch)
 
-  # A model that scans its stacked layers without scan_unit / gather_unit (once an error)
-  # trains: d loss / d w = mean(x) = 1 everywhere, so one SGD step of 0.1 gives 0.9 (exact
+  # A model that scans its stacked layers with no marker of jaxdp's trains: d loss / d w = mean(x) = 1 everywhere, so one SGD step of 0.1 gives 0.9 (exact
   # up to f32 rounding of the sum over devices).
   def no_hook(p, b):
     _, per_layer = jax.lax.scan(lambda c, w: (c, jnp.sum(w)), None, p["w"])
@@ -562,7 +561,7 @@ def test_fsdp_errors_name_the_fix():
   with pytest.raises(NotImplementedError, match="adafactor|factored|shape"):
     jaxdp.init_state(mlp_params, optax.adafactor(1e-3), mesh, FSDP)
   with pytest.raises(ValueError, match="layer axes"):
-    jaxdp.make_layout(
+    jaxdp.layout.make_layout(
       {"a": jnp.zeros((2, 3)), "b": jnp.zeros((4,))}, dp=2, units=lambda p: "u", stacked={"['a']"}
     )
 

@@ -1,4 +1,4 @@
-"""FSDP on models jaxdp did not write: the scanned / unrolled residual MLP of issue 13, built
+"""FSDP on models jaxdp did not write: the scanned / unrolled residual MLP of docs/memory.md, built
 any number of times, with the user's remat, next to DDP; equal to the single-device program."""
 
 import jax
@@ -16,11 +16,10 @@ FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
 
 
 def block(h, w):
-  """The issue's residual MLP block: h + gelu(h @ W1) @ W2."""
+  """The residual MLP block of docs/memory.md: h + gelu(h @ W1) @ W2."""
   return h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
 
 
-@jaxdp.scan_unit
 def body(h, w):  # a module-level scan body: lax.scan caches its trace
   return block(h, w), None
 
@@ -197,7 +196,7 @@ def _script():
   import importlib.util
   from pathlib import Path
 
-  path = Path(__file__).parents[1] / "scripts" / "fsdp_memory.py"
+  path = Path(__file__).parents[1] / "scripts" / "bench" / "fsdp_memory.py"
   spec = importlib.util.spec_from_file_location("fsdp_memory", path)
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
@@ -210,7 +209,7 @@ def _script():
   reason="no GPU compile here",
 )
 def test_memory_relations_on_the_residual_mlp():
-  """scripts/fsdp_memory.py's relations on a half-width residual MLP (d 512, ffn 2048, each
+  """scripts/bench/fsdp_memory.py's relations on a half-width residual MLP (d 512, ffn 2048, each
   block under the user's jax.checkpoint, Adam, f32), 8 x H100. Unrolled, jaxdp's FSDP peaks
   below GSPMD's FSDP and below its own ZeRO-1 and DDP; in both forms it grows per layer by its
   1/8 share of the layer (params + Adam state + grad shard: 16 bytes x 2M elements / 8) plus

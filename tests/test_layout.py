@@ -15,7 +15,7 @@ from jaxdp._src.ledger import memory_ledger
 def test_buckets_offsets_and_padding_by_hand():
   # Tree order is b1, w1, w2; backprop order is the reverse: w2, w1, b1.
   params = {"w1": jnp.zeros((300, 4)), "b1": jnp.zeros((3,)), "w2": jnp.zeros((4, 5))}
-  layout = jaxdp.make_layout(params, dp=8, bucket_size=1000)
+  layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=1000)
   (buf,) = layout.buffers
   assert buf.name == "float32"
   # w2 (20 elements) keeps bucket 0 open; w1 brings it to 1220 >= 1000 and closes it.
@@ -47,7 +47,7 @@ def test_shard_dim_is_the_one_that_pads_least():
     "odd": jnp.zeros((3, 5)),  # 3 -> 8 vs 5 -> 8: dim 1 pads less
     "scalar": jnp.zeros(()),
   }
-  layout = jaxdp.make_layout(params, dp=dp)
+  layout = jaxdp.layout.make_layout(params, dp=dp)
   axes = {p.path: (p.axis, p.rows, p.local_shape(dp)) for p in layout.params}
   assert axes == {
     "['stacked']": (1, 24, (4, 3, 5)),
@@ -58,15 +58,15 @@ def test_shard_dim_is_the_one_that_pads_least():
     "['scalar']": (0, 8, (1,)),
   }
   # `leading` pins the leading dim (jaxdp passes tensor-parallel weights); so do FSDP units.
-  pinned = jaxdp.make_layout(params, dp=dp, leading=lambda path, leaf: path != "['w']")
+  pinned = jaxdp.layout.make_layout(params, dp=dp, leading=lambda path, leaf: path != "['w']")
   assert {p.path: p.axis for p in pinned.params if p.axis} == {"['w']": 1}
-  units = jaxdp.make_layout(params, dp=dp, units=lambda path: "all")
+  units = jaxdp.layout.make_layout(params, dp=dp, units=lambda path: "all")
   assert all(p.axis == 0 for p in units.params)
 
 
 def test_dtype_buffers_and_odd_dp():
   params = {"x": jnp.zeros((10,)), "y": jnp.zeros((2, 2), jnp.bfloat16)}
-  layout = jaxdp.make_layout(params, dp=3, grad_dtype=jnp.float32)
+  layout = jaxdp.layout.make_layout(params, dp=3, grad_dtype=jnp.float32)
   assert [b.name for b in layout.buffers] == ["bfloat16/float32", "float32"]
   bf16, f32 = layout.buffers
   assert bf16.param_dtype == jnp.bfloat16 and bf16.grad_dtype == jnp.float32
@@ -82,10 +82,10 @@ def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
   rule with 16M for its 40M: a 40M bucket's ravel copy put ZeRO-1 on models/gpt.py above GSPMD
   ZeRO-1); DDP (no_shard) to PyTorch DDP's 25 MiB of fp32, because XLA copies a bucket before
   its all-reduce, and a model that fits one such bucket to 16 buckets, so that its all-reduces
-  start inside the backward (layout.default_bucket_size says what was measured)."""
+  start inside the backward (docs/design.md, "Default bucket sizes", says what was measured)."""
   params = {"w": jnp.zeros((4,))}
-  assert jaxdp.make_layout(params, dp=8).bucket_size == 16_000_000
-  assert jaxdp.make_layout(params, dp=64).bucket_size == 64_000_000
+  assert jaxdp.layout.make_layout(params, dp=8).bucket_size == 16_000_000
+  assert jaxdp.layout.make_layout(params, dp=64).bucket_size == 64_000_000
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax.sgd(0.1)
   sizes = {
@@ -103,12 +103,12 @@ def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
     layout = jaxdp.init_state(p, tx, mesh, ddp).layout
     assert (layout.bucket_size, layout.num_buckets) == (size, buckets)
     # the ledger counts the same buckets' end padding
-    assert memory_ledger(p, "no_shard", 8, tx).grads == layout.buffers[0].size * 4
+    assert memory_ledger(p, tx, 8, ddp).grads == layout.buffers[0].size * 4
 
 
 def test_a_param_is_never_split_and_every_bucket_reaches_bucket_size():
   params = {f"p{i:02d}": jnp.zeros((n,)) for i, n in enumerate([7, 300, 64, 1, 999, 5, 130])}
-  layout = jaxdp.make_layout(params, dp=4, bucket_size=250)
+  layout = jaxdp.layout.make_layout(params, dp=4, bucket_size=250)
   buckets = layout.buffers[0].buckets
   sizes = [[p.size for p in b.params] for b in buckets]
   # Backprop order: 130, 5, 999 | 1, 64, 300 | 7
@@ -118,22 +118,24 @@ def test_a_param_is_never_split_and_every_bucket_reaches_bucket_size():
 
 def test_frozen_and_integer_leaves_get_no_buffer():
   params = {"emb": jnp.zeros((8, 4)), "frozen": jnp.zeros((4, 4)), "step": jnp.zeros((), jnp.int32)}
-  by_tree = jaxdp.make_layout(params, dp=2, frozen={"emb": False, "frozen": True, "step": False})
-  by_fn = jaxdp.make_layout(params, dp=2, frozen=lambda path, leaf: "frozen" in path)
+  by_tree = jaxdp.layout.make_layout(
+    params, dp=2, frozen={"emb": False, "frozen": True, "step": False}
+  )
+  by_fn = jaxdp.layout.make_layout(params, dp=2, frozen=lambda path, leaf: "frozen" in path)
   for layout in (by_tree, by_fn):
     assert [p.path for p in layout.params] == ["['emb']"]
     assert layout.static == (1, 2)  # tree order: emb, frozen, step
   with pytest.raises(ValueError, match="frozen"):
-    jaxdp.make_layout(params, dp=2, frozen={"emb": True})
+    jaxdp.layout.make_layout(params, dp=2, frozen={"emb": True})
 
 
 def test_shapes_alone_give_the_same_layout():
   params = {"a": jnp.zeros((33, 3), jnp.bfloat16), "b": jnp.zeros((5,))}
   shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  assert jaxdp.make_layout(shapes, dp=8, bucket_size=64) == jaxdp.make_layout(
+  assert jaxdp.layout.make_layout(shapes, dp=8, bucket_size=64) == jaxdp.layout.make_layout(
     params, dp=8, bucket_size=64
   )
-  hash(jaxdp.make_layout(shapes, dp=8))  # static: usable as a jit static argument
+  hash(jaxdp.layout.make_layout(shapes, dp=8))  # static: usable as a jit static argument
 
 
 def _random_tree(dtypes):
@@ -150,14 +152,14 @@ def _random_tree(dtypes):
 def test_round_trip_is_bitwise(dp):
   params = _random_tree([jnp.float32, jnp.bfloat16, jnp.float16])
   params["count"] = jnp.arange(3, dtype=jnp.int32)
-  layout = jaxdp.make_layout(params, dp=dp, bucket_size=40)
-  flat = jaxdp.ravel(params, layout)
+  layout = jaxdp.layout.make_layout(params, dp=dp, bucket_size=40)
+  flat = jaxdp.layout.ravel(params, layout)
   assert {k: v.dtype for k, v in flat.items()} == {
     "bfloat16": jnp.bfloat16,
     "float16": jnp.float16,
     "float32": jnp.float32,
   }
-  back = jaxdp.unravel(flat, layout, like=params)
+  back = jaxdp.layout.unravel(flat, layout, like=params)
   for k in params:
     a, b = np.asarray(params[k]), np.asarray(back[k])
     assert a.dtype == b.dtype and a.shape == b.shape
@@ -167,8 +169,8 @@ def test_round_trip_is_bitwise(dp):
 def test_ravel_places_each_shard_rows_where_the_layout_says():
   dp = 4
   params = {"a": jnp.arange(10.0 * 3).reshape(10, 3), "b": jnp.arange(6.0) + 100}
-  layout = jaxdp.make_layout(params, dp=dp)
-  flat = np.asarray(jaxdp.ravel(params, layout)["float32"])
+  layout = jaxdp.layout.make_layout(params, dp=dp)
+  flat = np.asarray(jaxdp.layout.ravel(params, layout)["float32"])
   (bucket,) = layout.buffers[0].buckets
   for p in bucket.params:
     full = np.asarray(params[p.path[2:-2]]).reshape(p.shape[0], -1)
@@ -186,11 +188,11 @@ def test_ravel_places_each_shard_rows_where_the_layout_says():
 def test_ravel_places_column_blocks_of_a_param_sharded_on_dim_1():
   dp = 4
   params = {"s": jnp.arange(2.0 * 6 * 3).reshape(2, 6, 3) + 1}  # 2 layers < 4: dim 1
-  layout = jaxdp.make_layout(params, dp=dp)
+  layout = jaxdp.layout.make_layout(params, dp=dp)
   (p,) = layout.params
   assert (p.axis, p.rows) == (1, 8)  # 6 -> 8 rows per layer, 2 per shard
   (bucket,) = layout.buffers[0].buckets
-  flat = np.asarray(jaxdp.ravel(params, layout)["float32"])
+  flat = np.asarray(jaxdp.layout.ravel(params, layout)["float32"])
   padded = np.zeros((2, 8, 3), np.float32)
   padded[:, :6] = np.asarray(params["s"])
   for d in range(dp):
@@ -202,12 +204,12 @@ def test_ravel_places_column_blocks_of_a_param_sharded_on_dim_1():
 
 def test_bad_arguments():
   with pytest.raises(ValueError, match="bucket_size"):
-    jaxdp.make_layout({"w": jnp.zeros(3)}, dp=2, bucket_size=0)
+    jaxdp.layout.make_layout({"w": jnp.zeros(3)}, dp=2, bucket_size=0)
   with pytest.raises(ValueError, match="dp"):
-    jaxdp.make_layout({"w": jnp.zeros(3)}, dp=0)
-  layout = jaxdp.make_layout({"w": jnp.zeros(3)}, dp=2)
+    jaxdp.layout.make_layout({"w": jnp.zeros(3)}, dp=0)
+  layout = jaxdp.layout.make_layout({"w": jnp.zeros(3)}, dp=2)
   with pytest.raises(ValueError, match="structure"):
-    jaxdp.ravel({"v": jnp.zeros(3)}, layout)
+    jaxdp.layout.ravel({"v": jnp.zeros(3)}, layout)
   with pytest.raises(ValueError, match=r"\['w'\]: shape"):
-    jaxdp.ravel({"w": jnp.zeros(4)}, layout)
-  assert math.lcm(2, 128) == jaxdp.ravel({"w": jnp.zeros(3)}, layout)["float32"].size
+    jaxdp.layout.ravel({"w": jnp.zeros(4)}, layout)
+  assert math.lcm(2, 128) == jaxdp.layout.ravel({"w": jnp.zeros(3)}, layout)["float32"].size

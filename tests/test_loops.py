@@ -491,3 +491,26 @@ def test_nnx_loop_equals_nnx_optimizer_on_one_device(strategy):
   )
   assert_trees_close(jaxdp.nnx_model_state(dp_model), jaxdp.nnx_model_state(model), ATOL)
   assert int(dp_optimizer.step) == 3
+
+
+def test_nnx_train_step_keeps_one_step_per_optimizer_object(monkeypatch):
+  """A train step made once serves each optimizer with the step of that optimizer's own
+  `tx`: the cache is keyed on the optimizer object, so a new optimizer that CPython puts at
+  the address of one just freed never gets another's compiled step. Address reuse is
+  simulated: `id` in the adapter's module returns one number for every object."""
+  from jaxdp._src import nnx as nnx_adapter
+
+  monkeypatch.setattr(nnx_adapter, "id", lambda obj: 0, raising=False)
+  loss = lambda model, batch: jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+  batch = {"x": jnp.ones((16, 3)), "y": jnp.zeros((16, 1))}
+  mesh, config = mesh8(), jaxdp.DDPConfig()
+  train_step = jaxdp.nnx_train_step(loss)
+  for lr in (0.1, 0.0, 0.1, 0.0):
+    model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    before = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    optimizer = jaxdp.NNXOptimizer(model, optax.sgd(lr), mesh, config)
+    train_step(model, optimizer, batch)
+    after = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    moved = not np.array_equal(after["kernel"], before["kernel"])
+    assert moved == (lr > 0), lr
+    del model, optimizer

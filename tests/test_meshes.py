@@ -255,7 +255,7 @@ def test_compile_train_step_shards_the_batch_like_the_step():
   batch = {"x": jax.ShapeDtypeStruct((16, 4), jnp.float32)}
   loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
   compiled = jaxdp.inspect.compile_train_step(
-    loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(), params, batch, mesh=mesh
+    loss_fn, optax.sgd(0.1), mesh, jaxdp.DDPConfig(), params, batch
   )
   (_, batch_sharding), _ = compiled.input_shardings
   assert batch_sharding["x"].spec == P(("expert", "data"))

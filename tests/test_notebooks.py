@@ -5,7 +5,7 @@ Each notebook is executed once, with nbclient, in a fresh kernel whose environme
 the notebooks also set `jax_num_cpu_devices` themselves) and whose working directory is
 `notebooks/`, as when a user opens them in Jupyter. The notebooks are stored with their
 outputs, so that their figures show on a repository browser without running anything;
-`python scripts/notebook_outputs.py` runs them and stores the outputs with the figures
+`python scripts/tools/notebook_outputs.py` runs them and stores the outputs with the figures
 re-encoded as small palette PNGs.
 
 The GPU-target parts (02, 03, 04: train steps compiled for 8 H100s without a GPU) need
@@ -58,7 +58,7 @@ def _kernel_env() -> dict[str, str]:
 
 
 def executed(path: pathlib.Path) -> nbformat.NotebookNode:
-  """The notebook after running every cell (run once per test session)."""
+  """The notebook after running every cell (run once per pytest run)."""
   if path.stem not in _executed:
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(
@@ -97,7 +97,7 @@ def test_stored_with_their_figures(path):
   nb = nbformat.read(path, as_version=4)
   nbformat.validate(nb)
   code = [c for c in nb.cells if c.cell_type == "code"]
-  fix = "; run python scripts/notebook_outputs.py " + str(path.relative_to(ROOT))
+  fix = "; run python scripts/tools/notebook_outputs.py " + str(path.relative_to(ROOT))
   assert [c.execution_count for c in code] == list(range(1, len(code) + 1)), (
     f"{path.name}: not run top to bottom in one kernel{fix}"
   )

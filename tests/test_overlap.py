@@ -2,7 +2,7 @@
 
 Overlap is read off the GPT train step compiled for 8 H100s without a GPU
 (`jaxdp.inspect.compile_train_step`; skipped without jax-cuda12-plugin). Each program is
-compiled once per session. Communication volume is read off the CPU compile of an MLP
+compiled once per test run. Communication volume is read off the CPU compile of an MLP
 whose leading dims do not divide dp, against the formulas of docs/design.md computed here from
 the param count (never by the code under test): the program may move more than the
 formula only by the padding (rows padded to a multiple of dp, bucket ends to 128
@@ -74,7 +74,7 @@ def gpu_step(strategy, overlap=True, default_buckets=False):
   """The GPT train step for 8 H100s: (schedule, layout)."""
   params, loss_fn, batch = gpt()
   config = gpt_config(strategy, overlap, default_buckets)
-  compiled = compile_train_step(loss_fn, tx(), config, params, batch, dp=N)
+  compiled = compile_train_step(loss_fn, tx(), N, config, params, batch)
   mesh = jax.make_mesh((N,), ("data",))
   state = jax.eval_shape(lambda p: jaxdp.init_state(p, tx(), mesh, config), params)
   return schedule(compiled), state.layout
@@ -150,8 +150,7 @@ def test_distributed_optimizer_reduce_scatters_overlap_backward_gemms():
   # step, each gather under the forward of the layers before it. The first two gathered
   # (the bucket holding the embeddings, first in backprop order, and the one holding block
   # 0's attention, last) are both needed before the first GEMM, with only the embedding lookup
-  # before them: nothing of the forward can hide them (the per-leaf update's bucket ravel
-  # copy used to sit under them, no forward work). Every later one runs under GEMMs.
+  # before them: nothing of the forward can hide them. Every later one runs under GEMMs.
   gathers = sorted(
     (c for c in s.collectives if c.kind == "all-gather"), key=lambda c: c.start_index
   )
@@ -179,7 +178,7 @@ def test_scanned_distributed_optimizer_gathers_and_reduces_each_layer_in_the_loo
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
   _, _, batch = gpt()
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", stacked=["blocks"])
-  s = schedule(compile_train_step(loss_fn, tx(), config, params, batch, dp=N))
+  s = schedule(compile_train_step(loss_fn, tx(), N, config, params, batch))
   n_blocks = len(jax.tree.leaves(params["blocks"]))
   looped = [c for c in s.collectives if c.trip_count == GPT_CONFIG.n_layer]
   gathers = [c for c in looped if c.kind == "all-gather"]
@@ -215,16 +214,15 @@ def test_fsdp_all_gathers_overlap_compute():
 def test_fsdp_holds_one_gathered_bucket_per_unit_and_one_grad_bucket_in_flight():
   """Notebook 03's model at half width: 4 bf16 layers 512 wide (one unit bucket each: 0.5
   MiB gathered, 1 MiB of f32 gradients), batch 64, Adam. Two things kept FSDP's peak above
-  ZeRO-1's (which holds every param whole) on this model:
+  ZeRO-1's (which holds every param whole) on this model unless jaxdp orders them:
 
-  * the forward's gather outlived the forward: `x @ w + b`'s residual is cheap, XLA moved its
-    computation into the backward's fusions, which read `b` from the forward's gathered
-    bucket (now the gathered params pass a barrier in the forward);
-  * a unit's f32 gradients were copied into their bucket while the later unit's
-    reduce-scatter was still in flight, two gradient buckets alive (now they wait for it).
+  * the forward's gather would outlive the forward: `x @ w + b`'s residual is cheap, XLA
+    moves its computation into the backward's fusions, which read `b` from the forward's
+    gathered bucket (so the gathered params pass a barrier in the forward);
+  * a unit's f32 gradients would be copied into their bucket while the later unit's
+    reduce-scatter is still in flight, two gradient buckets alive (so they wait for it).
 
-  Measured peaks (MiB): ZeRO-1 5.92; FSDP 6.42 before either fix, 5.42 after the first,
-  4.49 after both. Structurally: no unit's gradient bucket is assembled while another unit's
+  docs/design.md ("FSDP's two orderings") gives the peaks with and without each. Structurally: no unit's gradient bucket is assembled while another unit's
   reduce-scatter is in flight, and each reduce-scatter but the last still runs under a
   backward matmul."""
   width = 512
@@ -237,7 +235,7 @@ def test_fsdp_holds_one_gathered_bucket_per_unit_and_one_grad_bucket_in_flight()
   for strategy in ("optim", "optim_grads_params"):
     config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=width * width)
     compiled[strategy] = compile_train_step(
-      loss_fn, optax.adamw(1e-3), config, params, {"x": x, "y": x}, dp=N
+      loss_fn, optax.adamw(1e-3), N, config, params, {"x": x, "y": x}
     )
     peak[strategy] = jaxdp.inspect.memory_stats(compiled[strategy]).peak_bytes
   assert peak["optim_grads_params"] < peak["optim"], peak
@@ -392,7 +390,7 @@ def test_memory_report_predicted_equals_measured(strategy):
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=3000)
   compile_gpu = GPU_REASON is None and strategy == "optim"
   rows = memory_report(
-    params, tx(), config, dp=N, loss_fn=loss_fn if compile_gpu else None, batch=batch
+    params, tx(), N, config, loss_fn=loss_fn if compile_gpu else None, batch=batch
   )
   by_kind = {r["kind"]: r for r in rows}
   assert list(by_kind) == ["params", "master", "opt_state", "state", "grads", "gathered", "total"]

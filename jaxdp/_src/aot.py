@@ -271,12 +271,11 @@ def compile_for_gpu(
 def compile_train_step(
   loss_fn: Callable[[PyTree, PyTree], jax.Array],
   tx: Any,
+  mesh: jax.sharding.Mesh | int,
   config: Any,
   params: PyTree,
   batch: PyTree,
   *,
-  mesh: jax.sharding.Mesh | None = None,
-  dp: int = 8,
   frozen: Any = None,
   fsdp: Any = None,
   grad_accum_steps: int = 1,
@@ -292,12 +291,12 @@ def compile_train_step(
   Args:
     loss_fn: `loss_fn(params, batch) -> scalar`, as for `make_train_step`.
     tx: the optax transformation.
+    mesh: the mesh to compile for, or a number `n`: `gpu_mesh((n,))`, n H100s on one
+      `"data"` axis (no GPU needed).
     config: the `jaxdp.DDPConfig`.
     params: the model params (arrays or `jax.ShapeDtypeStruct`s).
     batch: one global batch (arrays or `jax.ShapeDtypeStruct`s); its leading dim is split over the
       data axes.
-    mesh: the mesh to compile for; None: `gpu_mesh` of `dp` H100s with one `"data"` axis.
-    dp: number of GPUs when `mesh` is None.
     frozen: as in `jaxdp.init_state`.
     fsdp: the `FSDPConfig` of `optim_grads_params` (None: the default).
     grad_accum_steps: as in `jaxdp.make_train_step`.
@@ -307,21 +306,26 @@ def compile_train_step(
     The compiled train step (for a compile-only GPU mesh it cannot run).
 
   Raises:
-    RuntimeError: `mesh` is None and GPU programs cannot be compiled here (`gpu_compile_unavailable`
-      says why).
+    RuntimeError: `mesh` is a number and GPU programs cannot be compiled here
+      (`gpu_compile_unavailable` says why).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
     >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2)
     >>> params = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
     >>> batch = {"x": jax.ShapeDtypeStruct((64, 256), jnp.float32)}
-    >>> compiled = compile_train_step(loss_fn, optax.sgd(0.1), jaxdp.DDPConfig(),
+    >>> compiled = compile_train_step(loss_fn, optax.sgd(0.1), 8, jaxdp.DDPConfig(),
     ...                               params, batch)
     >>> "all-reduce-start" in compiled.as_text()
     True
   """
-  if mesh is None:
-    mesh = gpu_mesh((dp,), (DATA,))
+  if isinstance(mesh, int) and not isinstance(mesh, bool):
+    mesh = gpu_mesh((mesh,), (DATA,))
+  elif not isinstance(mesh, jax.sharding.Mesh):
+    raise TypeError(
+      f"mesh={mesh!r}: pass a jax.sharding.Mesh, or a number n to compile for n H100s "
+      "(jaxdp.inspect.gpu_mesh((n,)))"
+    )
   fsdp_step = config.data_parallel_sharding_strategy == "optim_grads_params"
   extra = {"fsdp": fsdp} if fsdp_step else {}
   shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)

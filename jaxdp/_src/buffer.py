@@ -111,8 +111,8 @@ def ravel(params: PyTree, layout: Layout) -> dict[str, jax.Array]:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "n": jnp.array(7)}
-    >>> layout = jaxdp.make_layout(params, dp=2)
-    >>> {k: v.shape for k, v in jaxdp.ravel(params, layout).items()}
+    >>> layout = jaxdp.layout.make_layout(params, dp=2)
+    >>> {k: v.shape for k, v in jaxdp.layout.ravel(params, layout).items()}
     {'float32': (128,)}
   """
   leaves = _check_structure(params, layout)
@@ -139,8 +139,8 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.arange(6.0).reshape(3, 2), "n": jnp.array(7)}
-    >>> layout = jaxdp.make_layout(params, dp=2)
-    >>> jaxdp.unravel(jaxdp.ravel(params, layout), layout, like=params)["w"]
+    >>> layout = jaxdp.layout.make_layout(params, dp=2)
+    >>> jaxdp.layout.unravel(jaxdp.layout.ravel(params, layout), layout, like=params)["w"]
     Array([[0., 1.],
            [2., 3.],
            [4., 5.]], dtype=float32)

@@ -155,7 +155,7 @@ class FSDPConfig:
   or `fn(path: str) -> unit name`."""
   stacked: Sequence[Prefix] = ()
   """Prefixes of subtrees whose leaves carry a leading layer axis (scanned layers): one unit
-  per layer, gathered by `gather_unit` inside the model's scan body."""
+  per layer, gathered inside the model's own scan over them."""
   reshard_after_forward: bool = True
   """Free each unit's gathered params after its forward and gather again for its backward
   (torch FSDP2's default); False keeps them from forward to backward (no second gather)."""

@@ -12,7 +12,7 @@ exact on leaves that need no padding and silently different on padded ones, so
 The fused update (Megatron's distributed optimizer, whose fused multi-tensor Adam updates
 each bucket's shard as one flat array). XLA:CPU runs about one kernel per leaf and moment
 of a per-leaf update whatever the leaf's size, so on a GPT of 52 leaves the flat update is
-several times faster, and XLA compiles it in a fraction of the time (issue 16). Under
+several times faster, and XLA compiles it in a fraction of the time (docs/bench.md). Under
 `optim`, `optim_grads` and `optim_grads_params` (FSDP, whose buckets are its units; not with
 stacked units, see `use_fused`), when `fuses` finds that `tx` gives the same updates on the flat buckets as on the param tree (it runs both for
 a few steps with the same values: elementwise transformations, global norms and schedules
@@ -273,7 +273,7 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxdp
     >>> from jaxdp._src.distributed_optimizer import check_exact
-    >>> layout = jaxdp.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
+    >>> layout = jaxdp.layout.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
     >>> check_exact(optax.lamb(1e-3), layout)  # per-leaf norms: exact on zero padding
     >>> check_exact(optax.adafactor(1e-3), layout)
     Traceback (most recent call last):
@@ -370,7 +370,7 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
   Examples:
     >>> import jax.numpy as jnp, optax, jaxdp
     >>> from jaxdp._src.distributed_optimizer import fuses
-    >>> layout = jaxdp.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
+    >>> layout = jaxdp.layout.make_layout({"w": jnp.zeros((130, 130)), "b": jnp.zeros((3,))}, dp=8)
     >>> tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     >>> fuses(tx, layout), fuses(optax.lamb(1e-3), layout)
     (True, False)
@@ -468,9 +468,9 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=Fal
   under `no_shard` trainable params that need no fp32 copy (DDP keeps a bf16 model's
   master per leaf), and `tx` exact on the flat buckets (`fuses`); None decides by these,
   True requires them. `no_shard` fuses only when asked (`fused_update=True`): its update is
-  a small share of DDP's step and raveling the replicated params for it every step cost
-  more than the per-leaf kernels it saves (bench, GPT medium: step 1.28 x replicated jit's
-  fused, 0.99 x per leaf), though it compiles in ~0.55 x the time (issue 16).
+  a small share of DDP's step and raveling the replicated params for it every step costs
+  more than the per-leaf kernels it saves, though it compiles faster (docs/design.md,
+  "The flat update").
   """
   strategy = config.data_parallel_sharding_strategy
   if config.fused_update is False or (strategy == "no_shard" and config.fused_update is None):

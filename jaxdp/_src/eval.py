@@ -32,8 +32,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
   The params are used where they live: `no_shard` reads the replicated params, the other
   sharded strategies all-gather each bucket from the master shards inside the step (as the
   train step does with `overlap_param_gather`), and `optim_grads_params` gathers unit by unit
-  with the train step's unit gathers (stacked units inside the model's scan, through
-  `gather_unit`), so the whole model is never held gathered at once.
+  with the train step's unit gathers (stacked units inside the model's scan), so the whole model is never held gathered at once.
 
   Args:
     fn: `fn(params, batch) -> outputs` (a pytree of arrays). When the state holds
@@ -42,7 +41,9 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       convention (an `nnx_split` function does); the new model state is dropped: an eval
       does not update the state. `fn` should run the model in eval mode (running averages,
       no dropout): it gets no key.
-    mesh, config, fsdp: those of `init_state` and `make_train_step`.
+    mesh: the mesh of `init_state` and `make_train_step`.
+    config: the `DDPConfig` of `init_state` and `make_train_step`.
+    fsdp: the `FSDPConfig` of `init_state` and `make_train_step`.
     per_example: False: every leaf of `outputs` is averaged over the data shards (each
       shard's `fn` returns its own means: accuracy, loss) and returned replicated, non-float
       leaves in float32. True: every leaf has the batch's leading dim and comes back as one

@@ -49,29 +49,16 @@ def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None =
 
   XLA has no views into a buffer: a bucket's grads are concatenated into a copy before its
   collective (Megatron's grads are views of the buffer and pay nothing), so a bucket's size
-  is transient memory in the backward. Measured on 8 x H100 compiles (`scripts/fsdp_memory.py`,
-  peak per device):
+  is transient memory in the backward. docs/design.md ("Default bucket sizes") gives the
+  measurements behind each rule.
 
-  * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads. The copy is
-    whole-size and alive at the backward's peak: on a residual MLP of 32 MiB layers jaxdp's
-    DDP peaked 11% above `jax.jit`'s all-reduce-per-grad program with 40M-element buckets;
-    with 25 MiB ones, below it (with 2.1M-element ones, 8% above 25 MiB's). A model that
-    fits one such bucket (`elements`: its floating-point elements) gets `DDP_MIN_BUCKETS`
-    (buckets of at least `DDP_SMALLEST_BUCKET`): in one bucket its reduction could start
-    only after the whole backward (8 x H100, GPT small of models/gpt.py: its one all-reduce
-    overlaps no GEMM; in 16 buckets all overlap the backward, and the peak falls from 27.3
-    to 22.1 MiB). One bucket also compiles slowly: each per-leaf update fusion reads its own
-    slice of the one reduced buffer, so no two are alike and XLA emits a kernel for each
-    (GPT small on 8 CPU devices: 310 kernels and 1.7 x replicated jit's compile time in one
-    bucket, 189 and 1.2-1.3 x in 13-16).
+  * `no_shard` (DDP): `DDP_BUCKET_SIZE`, PyTorch DDP's 25 MiB of fp32 grads, since the copy
+    is whole-size and alive at the backward's peak. A model that fits one such bucket
+    (`elements`: its floating-point elements) gets `DDP_MIN_BUCKETS` buckets (of at least
+    `DDP_SMALLEST_BUCKET`), so that its reduction starts inside the backward.
   * the sharded strategies: `max(16_000_000, 1_000_000 * dp)` (Megatron's rule with 16M in
-    place of its 40M; the `dp` term keeps each device's shard >= 1M elements). With 40M,
-    ZeRO-1 on models/gpt.py (vocab 50304) peaked 6% above GSPMD ZeRO-1 at 4 layers: the
-    ravel copy of the 160 MiB bucket holding the tied embedding (147 MiB) next to its two
-    whole-size grads; with 16M the embedding fills a bucket alone, whose ravel is a bitcast
-    (537 MiB vs GSPMD's 631). Much smaller buckets cost more than they save: 8.4M (one
-    layer) raised the residual MLP's ZeRO-1 peak by 9-18% (more gathered buckets in
-    flight); 16M lowered it slightly (304 / 592 MiB at 4 / 8 layers, was 312 / 600).
+    place of its 40M, so that a large embedding fills a bucket alone and its ravel is a
+    bitcast; the `dp` term keeps each device's shard >= 1M elements).
 
   Examples:
     >>> default_bucket_size(8, "no_shard"), default_bucket_size(8), default_bucket_size(64)
@@ -119,7 +106,7 @@ class ParamSpec:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> w = layout.buffers[0].buckets[0].params[0]  # 300 rows pad to 304 = 8 x 38
     >>> w.path, w.index, w.rows, w.offset, w.shard_size(8), w.padded_shape
     ("['w']", 1, 304, 0, 152, (304, 4))
@@ -182,7 +169,7 @@ class Bucket:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> (bucket,) = layout.buffers[0].buckets  # 8 shards of 160, 77 of them padding
     >>> [p.path for p in bucket.params], bucket.numel, bucket.shard_size
     (["['w']", "['b']"], 1203, 160)
@@ -214,7 +201,7 @@ class BufferLayout:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> (buf,) = layout.buffers
     >>> buf.name, buf.param_dtype, buf.grad_dtype, buf.size, buf.numel
     ('float32', dtype('float32'), dtype('float32'), 1280, 1203)
@@ -247,7 +234,7 @@ class Layout:
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
-    >>> layout = jaxdp.make_layout(params, dp=8, bucket_size=2000)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> layout.paths, layout.shapes, layout.num_buckets, layout.trainable
     (("['b']", "['w']"), ((3,), (300, 4)), 1, (True, True))
   """
@@ -304,11 +291,11 @@ class Layout:
     Examples:
       >>> import jax, jax.numpy as jnp, jaxdp
       >>> params = {"w": jnp.zeros((300, 4)), "b": jnp.zeros((3,))}
-      >>> print(jaxdp.make_layout(params, dp=8, bucket_size=2000).summary())
+      >>> print(jaxdp.layout.make_layout(params, dp=8, bucket_size=2000).summary())
       dp=8, bucket_size=2,000 elements; 1 buffer, 1 bucket, 1,203 param elements
       buffer float32: 1,280 elements (77 padding)
         bucket 0: [0, 1,280)  2 params, 1,203 elements, 77 padding  ['w'] .. ['b']
-      >>> print(jaxdp.make_layout({"stack": jnp.zeros((4, 64, 8))}, dp=8).summary())
+      >>> print(jaxdp.layout.make_layout({"stack": jnp.zeros((4, 64, 8))}, dp=8).summary())
       dp=8, bucket_size=16,000,000 elements; 1 buffer, 1 bucket, 2,048 param elements
       buffer float32: 2,048 elements (0 padding)
         bucket 0: [0, 2,048)  1 param, 2,048 elements, 0 padding  ['stack'] .. ['stack']
@@ -551,7 +538,7 @@ def make_layout(
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"a": jnp.zeros((1000,)), "b": jnp.zeros((10, 10), jnp.bfloat16)}
-    >>> layout = jaxdp.make_layout(params, dp=8, grad_dtype=jnp.float32)
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, grad_dtype=jnp.float32)
     >>> [buf.name for buf in layout.buffers]
     ['bfloat16/float32', 'float32']
     >>> layout.buffers[1].size  # 1000 elements padded to a multiple of lcm(8, 128)
@@ -560,7 +547,7 @@ def make_layout(
     One bucket per unit, a stacked unit described per layer:
 
     >>> params = {"blocks": {"w": jnp.zeros((4, 16, 3))}, "head": jnp.zeros((3, 2))}
-    >>> layout = jaxdp.make_layout(params, dp=8, units=lambda path: path[2:6],
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, units=lambda path: path[2:6],
     ...                            stacked={"['blocks']['w']"})
     >>> [(b.unit, b.params[0].layers, b.params[0].shape) for b in layout.buffers[0].buckets]
     [('head', 0, (3, 2)), ('bloc', 4, (16, 3))]
@@ -568,7 +555,7 @@ def make_layout(
     Expert params (8 experts over 2 expert-parallel ranks) in a buffer of their own:
 
     >>> params = {"router": jnp.zeros((4, 8)), "w": jnp.zeros((8, 4, 16))}
-    >>> layout = jaxdp.make_layout(params, dp=4, experts=lambda path, _: path == "['w']",
+    >>> layout = jaxdp.layout.make_layout(params, dp=4, experts=lambda path, _: path == "['w']",
     ...                            expert_parallel=2)
     >>> [(buf.name, buf.expert, buf.params[0].shape) for buf in layout.buffers]
     [('expert/float32', True, (4, 4, 16)), ('float32', False, (4, 8))]

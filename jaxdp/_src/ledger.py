@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ import numpy as np
 import optax
 
 from jaxdp._src import aot, train
-from jaxdp._src.config import STRATEGIES, DDPConfig, FSDPConfig
+from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import trainable_leaves, use_fused
 from jaxdp._src.inspect import memory_stats
 from jaxdp._src.layout import (
@@ -72,10 +72,11 @@ class MemoryLedger:
   live only inside the step. `master` and `opt_state` are what `TrainState` holds.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp, jaxdp
     >>> from jaxdp.inspect import memory_ledger
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}
-    >>> ledger = memory_ledger(params, "optim", dp=8)  # bf16 params, fp32 grads and Adam
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+    >>> ledger = memory_ledger(params, None, 8, config)  # bf16 params, fp32 grads and Adam
     >>> ledger.params // 2**20, ledger.grads // 2**20, ledger.master // 2**19
     (2, 4, 1)
     >>> ledger.state["params"]  # gathered from master inside each step
@@ -126,18 +127,12 @@ def _is_sharded_state(path, x, layout: Layout) -> bool:
 
 def memory_ledger(
   params: PyTree,
-  strategy: str,
+  tx: optax.GradientTransformation | None,
   dp: int,
-  tx: optax.GradientTransformation | None = None,
+  config: DDPConfig,
   *,
-  grad_reduce_in_fp32: bool = True,
-  bucket_size: int | None = None,
-  overlap_grad_reduce: bool = True,
-  overlap_param_gather: bool = True,
   frozen: Frozen = None,
-  fused_update: bool | None = None,
   fsdp: FSDPConfig | None = None,
-  stacked: Sequence[str] = (),
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
@@ -147,35 +142,36 @@ def memory_ledger(
 
   Args:
     params: the model params (arrays or `jax.ShapeDtypeStruct`s).
-    strategy: a `data_parallel_sharding_strategy`.
-    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies).
     tx: the optax transformation; None: Adam (two moments in the master dtype).
-    grad_reduce_in_fp32, bucket_size, overlap_grad_reduce, overlap_param_gather,
-      fused_update: as in `DDPConfig` (a fused state holds its buckets' end padding too).
+    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies): the
+      mesh the ledger predicts for need not exist.
+    config: the `DDPConfig` (its strategy, `grad_reduce_in_fp32`, buckets,
+      `overlap_param_gather`, `fused_update`: a fused state holds its buckets' end padding
+      too, `stacked`: those stacks' leaves are sharded on a dim of a layer).
     frozen: as in `init_state`.
     fsdp: the `FSDPConfig` of `optim_grads_params` (None: the default); its units are the
       buckets of a fused FSDP state.
-    stacked: as in `DDPConfig` (the sharded strategies shard those stacks' leaves on a dim
-      of a layer, so their padding differs).
 
   Returns:
     A `MemoryLedger`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdp
-    >>> from jaxdp._src.ledger import memory_ledger
+    >>> from jaxdp.inspect import memory_ledger
     >>> params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}  # psi = 2**20
-    >>> [round(memory_ledger(params, s, dp=8).total / 2**20, 3)  # bytes per param
-    ...  for s in ("no_shard", "optim", "optim_grads")]
+    >>> configs = [jaxdp.DDPConfig(data_parallel_sharding_strategy=s)
+    ...            for s in ("no_shard", "optim", "optim_grads")]
+    >>> [round(memory_ledger(params, None, 8, c).total / 2**20, 3) for c in configs]
     [18.0, 7.5, 4.0]
   """
-  if strategy not in STRATEGIES:
-    raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}")
-  config = DDPConfig(
-    data_parallel_sharding_strategy=strategy, fused_update=fused_update, stacked=stacked
-  )
-  size = bucket_size or default_bucket_size(dp, strategy, float_elements(params))
-  size = size if overlap_grad_reduce else sys.maxsize
+  if not isinstance(config, DDPConfig):
+    raise TypeError(
+      f"config={config!r}: memory_ledger takes a jaxdp.DDPConfig, e.g. "
+      "memory_ledger(params, tx, 8, jaxdp.DDPConfig(data_parallel_sharding_strategy='optim'))"
+    )
+  strategy = config.data_parallel_sharding_strategy
+  size = config.bucket_size or default_bucket_size(dp, strategy, float_elements(params))
+  size = size if config.overlap_grad_reduce else sys.maxsize
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
   leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
   layout = make_layout(
@@ -184,7 +180,7 @@ def memory_ledger(
     bucket_size=size,
     frozen=frozen,
     leading=leading,
-    grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
+    grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
     scanned=config.stack_of if config.stacked else None,
   )
   sharded = strategy != "no_shard"
@@ -225,7 +221,7 @@ def memory_ledger(
       frozen=frozen,
       units=units,
       stacked=unit_stacks,
-      grad_dtype=jnp.float32 if grad_reduce_in_fp32 else None,
+      grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
     )
     chunked = bool(chunked_leaves(flat_layout, fsdp or FSDPConfig()))
   if use_fused(tx, flat_layout, config, chunked=chunked):  # flat buckets, end padding included
@@ -246,7 +242,7 @@ def memory_ledger(
     n = _nbytes(x.shape, x.dtype)
     opt += n // dp if is_sharded(path, x) else n
 
-  gathered = trainable_model if sharded and not fsdp_step and overlap_param_gather else 0
+  gathered = trainable_model if sharded and not fsdp_step and config.overlap_param_gather else 0
   return MemoryLedger(
     params=model, grads=grads, master=master, opt_state=opt, gathered_in_step=gathered
   )
@@ -269,7 +265,7 @@ def measured_bytes(state, device=None) -> dict[str, int]:
     >>> state = jaxdp.init_state(params, tx, jax.make_mesh((8,), ("data",)), config)
     >>> measured_bytes(state)  # 1/8 of w, of mu and of nu; Adam's step count whole
     {'step': 4, 'params': 0, 'master': 1024, 'opt_state': 2052}
-    >>> memory_ledger(params, "optim", dp=8, tx=tx).state
+    >>> memory_ledger(params, tx, 8, config).state
     {'params': 0, 'master': 1024, 'opt_state': 2052}
   """
   leaves = [
@@ -369,9 +365,9 @@ def _batch_bytes_per_device(batch: PyTree, dp: int) -> int:
 def memory_report(
   params: PyTree,
   tx,
+  dp: int,
   config,
   *,
-  dp: int = 8,
   loss_fn=None,
   batch: PyTree = None,
   frozen=None,
@@ -390,8 +386,8 @@ def memory_report(
   Args:
     params: the model params (arrays; `jax.ShapeDtypeStruct`s when nothing is measured).
     tx: the optax transformation.
+    dp: data-parallel size (the "data" axis of the mesh the report is for).
     config: the `jaxdp.DDPConfig` (its strategy, `grad_reduce_in_fp32`, buckets, ...).
-    dp: data-parallel size.
     loss_fn: `loss_fn(params, batch)`, to compile the step for the GPU column.
     batch: one global batch (arrays or `jax.ShapeDtypeStruct`s).
     frozen: as in `init_state`.
@@ -408,27 +404,14 @@ def memory_report(
     >>> import jax.numpy as jnp, optax, jaxdp
     >>> params = {"w": jnp.zeros((1024, 256), jnp.float32)}
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
-    >>> rows = memory_report(params, optax.adam(1e-3), config, dp=8)
+    >>> rows = memory_report(params, optax.adam(1e-3), 8, config)
     >>> [(r["kind"], r["predicted"] // 1024, r["measured"] // 1024)
     ...  for r in rows if r["kind"] in ("master", "opt_state")]
     [('master', 128, 128), ('opt_state', 256, 256)]
   """
   strategy = config.data_parallel_sharding_strategy
   fsdp_step = strategy == "optim_grads_params"
-  ledger = memory_ledger(
-    params,
-    strategy,
-    dp,
-    tx,
-    grad_reduce_in_fp32=config.grad_reduce_in_fp32,
-    bucket_size=config.bucket_size,
-    overlap_grad_reduce=config.overlap_grad_reduce,
-    overlap_param_gather=config.overlap_param_gather,
-    frozen=frozen,
-    fused_update=config.fused_update,
-    fsdp=fsdp if fsdp_step else None,
-    stacked=config.stacked,
-  )
+  ledger = memory_ledger(params, tx, dp, config, frozen=frozen, fsdp=fsdp if fsdp_step else None)
   predicted_state = {**ledger.state, "step": 4}
 
   measured = None
@@ -445,7 +428,7 @@ def memory_report(
   compiled = None
   if loss_fn is not None and batch is not None and aot.gpu_compile_unavailable() is None:
     program = aot.compile_train_step(
-      loss_fn, tx, config, params, batch, dp=dp, frozen=frozen, fsdp=fsdp if fsdp_step else None
+      loss_fn, tx, dp, config, params, batch, frozen=frozen, fsdp=fsdp if fsdp_step else None
     )
     stats = memory_stats(program)
     compiled = {

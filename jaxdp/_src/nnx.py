@@ -36,6 +36,7 @@ With both::
   jaxdp.nnx_merge(model, state)  # params and running statistics
 """
 
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -282,9 +283,11 @@ class NNXOptimizer:
       update_model=False)` on `nnx.eval_shape(build)` (the model's structure) and read the
       params with `jaxdp.get_params(optimizer.state, sharded=True)`.
     tx: the optax transformation.
-    mesh, config: as `init_state` takes them.
+    mesh: the mesh, as `init_state` takes it.
+    config: the `DDPConfig`, as `init_state` takes it.
     rng: the key of the train state (see `init_state`); None: the model's first stream's.
-    frozen, fsdp: as `init_state` takes them.
+    frozen: as `init_state` takes it.
+    fsdp: as `init_state` takes it.
 
   Attributes:
     state: the `TrainState` (checkpoint it with `CheckpointManager`).
@@ -363,20 +366,24 @@ def nnx_train_step(
       (`aux` averaged over the data axes into `metrics["aux"]`). The model it gets is in
       the mode the model passed in was (`model.train()`): dropout draws from keys the step
       derives per step and per data shard.
-    has_aux, grad_accum_steps: as `make_train_step` takes them.
+    has_aux: as `make_train_step` takes it.
+    grad_accum_steps: as `make_train_step` takes it.
     update_model: write the trained state back into the model after each step.
 
   Returns:
     `train_step(model, optimizer, batch) -> metrics` (see `make_train_step`).
   """
-  cache: dict[Any, Any] = {}
+  # The compiled steps of each optimizer, by the model's graphdef. Keyed on the optimizer
+  # object itself (weakly: a step lives as long as its optimizer), never on `id(optimizer)`,
+  # which a new optimizer may reuse once the old one is gone.
+  cache: weakref.WeakKeyDictionary[NNXOptimizer, dict[Any, Any]] = weakref.WeakKeyDictionary()
 
   def train_step(model: nnx.Module, optimizer: NNXOptimizer, batch: PyTree):
     graphdef = nnx.graphdef(model)
-    key = (graphdef, id(optimizer))
-    if key not in cache:
+    steps = cache.setdefault(optimizer, {})
+    if graphdef not in steps:
       _, loss_fn = nnx_split(model, model_loss)
-      cache[key] = make_train_step(
+      steps[graphdef] = make_train_step(
         loss_fn,
         optimizer.tx,
         optimizer.mesh,
@@ -385,7 +392,7 @@ def nnx_train_step(
         fsdp=optimizer.fsdp,
         has_aux=has_aux,
       )
-    optimizer.state, metrics = cache[key](optimizer.state, batch)
+    optimizer.state, metrics = steps[graphdef](optimizer.state, batch)
     if update_model:
       optimizer.update_model(model)
     return metrics

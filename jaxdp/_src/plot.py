@@ -121,7 +121,7 @@ def plot_layout(
   ends padded to `lcm(dp, 128)`).
 
   Args:
-    layout: from `jaxdp.make_layout` (or `TrainState.layout`).
+    layout: from `jaxdp.layout.make_layout` (or `TrainState.layout`).
     axes: one matplotlib axes per buffer; None: a new figure with a row per buffer.
     group: path -> label that picks the colour; default `param_group`.
     legend: draw the legend of groups (right of the first axes).
@@ -132,7 +132,7 @@ def plot_layout(
   Examples:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"layers": [{"w": jnp.zeros((300, 4))}, {"w": jnp.zeros((3,))}]}
-    >>> axes = plot_layout(jaxdp.make_layout(params, dp=8, bucket_size=3))
+    >>> axes = plot_layout(jaxdp.layout.make_layout(params, dp=8, bucket_size=3))
     >>> axes[0].get_title()
     'dp=8: 1 buffer, 2 buckets, 1,203 param elements + 205 padding'
   """
@@ -236,7 +236,7 @@ def plot_bucket(
 
   Examples:
     >>> import jax.numpy as jnp, jaxdp
-    >>> layout = jaxdp.make_layout({"w": jnp.zeros((10, 4)), "b": jnp.zeros((4,))}, dp=4)
+    >>> layout = jaxdp.layout.make_layout({"w": jnp.zeros((10, 4)), "b": jnp.zeros((4,))}, dp=4)
     >>> plot_bucket(layout).get_title()
     "float32 bucket 0: 4 shards x 32 elements (44 params' elements, 84 padding)"
   """

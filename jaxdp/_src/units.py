@@ -9,15 +9,14 @@ list of prefixes (leaves under none of them form the root unit) or a function fr
 path to a unit name. A *stacked* subtree (`FSDPConfig(stacked=("blocks",))`: every leaf has
 a leading layer axis and the model runs it with `jax.lax.scan`) is one unit per layer: its
 shard is `(layers, rows / dp, ...)`, and `fsdp_program` finds the scan over it in the traced
-loss and gathers one layer per iteration. `gather_unit` and `scan_unit`, which models once
-needed for that, are kept as identities.
+loss and gathers one layer per iteration; the model needs no marker.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -146,7 +145,7 @@ def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
     >>> import jax.numpy as jnp, jaxdp
     >>> params = {"wte": jnp.zeros((300, 4)), "b": jnp.zeros(3)}
     >>> units = {"['wte']": "wte", "['b']": "b"}
-    >>> layout = jaxdp.make_layout(params, dp=8, units=units, stacked=set())
+    >>> layout = jaxdp.layout.make_layout(params, dp=8, units=units, stacked=set())
     >>> chunked_leaves(layout, FSDPConfig(chunks={"wte": 4}))  # 300 rows: 38 per device
     {1: 4}
   """
@@ -164,60 +163,6 @@ def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
 def param_specs(layout: Layout) -> dict[int, ParamSpec]:
   """Leaf index -> its `ParamSpec` (one layer's, for stacked leaves), frozen ones included."""
   return {p.index: p for p in gather_layout(layout).params}
-
-
-# ----------------------------------------------------------------------------- markers
-
-
-def gather_unit(layer_params: PyTree) -> PyTree:
-  """Returns `layer_params`: kept for models written for jaxdp's earlier FSDP, which needed it.
-
-  jaxdp's FSDP now finds a stacked unit's layers itself: it traces the loss with whole params
-  and runs every `lax.scan` whose `xs` are the leaves of a `FSDPConfig(stacked=...)` subtree
-  over their shards, gathering one layer per iteration (see `jaxdp._src.fsdp_program`). A
-  model needs no marker, and this function, like `scan_unit`, changes nothing.
-
-  Args:
-    layer_params: one layer's params.
-
-  Returns:
-    `layer_params`, unchanged.
-
-  Examples:
-    >>> import jax.numpy as jnp
-    >>> layer = {"w": jnp.ones((2, 3))}
-    >>> gather_unit(layer)["w"].shape
-    (2, 3)
-  """
-  return layer_params
-
-
-def scan_unit(body: Callable) -> Callable:
-  """Returns `body`: kept for models written for jaxdp's earlier FSDP, which needed it.
-
-  Under an `optim_grads_params` step with `FSDPConfig(stacked=[...])`, jaxdp finds the
-  `lax.scan` (or `nnx.scan`) over the stacked layers in the traced loss and runs it over the
-  layer shards, one layer gathered per iteration, whatever the body is decorated with; the
-  user's `jax.checkpoint` in or around the body decides which activations are saved. Reading
-  state at trace time (as this decorator once did) is unsafe: `lax.scan` caches its body's
-  trace and replays it on the next build without running the Python body.
-
-  Args:
-    body: `body(carry, layer_params) -> (carry, y)`, as `jax.lax.scan` takes it.
-
-  Returns:
-    `body` itself.
-
-  Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> @scan_unit
-    ... def layer(x, p):
-    ...   return jnp.tanh(x @ p["w"]), None
-    >>> stacked = {"w": jnp.stack([jnp.eye(2)] * 3)}
-    >>> jax.lax.scan(layer, jnp.ones(2), stacked)[0].shape
-    (2,)
-  """
-  return body
 
 
 def sharded_paths() -> frozenset[str]:

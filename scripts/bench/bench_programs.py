@@ -1,4 +1,4 @@
-"""The models and train steps that scripts/bench.py and scripts/step_breakdown.py time.
+"""The models and train steps that scripts/bench/bench.py and scripts/bench/step_breakdown.py time.
 
 Both scripts build the same programs from here, so that a step timed by the one is the step
 profiled by the other. Import it after setting the CPU device count (it imports jax).

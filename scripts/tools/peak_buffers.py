@@ -1,10 +1,10 @@
 """The buffers alive at a compiled program's memory peak, read from an XLA dump.
 
-Compile with `XLA_FLAGS=--xla_dump_to=DIR` (e.g. one `scripts/fsdp_memory.py` row), then
+Compile with `XLA_FLAGS=--xla_dump_to=DIR` (e.g. one `scripts/bench/fsdp_memory.py` row), then
 
-    python scripts/peak_buffers.py DIR            # the peak and what is alive there
-    python scripts/peak_buffers.py DIR --every 8  # live bytes along the schedule
-    python scripts/peak_buffers.py DIR --module jit_step  # only modules named so
+    python scripts/tools/peak_buffers.py DIR            # the peak and what is alive there
+    python scripts/tools/peak_buffers.py DIR --every 8  # live bytes along the schedule
+    python scripts/tools/peak_buffers.py DIR --module jit_step  # only modules named so
 
 It reads the optimized module's `*-live-range.txt` (each value's live range in the flattened
 schedule, while bodies included) and `*-buffer-assignment.txt` (each value's allocation and

@@ -7,8 +7,8 @@ outputs. To keep the repository light every figure is re-encoded as a palette PN
 text outputs are cut to `--max-lines` lines.
 
 Usage:
-    python scripts/notebook_outputs.py                    # all notebooks
-    python scripts/notebook_outputs.py notebooks/02_overlap.ipynb
+    python scripts/tools/notebook_outputs.py                    # all notebooks
+    python scripts/tools/notebook_outputs.py notebooks/02_overlap.ipynb
 """
 
 import argparse
@@ -21,7 +21,7 @@ import nbclient
 import nbformat
 from PIL import Image
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def kernel_env() -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Where each millisecond of one training step goes, per strategy, from XLA:CPU's profile.
 
 For one model size at one data-parallel size (default: GPT small at dp = 8), builds the
-same steps as scripts/bench.py (the GSPMD programs `gspmd`, `gspmd_zero1`, `gspmd_fsdp` and
+same steps as scripts/bench/bench.py (the GSPMD programs `gspmd`, `gspmd_zero1`, `gspmd_fsdp` and
 jaxdp's `no_shard`, `optim`, `optim_grads_params`), times them round-robin (median wall
 time per step), then profiles a few steps of each with `jax.profiler` and reads the
 per-instruction events XLA:CPU records (one per thunk per device per step). Each
@@ -34,9 +34,9 @@ less forward+backward and more waiting than one with few, for the same work; com
 "forward+backward + waiting" across strategies, and shares, not absolute numbers.
 
 Usage:
-    python scripts/step_breakdown.py                           # GPT small, dp = 8
-    python scripts/step_breakdown.py --size mlp512x8 --details
-    python scripts/step_breakdown.py --size tiny --rounds 2 --out /tmp/breakdown   # a test
+    python scripts/bench/step_breakdown.py                           # GPT small, dp = 8
+    python scripts/bench/step_breakdown.py --size mlp512x8 --details
+    python scripts/bench/step_breakdown.py --size tiny --rounds 2 --out out/breakdown-tiny   # a test
 
 Writes `breakdown.md` (the table) and `breakdown.json` (per instruction) to `--out`.
 """
@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 
-import host_malloc  # scripts/, beside this file
+import host_malloc  # scripts/bench/, beside this file
 
 # -----------------------------------------------------------------------------
 # defaults
@@ -74,7 +74,7 @@ seed = 0
 parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
 )
-parser.add_argument("--size", default=size, help="one of scripts/bench_programs.py's SIZES")
+parser.add_argument("--size", default=size, help="one of scripts/bench/bench_programs.py's SIZES")
 parser.add_argument("--dp", type=int, default=dp)
 parser.add_argument("--batch-size", type=int, default=batch_size)
 parser.add_argument("--block-size", type=int, default=block_size)
@@ -88,7 +88,7 @@ parser.add_argument(
   "--system-malloc",
   action="store_true",
   help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
-  "does; see scripts/host_malloc.py)",
+  "does; see scripts/bench/host_malloc.py)",
 )
 args = parser.parse_args()
 if not args.system_malloc:
@@ -106,7 +106,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)  # the repo root
 from bench_programs import (  # noqa: E402
   GSPMD,
@@ -324,7 +324,7 @@ for variant in variant_names:
 
 # ----------------------------------------------------------------------------- report
 
-command = "python scripts/step_breakdown.py" + "".join(f" {a}" for a in sys.argv[1:])
+command = "python scripts/bench/step_breakdown.py" + "".join(f" {a}" for a in sys.argv[1:])
 what = (
   f"GPT {args.size} (block {args.block_size}, global batch {args.batch_size})"
   if not is_mlp(args.size)

@@ -2,12 +2,12 @@
 # One real GPU, one run (<= 8 minutes): jaxdp's dp = 1 overhead against plain jax.jit on a
 # GPT of 3.2M and of 352M params, the real peak memory against the compiled estimate, and
 # the device's target description. Output (to $OUT, else ./out/gpu_check): gpu_check.jsonl
-# (one line per model x variant, from scripts/gpu_check.py), gpu_check.md (the table),
+# (one line per model x variant, from scripts/bench/gpu_check.py), gpu_check.md (the table),
 # <device>_target_config.txtpb, nvidia-smi.txt, versions.txt.
 #
-#   bash scripts/gpu_check.sh
+#   bash scripts/bench/gpu_check.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:-out/gpu_check}
 mkdir -p "$out"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
@@ -19,12 +19,12 @@ python3 -c "import jax, jaxlib, flax, optax; print('jax', jax.__version__, 'jaxl
 jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print(jax.devices())" \
   > "$out/versions.txt" 2>&1
 cat "$out/versions.txt"
-python3 scripts/gpu_target_config.py > "$out/target_config.txtpb" 2> "$out/target_config.err"
+python3 scripts/bench/gpu_target_config.py > "$out/target_config.txtpb" 2> "$out/target_config.err"
 for model in medium 350m; do
   for variant in jit no_shard optim optim_grads_params optim_grads; do
     if (( SECONDS - start > budget )); then echo "skip $model $variant: budget"; continue; fi
     echo "== $model $variant ($((SECONDS - start)) s)"
-    timeout 240 python3 scripts/gpu_check.py --model "$model" --variant "$variant" \
+    timeout 240 python3 scripts/bench/gpu_check.py --model "$model" --variant "$variant" \
       >> "$out/gpu_check.jsonl" 2>> "$out/gpu_check.err" || echo "   failed: $?"
     tail -n 1 "$out/gpu_check.jsonl"
   done

@@ -5,7 +5,7 @@ XLA compiles for a GPU it cannot see from such a description
 the hardware facts of device 0 from the CUDA runtime (through CuPy) and prints them in the
 same fields as `jaxdp/_src/data/h100_target_config.txtpb`.
 
-    python scripts/gpu_target_config.py > h200_target_config.txtpb
+    python scripts/bench/gpu_target_config.py > h200_target_config.txtpb
 """
 
 import cupy

@@ -6,7 +6,7 @@ H100 target description; nothing runs) and `memory_analysis()` gives the per-dev
 
 Models (`--model`):
 
-* `mlp`: issue 13's residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
+* `mlp`: a residual MLP, blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096; one
   layer's params = 32 MiB), loss `mean(h ** 2)`, global batch 64 x 256 tokens.
 * `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU);
   jaxdp's FSDP gathers its tied `wte` in `--wte-chunks` row blocks (default 16:
@@ -23,11 +23,11 @@ scanned) and `optim_grads_params` (FSDP, `FSDPConfig(stacked=["blocks"])` when s
 (least squares over the layer counts).
 
 Usage:
-    python scripts/fsdp_memory.py --model mlp --layers 4 8              # ~10 min, 2 cores
-    python scripts/fsdp_memory.py --model gpt --layers 4 8 --scanned
-    python scripts/fsdp_memory.py --model mlp --layers 4 8 16 --both-forms --no-remat
-    python scripts/fsdp_memory.py --small ...   # d 64, ffn 256, batch 8 x 16: seconds
-    python scripts/fsdp_memory.py --both-forms --bucket-size 16000000 \
+    python scripts/bench/fsdp_memory.py --model mlp --layers 4 8              # ~10 min, 2 cores
+    python scripts/bench/fsdp_memory.py --model gpt --layers 4 8 --scanned
+    python scripts/bench/fsdp_memory.py --model mlp --layers 4 8 16 --both-forms --no-remat
+    python scripts/bench/fsdp_memory.py --small ...   # d 64, ffn 256, batch 8 x 16: seconds
+    python scripts/bench/fsdp_memory.py --both-forms --bucket-size 16000000 \
         --programs "jaxdp no_shard" "jaxdp optim"   # DDP / ZeRO-1 with smaller buckets
 """
 
@@ -37,7 +37,7 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import jax
 import jax.numpy as jnp
@@ -218,7 +218,7 @@ def compile_program(
     fsdp = fsdp or FSDPConfig(
       stacked=["blocks"] if scanned else [], prefetch=prefetch, chunks=chunks
     )
-  return aot.compile_train_step(loss_fn, tx, config, params, batch, mesh=mesh, fsdp=fsdp)
+  return aot.compile_train_step(loss_fn, tx, mesh, config, params, batch, fsdp=fsdp)
 
 
 def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True, **kw):

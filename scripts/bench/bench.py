@@ -48,21 +48,21 @@ all of them alike. Reported: the median step time and its ratio to the baseline'
 *from the same run*, compile time (lower + compile) and its ratio to the baseline's, the
 collectives of the compiled program (count and ring bytes per device per step, from
 `jaxdp.inspect.schedule`), and the bytes of the training state (params, optimizer state,
-master params) that device 0 holds. Issue 16's targets (at the largest dp: step time
+master params) that device 0 holds. The targets (at the largest dp: step time
 <= 0.85 and compile time <= 1.5 x the baseline's) are checked at the end.
 
 Without an accelerator JAX's CPU backend is split into `--cpu-devices` (default 8)
 simulated devices: collectives are real, and all devices share the machine's cores.
 
 Usage:
-    python scripts/bench.py --dps 8            # GPT small, medium and both MLPs at dp = 8
-    python scripts/bench.py                    # the same at dp = 1, 2, 4, 8
-    python scripts/bench.py --quick --out /tmp/bench   # tiny sizes, for a test
-    python scripts/bench.py --sizes medium --dps 8 --rounds 10 --variants gspmd,psum_leaf,no_shard
+    python scripts/bench/bench.py --dps 8            # GPT small, medium and both MLPs at dp = 8
+    python scripts/bench/bench.py                    # the same at dp = 1, 2, 4, 8
+    python scripts/bench/bench.py --quick --out out/bench-quick   # tiny sizes, for a test
+    python scripts/bench/bench.py --sizes medium --dps 8 --rounds 10 --variants gspmd,psum_leaf,no_shard
 
 Writes to `--out`: `bench.md` (the table, with the command that produced it: docs/bench.md's
-table), `readme.md` (its rows at the largest dp, in README's columns), `bench.png`
-(step-time ratios and step times against dp), `bench.json` (every sample).
+table), `bench.png` (step-time ratios and step times against dp), `bench.json` (every
+sample).
 """
 
 import argparse
@@ -73,7 +73,7 @@ import statistics
 import sys
 import time
 
-import host_malloc  # scripts/, beside this file
+import host_malloc  # scripts/bench/, beside this file
 
 # -----------------------------------------------------------------------------
 # defaults
@@ -90,14 +90,14 @@ variants = "gspmd,gspmd_zero1,gspmd_fsdp,gspmd_fsdp_gather,no_shard,optim,optim_
 out = "out/bench"
 cpu_devices = 8
 seed = 0
-TARGET_STEP, TARGET_COMPILE = 0.85, 1.5  # issue 16, at dp = 8: x the baseline's
+TARGET_STEP, TARGET_COMPILE = 0.85, 1.5  # at the largest dp: x the baseline's
 # -----------------------------------------------------------------------------
 
 parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
 )
 parser.add_argument(
-  "--sizes", default=sizes, help="comma-separated, of scripts/bench_programs.py's SIZES"
+  "--sizes", default=sizes, help="comma-separated, of scripts/bench/bench_programs.py's SIZES"
 )
 parser.add_argument("--dps", default=dps, help="comma-separated data-parallel sizes")
 parser.add_argument("--batch-size", type=int, default=batch_size)
@@ -118,7 +118,7 @@ parser.add_argument(
   "--system-malloc",
   action="store_true",
   help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
-  "does; see scripts/host_malloc.py)",
+  "does; see scripts/bench/host_malloc.py)",
 )
 args = parser.parse_args()
 if not args.system_malloc:
@@ -151,7 +151,8 @@ from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)  # the repo root
 import jaxdp  # noqa: E402
 from bench_programs import (  # noqa: E402
   GSPMD,
@@ -205,7 +206,7 @@ for dp in dp_list:
 tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
 
 # ----------------------------------------------------------------------------- variants
-# Every variant is one of scripts/bench_programs.py's steps (what scripts/step_breakdown.py
+# Every variant is one of scripts/bench/bench_programs.py's steps (what scripts/bench/step_breakdown.py
 # profiles): `gspmd_step` with what it shards and how it reduces, or `jaxdp_step`.
 
 
@@ -368,7 +369,7 @@ load_end = os.getloadavg()
 
 # ----------------------------------------------------------------------------- report
 
-command = "python scripts/bench.py" + "".join(f" {a}" for a in sys.argv[1:])
+command = "python scripts/bench/bench.py" + "".join(f" {a}" for a in sys.argv[1:])
 os.makedirs(args.out, exist_ok=True)
 
 gpts = [s for s in size_names if not is_mlp(s)]
@@ -434,7 +435,7 @@ for size in size_names:
 if strategies:
   lines += [
     "",
-    f"Issue 16's targets at dp={top}, as ratios to the baseline: step time <= "
+    f"Targets at dp={top}, as ratios to the baseline: step time <= "
     f"{TARGET_STEP:.2f}, compile time <= {TARGET_COMPILE:.1f}. Met: {sum(verdicts)} of "
     f"{len(verdicts)}.",
     "",
@@ -447,22 +448,6 @@ if strategies:
 table = "\n".join(lines) + "\n"
 with open(os.path.join(args.out, "bench.md"), "w") as f:
   f.write(table)
-# README's table: the rows of the largest dp, fewer columns (tests/test_bench.py checks it
-# against docs/bench.md)
-readme = [
-  "| size | variant | baseline | step ms | ratio | ratio to gspmd | compile ratio "
-  "| collectives | state MiB/dev |",
-  "|---|---|---|---:|---:|---:|---:|---:|---:|",
-]
-for row in results:
-  if row["dp"] == top:
-    readme.append(
-      f"| {row['size']} ({row['params'] / 1e6:.2f}M) | {row['variant']} | {row['baseline']} "
-      f"| {row['step_ms']:.0f} | {row['ratio']:.2f} | {row['ratio_gspmd']:.2f} "
-      f"| {row['compile_ratio']:.2f} | {row['collectives']} | {mib(row['state_bytes'])} |"
-    )
-with open(os.path.join(args.out, "readme.md"), "w") as f:
-  f.write("\n".join(readme) + "\n")
 with open(os.path.join(args.out, "bench.json"), "w") as f:
   json.dump(
     dict(
@@ -502,4 +487,4 @@ fig.savefig(os.path.join(args.out, "bench.png"), dpi=110)
 
 print("\n".join(gspmd_checks))
 print(table)
-print(f"wrote {args.out}/bench.md, readme.md, bench.png, bench.json")
+print(f"wrote {args.out}/bench.md, bench.png, bench.json")

@@ -1,10 +1,10 @@
 """One measurement on one real GPU: a jaxdp strategy at dp = 1 against plain `jax.jit`.
 
-`scripts/gpu_check.sh` runs this once per (model, variant), each in a fresh process so that
+`scripts/bench/gpu_check.sh` runs this once per (model, variant), each in a fresh process so that
 the device's peak-memory counter belongs to that variant alone, and gathers the JSON lines.
 
-    python scripts/gpu_check.py --model medium --variant jit
-    python scripts/gpu_check.py --model 350m --variant optim_grads_params
+    python scripts/bench/gpu_check.py --model medium --variant jit
+    python scripts/bench/gpu_check.py --model 350m --variant optim_grads_params
 
 Variants: `jit` is the program a JAX user writes on one device (`jax.jit` of
 `value_and_grad` + clip + AdamW, state donated); the others are jaxdp's train step for
@@ -45,7 +45,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)  # the repo root
 import jaxdp  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
