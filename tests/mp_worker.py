@@ -12,6 +12,10 @@ and losses to ``OUT_DIR/train.{strategy}.p{I}.npz``.
 ``crash``: after one collective, process 1 SIGKILLs itself while process 0 blocks in the
 next collective, which can never finish. ``raise``: the same, but process 1 raises.
 ``hang``: the same, but process 1 waits forever (`wait_forever`), silent: nothing fails.
+``checkpoint``: for each of `CHECKPOINT_STRATEGIES`, builds the state from an init function
+(`checkpoint_params`), trains `STEPS` steps, saves it to ``OUT_DIR/ckpt.{strategy}``,
+restores it into a fresh state and writes the trained and restored params and optimizer
+state, gathered, to ``OUT_DIR/ckpt.{strategy}.p{I}.npz``.
 
 Everything but `main` is importable, so the tests compute their single-process
 references with the same code.
@@ -110,6 +114,45 @@ def train(strategy: str, mesh, to_global) -> tuple[dict, list[float]]:
   return jaxdp.get_params(state), losses
 
 
+CHECKPOINT_STRATEGIES = ("optim", "optim_grads_params")
+
+
+def checkpoint_params() -> dict:
+  """A model whose arrays dominate the checkpoint's bytes (2 MiB of f32 params; odd widths
+  padded at dp = 8)."""
+  k1, k2 = jax.random.split(jax.random.key(2))
+  return {
+    "w": jax.random.normal(k1, (FEATURES * 128, 1000)) * 0.05,
+    "b": jnp.zeros((1000,)),
+    "out": jax.random.normal(k2, (1000, 2)) * 0.05,
+  }
+
+
+def checkpoint_loss(params, batch):
+  x = jnp.tile(batch["x"], (1, 128))
+  pred = jnp.tanh(x @ params["w"] + params["b"]) @ params["out"]
+  target = jnp.stack([jnp.sin(batch["y"]), jnp.cos(batch["y"])], -1).astype(jnp.float32)
+  return jnp.mean((pred - target) ** 2)
+
+
+def save_and_restore(strategy: str, mesh, to_global, directory) -> tuple[dict, dict]:
+  """Trains from `checkpoint_params` (as an init function), saves, restores into a fresh
+  state: `(trained, restored)`, each `{"params": ..., "opt": ...}` as views."""
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  tx = make_tx()
+  state = jaxdp.init_state(checkpoint_params, tx, mesh, config)
+  step = jaxdp.make_train_step(checkpoint_loss, tx, mesh, config)
+  for batch in train_batches():
+    state, _ = step(state, to_global(batch))
+  views = lambda s: {"params": jaxdp.get_params(s), "opt": jaxdp.get_opt_state(s)}
+  trained = views(state)
+  with jaxdp.CheckpointManager(directory) as mgr:
+    mgr.save(STEPS, state)
+    mgr.wait_until_finished()
+    restored = mgr.restore(jaxdp.init_state(checkpoint_params, tx, mesh, config))
+  return trained, views(restored)
+
+
 def wait_forever() -> None:
   """What a process stuck elsewhere looks like: alive, silent, never reaching the collective."""
   while True:
@@ -156,6 +199,17 @@ def main(mode: str, out_dir: str) -> None:
       print(
         f"process {me}/{n}: {strategy}: losses {[float(gather(l)) for l in losses]}", flush=True
       )
+  elif mode == "checkpoint":
+    to_global = lambda b: jaxdp.host_local_batch_to_global(local_slice(b, me, n), mesh)
+    for strategy in CHECKPOINT_STRATEGIES:
+      directory = pathlib.Path(out_dir) / f"ckpt.{strategy}"
+      trained, restored = save_and_restore(strategy, mesh, to_global, directory)
+      flat = {}
+      for name, tree in (("trained", trained), ("restored", restored)):
+        for path, x in jax.tree_util.tree_leaves_with_path(tree):
+          flat[f"{name}{jax.tree_util.keystr(path)}"] = gather(x)
+      np.savez(pathlib.Path(out_dir) / f"ckpt.{strategy}.p{me}.npz", **flat)
+      print(f"process {me}/{n}: {strategy}: saved and restored", flush=True)
   elif mode == "psum":
     np.savez(
       pathlib.Path(out_dir) / f"psum.p{me}.npz",

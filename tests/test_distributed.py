@@ -134,6 +134,46 @@ def trained_by_two_processes(tmp_path_factory):
   return get
 
 
+@pytest.mark.slow
+def test_two_processes_save_their_own_shards_and_restore(tmp_path):
+  """Each process writes only the shards its devices hold (about half of the checkpoint's
+  bytes each), and the restored state is bitwise the saved one, in the job and when the
+  checkpoint is read back by one process on another dp."""
+  result, elapsed = run_launcher(
+    "-n", "2", "-d", "4", "--", WORKER, "checkpoint", str(tmp_path), timeout=240
+  )
+  print(f"2 processes x 4 devices, save and restore: {elapsed:.1f} s")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+  for strategy in mp_worker.CHECKPOINT_STRATEGIES:
+    got = [dict(np.load(tmp_path / f"ckpt.{strategy}.p{p}.npz")) for p in range(2)]
+    for key in got[0]:
+      np.testing.assert_array_equal(got[0][key], got[1][key], err_msg=key)
+      if key.startswith("trained"):
+        restored = "restored" + key[len("trained") :]
+        np.testing.assert_array_equal(got[0][restored], got[0][key], err_msg=key)
+    # the bytes each process wrote: its own OCDBT files
+    state_dir = tmp_path / f"ckpt.{strategy}" / str(mp_worker.STEPS) / "state"
+    written = [
+      sum(f.stat().st_size for f in (state_dir / f"ocdbt.process_{p}").rglob("*") if f.is_file())
+      for p in range(2)
+    ]
+    total = sum(written)
+    # 2 MiB of random params (orbax compresses: the moments much): the arrays dominate
+    assert total > 2**20, written
+    assert all(0.4 < w / total < 0.6 for w in written), (strategy, written)
+    # one process, dp = 2, another strategy: the same values
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    like = jaxdp.init_state(
+      mp_worker.checkpoint_params, mp_worker.make_tx(), mesh, jaxdp.DDPConfig()
+    )
+    with jaxdp.CheckpointManager(tmp_path / f"ckpt.{strategy}") as mgr:
+      state = mgr.restore(like)
+    views = {"params": jaxdp.get_params(state), "opt": jaxdp.get_opt_state(state)}
+    for path, x in jax.tree_util.tree_leaves_with_path(views):
+      key = "trained" + jax.tree_util.keystr(path)
+      np.testing.assert_array_equal(np.asarray(x), got[0][key], err_msg=key)
+
+
 def _flat(params) -> dict[str, np.ndarray]:
   return {
     jax.tree_util.keystr(k): np.asarray(x) for k, x in jax.tree_util.tree_leaves_with_path(params)
