@@ -1,24 +1,30 @@
-"""Checkpoints that restore onto any mesh and any strategy, on orbax.
+"""Checkpoints that restore onto any mesh and any strategy, on orbax, moving shards.
 
 A `TrainState` is laid out for one mesh and one strategy: sharded strategies hold master
 params and per-param optimizer state as row shards padded on their shard dim, `no_shard`
-holds full trees. What a checkpoint stores is none of that. It stores the *canonical form*,
-which depends only on the model and the optimizer:
+holds full trees. A checkpoint stores each leaf *as the state holds it* (format 2), so that
+every device writes only its own shards (orbax writes a sharded `jax.Array` shard by shard,
+each process its addressable shards) and nothing is gathered:
 
-* `params`: every leaf of the param tree in its own shape and dtype (frozen and integer
-  leaves included), as `jaxdp.get_params` returns it;
-* `master`: the fp32 (or wider) master copy of each trainable low-precision param, in the
-  param's shape. A trainable param whose dtype is already fp32 or wider *is* its master
-  (every strategy keeps the two bitwise equal), so it is stored once, under `params`;
-* `opt_state`: every optax state leaf, per-param leaves unpadded to the param's shape;
-* `model_state` (mutable model state: BatchNorm statistics) as it is (it is replicated), and
-  the raw data of the state's key (`rng`), so that a resumed run draws the keys of the
-  uninterrupted one;
+* `params_<i>`: a frozen or integer leaf, and a trainable param whose dtype is already fp32
+  or wider (it *is* its master: every strategy keeps the two bitwise equal), in the state's
+  shape: padded rows included where the strategy pads it;
+* `master_<i>`: the fp32 (or wider) master of a trainable low-precision param (the param is
+  its cast);
+* `opt_<j>`: every optax state leaf (a fused state's flat buckets are unravelled into the
+  per-leaf form first, every device converting its own shard);
+* `model_state_<j>` (BatchNorm statistics) and `rng` (the key's raw data), replicated, so
+  that a resumed run draws the keys of the uninterrupted one;
 * the state's step counter and the caller's data position (any JSON value).
 
-So a checkpoint saved with dp=8 under `optim` restores with dp=4 under `optim_grads_params`
-or with dp=2 under `no_shard`: restore pads the rows again (taking the padding rows from
-`like`, exactly what `init_state` put there) and places every leaf with `like`'s sharding.
+Each stored leaf holds its logical region first on every dim and padding rows after it, so
+`restore` reads every leaf straight into `like`'s shape and sharding, shard by shard (orbax
+cuts or zero-extends the stored array at the end of each dim), and takes the elements past
+the logical region from `like` (what `init_state` put there), or from the checkpoint where
+its shape is `like`'s very shape (a resume on the same mesh and strategy: bitwise). So a
+checkpoint saved with dp=8 under `optim` restores with dp=4 under `optim_grads_params` or
+with dp=2 under `no_shard`. Format 1 (every leaf stored in its logical shape, replicated)
+restores through the same path.
 
 Each checkpoint carries metadata (jaxdp version, strategy, dp, layout summary, the path,
 shape and dtype of every stored leaf, the optax state structure); `restore` compares it to
@@ -36,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from typing import Any
 
 import jax
@@ -459,6 +466,17 @@ class _LikeLeaves:
     self.flat = like.fused and like.config.use_distributed_optimizer
     if like.fused and not self.flat:
       like = _per_leaf_program(like, mesh)
+    # a leaf held twice (jit returns one array for two equal outputs, e.g. an fp32 param
+    # and its unpadded master): donated once, so the second holder gets a copy
+    seen = set()
+
+    def own(x):
+      if x is None or id(x) not in seen:
+        seen.add(id(x))
+        return x
+      return jnp.copy(x)
+
+    like = jax.tree.map(own, like)
     self.like = like
     names = {name for name, _, _ in bucket_names(like.layout)}
     self.is_flat = lambda x: self.flat and isinstance(x, dict) and set(x) == names
@@ -601,9 +619,9 @@ class CheckpointManager:
       or save_interval_steps < 1
     ):
       raise ValueError(f"save_interval_steps={save_interval_steps!r}: must be a positive integer")
-    self.directory = directory
+    self.directory = os.path.abspath(os.fspath(directory))  # orbax takes absolute paths
     self._mgr = ocp.CheckpointManager(
-      directory,
+      self.directory,
       item_names=(_STATE, _META),
       options=ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
@@ -695,9 +713,16 @@ class CheckpointManager:
   def restore(self, like: TrainState, step: int | None = None) -> TrainState:
     """Reads checkpoint `step` into a state laid out like `like`.
 
+    The checkpoint is read in groups of leaves (about an eighth of the state each), each
+    group straight into `like`'s shardings and written into `like`'s own buffers, which are
+    donated: a restore needs one state's memory and an eighth of one, not two states.
+
     Args:
-      like: a state from `init_state` for the *target* mesh, strategy and config (its
-        values are not used, except the padding rows of sharded leaves).
+      like: a state from `init_state` for the *target* mesh, strategy and config; its
+        values are not used, except the padding rows of sharded leaves. It is consumed (its
+        arrays are donated to the result): build it for this call, e.g.
+        `state = mgr.restore(jaxdp.init_state(init_fn, tx, mesh, config))`. A restore that
+        is refused leaves it as it was.
       step: the checkpoint to read; None: the latest.
 
     Returns:
@@ -707,7 +732,8 @@ class CheckpointManager:
     Raises:
       FileNotFoundError: there is no committed checkpoint (at `step`).
       ValueError: the checkpoint does not fit `like` (another model, dtype, optimizer or
-        `frozen` set); the message names the first leaf that differs. Nothing is read.
+        `frozen` set); the message names the first leaf that differs. Nothing is read or
+        written, and `like` is left as it was.
     """
     _check_is_state(like, "like")
     step = self._step(step)
