@@ -438,9 +438,22 @@ def _groups(targets: list[_Target]) -> list[list[_Target]]:
   return out
 
 
-def _fitted(stored: dict[str, jax.Array], likes: list[jax.Array], targets) -> list[jax.Array]:
-  """Traced: each target's leaf of `like` holding its stored value (`_fit`)."""
-  return [_fit(stored[t.key], x, t.logical, t.stored == t.shape) for t, x in zip(targets, likes)]
+def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Array]:
+  """Traced: each target's leaf holding its stored value (`_fit`); `likes` has the `like`
+  leaf of each target that takes padding from it, None for the others."""
+  out = []
+  for t, x in zip(targets, likes):
+    if x is None:  # stored in like's very shape: as stored
+      out.append(stored[t.key].astype(t.dtype))
+    else:
+      out.append(_fit(stored[t.key], x, t.logical, False))
+  return out
+
+
+def _keeps(t: _Target) -> bool:
+  """Is the stored leaf `t`'s value as it is (stored in the target's very shape, or the
+  target has no padding): nothing of `like` is kept."""
+  return len(t.stored) == len(t.shape) and (t.stored == t.shape or t.logical == t.shape)
 
 
 def _read_args(abstract: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
@@ -518,10 +531,18 @@ class _LikeLeaves:
   def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
     plain = [t for t in group if t.bucket is None]
     if plain:
-      fit = jax.jit(functools.partial(_fitted, targets=tuple(plain)), donate_argnums=1)
-      for t, x in zip(
-        plain, fit({t.key: stored[t.key] for t in plain}, [self._get(t) for t in plain])
-      ):
+      olds = [self._get(t) for t in plain]
+      fit = jax.jit(
+        functools.partial(_fitted, targets=tuple(plain)),
+        donate_argnums=1,  # written into where padding comes from `like`
+        out_shardings=[x.sharding for x in olds],
+      )
+      # a leaf that takes nothing from `like` needs none of its buffer: freed below
+      likes = [None if _keeps(t) else x for t, x in zip(plain, olds)]
+      new = fit({t.key: stored[t.key] for t in plain}, likes)
+      for t, old, x in zip(plain, olds, new):
+        if _keeps(t) and old is not None and not old.is_deleted():
+          old.delete()
         self._set(t, x)
     bucketed = [t for t in group if t.bucket is not None]
     if bucketed:
@@ -550,9 +571,11 @@ class _LikeLeaves:
     like = self.like
     layout = like.layout
     opt_state = jax.tree.unflatten(self.opt_def, self.items)
+    step = jax.device_put(np.asarray(step, like.step.dtype), like.step.sharding)
+    like.step.delete()
     out = dataclasses.replace(
       like,
-      step=jax.device_put(np.asarray(step, like.step.dtype), like.step.sharding),
+      step=step,
       params=tree_of(layout, self.values["params"]),
       master=self.master_flat if self.flat else tree_of(layout, self.values["master"]),
       opt_state=opt_state,

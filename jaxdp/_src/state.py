@@ -332,20 +332,17 @@ def init_source(params) -> InitSource:
   """
   if not callable(params):
     return InitSource(params)
+  fix = (
+    "init_state(params=...): a function must take no arguments and return the param pytree "
+    "(e.g. lambda: model.init(key, x)['params'])"
+  )
   try:
     abstract = jax.eval_shape(params)
   except TypeError as e:
-    if "argument" not in str(e):
-      raise
-    raise TypeError(
-      f"init_state(params=...): a function must take no arguments and return the params "
-      f"(e.g. lambda: model.init(key, x)['params']); calling it failed: {e}"
-    ) from e
+    raise TypeError(f"{fix}; tracing it failed: {e}") from e
   for path, x in jax.tree_util.tree_flatten_with_path(abstract)[0]:
     if not isinstance(x, jax.ShapeDtypeStruct):
       raise TypeError(
-        f"init_state(params=...): the function returned params{jax.tree_util.keystr(path)} "
-        f"= {type(x).__name__}, not an array; return the param pytree only (e.g. "
-        "model.init(key, x)['params'])"
+        f"{fix}; it returned params{jax.tree_util.keystr(path)}, a {type(x).__name__}"
       )
   return InitSource(abstract, params)

@@ -1,0 +1,256 @@
+"""The job around the step, sharded: init from a function or host arrays, checkpoints that
+move shards, sharded views, old checkpoints.
+
+Equalities here are bitwise: init computes the same values wherever it runs (JAX's
+partitionable threefry draws the same bits shard by shard), and a checkpoint only moves
+and pads values.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from jaxdp._src import checkpoint as ckpt_lib, train
+from jaxdp._src.distributed_optimizer import per_leaf_state
+from tests.test_checkpoint import TX, _batch, _params
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _mesh(n=8, auto=False):
+  types = (jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit,)
+  return jax.make_mesh((n,), ("data",), axis_types=types, devices=jax.devices()[:n])
+
+
+def _init():
+  """Random leaves of widths dp divides and does not (33 rows: padded, sharded on its 16),
+  a bf16 leaf, an int leaf."""
+  k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+  return {
+    "w1": jax.random.normal(k1, (5, 7)) * 0.5,
+    "b1": jnp.zeros((7,)),
+    "emb": jax.random.normal(k3, (33, 16)),
+    "w2": (jax.random.normal(k2, (7, 3)) * 0.5).astype(jnp.bfloat16),
+    "count": jnp.array(3, jnp.int32),
+  }
+
+
+def _same(a, b):
+  """Bitwise equal leaves with equal shardings (the step's cache key)."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert x.sharding == y.sharding, (x.sharding, y.sharding)
+
+
+@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_init_from_a_function_or_host_arrays_equals_init_from_arrays(strategy, auto):
+  mesh, config = _mesh(auto=auto), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  want = jaxdp.init_state(_init(), TX, mesh, config)
+  _same(jaxdp.init_state(_init, TX, mesh, config), want)
+  _same(jaxdp.init_state(jax.tree.map(np.asarray, _init()), TX, mesh, config), want)
+
+
+def test_the_init_program_computes_shards_only():
+  """The init function's program: each device's output is its shard (no all-gather, no
+  output or temporary as large as the model)."""
+  mesh = _mesh()
+  big = lambda: {"w": jax.random.normal(jax.random.key(0), (1024, 512))}  # 2 MiB
+  compiled = (
+    jax.jit(big, out_shardings={"w": jax.NamedSharding(mesh, jax.P("data"))}).lower().compile()
+  )
+  memory = compiled.memory_analysis()
+  assert memory.output_size_in_bytes == 1024 * 512 * 4 // 8
+  # threefry's counters and bits: a few shards' worth, never the 2 MiB of the whole leaf
+  assert memory.temp_size_in_bytes < 1024 * 512 * 4 // 2
+  assert "all-gather" not in compiled.as_text()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+  state = jaxdp.init_state(big, optax.adam(1e-3), mesh, config)
+  (flat,) = jax.tree.leaves(state.master)  # fused: one flat bucket
+  assert flat.addressable_shards[0].data.size == 1024 * 512 // 8
+
+
+def test_init_function_errors_name_the_fix():
+  mesh, config = _mesh(), jaxdp.DDPConfig()
+  with pytest.raises(TypeError, match="no arguments"):
+    jaxdp.init_state(lambda key: {"w": jnp.zeros(3)}, TX, mesh, config)
+  with pytest.raises(TypeError, match="return the param pytree"):
+    jaxdp.init_state(lambda: {"w": "zeros"}, TX, mesh, config)
+  # a frozen mask that does not match what the function returns: refused before any init
+  calls = []
+
+  def counted():
+    calls.append(1)
+    return {"w": jnp.zeros((4, 2))}
+
+  with pytest.raises(ValueError, match="frozen"):
+    jaxdp.init_state(counted, TX, mesh, config, frozen={"v": True})
+  assert len(calls) == 1  # traced once for its shapes (jax.eval_shape), never run
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_sharded_views_hold_a_dp_th_of_each_leaf_and_equal_the_whole_ones(strategy):
+  mesh = _mesh()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(_init, TX, mesh, config)
+  step = jaxdp.make_train_step(_loss_init, TX, mesh, config)
+  state, _ = step(state, _batch_init(0))
+  for whole, sharded in (
+    (jaxdp.get_params(state), jaxdp.get_params(state, sharded=True)),
+    (jaxdp.get_opt_state(state), jaxdp.get_opt_state(state, sharded=True)),
+  ):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(whole), jax.tree.leaves(sharded)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+      assert x.shape == y.shape
+      divisible = any(n % 8 == 0 for n in x.shape)
+      per_device = y.addressable_shards[0].data.size
+      assert per_device == (x.size // 8 if divisible else x.size), (path, y.sharding)
+
+
+def test_sharded_get_params_of_a_padded_leaf_moves_it_without_gathering():
+  """A stacked FSDP leaf is sharded on the dim after its layers, padded there (33 rows at
+  dp 8): its view is sharded on the layers instead, reached by an all-to-all."""
+  mesh = _mesh()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+  fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
+  params = {"blocks": {"w": jnp.ones((8, 33, 16))}, "head": jnp.ones((16, 4))}
+  state = jaxdp.init_state(params, optax.sgd(0.1), mesh, config, fsdp=fsdp)
+  assert state.master["blocks"]["w"].shape == (8, 40, 16)
+  program = jax.jit(train.whole_params, static_argnums=(1, 2))
+  text = program.lower(state, mesh, True).compile().as_text()
+  assert "all-to-all" in text and "all-gather" not in text
+
+
+def _loss_init(p, batch):
+  h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+  return jnp.mean((h @ p["w2"].astype(jnp.float32) - batch["y"]) ** 2) + 1e-3 * jnp.mean(
+    p["emb"] ** 2
+  )
+
+
+def _batch_init(i):
+  return _batch(i)
+
+
+def test_saving_a_fused_state_gathers_nothing():
+  """A fused state is stored in its per-leaf form: the conversion is local to each device
+  (no collective at all); any other state is stored with no program."""
+  mesh = _mesh()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  state = jaxdp.init_state(_init, TX, mesh, config)
+  assert state.fused
+  text = jax.jit(per_leaf_state, static_argnums=1).lower(state, mesh).compile().as_text()
+  for collective in ("all-gather", "all-reduce", "all-to-all", "collective-permute"):
+    assert collective not in text, collective
+  # leaves b1, count, emb, w1, w2: the fp32 ones stored as params, sharded; the int one
+  # replicated; the bf16 one as its fp32 master
+  stored = ckpt_lib._stored_arrays(state)
+  sharded = {k for k, x in stored.items() if not x.sharding.is_fully_replicated}
+  assert {"params_0", "params_2", "params_3", "master_4"} <= sharded
+  assert stored["params_1"].sharding.is_fully_replicated and "params_4" not in stored
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params", "no_shard"])
+def test_format_1_checkpoints_restore(strategy, tmp_path):
+  """A checkpoint written by format 1 (every leaf whole, logical shapes; optim, dp = 8,
+  AdamW after 3 steps) restores on dp 4 into any strategy, every value as saved."""
+  want = dict(np.load(os.path.join(HERE, "data", "format1_expected.npz")))
+  with jaxdp.CheckpointManager(os.path.join(HERE, "data", "format1")) as mgr:
+    assert mgr.metadata()["format"] == 1
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+    state = mgr.restore(jaxdp.init_state(_params(), TX, _mesh(4), config))
+  assert int(state.step) == 3
+  got = {
+    **{f"params{jax.tree_util.keystr(k)}": v for k, v in _leaves(jaxdp.get_params(state))},
+    **{f"opt{jax.tree_util.keystr(k)}": v for k, v in _leaves(jaxdp.get_opt_state(state))},
+  }
+  for key, x in got.items():
+    np.testing.assert_array_equal(np.asarray(x, np.float32), want[key], err_msg=key)
+  master = per_leaf_state(state, state.step.sharding.mesh).master["w2"]
+  np.testing.assert_array_equal(np.asarray(master)[:7], want["master['w2']"])
+
+
+def _leaves(tree):
+  return jax.tree_util.tree_leaves_with_path(tree)
+
+
+def test_a_refused_restore_reads_nothing_writes_nothing_and_keeps_like(tmp_path):
+  mesh, config = _mesh(), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  with jaxdp.CheckpointManager(tmp_path / "ckpt") as mgr:
+    mgr.save(0, jaxdp.init_state(_params(), TX, mesh, config))
+    mgr.wait_until_finished()
+    files = {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*")}
+    other = {**_params(), "w1": jnp.zeros((6, 7))}
+    like = jaxdp.init_state(other, TX, mesh, config)
+    with pytest.raises(ValueError, match=r"params\['w1'\]: shape \(5, 7\) in the checkpoint"):
+      mgr.restore(like)
+  assert {p: p.stat().st_mtime_ns for p in (tmp_path / "ckpt").rglob("*")} == files
+  jax.tree.map(lambda x: x.block_until_ready(), like)  # not donated
+
+
+def test_restore_reads_in_groups_and_consumes_like(tmp_path, monkeypatch):
+  """A restore holds one state and one group: the leaves are read in several groups, and
+  each group frees the leaves of `like` it replaces (or writes into them)."""
+  mesh = _mesh()
+  params = {f"w{i}": jnp.full((64, 32), float(i)) for i in range(10)}
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=False)
+  state = jaxdp.init_state(params, TX, mesh, config)
+  reads = []
+  with jaxdp.CheckpointManager(tmp_path / "ckpt") as mgr:
+    mgr.save(0, state)
+    mgr.wait_until_finished()
+    like = jaxdp.init_state(params, TX, mesh, config)
+    restore = mgr._mgr.restore
+    monkeypatch.setattr(mgr._mgr, "restore", lambda *a, **k: reads.append(1) or restore(*a, **k))
+    got = mgr.restore(like)
+  assert len(reads) >= 1 + 8  # the metadata, then groups of about an eighth of the state
+  assert all(x.is_deleted() for x in jax.tree.leaves(like))
+  _same(got, state)  # bitwise, on the shardings the step's cache expects
+
+
+def test_relative_checkpoint_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  mesh, config = _mesh(), jaxdp.DDPConfig()
+  with jaxdp.CheckpointManager("ckpt") as mgr:
+    mgr.save(0, jaxdp.init_state(_params(), TX, mesh, config))
+    mgr.wait_until_finished()
+    assert mgr.latest_step() == 0
+  assert (tmp_path / "ckpt" / "0").is_dir()
+
+
+def test_nnx_optimizer_from_a_function_equals_from_a_model():
+  from flax import nnx
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.l1 = nnx.Linear(4, 16, rngs=rngs)
+      self.bn = nnx.BatchNorm(16, rngs=rngs)
+      self.l2 = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.l2(self.bn(jax.nn.relu(self.l1(x))))
+
+  build = lambda: Model(nnx.Rngs(0))
+  mesh = _mesh()
+  loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)
+  batch = {"x": jax.random.normal(jax.random.key(1), (16, 4)), "y": jnp.ones((16, 1))}
+  for strategy in ("optim", "optim_grads_params"):
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+    a = jaxdp.NNXOptimizer(build(), optax.adam(1e-3), mesh, config)
+    b = jaxdp.NNXOptimizer(build, optax.adam(1e-3), mesh, config)
+    _same(a.state, b.state)
+    ma, mb = build(), nnx.eval_shape(build)
+    got_a = jaxdp.nnx_train_step(loss)(ma, a, batch)
+    got_b = jaxdp.nnx_train_step(loss, update_model=False)(mb, b, batch)
+    assert float(got_a["loss"]) == float(got_b["loss"])
+    _same(a.state, b.state)
+  with pytest.raises(TypeError, match="nnx.Module, or a function"):
+    jaxdp.NNXOptimizer(3, optax.adam(1e-3), mesh, jaxdp.DDPConfig())
