@@ -1,0 +1,220 @@
+"""Host memory of every phase of a real job, jaxdp against the GSPMD way, on 8 CPU devices.
+
+    python scripts/bench/job_memory.py --mib 128
+    python scripts/bench/job_memory.py --mib 256 --variants gspmd fsdp
+
+All 8 simulated devices live in one process, so a whole copy of the model on every device
+shows as 8 x the model. Each variant runs in a fresh process: init (from the model's init
+function, then again from host arrays), 2 train steps, a checkpoint save, and a restore
+into a fresh state. Each phase's number is its peak host memory growth (VmHWM, reset before
+the phase, less the resident memory at its start), in multiples of the model's f32 params.
+The model is residual MLP blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096: 32 MiB a
+block), AdamW.
+
+The GSPMD way is what a JAX user writes instead: `jax.jit` of the init function and of the
+step with params and optimizer state sharded `P("data")` on a dim that 8 divides, and
+orbax's `StandardCheckpointer` (restored into `jax.ShapeDtypeStruct` targets with those
+shardings). jaxdp's variants: `optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp`
+(`optim_grads_params`), each with `init_state(init_fn)`, `CheckpointManager.save` and
+`restore(init_state(init_fn))`. "ratio" is a phase's growth over the GSPMD way's, in the
+same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+PHASES = ("init (function)", "init (host arrays)", "2 train steps", "save", "restore")
+VARIANTS = ("gspmd", "optim", "optim_grads", "fsdp")
+MiB = 2**20
+D, FFN = 1024, 4096
+
+
+def _status(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  raise KeyError(field)
+
+
+class Phase:
+  """Peak host memory growth of the code inside `with Phase(...)`."""
+
+  def __init__(self, name: str, out: dict):
+    self.name, self.out = name, out
+
+  def __enter__(self):
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # return freed heap to the system first
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")  # reset VmHWM to the current resident size
+    self.start, self.t = _status("VmRSS"), time.time()
+    return self
+
+  def __exit__(self, *exc):
+    if exc[0] is None:
+      self.out[self.name] = {"grow": _status("VmHWM") - self.start, "s": time.time() - self.t}
+      print(f"  {self.name}: {self.out[self.name]['grow'] / MiB:.0f} MiB", file=sys.stderr)
+
+
+def worker(variant: str, layers: int, directory: str) -> dict:
+  """One job of `variant`, phase by phase: `{phase: {"grow": bytes, "s": seconds}}`."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", 8)
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  import jaxdp
+
+  mesh = jax.make_mesh((8,), ("data",))
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+
+  def init_fn():
+    keys = jax.random.split(jax.random.key(0), 2 * layers)
+    return {
+      "blocks": [
+        {
+          "w1": jax.random.normal(keys[2 * i], (D, FFN)) * 0.02,
+          "w2": jax.random.normal(keys[2 * i + 1], (FFN, D)) * 0.02,
+        }
+        for i in range(layers)
+      ]
+    }
+
+  def loss_fn(params, batch):
+    h = batch["x"]
+    for w in params["blocks"]:
+      h = h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
+    return jnp.mean(h**2)
+
+  rng = np.random.default_rng(0)
+  batch = jax.device_put(
+    {"x": rng.standard_normal((16, 32, D), np.float32)}, NamedSharding(mesh, P("data"))
+  )
+  host = jax.tree.map(np.asarray, jax.jit(init_fn)())  # a pretrained checkpoint, say
+  out = {}
+  if variant == "gspmd":
+    spec = lambda x: P(*["data" if d == 0 else None for d in range(x.ndim)]) if x.ndim else P()
+    shard = lambda tree: jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
+    abstract = jax.eval_shape(init_fn)
+    p_sh = shard(abstract)
+    o_sh = shard(jax.eval_shape(tx.init, abstract))
+    opt_init = jax.jit(tx.init, out_shardings=o_sh)
+
+    def step(params, opt_state, batch):
+      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    step = jax.jit(step, out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
+    with Phase("init (function)", out):
+      params = jax.jit(init_fn, out_shardings=p_sh)()
+      opt_state = opt_init(params)
+      jax.block_until_ready((params, opt_state))
+    del params, opt_state
+    with Phase("init (host arrays)", out):
+      params = jax.device_put(host, p_sh)
+      opt_state = opt_init(params)
+      jax.block_until_ready((params, opt_state))
+    with Phase("2 train steps", out):
+      for _ in range(2):
+        params, opt_state, loss = step(params, opt_state, batch)
+      jax.block_until_ready(loss)
+    ckpt = ocp.StandardCheckpointer()
+    path = os.path.join(directory, "gspmd")
+    with Phase("save", out):
+      ckpt.save(path, {"params": params, "opt_state": opt_state})
+      ckpt.wait_until_finished()
+    del params, opt_state
+    with Phase("restore", out):
+      target = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        {"params": abstract, "opt_state": jax.eval_shape(tx.init, abstract)},
+        {"params": p_sh, "opt_state": o_sh},
+      )
+      restored = ckpt.restore(path, target)
+      jax.block_until_ready(restored)
+    ckpt.close()
+    return out
+
+  strategy = {"fsdp": "optim_grads_params"}.get(variant, variant)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  train_step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  with Phase("init (function)", out):
+    state = jaxdp.init_state(init_fn, tx, mesh, config)
+    jax.block_until_ready(state)
+  del state
+  with Phase("init (host arrays)", out):
+    state = jaxdp.init_state(host, tx, mesh, config)
+    jax.block_until_ready(state)
+  with Phase("2 train steps", out):
+    for _ in range(2):
+      state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+  mgr = jaxdp.CheckpointManager(os.path.join(directory, variant))
+  with Phase("save", out):
+    mgr.save(2, state)
+    mgr.wait_until_finished()
+  del state
+  with Phase("restore", out):
+    state = mgr.restore(jaxdp.init_state(init_fn, tx, mesh, config))
+    jax.block_until_ready(state)
+  mgr.close()
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--mib", type=int, default=128, help="f32 params, a multiple of 32")
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+  parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+  parser.add_argument("--dir", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  layers = max(1, args.mib // 32)
+  if args.worker:
+    print(json.dumps(worker(args.worker, layers, args.dir)))
+    return
+  if "gspmd" not in args.variants:
+    args.variants = ["gspmd", *args.variants]
+  model = layers * 2 * D * FFN * 4
+  results = {}
+  with tempfile.TemporaryDirectory() as directory:
+    for variant in args.variants:
+      print(f"{variant} ({layers} blocks, {model / MiB:.0f} MiB of params) ...", file=sys.stderr)
+      done = subprocess.run(
+        [sys.executable, __file__, "--worker", variant, "--mib", str(args.mib), "--dir", directory],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+      )
+      results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+  print(
+    f"\nPeak host memory growth per phase, in multiples of the model ({model / MiB:.0f} MiB "
+    "of f32 params), 8 CPU devices in one process; ratio: over the GSPMD way's same phase\n"
+  )
+  head = "| phase | GSPMD way |" + "".join(f" jaxdp {v} | ratio |" for v in args.variants[1:])
+  print(head)
+  print("|---|---:|" + "---:|---:|" * (len(args.variants) - 1))
+  for phase in PHASES:
+    base = results["gspmd"][phase]["grow"]
+    row = f"| {phase} | {base / model:.2f} |"
+    for v in args.variants[1:]:
+      grow = results[v][phase]["grow"]
+      row += f" {grow / model:.2f} | {grow / base:.2f} |"
+    print(row)
+
+
+if __name__ == "__main__":
+  main()
