@@ -56,13 +56,19 @@ from jaxdp._src import __version__
 from jaxdp._src import train
 from jaxdp._src.distributed_optimizer import (
   fused_state,
-  leaves_of_shards,
   per_leaf_state,
-  shards_of_leaves,
   unpad_view,
 )
 from jaxdp._src.layout import master_dtype, sharded_shape
-from jaxdp._src.state import TrainState, bucket_names, leaves_of, match_opt_leaf, tree_of
+from jaxdp._src.mesh import DATA, run_auto
+from jaxdp._src.state import (
+  FLAT_SPEC,
+  TrainState,
+  bucket_names,
+  leaves_of,
+  match_opt_leaf,
+  tree_of,
+)
 
 PyTree = Any
 
@@ -197,13 +203,18 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
 # ----------------------------------------------------------------------------- conversion
 
 
-def _stored_arrays(state: TrainState) -> dict[str, jax.Array]:
-  """What a checkpoint stores, keyed `params_<i>`, `master_<i>`, `opt_<j>`, `model_state_<j>`,
-  `rng`: the state's own arrays in the per-leaf form, each in the shape and sharding the
-  state holds it (padded rows included), so each device writes its own shards.
+def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+  """What a checkpoint stores: `(arrays, flat)`. The arrays, keyed `params_<i>`,
+  `master_<i>`, `opt_<j>`, `model_state_<j>`, `rng`, are the state's own, each in the shape
+  and sharding the state holds it (padded rows included), so each device writes its own
+  shards and no program runs.
 
-  A fused state is read through `per_leaf_state`, one program in which every device converts
-  its own shard; any other state's arrays are stored as they are, with no program at all."""
+  A sharded fused state stores its flat buckets as they are (`flat_master_<n>`,
+  `flat_opt<k>_<n>`: bucket `n` of `master` and of the `k`-th flat tree of the optax state);
+  `flat` says where each per-leaf key's values lie in them (`_flat_sources`). `no_shard`'s
+  fused state, replicated, is stored in its per-leaf form."""
+  if state.fused and state.config.use_distributed_optimizer:
+    return _stored_flat(state)
   if state.fused:
     state = _per_leaf_program(state, state.step.sharding.mesh)
   layout = state.layout
@@ -222,7 +233,58 @@ def _stored_arrays(state: TrainState) -> dict[str, jax.Array]:
     out[f"model_state_{j}"] = x
   if state.rng is not None:
     out["rng"] = state.rng
-  return out
+  return out, {}
+
+
+def _flat_items(state: TrainState) -> tuple[list[Any], Any]:
+  """The optax state of a fused state as `jax.tree.flatten` with each flat tree one item."""
+  names = {name for name, _, _ in bucket_names(state.layout)}
+  return jax.tree.flatten(
+    state.opt_state, is_leaf=lambda x: isinstance(x, dict) and set(x) == names
+  )
+
+
+def _is_flat(x, layout) -> bool:
+  return isinstance(x, dict) and set(x) == {name for name, _, _ in bucket_names(layout)}
+
+
+def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+  layout = state.layout
+  names = [name for name, _, _ in bucket_names(layout)]
+  blocks = {p.index: (n, p) for n, (_, _, b) in enumerate(bucket_names(layout)) for p in b.params}
+  out, sources = {}, {}
+
+  def source(prefix, i):
+    n, p = blocks[i]
+    return [f"{prefix}_{n}", p.offset, list(p.local_shape(layout.dp)), p.axis]
+
+  for n, name in enumerate(names):
+    out[f"flat_master_{n}"] = state.master[name]
+  params = leaves_of(state.params)
+  for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
+    if not t:
+      out[f"params_{i}"] = params[i]
+    else:
+      key = f"master_{i}" if _stores_master(dtype) else f"params_{i}"
+      sources[key] = source("flat_master", i)
+  items, _ = _flat_items(state)
+  trainable = [i for i, t in enumerate(layout.trainable) if t]
+  j = 0
+  for k, item in enumerate(items):
+    if _is_flat(item, layout):
+      for n, name in enumerate(names):
+        out[f"flat_opt{k}_{n}"] = item[name]
+      for i in trainable:
+        sources[f"opt_{j}"] = source(f"flat_opt{k}", i)
+        j += 1
+    else:
+      out[f"opt_{j}"] = item
+      j += 1
+  for j, x in enumerate(jax.tree.leaves(state.model_state)):
+    out[f"model_state_{j}"] = x
+  if state.rng is not None:
+    out["rng"] = state.rng
+  return out, {"dp": layout.dp, "layout": layout.summary(), "sources": sources}
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -310,11 +372,13 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
-  """One leaf of the per-leaf form of `like` and the stored key that fills it."""
+  """One leaf of `like` and the stored key that fills it."""
 
   field: str
-  """"params", "master", "opt" (`jax.tree.leaves` order), "model_state" or "rng"."""
-  index: int
+  """"params", "master", "opt" (`jax.tree.leaves` order of the per-leaf form), "flat" (a
+  fused state's flat bucket, `index` = `(optax item or None, bucket name)`),
+  "model_state" or "rng"."""
+  index: Any
   key: str
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -322,20 +386,42 @@ class _Target:
   spec: P
   logical: tuple[int, ...]
   stored: tuple[int, ...]
+  """The key's shape as stored (per leaf: padded rows included)."""
   stored_dtype: str
-  bucket: str | None = None
-  """A fused state's flat leaves: the bucket that holds this leaf."""
+  source: tuple | None = None
+  """A key stored inside a flat bucket: `(flat key, its length, offset, local shape, axis,
+  dp)` (`_stored_flat`)."""
+
+  @property
+  def read(self) -> str:
+    """The stored key orbax reads for this target."""
+    return self.source[0] if self.source else self.key
 
   @property
   def bytes(self) -> int:
     return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _targets(meta: dict[str, Any], like: TrainState, mesh) -> list[_Target]:
-  """Every leaf of `like`'s per-leaf form with the stored key of checkpoint `meta` (any
-  format) that fills it, in the order the stored keys are first needed."""
+def _same_flat_layout(meta: dict[str, Any], like: TrainState) -> bool:
+  """Was the checkpoint's fused state laid out exactly as `like` (same dp, buckets and
+  shards)? Then each flat bucket is read as it is into `like`'s."""
+  flat = meta.get("flat")
+  return bool(
+    flat
+    and like.fused
+    and like.config.use_distributed_optimizer
+    and flat["dp"] == like.layout.dp
+    and flat["layout"] == like.layout.summary()
+    and all(x is None for t, x in zip(like.layout.trainable, leaves_of(like.params)) if t)
+  )
+
+
+def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> list[_Target]:
+  """Every leaf of `like` (its per-leaf form unless `same_flat`) with the stored key of
+  checkpoint `meta` (any format) that fills it, in the order the stored keys are first
+  needed."""
   per_leaf = like
-  if like.fused:
+  if like.fused and not same_flat:
     per_leaf = jax.eval_shape(functools.partial(per_leaf_state, mesh=mesh), like)
   specs = train.state_specs(per_leaf)
   layout = per_leaf.layout
@@ -352,12 +438,15 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh) -> list[_Target]:
   if meta.get("rng"):
     logical["rng"], dtypes["rng"] = (2,), "uint32"
   stored = {k: tuple(v) for k, v in meta.get("stored", logical).items()}
+  flat = meta.get("flat") or {"sources": {}}
+  sources = {}
+  for key, (flat_key, offset, local, axis) in flat["sources"].items():
+    local = tuple(local)
+    sources[key] = (flat_key, stored[flat_key][0], offset, local, axis, flat["dp"])
+    stored[key] = (*local[:axis], local[axis] * flat["dp"], *local[axis + 1 :])
   value = lambda i: f"master_{i}" if i in masters_saved else f"params_{i}"
-  buckets = {p.index: name for name, _, b in bucket_names(layout) for p in b.params}
-  flat = like.fused and like.config.use_distributed_optimizer
-  flat_opt = _flat_opt_leaves(like) if flat else {}
 
-  def target(field, i, key, x, spec, bucket=None):
+  def target(field, i, key, x, spec):
     return _Target(
       field,
       i,
@@ -365,26 +454,40 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh) -> list[_Target]:
       tuple(x.shape),
       np.dtype(x.dtype),
       spec,
-      logical[key],
+      logical.get(key, tuple(x.shape)),
       stored[key],
-      dtypes[key],
-      bucket,
+      dtypes.get(key, np.dtype(x.dtype).name),
+      sources.get(key),
     )
 
   out = []
-  for field, tree, spec_tree in (
-    ("master", per_leaf.master, specs.master),
-    ("params", per_leaf.params, specs.params),
-  ):
-    for i, (x, spec) in enumerate(zip(leaves_of(tree), leaves_of(spec_tree))):
-      if x is None:
-        continue
-      key = value(i) if layout.trainable[i] else f"params_{i}"
-      fused_leaf = flat and field == "master"
-      out.append(target(field, i, key, x, spec, buckets[i] if fused_leaf else None))
-  opt_specs = jax.tree.leaves(specs.opt_state)
-  for j, x in enumerate(jax.tree.leaves(per_leaf.opt_state)):
-    out.append(target("opt", j, f"opt_{j}", x, opt_specs[j], buckets.get(flat_opt.get(j))))
+  if same_flat:  # each flat bucket as it is
+    names = [name for name, _, _ in bucket_names(layout)]
+    for n, name in enumerate(names):
+      out.append(target("flat", (None, name), f"flat_master_{n}", like.master[name], FLAT_SPEC))
+  else:
+    for i, (x, spec) in enumerate(zip(leaves_of(per_leaf.master), leaves_of(specs.master))):
+      if x is not None:
+        out.append(target("master", i, value(i), x, spec))
+  for i, (x, spec) in enumerate(zip(leaves_of(per_leaf.params), leaves_of(specs.params))):
+    if x is not None:
+      out.append(target("params", i, value(i) if layout.trainable[i] else f"params_{i}", x, spec))
+  if same_flat:
+    items, _ = _flat_items(like)
+    spec_items = jax.tree.flatten(specs.opt_state, is_leaf=lambda x: _is_flat(x, layout))[0]
+    j, trainable = 0, sum(layout.trainable)
+    for k, (item, spec) in enumerate(zip(items, spec_items)):
+      if _is_flat(item, layout):
+        for n, name in enumerate(names):
+          out.append(target("flat", (k, name), f"flat_opt{k}_{n}", item[name], FLAT_SPEC))
+        j += trainable
+      else:
+        out.append(target("opt", k, f"opt_{j}", item, spec))
+        j += 1
+  else:
+    opt_specs = jax.tree.leaves(specs.opt_state)
+    for j, x in enumerate(jax.tree.leaves(per_leaf.opt_state)):
+      out.append(target("opt", j, f"opt_{j}", x, opt_specs[j]))
   for j, x in enumerate(jax.tree.leaves(per_leaf.model_state)):
     out.append(target("model_state", j, f"model_state_{j}", x, P()))
   if per_leaf.rng is not None:
@@ -392,50 +495,57 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh) -> list[_Target]:
   return out
 
 
-def _flat_opt_leaves(like: TrainState) -> dict[int, int]:
-  """A fused state: per-leaf optax leaf (`jax.tree.leaves` order of the per-leaf form) ->
-  the param it belongs to, for the leaves that are one bucket's elements (`mu[name]`)."""
-  names = {name for name, _, _ in bucket_names(like.layout)}
-  items = jax.tree.leaves(like.opt_state, is_leaf=lambda x: isinstance(x, dict) and set(x) == names)
-  trainable = [i for i, t in enumerate(like.layout.trainable) if t]
-  out, j = {}, 0
-  for item in items:
-    if isinstance(item, dict) and set(item) == names:
-      for i in trainable:
-        out[j] = i
-        j += 1
-    else:
-      j += 1
-  return out
-
-
 def _groups(targets: list[_Target]) -> list[list[_Target]]:
-  """The targets in groups of about an eighth of the state (at least one leaf or one bucket
-  each), read and fitted one group at a time: a restore holds the state plus one group.
-  A fused state's bucket is one group's; a stored key is read once per group."""
-  total = sum(t.bytes for t in targets)
-  budget = total / 8
-  units: dict[Any, list[_Target]] = {}
-  for t in targets:
-    units.setdefault(("bucket", t.bucket) if t.bucket else ("leaf", t.field, t.index), []).append(t)
+  """The targets in groups of about an eighth of the state (at least one leaf each), read
+  and fitted one group at a time: a restore holds the state plus one group. A key read
+  into two shapes (a param and its master) is read once per group."""
+  budget = sum(t.bytes for t in targets) / 8
   groups, current, size = [], [], 0
-  for unit in units.values():
-    n = sum(t.bytes for t in unit)
-    if current and size + n > budget:
+  for t in targets:
+    if current and size + t.bytes > budget:
       groups.append(current)
       current, size = [], 0
-    current += unit
-    size += n
+    current.append(t)
+    size += t.bytes
   if current:
     groups.append(current)
   out = []
-  for group in groups:  # a key needed twice (a param and its master): once per group
+  for group in groups:
     seen, first, again = set(), [], []
     for t in group:
-      (again if t.key in seen else first).append(t)
-      seen.add(t.key)
+      twice = t.source is None and t.read in seen
+      (again if twice else first).append(t)
+      seen.add(t.read)
     out += [first] + ([again] if again else [])
   return out
+
+
+def _value(stored: dict[str, jax.Array], t: _Target) -> jax.Array:
+  """Traced: the stored value of `t`'s key; a key stored in a flat bucket (`t.source`) is
+  cut from it: block `d` of its shard dim is its columns of the bucket's shard `d`."""
+  if t.source is None:
+    return stored[t.key]
+  key, _, offset, local, axis, dp = t.source
+  cols = stored[key].reshape(dp, -1)[:, offset : offset + math.prod(local)]
+  return jnp.moveaxis(cols.reshape(dp, *local), 0, axis).reshape(t.stored)
+
+
+def _as_read(t: _Target, old: jax.Array, read: jax.Array) -> bool:
+  """Is the leaf orbax read for `t` the restored leaf itself (same shape, dtype and sharding
+  as `like`'s, nothing cut from a flat bucket)?"""
+  return (
+    t.source is None
+    and _keeps(t)
+    and read.shape == old.shape
+    and read.dtype == old.dtype
+    and read.sharding == old.sharding
+  )
+
+
+def _keeps(t: _Target) -> bool:
+  """Is the stored leaf `t`'s value as it is (stored in the target's very shape, or the
+  target has no padding): nothing of `like` is kept."""
+  return len(t.stored) == len(t.shape) and (t.stored == t.shape or t.logical == t.shape)
 
 
 def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Array]:
@@ -443,17 +553,19 @@ def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Arra
   leaf of each target that takes padding from it, None for the others."""
   out = []
   for t, x in zip(targets, likes):
-    if x is None:  # stored in like's very shape: as stored
-      out.append(stored[t.key].astype(t.dtype))
+    v = _value(stored, t)
+    if x is None:  # stored in like's very shape, or like has no padding: as stored
+      out.append(_cut(v, t.shape).astype(t.dtype))
     else:
-      out.append(_fit(stored[t.key], x, t.logical, False))
+      out.append(_fit(v, x, t.logical, False))
   return out
 
 
-def _keeps(t: _Target) -> bool:
-  """Is the stored leaf `t`'s value as it is (stored in the target's very shape, or the
-  target has no padding): nothing of `like` is kept."""
-  return len(t.stored) == len(t.shape) and (t.stored == t.shape or t.logical == t.shape)
+def _cut(x: jax.Array, shape) -> jax.Array:
+  """`x` cut to `shape` at the end of each dim (a flat-stored leaf's padding rows)."""
+  if tuple(x.shape) == tuple(shape) or x.ndim != len(shape):
+    return x.reshape(shape) if x.size == math.prod(shape) else x
+  return x[tuple(slice(0, n) for n in shape)]
 
 
 def _read_args(abstract: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
@@ -467,17 +579,18 @@ def _read_args(abstract: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
 
 class _LikeLeaves:
   """The arrays of `like`, overwritten group by group with a checkpoint's values: each
-  group's program takes the leaves it fills as donated buffers and writes into them, so a
-  restore holds one state and one group's reads.
+  group's program takes the leaves it pads from `like` as donated buffers and writes into
+  them, and frees the others, so a restore holds one state and one group's reads.
 
-  A sharded fused state is filled bucket by bucket in its flat form (each device converts
-  its shard of the group's buckets to per-leaf blocks and back); `no_shard`'s fused state,
-  replicated, is filled in its per-leaf form and made flat at the end."""
+  A sharded fused state saved with the very same layout (`_same_flat_layout`: a resume) is
+  filled bucket by bucket in its flat form, each device reading its own shard. Any other
+  fused state is filled in its per-leaf form and made flat at the end (a restore onto
+  another dp or strategy: two states at that point)."""
 
-  def __init__(self, like: TrainState, mesh):
+  def __init__(self, like: TrainState, mesh, same_flat: bool):
     self.mesh, self.given = mesh, like
-    self.flat = like.fused and like.config.use_distributed_optimizer
-    if like.fused and not self.flat:
+    self.flat = same_flat
+    if like.fused and not same_flat:
       like = _per_leaf_program(like, mesh)
     # a leaf held twice (jit returns one array for two equal outputs, e.g. an fp32 param
     # and its unpadded master): donated once, so the second holder gets a copy
@@ -491,86 +604,56 @@ class _LikeLeaves:
 
     like = jax.tree.map(own, like)
     self.like = like
-    names = {name for name, _, _ in bucket_names(like.layout)}
-    self.is_flat = lambda x: self.flat and isinstance(x, dict) and set(x) == names
-    self.items, self.opt_def = jax.tree.flatten(like.opt_state, is_leaf=self.is_flat)
-    self.items = [dict(x) if self.is_flat(x) else x for x in self.items]
+    items, self.opt_def = _flat_items(like) if same_flat else jax.tree.flatten(like.opt_state)
+    self.items = [dict(x) if _is_flat(x, like.layout) else x for x in items]
     self.values = {
       "params": leaves_of(like.params),
-      "master": None if self.flat else leaves_of(like.master),
+      "master": None if same_flat else leaves_of(like.master),
       "model_state": jax.tree.leaves(like.model_state),
       "rng": [like.rng],
     }
-    self.master_flat = dict(like.master) if self.flat else None
-    # per-leaf optax leaf j -> (its item in `items`, the param of a flat item)
-    self.opt_where, j = [], 0
-    trainable = [i for i, t in enumerate(like.layout.trainable) if t]
-    for k, item in enumerate(self.items):
-      for i in trainable if self.is_flat(item) else [None]:
-        self.opt_where.append((k, i))
-        j += 1
-
-  def _flat_of(self, t: _Target) -> tuple[dict, int]:
-    """A bucket target's flat tree (master's or an optax item's) and its param."""
-    if t.field == "master":
-      return self.master_flat, t.index
-    k, i = self.opt_where[t.index]
-    return self.items[k], i
+    self.master_flat = dict(like.master) if same_flat else None
 
   def _get(self, t: _Target):
+    if t.field == "flat":
+      k, name = t.index
+      return (self.master_flat if k is None else self.items[k])[name]
     if t.field == "opt":
-      return self.items[self.opt_where[t.index][0]]
+      return self.items[t.index]
     return self.values[t.field][t.index]
 
   def _set(self, t: _Target, x):
-    if t.field == "opt":
-      self.items[self.opt_where[t.index][0]] = x
+    if t.field == "flat":
+      k, name = t.index
+      (self.master_flat if k is None else self.items[k])[name] = x
+    elif t.field == "opt":
+      self.items[t.index] = x
     else:
       self.values[t.field][t.index] = x
 
   def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
-    plain = [t for t in group if t.bucket is None]
-    if plain:
-      olds = [self._get(t) for t in plain]
-      fit = jax.jit(
-        functools.partial(_fitted, targets=tuple(plain)),
-        donate_argnums=1,  # written into where padding comes from `like`
-        out_shardings=[x.sharding for x in olds],
-      )
-      # a leaf that takes nothing from `like` needs none of its buffer: freed below
-      likes = [None if _keeps(t) else x for t, x in zip(plain, olds)]
-      new = fit({t.key: stored[t.key] for t in plain}, likes)
-      for t, old, x in zip(plain, olds, new):
-        if _keeps(t) and old is not None and not old.is_deleted():
-          old.delete()
-        self._set(t, x)
-    bucketed = [t for t in group if t.bucket is not None]
-    if bucketed:
-      names = sorted({t.bucket for t in bucketed})
-      flats, order = [], {}
-      for t in bucketed:
-        flat, _ = self._flat_of(t)
-        order.setdefault(id(flat), len(flats))
-        if order[id(flat)] == len(flats):
-          flats.append(flat)
-      program = functools.partial(
-        _fitted_buckets,
-        targets=tuple(bucketed),
-        slots=tuple(order[id(self._flat_of(t)[0])] for t in bucketed),
-        params=tuple(self._flat_of(t)[1] for t in bucketed),
-        names=tuple(names),
-        layout=self.like.layout,
-        mesh=self.mesh,
-      )
-      parts = [{n: flat[n] for n in names} for flat in flats]
-      new = jax.jit(program, donate_argnums=1)({t.key: stored[t.key] for t in bucketed}, parts)
-      for flat, part in zip(flats, new):
-        flat.update(part)
+    olds = [self._get(t) for t in group]
+    if all(_as_read(t, x, stored[t.read]) for t, x in zip(group, olds)):
+      for t, old in zip(group, olds):  # read as they are, into like's very shardings
+        old.delete()
+        self._set(t, stored[t.read])
+      return
+    specs = [x.sharding.spec for x in olds]
+    fit = jax.jit(
+      run_auto(functools.partial(_fitted, targets=tuple(group)), self.mesh, specs),
+      donate_argnums=1,  # written into where the padding comes from `like`
+    )
+    # a leaf that takes nothing from `like` needs none of its buffer: freed below
+    likes = [None if _keeps(t) else x for t, x in zip(group, olds)]
+    new = fit({t.read: stored[t.read] for t in group}, likes)
+    for t, old, x in zip(group, olds, new):
+      if _keeps(t) and not old.is_deleted():
+        old.delete()
+      self._set(t, x)
 
   def state(self, step: int) -> TrainState:
     like = self.like
     layout = like.layout
-    opt_state = jax.tree.unflatten(self.opt_def, self.items)
     step = jax.device_put(np.asarray(step, like.step.dtype), like.step.sharding)
     like.step.delete()
     out = dataclasses.replace(
@@ -578,7 +661,7 @@ class _LikeLeaves:
       step=step,
       params=tree_of(layout, self.values["params"]),
       master=self.master_flat if self.flat else tree_of(layout, self.values["master"]),
-      opt_state=opt_state,
+      opt_state=jax.tree.unflatten(self.opt_def, self.items),
       model_state=jax.tree.unflatten(
         jax.tree.structure(like.model_state), self.values["model_state"]
       ),
@@ -587,16 +670,6 @@ class _LikeLeaves:
     if self.given.fused and not self.flat:
       return jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
     return out
-
-
-def _fitted_buckets(stored, parts, *, targets, slots, params, names, layout, mesh):
-  """Traced: the group's buckets of each flat tree in `parts` holding the stored values
-  (per-leaf blocks fitted by `_fit`, the rest of each bucket `parts`' own)."""
-  leaves = leaves_of_shards(parts, layout, mesh, set(names))
-  for t, slot, i in zip(targets, slots, params):
-    x = leaves[slot][i]
-    leaves[slot][i] = _fit(stored[t.key], x, t.logical, t.stored == t.shape)
-  return shards_of_leaves(leaves, parts, layout, mesh, set(names))
 
 
 # ----------------------------------------------------------------------------- manager
@@ -696,8 +769,10 @@ class CheckpointManager:
       "layout": state.layout.summary(),
       **_describe(state),
     }
-    arrays = _stored_arrays(state)
+    arrays, flat = _stored_arrays(state)
     meta["stored"] = {k: list(x.shape) for k, x in arrays.items()}
+    if flat:
+      meta["flat"] = flat
     return self._mgr.save(
       step,
       args=ocp.args.Composite(
@@ -775,15 +850,22 @@ class CheckpointManager:
       )
 
     mesh = like.step.sharding.mesh
-    leaves = _LikeLeaves(like, mesh)
-    for group in _groups(_targets(meta, like, mesh)):
+    same_flat = _same_flat_layout(meta, like)
+    targets = _targets(meta, like, mesh, same_flat)
+    leaves = _LikeLeaves(like, mesh, same_flat)
+    for group in _groups(targets):
       abstract = {}
       for t in group:
-        scalar = len(t.shape) != len(t.stored) or not t.logical
-        abstract[t.key] = jax.ShapeDtypeStruct(
-          t.stored if scalar else t.shape,
-          np.dtype(t.stored_dtype),
-          sharding=NamedSharding(mesh, P() if scalar else t.spec),
+        if t.source is not None:  # its whole flat bucket, split over "data" if it divides
+          n = t.source[1]
+          divides = n % mesh.shape[DATA] == 0
+          shape, spec = (n,), P(DATA) if divides else P()
+        elif len(t.shape) != len(t.stored) or not t.logical:  # a scalar
+          shape, spec = t.stored, P()
+        else:
+          shape, spec = t.shape, t.spec
+        abstract[t.read] = jax.ShapeDtypeStruct(
+          shape, np.dtype(t.stored_dtype), sharding=NamedSharding(mesh, spec)
         )
       stored = self._mgr.restore(
         step,
@@ -796,6 +878,7 @@ class CheckpointManager:
         ),
       )[_STATE]
       leaves.fill(stored, group)
+      del stored  # before the next group is read
     return leaves.state(meta["state_step"])
 
   def _step(self, step: int | None) -> int:

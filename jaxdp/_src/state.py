@@ -13,6 +13,7 @@ import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src.config import DDPConfig
@@ -308,12 +309,16 @@ class InitSource:
     slice by slice, a function's params are computed there shard by shard."""
 
     def program(params):
-      leaves = [constrain_auto(x, mesh, v) for x, v in zip(jax.tree.leaves(params), views)]
+      # a copy: the state never shares a buffer with the caller's arrays, which the
+      # transfer below may alias, and the next step donates the state
+      leaves = [
+        jnp.copy(constrain_auto(x, mesh, v)) for x, v in zip(jax.tree.leaves(params), views)
+      ]
       return build(tree_of(layout, leaves))
 
-    if self.fn is None:
+    if self.fn is None:  # each device receives its slice of each host array, nothing more
       leaves = [
-        jax.device_put(x, NamedSharding(mesh, v), may_alias=False)
+        jax.device_put(x, NamedSharding(mesh, v))
         for x, v in zip(jax.tree.leaves(self.abstract), views)
       ]
     else:  # computed where they go: each device runs the init of its shards only
