@@ -546,11 +546,32 @@ def _chunked_dot(
   return dot(x, block)
 
 
-def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> dict:
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ChunkRule:
+  """An `_eval` rule: one matmul (`eqn`) on a leaf its unit gathers by row blocks, as
+  `_chunked_dot`."""
+
+  eqn: jcore.JaxprEqn
+  pos: int  # the leaf's operand position
+  unit: UnitIO
+  leaf: int
+  size: int  # the leaf's rows
+  x_grad: bool  # whether the other operand gets a cotangent (it depends on a float input)
+
+  def __call__(self, invals):
+    x, block = invals[1 - self.pos], invals[self.pos]
+    n = self.unit.chunks[self.leaf]
+    return [
+      _chunked_dot(self.eqn, self.pos, self.unit, self.leaf, n, self.size, self.x_grad, x, block)
+    ]
+
+
+def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
   """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
   (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
   use (its value is never whole, so a matmul on it is all a segment can do)."""
-  chunked = {v: i for v, i in param_var.items() if i in unit_of[i].chunks}
+  jaxpr, unit_of = program.jaxpr, units.of_leaf
+  chunked = {v: i for v, i in program.param_var.items() if i in unit_of[i].chunks}
   # The vars a gradient flows to: those computed from a float input.
   floats = {v for v in jaxpr.invars if _is_float(v.aval)}
   for eqn in jaxpr.eqns:
@@ -566,11 +587,11 @@ def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> di
         eqn.primitive is prims.dot_general_p
         and eqn.invars[1 - pos] not in chunked
         and 0 not in eqn.params["dimension_numbers"][1][pos]
-        and not any(w in lazy_def for w in eqn.outvars)
+        and not any(w in lazy.defs for w in eqn.outvars)
       )
       if not ok:
         paths = jax.tree_util.tree_flatten_with_path(
-          jax.tree.unflatten(treedef, list(range(len(leaf_avals))))
+          jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
         )[0]
         path = jax.tree_util.keystr(paths[i][0])
         raise ValueError(
@@ -579,12 +600,10 @@ def _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals) -> di
           "depends on the batch; a param gathered by row blocks can only be used by "
           "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
         )
-      u, x_var = unit_of[i], eqn.invars[1 - pos]
+      x_var = eqn.invars[1 - pos]
       x_grad = isinstance(x_var, jcore.Var) and x_var in floats
-      size = leaf_avals[i].shape[0]
-      rules[id(eqn)] = lambda invals, eqn=eqn, pos=pos, i=i, u=u, size=size, g=x_grad: [
-        _chunked_dot(eqn, pos, u, i, u.chunks[i], size, g, invals[1 - pos], invals[pos])
-      ]
+      size = program.jaxpr.invars[i].aval.shape[0]
+      rules[id(eqn)] = _ChunkRule(eqn, pos, unit_of[i], i, size, x_grad)
   if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
     raise ValueError(
       "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
@@ -706,15 +725,53 @@ def _scan_unit(
 # ----------------------------------------------------------------------------- the program
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class _Units:
+  """The units, looked up by leaf and by name."""
+
+  of_leaf: Mapping[int, UnitIO]
+  by_name: Mapping[str, UnitIO]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The loss traced with whole params, its `jit`s inlined: what `run_loss` replays."""
+
+  jaxpr: jcore.Jaxpr  # inputs: every leaf, then the leaves of `batch`
+  consts: list  # the values of `jaxpr.constvars`
+  n_leaves: int
+  param_var: Mapping[jcore.Var, int]  # the input var of each leaf a unit holds -> the leaf
+  out_tree: Any  # the loss's output structure
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lazy:
+  """The vars computed from params (and consts) alone: every op that reads one recomputes it
+  from its gathered params instead of receiving it."""
+
+  defs: Mapping[jcore.Var, jcore.JaxprEqn]  # lazy var -> the eqn that defines it
+  units: Mapping[jcore.Var, set]  # a param's or a lazy var -> the names of its units
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Consecutive eqns of the program that run as one op."""
+
+  eqns: tuple[jcore.JaxprEqn, ...]  # a segment's eqns, or the one scan
+  scan_xs: Mapping[int, int] | None  # a scanned unit: {xs position: leaf}; None: a segment
+
+
+@dataclasses.dataclass(frozen=True)
 class _Op:
-  kind: str  # "segment" | "scan" | "plain"
-  eqns: list
-  units: list  # unit names
-  lazy: list = dataclasses.field(default_factory=list)  # param-only eqns it recomputes
-  acts: list = dataclasses.field(default_factory=list)  # vars it reads from outside
-  outs: list = dataclasses.field(default_factory=list)  # vars it defines that others read
-  whole: set = dataclasses.field(default_factory=set)  # stacked units gathered whole
+  """A piece, planned: what it gathers, recomputes, reads and hands on."""
+
+  eqns: tuple[jcore.JaxprEqn, ...]
+  scan_xs: Mapping[int, int] | None  # as `_Piece.scan_xs`
+  units: tuple[str, ...]  # a segment: every unit it reads; a scan: the units its xs are
+  scan_consts: tuple[str, ...]  # a scan: units it reads otherwise (consts), gathered before it
+  lazy: tuple[jcore.JaxprEqn, ...]  # the lazy eqns it recomputes, in program order
+  acts: tuple[jcore.Var, ...]  # the vars it reads from earlier ops or the inputs
+  outs: tuple[jcore.Var, ...]  # the vars it defines that later ops or the output read
 
 
 def run_loss(
@@ -746,182 +803,258 @@ def run_loss(
     reshard: gather each unit again for its backward (else keep the forward's gather).
     prefetch: how many units ahead an all-gather may start.
   """
-  unit_of = {i: u for u in units for i in u.leaves}
-  by_name = {u.name: u for u in units}
+  index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
+  program = _trace(loss_fn, treedef, leaf_avals, values, index, batch, axes)
+  lazy = _find_lazy(program, index)
+  rules = _chunk_rules(program, lazy, index, treedef)
+  ops = _plan(program, lazy, _cut(program, lazy, index), index)
+  outs = _execute(
+    program, ops, values, batch, index, rules, axes, reshard=reshard, prefetch=prefetch
+  )
+  return jax.tree.unflatten(program.out_tree, outs)
 
-  def stand_in(aval):  # whole-shape values to trace with (dead code once traced)
-    x = jnp.zeros(aval.shape, aval.dtype)
-    return collectives.make_varying(x, tuple(axes)) if axes else x
 
-  args = [stand_in(a) if i in unit_of else values[i] for i, a in enumerate(leaf_avals)]
+_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type (a zero, see the docstring)
+
+
+def _whole_stand_in(aval, axes):
+  """Zeros of `aval` varying over `axes`: a whole-shape value to trace with (dead code once
+  traced), or a token."""
+  x = jnp.zeros(aval.shape, aval.dtype)
+  return collectives.make_varying(x, tuple(axes)) if axes else x
+
+
+def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> _Program:
+  """Step 1: `loss_fn` traced on whole-shape params, `jit`s inlined."""
+  args = [
+    _whole_stand_in(a, axes) if i in units.of_leaf else values[i] for i, a in enumerate(leaf_avals)
+  ]
   closed, out_shape = jax.make_jaxpr(
     lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True
   )(args, batch)
   flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
     *args, *jax.tree.leaves(batch)
   )
-  jaxpr = flat.jaxpr
   n_leaves = len(leaf_avals)
-  param_var = {v: i for i, v in enumerate(jaxpr.invars[:n_leaves]) if i in unit_of}
+  param_var = {v: i for i, v in enumerate(flat.jaxpr.invars[:n_leaves]) if i in units.of_leaf}
+  return _Program(flat.jaxpr, flat.consts, n_leaves, param_var, jax.tree.structure(out_shape))
 
-  # Which vars are computed from params (and consts) alone: recomputed where used.
-  lazy_def, var_units = {}, {v: {unit_of[i].name} for v, i in param_var.items()}
-  static = set(param_var) | set(jaxpr.constvars)
-  for eqn in jaxpr.eqns:
+
+def _find_lazy(program: _Program, units: _Units) -> _Lazy:
+  """Step 2: which vars are computed from params (and consts) alone."""
+  defs, var_units = {}, {v: {units.of_leaf[i].name} for v, i in program.param_var.items()}
+  static = set(program.param_var) | set(program.jaxpr.constvars)
+  for eqn in program.jaxpr.eqns:
     ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
     us = set().union(*[var_units.get(v, set()) for v in ins]) if ins else set()
     if us and all(v in static for v in ins) and not eqn.effects:
-      lazy_def.update((v, eqn) for v in eqn.outvars)
+      defs.update((v, eqn) for v in eqn.outvars)
       static.update(eqn.outvars)
       for v in eqn.outvars:
         var_units[v] = us
+  return _Lazy(defs, var_units)
 
-  rules = _chunk_rules(jaxpr, param_var, unit_of, lazy_def, treedef, leaf_avals)
 
-  def stacked_xs(eqn):
-    """{xs position: leaf} of a scan whose xs carry every leaf of some stacked units."""
-    if eqn.primitive is not prims.scan_p:
-      return None
-    start = eqn.params["num_consts"] + eqn.params["num_carry"]
-    pos = {
-      j: param_var[v]
-      for j, v in enumerate(eqn.invars[start:])
-      if isinstance(v, jcore.Var) and v in param_var and unit_of[param_var[v]].stacked
-    }
-    names = {unit_of[i].name for i in pos.values()}
-    if (
-      not pos
-      or any(set(by_name[n].leaves) - set(pos.values()) for n in names)
-      or len(set(pos.values())) != len(pos)
-    ):
-      return None
-    return pos
+def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
+  """{xs position: leaf} of a scan whose xs are every leaf of some stacked units, each once
+  (None: not such a scan)."""
+  if eqn.primitive is not prims.scan_p:
+    return None
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  param_var = program.param_var
+  pos = {
+    j: param_var[v]
+    for j, v in enumerate(eqn.invars[start:])
+    if isinstance(v, jcore.Var) and v in param_var and units.of_leaf[param_var[v]].stacked
+  }
+  names = {units.of_leaf[i].name for i in pos.values()}
+  if (
+    not pos
+    or any(set(units.by_name[n].leaves) - set(pos.values()) for n in names)
+    or len(set(pos.values())) != len(pos)
+  ):
+    return None
+  return pos
 
-  ops: list[_Op] = []
-  cur = None
-  for eqn in jaxpr.eqns:
-    if eqn.outvars and all(v in lazy_def for v in eqn.outvars):
+
+def _cut(program: _Program, lazy: _Lazy, units: _Units) -> list[_Piece]:
+  """Step 3: the program's eqns (but the lazy ones) cut into pieces: each scan over stacked
+  units alone; between them, a new segment wherever an eqn reads a unit the open segment
+  does not (eqns that read no unit stay in the segment they fall in)."""
+  pieces, eqns, names = [], None, set()  # the open segment's eqns and units
+  for eqn in program.jaxpr.eqns:
+    if eqn.outvars and all(v in lazy.defs for v in eqn.outvars):
       continue
-    pos = stacked_xs(eqn)
-    if pos is not None:
-      ops.append(_Op("scan", [eqn], sorted({unit_of[i].name for i in pos.values()})))
-      cur = None
+    xs = _scan_xs(eqn, program, units)
+    us = set().union(*[lazy.units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)])
+    if eqns is not None and (xs is not None or (us and names and not us <= names)):
+      pieces.append(_Piece(tuple(eqns), None))
+      eqns = None
+    if xs is not None:
+      pieces.append(_Piece((eqn,), xs))
       continue
-    us = set().union(*[var_units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)])
-    if cur is None or (us and cur.units and not us <= set(cur.units)):
-      cur = _Op("segment", [], [])
-      ops.append(cur)
-    cur.eqns.append(eqn)
-    cur.units = sorted(set(cur.units) | us)
+    if eqns is None:
+      eqns, names = [], set()
+    eqns.append(eqn)
+    names |= us
+  if eqns is not None:
+    pieces.append(_Piece(tuple(eqns), None))
+  return pieces
 
-  # Each op's lazy eqns, inputs and outputs.
-  order = {id(e): n for n, e in enumerate(jaxpr.eqns)}
-  for op in ops:
-    need, stack = {}, [v for e in op.eqns for v in e.invars if isinstance(v, jcore.Var)]
-    if op.kind == "scan":  # the scan's other operands are computed before it
-      start = op.eqns[0].params["num_consts"] + op.eqns[0].params["num_carry"]
-      skip = set(stacked_xs(op.eqns[0]))
-      stack = [
-        v
-        for j, v in enumerate(op.eqns[0].invars)
-        if isinstance(v, jcore.Var) and j - start not in skip
-      ]
+
+def _direct_reads(piece: _Piece) -> list:
+  """The vars a piece's eqns read (a scan: its operands but the stacked xs)."""
+  if piece.scan_xs is None:
+    return [v for e in piece.eqns for v in e.invars if isinstance(v, jcore.Var)]
+  (eqn,) = piece.eqns
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  return [
+    v
+    for j, v in enumerate(eqn.invars)
+    if isinstance(v, jcore.Var) and j - start not in piece.scan_xs
+  ]
+
+
+def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -> list[_Op]:
+  """Step 4: each piece's lazy eqns, inputs, outputs and units."""
+  order = {id(e): n for n, e in enumerate(program.jaxpr.eqns)}
+  param_var = program.param_var
+  planned = []
+  for piece in pieces:
+    direct = _direct_reads(piece)
+    need, stack = {}, list(direct)
     while stack:
       v = stack.pop()
-      if v in lazy_def and id(lazy_def[v]) not in need:
-        e = lazy_def[v]
+      if v in lazy.defs and id(lazy.defs[v]) not in need:
+        e = lazy.defs[v]
         need[id(e)] = e
         stack.extend(w for w in e.invars if isinstance(w, jcore.Var))
-    op.lazy = sorted(need.values(), key=lambda e: order[id(e)])
-    defined = {v for e in op.lazy + op.eqns for v in e.outvars}
-    reads = [v for e in op.lazy + op.eqns for v in e.invars if isinstance(v, jcore.Var)]
-    if op.kind == "scan":
-      reads = [
-        v
-        for j, v in enumerate(op.eqns[0].invars)
-        if isinstance(v, jcore.Var) and j - start not in skip
-      ] + [v for e in op.lazy for v in e.invars if isinstance(v, jcore.Var)]
-    op.acts = list(
+    lazy_eqns = tuple(sorted(need.values(), key=lambda e: order[id(e)]))
+    defined = {v for e in lazy_eqns + piece.eqns for v in e.outvars}
+    lazy_reads = [v for e in lazy_eqns for v in e.invars if isinstance(v, jcore.Var)]
+    reads = direct + lazy_reads if piece.scan_xs is not None else lazy_reads + direct
+    acts = tuple(
       dict.fromkeys(
-        v for v in reads if v not in defined and v not in param_var and v not in lazy_def
+        v for v in reads if v not in defined and v not in param_var and v not in lazy.defs
       )
     )
-    # Params the op reads directly or through lazy vars.
-    used = {param_var[v] for v in reads if v in param_var}
-    if op.kind == "segment":
-      op.units = sorted({unit_of[i].name for i in used})
-      op.whole = {n for n in op.units if by_name[n].stacked}
+    # Units the piece reads directly or through lazy vars.
+    used = {units.of_leaf[param_var[v]].name for v in reads if v in param_var}
+    if piece.scan_xs is None:
+      names, consts = tuple(sorted(used)), ()
     else:
-      op.extra = sorted({unit_of[i].name for i in used} - set(op.units))
-  later_reads: set = set(v for v in jaxpr.outvars if isinstance(v, jcore.Var))
-  for op in reversed(ops):
-    op.outs = [v for e in op.eqns for v in e.outvars if v in later_reads]
-    later_reads.update(op.acts)
+      names = tuple(sorted({units.of_leaf[i].name for i in piece.scan_xs.values()}))
+      consts = tuple(sorted(used - set(names)))
+    planned.append((piece, names, consts, lazy_eqns, acts))
+  ops = []
+  later_reads = {v for v in program.jaxpr.outvars if isinstance(v, jcore.Var)}
+  for piece, names, consts, lazy_eqns, acts in reversed(planned):
+    outs = tuple(v for e in piece.eqns for v in e.outvars if v in later_reads)
+    later_reads.update(acts)
+    ops.append(_Op(piece.eqns, piece.scan_xs, names, consts, lazy_eqns, acts, outs))
+  return ops[::-1]
 
-  # Run.
-  env = dict(zip(jaxpr.constvars, flat.consts))
-  env.update((v, values[i]) for i, v in enumerate(jaxpr.invars[:n_leaves]) if v not in param_var)
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SegmentFn:
+  """A segment as `fn(acts, full) -> outs` for `_unit_call`: its eqns on its inputs, the
+  gathered params `full` ({leaf: whole param}) and the program's consts, its lazy vars
+  recomputed."""
+
+  program: _Program
+  op: _Op
+  rules: Mapping[int, Callable]
+
+  def __call__(self, acts, full):
+    local = dict(zip(self.op.acts, acts))
+    local.update((v, full[i]) for v, i in self.program.param_var.items() if i in full)
+    local.update((v, x) for v, x in zip(self.program.jaxpr.constvars, self.program.consts))
+    _eval(self.op.lazy + self.op.eqns, local, self.rules)
+    return [local[v] for v in self.op.outs]
+
+
+def _execute(
+  program: _Program,
+  ops: list[_Op],
+  values: dict,
+  batch,
+  units: _Units,
+  rules: dict,
+  axes,
+  *,
+  reshard: bool,
+  prefetch: int,
+) -> list:
+  """Step 5: the ops in order, each segment that reads a unit as one `_unit_call`, each
+  scanned unit as one `_scan_unit`; returns the program's outputs."""
+  jaxpr, n_leaves, by_name = program.jaxpr, program.n_leaves, units.by_name
+  env = dict(zip(jaxpr.constvars, program.consts))
+  env.update(
+    (v, values[i]) for i, v in enumerate(jaxpr.invars[:n_leaves]) if v not in program.param_var
+  )
   env.update(zip(jaxpr.invars[n_leaves:], jax.tree.leaves(batch)))
-  op_shards = []
-  for op in ops:
-    names = op.units + list(getattr(op, "extra", []))
-    op_shards.append(
-      {i: values[i] for n in names for i in by_name[n].shard_keys + by_name[n].frozen}
-    )
-  tokens = [stand_in(jax.ShapeDtypeStruct((), jnp.float32)) for _ in range(prefetch + 1)]
+  op_shards = [
+    {
+      i: values[i]
+      for n in op.units + op.scan_consts
+      for i in by_name[n].shard_keys + by_name[n].frozen
+    }
+    for op in ops
+  ]
+  tokens = [_whole_stand_in(_TOKEN, axes) for _ in range(prefetch + 1)]
   for n, op in enumerate(ops):
     acts = [env[v] for v in op.acts]
     ahead = n + prefetch
     if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
       acts, op_shards[ahead] = _together(acts, op_shards[ahead])
-    if op.kind == "segment" and not op.units:
+    if op.scan_xs is not None:
+      outs, tokens = _run_scan(program, op, acts, op_shards[n], tokens, by_name, axes, reshard)
+    elif op.units:
+      op_units = [by_name[u] for u in op.units]
+      fn = _SegmentFn(program, op, rules)
+      outs, tokens = _unit_call(fn, op_units, acts, op_shards[n], tokens, reshard=reshard)
+    else:  # a segment that reads no unit
       local = dict(zip(op.acts, acts))
       _eval(op.lazy + op.eqns, local)
       outs = [local[v] for v in op.outs]
-    elif op.kind == "segment":
-
-      def fn(acts, full, op=op):
-        local = dict(zip(op.acts, acts))
-        local.update((v, full[i]) for v, i in param_var.items() if i in full)
-        local.update((v, x) for v, x in zip(jaxpr.constvars, flat.consts))
-        _eval(op.lazy + op.eqns, local, rules)
-        return [local[v] for v in op.outs]
-
-      outs, tokens = _unit_call(
-        fn, [by_name[u] for u in op.units], acts, op_shards[n], tokens, reshard=reshard
-      )
-    else:
-      eqn = op.eqns[0]
-      pos = stacked_xs(eqn)
-      local = dict(zip(op.acts, acts))
-      local.update(zip(jaxpr.constvars, flat.consts))
-      extra = [by_name[u] for u in op.extra]
-      if extra:  # params the scan reads as consts or carry: gathered whole, once
-        full = _unit_call(
-          lambda a, full: [full[i] for u in extra for i in u.leaves],
-          extra,
-          [],
-          op_shards[n],
-          [stand_in(jax.ShapeDtypeStruct((), jnp.float32))],
-          reshard=False,
-        )[0]
-        it = iter(full)
-        local.update(
-          (v, next(it)) for u in extra for i in u.leaves for v, j in param_var.items() if j == i
-        )
-      _eval(op.lazy, local)
-      start = eqn.params["num_consts"] + eqn.params["num_carry"]
-      operands = [None if j - start in pos else _read(local, v) for j, v in enumerate(eqn.invars)]
-      outs_all, tokens = _scan_unit(
-        eqn,
-        [by_name[u] for u in op.units],
-        operands,
-        {j: i for j, i in pos.items()},
-        op_shards[n],
-        tokens,
-        reshard=reshard,
-      )
-      defined = dict(zip(eqn.outvars, outs_all))
-      outs = [defined[v] for v in op.outs]
     env.update(zip(op.outs, outs))
-  return jax.tree.unflatten(jax.tree.structure(out_shape), [_read(env, v) for v in jaxpr.outvars])
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, reshard):
+  """A scanned unit's op: the units it reads as consts gathered whole, once; its lazy vars;
+  then the scan as one `_scan_unit`. Returns `(outs, tokens)`."""
+  (eqn,) = op.eqns
+  local = dict(zip(op.acts, acts))
+  local.update(zip(program.jaxpr.constvars, program.consts))
+  whole = [by_name[u] for u in op.scan_consts]
+  if whole:  # params the scan reads as consts or carry: gathered whole, once
+    token = [_whole_stand_in(_TOKEN, axes)]
+    full = _unit_call(
+      lambda a, full: [full[i] for u in whole for i in u.leaves],
+      whole,
+      [],
+      shards,
+      token,
+      reshard=False,
+    )[0]
+    it = iter(full)
+    local.update(
+      (v, next(it)) for u in whole for i in u.leaves for v, j in program.param_var.items() if j == i
+    )
+  _eval(op.lazy, local)
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  operands = [
+    None if j - start in op.scan_xs else _read(local, v) for j, v in enumerate(eqn.invars)
+  ]
+  outs, tokens = _scan_unit(
+    eqn,
+    [by_name[u] for u in op.units],
+    operands,
+    dict(op.scan_xs),
+    shards,
+    tokens,
+    reshard=reshard,
+  )
+  defined = dict(zip(eqn.outvars, outs))
+  return [defined[v] for v in op.outs], tokens
