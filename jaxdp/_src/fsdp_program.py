@@ -85,18 +85,13 @@ PyTree = Any
 
 @dataclasses.dataclass(frozen=True)
 class UnitIO:
-  """One unit's collectives as `run_loss` needs them."""
+  """One unit as `run_loss` needs it: its leaves and its collectives."""
 
   name: str
   trainable: tuple[int, ...]
   frozen: tuple[int, ...]
-  stacked: bool
-  gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param} (one layer)
-  scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
-  gather_each: Callable  # as gather, one all-gather per param (inside a scan)
-  gather_rows: Callable | None = None  # (leaf, rows [lo, hi) of its shard) -> every device's rows
-  scatter_rows: Callable | None = None  # (leaf, ct of gather_rows' output) -> reduced rows [lo, hi)
-  scatter_each: Callable | None = None  # as scatter, one reduce-scatter per param (in a scan)
+  stacked: bool  # its leaves are stacked layers, sharded per layer: `(layers, rows / dp, ...)`
+  collectives: collectives.UnitCollectives  # one layer's, for a stacked unit
   chunks: Mapping[int, int] = dataclasses.field(default_factory=dict)  # leaf -> row blocks
   shards: tuple[int, ...] | None = None
   """Keys of the unit's trainable shards in `run_loss`'s `values`, which `gather` takes and
@@ -299,7 +294,7 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
   for u in units:
     t = {i: shards[i] for i in u.shard_keys}
     f = {i: shards[i] for i in u.frozen}
-    gather = u.gather_each if each else u.gather
+    gather = u.collectives.gather_each if each else u.collectives.gather
     full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
     full.update((i, shards[i]) for i in u.chunks)  # gathered by row blocks where used
   return full
@@ -310,7 +305,9 @@ def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = 
   for u in units:
     if u.trainable:
       c = {i: cts[i] for i in u.trainable if i not in u.chunks}
-      scatter = u.scatter_each if each and u.scatter_each else u.scatter
+      scatter = (
+        u.collectives.scatter_each if each and u.collectives.scatter_each else u.collectives.scatter
+      )
       grads.update(jax.vmap(scatter)(c) if layer_axis and u.stacked else scatter(c))
       grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
   return grads
@@ -505,7 +502,7 @@ def _chunked_dot(
         (rows, x_c), _ = _together(own, x if x_dim is None else own[1])
       else:  # ... and once block c - 2 is computed: one block ahead
         (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
-      pieces.append(piece(x_c, unit.gather_rows(leaf, rows)))
+      pieces.append(piece(x_c, unit.collectives.gather_rows(leaf, rows)))
     return combine(pieces)
 
   @jax.custom_vjp
@@ -531,14 +528,14 @@ def _chunked_dot(
         )
       d_piece = d_c if x_dim is not None else rows_of(d_c, out_dim, lo, hi)
       if x_grad:
-        _, vjp = jax.vjp(piece, x_c, unit.gather_rows(leaf, rows))
+        _, vjp = jax.vjp(piece, x_c, unit.collectives.gather_rows(leaf, rows))
         d_x_c, dw = vjp(d_piece)
         (d_xs[c],) = take_vjp(d_x_c)
       else:  # linear in the param: its gradient needs no value of it
-        w_aval = jax.eval_shape(lambda r: unit.gather_rows(leaf, r), rows)
+        w_aval = jax.eval_shape(lambda r: unit.collectives.gather_rows(leaf, r), rows)
         (dw,) = jax.linear_transpose(lambda w: piece(x_c, w), w_aval)(d_piece)
       trainable = leaf in unit.trainable
-      grads[c] = unit.scatter_rows(leaf, dw) if trainable else jnp.zeros_like(rows)
+      grads[c] = unit.collectives.scatter_rows(leaf, dw) if trainable else jnp.zeros_like(rows)
     d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if x_grad else None
     return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(n)])
 
@@ -706,7 +703,7 @@ def _scan_unit(
       # reduce-scatters, 111 with the bucket, 94 with both changes; notes/issue-13.md,
       # session 6). A barrier on the shards alone made the iteration's last one synchronous.
       d_t = _scatter(units, d_full, layer_axis=False, each=True)
-      if any(u.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
+      if any(u.collectives.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
         d_t, d_carry = _together(d_t, d_carry)
       return (d_carry, d_consts), (d_x, d_t)
 
