@@ -332,16 +332,14 @@ def _unit_call(
   `(outs, tokens for the next segment)`."""
   trainable = {i: shards[i] for u in units for i in u.shard_keys}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  k = len(tokens) - 1  # prefetch tokens, then the "reduce-scatter done" token
   token_avals = _avals(tokens)
   act_avals = _avals(acts)
 
-  def full_of(t, f):
-    return _gather(units, {**t, **f}, layer_axis=True)
-
   # The gathered params' types (varying axes included), to trace the backward with when it
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
-  closed, shape = jax.make_jaxpr(full_of, return_shape=True)(trainable, frozen)
+  closed, shape = jax.make_jaxpr(
+    lambda t, f: _gather(units, {**t, **f}, layer_axis=True), return_shape=True
+  )(trainable, frozen)
   full_avals = jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
   # What the forward saves (the residuals that depend on the activations; None: all) and
   # which residuals the params feed: one trace of the segment's vjp, for both passes.
@@ -361,44 +359,77 @@ def _unit_call(
     if not any(i and not k for i, k in zip(of_ints, keep)):
       ints = [False] * len(ints)  # nothing to recompute from them
 
-  @jax.custom_vjp
-  def call(acts, t, f, tokens):
-    return fn(acts, full_of(t, f)), _stand_ins(token_avals)
+  unit = _UnitCall(
+    fn=fn,
+    units=tuple(units),
+    reshard=reshard,
+    token_avals=token_avals,
+    act_avals=act_avals,
+    full_avals=full_avals,
+    ints=ints,
+    keep=keep,
+    of_params=of_params,
+  )
+  call = jax.custom_vjp(unit.call)
+  call.defvjp(unit.fwd, unit.bwd)
+  return call(acts, trainable, frozen, tokens)
 
-  def fwd(acts, t, f, tokens):
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _UnitCall:
+  """A segment's `custom_vjp` (`_unit_call`): what its two passes need, fixed before they
+  are traced, and the passes (FSDP2's unshard / reshard / post-backward of one unit)."""
+
+  fn: Callable  # (acts, full) -> outs: the segment
+  units: tuple[UnitIO, ...]
+  reshard: bool  # gather again for the backward (else keep the forward's gather)
+  token_avals: list  # k prefetch tokens, then the "reduce-scatter done" token
+  act_avals: list
+  full_avals: dict  # the gathered params' types
+  ints: list[bool]  # the integer inputs the backward recomputes residuals from
+  keep: list[bool] | None  # the residuals the forward saves (None: all)
+  of_params: list[bool] | None  # the residuals the params feed
+
+  @property
+  def k(self) -> int:  # the prefetch depth
+    return len(self.token_avals) - 1
+
+  def full_of(self, t, f):
+    return _gather(self.units, {**t, **f}, layer_axis=True)
+
+  def call(self, acts, t, f, tokens):
+    return self.fn(acts, self.full_of(t, f)), _stand_ins(self.token_avals)
+
+  def fwd(self, acts, t, f, tokens):
     # The gathered params through a barrier (with the inputs, which the forward waits for
     # anyway): the backward reads the saved residuals, never the gathered bucket. Else XLA
     # moves a cheap residual's computation (`x @ w + b`) into the backward's fusions, which
     # read `b` from the gathered bucket, alive from this forward to that backward.
-    full, acts = _together(full_of(t, f), acts)
-    outs, vjp = jax.vjp(fn, acts, full)
+    full, acts = _together(self.full_of(t, f), acts)
+    outs, vjp = jax.vjp(self.fn, acts, full)
     leaves = jax.tree.leaves(vjp)
-    saved = [x for x, s in zip(leaves, keep or [True] * len(leaves)) if s]
-    zeros = _stand_ins(token_avals)
-    int_acts = [a for a, i in zip(acts, ints) if i]
-    return (outs, zeros), (saved, int_acts, t, f, None if reshard else full)
+    saved = [x for x, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
+    zeros = _stand_ins(self.token_avals)
+    int_acts = [a for a, i in zip(acts, self.ints) if i]
+    return (outs, zeros), (saved, int_acts, t, f, None if self.reshard else full)
 
-  def bwd(res, cts):
+  def bwd(self, res, cts):
     saved, int_acts, t, f, full = res
     ct_outs, ct_tokens = cts
-    acts0 = _stand_ins(act_avals)
+    k, keep, token_aval = self.k, self.keep, self.token_avals[0]
+    acts0 = _stand_ins(self.act_avals)
     if int_acts:
       # The integers, recomputed from once this backward starts (plus a zero tied to its
       # cotangents): else XLA merges the recomputation with the forward's, alive until here.
-      zero, ct_outs = _together(_stand_in(token_avals[0]), ct_outs)
-
-      def tie(a):  # (an input that varies over fewer axes than the zero is left as it is)
-        ok = _varying(jax.typeof(a)) >= _varying(jax.typeof(zero))
-        return a + zero.astype(a.dtype) if ok else a
-
+      zero, ct_outs = _together(_stand_in(token_aval), ct_outs)
       it = iter(int_acts)
-      acts0 = [tie(next(it)) if i else x for i, x in zip(ints, acts0)]
+      acts0 = [_tie(next(it), zero) if i else x for i, x in zip(self.ints, acts0)]
     # This segment's backward has started: release the gather of the segment k earlier.
-    fresh, ct_outs = _together(_stand_in(token_avals[0]), ct_outs) if k else (None, ct_outs)
-    if reshard and not any(p and not s for p, s in zip(of_params, keep)):
+    fresh, ct_outs = _together(_stand_in(token_aval), ct_outs) if k else (None, ct_outs)
+    if self.reshard and not any(p and not s for p, s in zip(self.of_params, keep)):
       # nothing to recompute from the params (wpe's grad needs only the cotangent): no gather
-      full = _stand_ins(full_avals)
-    elif reshard:
+      full = _stand_ins(self.full_avals)
+    elif self.reshard:
       # Gather once the backward of the segment k later has started (its token), or, with
       # k = 0, once this segment's own cotangents exist.
       if k:
@@ -407,29 +438,33 @@ def _unit_call(
         (t, f), ct_outs = _together((t, f), ct_outs)
       # ... and recompute nothing from it before this segment's cotangents exist (else XLA
       # runs the recomputation of the segment k earlier as soon as its gather lands).
-      full, ct_outs = _together(full_of(t, f), ct_outs)
-    _, vjp = jax.vjp(fn, acts0, full)
+      full, ct_outs = _together(self.full_of(t, f), ct_outs)
+    _, vjp = jax.vjp(self.fn, acts0, full)
     d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
     # These gradients go into their buckets once the segment after this one has reduce-scattered
     # its own (the token it handed on): one unit's full-size gradient bucket alive at a time
     # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
     # that reduce-scatter still overlaps this segment's backward matmuls).
-    d_full = _bucket_after(units, d_full, ct_tokens[k])
-    d_t = _scatter(units, d_full, layer_axis=True)
+    d_full = _bucket_after(self.units, d_full, ct_tokens[k])
+    d_t = _scatter(self.units, d_full, layer_axis=True)
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
     # cotangents it hands on (else XLA leaves every weight-gradient matmul and reduce-scatter
     # to the end of the backward, each unit's full-size gradient and activations live until
     # then; tying this segment's own cotangents to them would leave the reduce-scatter
     # nothing to overlap).
-    done, d_t = _together(_stand_in(token_avals[-1]), d_t)
+    done, d_t = _together(_stand_in(self.token_avals[-1]), d_t)
     d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
     d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
     d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
     return d_acts, d_t, None, d_tokens
 
-  call.defvjp(fwd, bwd)
-  return call(acts, trainable, frozen, tokens)
+
+def _tie(a, zero):
+  """`a + zero`: `a` computed once `zero` exists (an input that varies over fewer axes than
+  the zero is left as it is)."""
+  ok = _varying(jax.typeof(a)) >= _varying(jax.typeof(zero))
+  return a + zero.astype(a.dtype) if ok else a
 
 
 def _chunked_dot(
