@@ -46,7 +46,7 @@ Why trace and replay, rather than the thread-local scope that `gather_unit` / `s
 used to read at trace time: nothing JAX caches may depend on state outside the values it
 traces. `lax.scan` caches the trace of its body per (function, avals); a body that asked a
 thread-local "am I under FSDP, which unit is this" was replayed from the cache on the next
-build without asking, and skipped its gather (issue 13). Here the user's function is traced
+build without asking, and skipped its gather. Here the user's function is traced
 with whole params exactly as plain `jax.grad` traces it (so a cached trace is the right
 trace), and everything FSDP adds is built by jaxdp from that jaxpr, per step build, from the
 layout alone. It also needs nothing from the model: unrolled and scanned models, `nnx.scan`
@@ -658,100 +658,145 @@ def _scan_unit(
   shards (see the module docstring). `ops` are the scan's operands with the stacked params'
   `xs` left out (None); `shard_pos` maps an xs position to its leaf."""
   p = eqn.params
-  body = p["jaxpr"]
   n_c, n_carry = p["num_consts"], p["num_carry"]
-  reverse, length = p["reverse"], p["length"]
   consts, init, xs = ops[:n_c], ops[n_c : n_c + n_carry], ops[n_c + n_carry :]
   other = [x for j, x in enumerate(xs) if j not in shard_pos]
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  k = len(tokens) - 1  # prefetch tokens, then the "reduce-scatter done" token
-  token_avals = _avals(tokens)
+  layer = _ScanLayer(p["jaxpr"], n_carry, len(xs), shard_pos, tuple(units))
   init_avals = _avals(init)
   other_avals = [jax.typeof(x).update(shape=jax.typeof(x).shape[1:]) for x in other]
-
-  def f(consts, carry, x_other, full):
-    it = iter(x_other)
-    x = [full[shard_pos[j]] if j in shard_pos else next(it) for j in range(len(xs))]
-    outs = jcore.jaxpr_as_fun(body)(*consts, *carry, *x)
-    return outs[:n_carry], outs[n_carry:]
-
-  def layer(tree, i):
-    return jax.tree.map(lambda a: a[i], tree)
-
-  def gather_layer(t_i, f_i):
-    return _gather(units, {**t_i, **f_i}, layer_axis=False, each=True)
 
   # What each iteration saves: the residuals that depend on the carry or the other xs
   # (None: all), from one trace of the body's vjp on one layer's types.
   keep = None
   if reshard:
-    closed, shape = jax.make_jaxpr(gather_layer, return_shape=True)(
-      layer(trainable, 0), layer(frozen, 0)
-    )
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    closed, shape = jax.make_jaxpr(layer.gather, return_shape=True)(first(trainable), first(frozen))
     full = _stand_ins(jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals))
     args = (consts, _stand_ins(init_avals), _stand_ins(other_avals), full)
-    (keep,) = _residual_masks(f, args, (False, True, True, False))
+    (keep,) = _residual_masks(layer, args, (False, True, True, False))
 
-  @jax.custom_vjp
-  def call(consts, init, other, t, f_, tokens):
+  scan = _ScanUnit(
+    layer=layer,
+    length=p["length"],
+    reverse=p["reverse"],
+    token_avals=_avals(tokens),
+    init_avals=init_avals,
+    other_avals=other_avals,
+    keep=keep,
+  )
+  call = jax.custom_vjp(scan.call)
+  call.defvjp(scan.fwd, scan.bwd)
+  (carry, ys), tokens = call(consts, init, other, trainable, frozen, tokens)
+  return list(carry) + list(ys), tokens
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ScanLayer:
+  """One iteration of a scanned unit's scan as `(consts, carry, other xs, full) -> (carry,
+  ys)`: the scan's body with the layer's params `full` ({leaf: whole param}) in place of the
+  stacked xs; `gather` gathers them from the layer's shards."""
+
+  body: jcore.ClosedJaxpr
+  n_carry: int
+  n_xs: int
+  shard_pos: Mapping[int, int]  # xs position -> leaf
+  units: tuple[UnitIO, ...]
+
+  def __call__(self, consts, carry, x_other, full):
+    it = iter(x_other)
+    x = [full[self.shard_pos[j]] if j in self.shard_pos else next(it) for j in range(self.n_xs)]
+    outs = jcore.jaxpr_as_fun(self.body)(*consts, *carry, *x)
+    return outs[: self.n_carry], outs[self.n_carry :]
+
+  def gather(self, t_i, f_i):
+    return _gather(self.units, {**t_i, **f_i}, layer_axis=False, each=True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ScanUnit:
+  """A scanned unit's `custom_vjp` (`_scan_unit`): what its two loops need, fixed before
+  they are traced, and the loops."""
+
+  layer: _ScanLayer
+  length: int
+  reverse: bool
+  token_avals: list  # k prefetch tokens, then the "reduce-scatter done" token
+  init_avals: list
+  other_avals: list  # one iteration's other xs
+  keep: list[bool] | None  # the residuals each iteration saves (None: all)
+
+  @property
+  def k(self) -> int:  # the prefetch depth
+    return len(self.token_avals) - 1
+
+  def call(self, consts, init, other, t, f_, tokens):
     def step(carry, inp):
       x, t_i, f_i = inp
-      return f(consts, carry, x, _gather(units, {**t_i, **f_i}, layer_axis=False, each=True))
+      return self.layer(consts, carry, x, self.layer.gather(t_i, f_i))
 
-    carry, ys = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
-    return (carry, ys), _stand_ins(token_avals)
+    carry, ys = jax.lax.scan(step, init, (other, t, f_), length=self.length, reverse=self.reverse)
+    return (carry, ys), _stand_ins(self.token_avals)
 
-  def fwd(consts, init, other, t, f_, tokens):
+  def fwd(self, consts, init, other, t, f_, tokens):
     def step(carry, inp):
       x, t_i, f_i = inp
-      (carry, ys), vjp = jax.vjp(f, consts, carry, x, gather_layer(t_i, f_i))
+      (carry, ys), vjp = jax.vjp(self.layer, consts, carry, x, self.layer.gather(t_i, f_i))
       leaves = jax.tree.leaves(vjp)
-      saved = [r for r, s in zip(leaves, keep or [True] * len(leaves)) if s]
+      saved = [r for r, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
       return carry, (ys, saved)
 
-    carry, (ys, saved) = jax.lax.scan(step, init, (other, t, f_), length=length, reverse=reverse)
-    zeros = _stand_ins(token_avals)
+    carry, (ys, saved) = jax.lax.scan(
+      step, init, (other, t, f_), length=self.length, reverse=self.reverse
+    )
+    zeros = _stand_ins(self.token_avals)
     return ((carry, ys), zeros), (consts, saved, t, f_)
 
-  def bwd(res, cts):
+  def bwd(self, res, cts):
     consts, saved, t, f_ = res
     (d_carry, d_ys), ct_tokens = cts
-    d_carry = [_ct_or_none(a, d) for a, d in zip(init_avals, d_carry)]
+    d_carry = [_ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
     d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
 
     def step(acc, inp):
-      d_carry, d_consts = acc
-      t_i, f_i, saved_i, d_ys_i = inp
-      init0, other0 = _stand_ins(init_avals), _stand_ins(other_avals)
-      _, vjp = jax.vjp(f, consts, init0, other0, gather_layer(t_i, f_i))
-      keep_i = keep or [True] * len(saved_i)
-      dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
-      d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
-      d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
-      d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
-      # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
-      # layer's whole-size grads (the backward's peak). The barrier with the carry's
-      # cotangent keeps each layer's reduce-scatters in its own iteration: without it XLA's
-      # collective pipeliner moves them into the next one, which then holds two layers'
-      # whole-size grads (measured on the scanned GPT: 110 MiB with the pipelined per-param
-      # reduce-scatters, 111 with the bucket, 94 with both changes; notes/issue-13.md,
-      # session 6). A barrier on the shards alone made the iteration's last one synchronous.
-      d_t = _scatter(units, d_full, layer_axis=False, each=True)
-      if any(u.collectives.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
-        d_t, d_carry = _together(d_t, d_carry)
-      return (d_carry, d_consts), (d_x, d_t)
+      return self.bwd_layer(consts, acc, inp)
 
     (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
-      step, (d_carry, d_consts0), (t, f_, saved, d_ys), length=length, reverse=not reverse
+      step,
+      (d_carry, d_consts0),
+      (t, f_, saved, d_ys),
+      length=self.length,
+      reverse=not self.reverse,
     )
-    d_init = list(_after(dict(enumerate(d_init)), ct_tokens[k]).values())
-    fresh, d_init = _together(_stand_in(token_avals[0]), d_init)
-    return d_consts, d_init, d_other, d_t, None, [fresh] * (k + 1)
+    d_init = list(_after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
+    fresh, d_init = _together(_stand_in(self.token_avals[0]), d_init)
+    return d_consts, d_init, d_other, d_t, None, [fresh] * (self.k + 1)
 
-  call.defvjp(fwd, bwd)
-  (carry, ys), tokens = call(consts, init, other, trainable, frozen, tokens)
-  return list(carry) + list(ys), tokens
+  def bwd_layer(self, consts, acc, inp):
+    """One iteration of the backward loop: the layer gathered again, its vjp, its
+    gradients reduce-scattered."""
+    d_carry, d_consts = acc
+    t_i, f_i, saved_i, d_ys_i = inp
+    init0, other0 = _stand_ins(self.init_avals), _stand_ins(self.other_avals)
+    _, vjp = jax.vjp(self.layer, consts, init0, other0, self.layer.gather(t_i, f_i))
+    keep_i = self.keep or [True] * len(saved_i)
+    dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
+    d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
+    d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
+    d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
+    # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
+    # layer's whole-size grads (the backward's peak). The barrier with the carry's
+    # cotangent keeps each layer's reduce-scatters in its own iteration: without it XLA's
+    # collective pipeliner moves them into the next one, which then holds two layers'
+    # whole-size grads (on the scanned GPT: 110 MiB with the pipelined per-param
+    # reduce-scatters, 111 with the bucket, 94 with both changes). A barrier on the shards
+    # alone made the iteration's last reduce-scatter synchronous.
+    units = self.layer.units
+    d_t = _scatter(units, d_full, layer_axis=False, each=True)
+    if any(u.collectives.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
+      d_t, d_carry = _together(d_t, d_carry)
+    return (d_carry, d_consts), (d_x, d_t)
 
 
 # ----------------------------------------------------------------------------- the program
