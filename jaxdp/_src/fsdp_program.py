@@ -493,67 +493,101 @@ def _chunked_dot(
   if 0 in batch[w_pos]:
     raise AssertionError("jaxdp FSDP: a chunked param used with its rows as a batch dim")
   r = block.shape[0]
-  dp = jax.lax.axis_size(DATA)
-  padded = dp * r
-  bounds = [(c * r // n, (c + 1) * r // n) for c in range(n)]
   x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
   w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
   x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
   out_dim = (
     None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
   )
+  matmul = _ChunkedDot(
+    eqn=eqn,
+    w_pos=w_pos,
+    unit=unit,
+    leaf=leaf,
+    size=size,
+    x_grad=x_grad,
+    dp=jax.lax.axis_size(DATA),
+    r=r,
+    bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
+    x_dim=x_dim,
+    out_dim=out_dim,
+  )
+  dot = jax.custom_vjp(matmul.dot)
+  dot.defvjp(matmul.fwd, matmul.bwd)
+  return dot(x, block)
 
-  def rows_of(a, dim, lo, hi):
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ChunkedDot:
+  """A chunked matmul's `custom_vjp` (`_chunked_dot`): the matmul, the param's row blocks,
+  where its rows go in the operands and the product, and the two passes."""
+
+  eqn: jcore.JaxprEqn  # the `dot_general`
+  w_pos: int  # the param's operand position
+  unit: UnitIO
+  leaf: int
+  size: int  # the param's rows
+  x_grad: bool  # the other operand gets a cotangent
+  dp: int
+  r: int  # the param's rows per device (padded)
+  bounds: tuple[tuple[int, int], ...]  # each block's rows [lo, hi) of a device's rows
+  x_dim: int | None  # the other operand's dim contracted with the param's rows (or None)
+  out_dim: int | None  # the product's dim over the param's rows (None: they are contracted)
+
+  def rows_of(self, a, dim, lo, hi):
     """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
     param's rows (zeros for the padding)."""
-    a = pad_dim(a, a.shape, dim, padded)
+    dp, r = self.dp, self.r
+    a = pad_dim(a, a.shape, dim, dp * r)
     a = a.reshape(*a.shape[:dim], dp, r, *a.shape[dim + 1 :])
     a = jax.lax.slice_in_dim(a, lo, hi, axis=dim + 1)
     return a.reshape(*a.shape[:dim], dp * (hi - lo), *a.shape[dim + 2 :])
 
-  def take(x, lo, hi):
+  def take(self, x, lo, hi):
     """Block [lo, hi)'s share of `x`: all of it, or its rows if they are contracted."""
-    return x if x_dim is None else rows_of(x, x_dim, lo, hi)
+    return x if self.x_dim is None else self.rows_of(x, self.x_dim, lo, hi)
 
-  def piece(x_c, w_c):
-    return _bind(eqn, [x_c, w_c] if w_pos else [w_c, x_c])[0]
+  def piece(self, x_c, w_c):
+    return _bind(self.eqn, [x_c, w_c] if self.w_pos else [w_c, x_c])[0]
 
-  def combine(pieces):
-    if x_dim is not None:
+  def gather_rows(self, rows):
+    return self.unit.collectives.gather_rows(self.leaf, rows)
+
+  def combine(self, pieces):
+    if self.x_dim is not None:
       return sum(pieces[1:], pieces[0])
-    shape = pieces[0].shape
-    parts = [p.reshape(*shape[:out_dim], dp, -1, *shape[out_dim + 1 :]) for p in pieces]
+    out_dim, shape = self.out_dim, pieces[0].shape
+    parts = [p.reshape(*shape[:out_dim], self.dp, -1, *shape[out_dim + 1 :]) for p in pieces]
     out = jnp.concatenate(parts, axis=out_dim + 1)
-    out = out.reshape(*shape[:out_dim], padded, *shape[out_dim + 1 :])
-    return jax.lax.slice_in_dim(out, 0, size, axis=out_dim)
+    out = out.reshape(*shape[:out_dim], self.dp * self.r, *shape[out_dim + 1 :])
+    return jax.lax.slice_in_dim(out, 0, self.size, axis=out_dim)
 
   # Each block's operands leave a barrier of their own: XLA merges matmuls that share an
   # operand (`x`, or the cotangent) into one whole-size matmul on the concatenated blocks.
-  def forward(x, block):
+  def forward(self, x, block):
     pieces = []
-    for c, (lo, hi) in enumerate(bounds):
-      own = (block[lo:hi], take(x, lo, hi))
+    for c, (lo, hi) in enumerate(self.bounds):
+      own = (block[lo:hi], self.take(x, lo, hi))
       if c < 2:  # gathered once the input exists
-        (rows, x_c), _ = _together(own, x if x_dim is None else own[1])
+        (rows, x_c), _ = _together(own, x if self.x_dim is None else own[1])
       else:  # ... and once block c - 2 is computed: one block ahead
         (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
-      pieces.append(piece(x_c, unit.collectives.gather_rows(leaf, rows)))
-    return combine(pieces)
+      pieces.append(self.piece(x_c, self.gather_rows(rows)))
+    return self.combine(pieces)
 
-  @jax.custom_vjp
-  def dot(x, block):
-    return forward(x, block)
+  def dot(self, x, block):
+    return self.forward(x, block)
 
-  def fwd(x, block):
-    return forward(x, block), (x, block)
+  def fwd(self, x, block):
+    return self.forward(x, block), (x, block)
 
-  def bwd(res, d_out):
+  def bwd(self, res, d_out):
     x, block = res
     d_xs, grads = {}, {}
-    order = list(reversed(range(n)))
+    order = list(reversed(range(len(self.bounds))))
     for k, c in enumerate(order):
-      lo, hi = bounds[c]
-      x_c, take_vjp = jax.vjp(lambda x: take(x, lo, hi), x)
+      lo, hi = self.bounds[c]
+      x_c, take_vjp = jax.vjp(lambda x: self.take(x, lo, hi), x)
       if k < 2:  # gathered once the cotangent exists (not hoisted into the forward)
         (rows, x_c), d_c = _together((block[lo:hi], x_c), d_out)
       else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
@@ -561,21 +595,20 @@ def _chunked_dot(
         (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
           (block[lo:hi], x_c, d_out), (d_xs.get(prev), grads[prev])
         )
-      d_piece = d_c if x_dim is not None else rows_of(d_c, out_dim, lo, hi)
-      if x_grad:
-        _, vjp = jax.vjp(piece, x_c, unit.collectives.gather_rows(leaf, rows))
+      d_piece = d_c if self.x_dim is not None else self.rows_of(d_c, self.out_dim, lo, hi)
+      if self.x_grad:
+        _, vjp = jax.vjp(self.piece, x_c, self.gather_rows(rows))
         d_x_c, dw = vjp(d_piece)
         (d_xs[c],) = take_vjp(d_x_c)
       else:  # linear in the param: its gradient needs no value of it
-        w_aval = jax.eval_shape(lambda r: unit.collectives.gather_rows(leaf, r), rows)
-        (dw,) = jax.linear_transpose(lambda w: piece(x_c, w), w_aval)(d_piece)
-      trainable = leaf in unit.trainable
-      grads[c] = unit.collectives.scatter_rows(leaf, dw) if trainable else jnp.zeros_like(rows)
-    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if x_grad else None
-    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(n)])
-
-  dot.defvjp(fwd, bwd)
-  return dot(x, block)
+        w_aval = jax.eval_shape(self.gather_rows, rows)
+        (dw,) = jax.linear_transpose(lambda w: self.piece(x_c, w), w_aval)(d_piece)
+      if self.leaf in self.unit.trainable:
+        grads[c] = self.unit.collectives.scatter_rows(self.leaf, dw)
+      else:
+        grads[c] = jnp.zeros_like(rows)
+    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if self.x_grad else None
+    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(len(self.bounds))])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
