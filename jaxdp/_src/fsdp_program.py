@@ -107,212 +107,6 @@ class UnitIO:
     return self.trainable if self.shards is None else self.shards
 
 
-# ----------------------------------------------------------------------------- jaxpr helpers
-
-
-def _read(env, v):
-  return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _bind(eqn, invals):
-  params = eqn.primitive.get_bind_params(eqn.params)
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
-
-
-def _eval(eqns, env, rules=None):
-  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function run instead of binding it."""
-  for eqn in eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    rule = rules.get(id(eqn)) if rules else None
-    for v, x in zip(eqn.outvars, rule(invals) if rule else _bind(eqn, invals)):
-      env[v] = x
-
-
-def _inline_jits(jaxpr, consts, args):
-  """Evaluates `jaxpr`, inlining `jit` calls (so a jitted block, or a scan inside one, is
-  seen equation by equation)."""
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    if eqn.primitive is prims.jit_p:
-      inner = eqn.params["jaxpr"]
-      outs = _inline_jits(inner.jaxpr, inner.consts, invals)
-    else:
-      outs = _bind(eqn, invals)
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
-  return [_read(env, v) for v in jaxpr.outvars]
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def _residual_masks(f, args, *taints: Sequence[bool]) -> list[list[bool]]:
-  """For each of `taints` (a flag per arg): which leaves of `jax.vjp(f, *args)`'s residuals
-  depend on the tainted args, from one trace of the vjp.
-
-  A residual computed from untainted args alone (params, consts) is one a unit's backward
-  recomputes instead of saving.
-  """
-  closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*args)
-  sizes = [len(jax.tree.leaves(a)) for a in args]
-  masks = []
-  for tainted in taints:
-    flat_taint = [
-      x for n, t in zip(sizes, tainted) for x in (t if isinstance(t, list) else [t] * n)
-    ]
-    marked = {v for v, t in zip(closed.jaxpr.invars, flat_taint) if t}
-    for eqn in closed.jaxpr.eqns:
-      if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
-        marked.update(eqn.outvars)
-    masks.append([isinstance(v, jcore.Var) and v in marked for v in closed.jaxpr.outvars])
-  return masks
-
-
-def _ct_or_none(x, ct):
-  """A custom_vjp cotangent for input `x` (a value or its type): None (zero) for integer
-  inputs; summed over the mesh axes it varies over and `x` does not (an input replicated
-  over "data", like a model state, used by every device: the transpose of its implicit
-  `pvary`), so that it has `x`'s type."""
-  if not _is_float(x) or ct is None:
-    return None
-  aval = x.aval if hasattr(x, "aval") else jax.typeof(x) if isinstance(x, jax.Array) else x
-  extra = _varying(jax.typeof(ct)) - _varying(aval)
-  return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
-
-
-def _together(a, b):
-  """`(a, b)` through one `optimization_barrier`: XLA computes nothing from either result
-  before both of `a` and `b` exist. The caller must use both results (XLA drops the operands
-  of a barrier whose results are unused, and with them the ordering). Integer leaves pass
-  outside the barrier, and so do leaves that vary over fewer mesh axes than the others (the
-  barrier's results vary over every axis any operand varies over: a replicated model state
-  would come out varying).
-
-  Differentiated, it is the identity on the cotangents (JAX's own rule for the barrier would
-  put them through one too, with zeros materialized for unused results)."""
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
-  vma = lambda x: _varying(jax.typeof(x))
-  every = frozenset().union(*[vma(x) for x in la + lb if _is_float(x)])
-  ia = [n for n, x in enumerate(la) if _is_float(x) and vma(x) == every]
-  ib = [n for n, x in enumerate(lb) if _is_float(x) and vma(x) == every]
-  if not ia or not ib:
-    return a, b
-  xa, xb = _barrier_vjp([la[n] for n in ia], [lb[n] for n in ib])
-  for n, x in zip(ia, xa):
-    la[n] = x
-  for n, x in zip(ib, xb):
-    lb[n] = x
-  return jax.tree.unflatten(ta, la), jax.tree.unflatten(tb, lb)
-
-
-@jax.custom_vjp
-def _barrier_vjp(a, b):
-  return jax.lax.optimization_barrier((a, b))
-
-
-def _barrier_fwd(a, b):
-  return _barrier_vjp(a, b), None
-
-
-def _barrier_bwd(_, ct):
-  return ct
-
-
-_barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
-
-
-def _after(shards: dict, token) -> dict:
-  """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
-  shards cannot start before `token` exists."""
-  return {
-    i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x for i, x in shards.items()
-  }
-
-
-def _avals(tree):
-  return jax.tree.map(jax.typeof, tree)
-
-
-def _varying(aval) -> frozenset:
-  """The mesh axes a value of type `aval` varies over (inside `shard_map`)."""
-  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()) or ())
-
-
-def _stand_in(aval):
-  """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
-  residuals are saved, so only dead code reads it."""
-  x = jnp.zeros(aval.shape, aval.dtype)
-  vma = tuple(sorted(_varying(aval)))
-  return collectives.make_varying(x, vma) if vma else x
-
-
-def _stand_ins(avals):
-  return jax.tree.map(_stand_in, avals)
-
-
-def _swap(vjp, saved, keep):
-  """`vjp` with the residual leaves marked in `keep` replaced by `saved`."""
-  leaves, tree = jax.tree.flatten(vjp)
-  if len(leaves) != len(keep) or sum(keep) != len(saved):
-    raise AssertionError(
-      f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
-      f"forward {len(keep)}; please report this with the model"
-    )
-  it = iter(saved)
-  return jax.tree.unflatten(tree, [next(it) if s else x for x, s in zip(leaves, keep)])
-
-
-# ----------------------------------------------------------------------------- units
-
-
-def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
-  """`cts` with each gradient bucket's ravel held back until `token` exists: the smallest
-  float cotangent of each (unit, dtype) gets the (zero) token added, so the bucket's
-  concatenation, which reads it, waits for it (adding it to every cotangent costs a pass
-  over each on XLA:CPU, where the add does not fuse into the concatenation)."""
-  picks = {}
-  for u in units:
-    for i in u.trainable:
-      x = cts.get(i)
-      if x is not None and _is_float(x) and i not in u.chunks:
-        key = (u.name, jnp.dtype(x.dtype))
-        if key not in picks or x.size < cts[picks[key]].size:
-          picks[key] = i
-  return {**cts, **_after({i: cts[i] for i in picks.values()}, token)}
-
-
-def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
-  """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
-  one all-gather per param)."""
-  full = {}
-  for u in units:
-    t = {i: shards[i] for i in u.shard_keys}
-    f = {i: shards[i] for i in u.frozen}
-    gather = u.collectives.gather_each if each else u.collectives.gather
-    full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
-    full.update((i, shards[i]) for i in u.chunks)  # gathered by row blocks where used
-  return full
-
-
-def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = False) -> dict:
-  grads = {}
-  for u in units:
-    if u.trainable:
-      c = {i: cts[i] for i in u.trainable if i not in u.chunks}
-      scatter = (
-        u.collectives.scatter_each if each and u.collectives.scatter_each else u.collectives.scatter
-      )
-      grads.update(jax.vmap(scatter)(c) if layer_axis and u.stacked else scatter(c))
-      grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
-  return grads
-
-
 def gather_units(units: Sequence[UnitIO], shards: dict) -> dict:
   """{leaf: whole param} of every leaf of `units` (a stacked unit: all its layers), outside
   any custom_vjp: for keeping units gathered across micro-batches."""
@@ -322,6 +116,418 @@ def gather_units(units: Sequence[UnitIO], shards: dict) -> dict:
 def scatter_units(units: Sequence[UnitIO], cts: dict) -> dict:
   """{leaf: shard grad} of the trainable leaves of `units` from whole-size gradients."""
   return _scatter(units, cts, layer_axis=True)
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+@dataclasses.dataclass(frozen=True)
+class _Units:
+  """The units, looked up by leaf and by name."""
+
+  of_leaf: Mapping[int, UnitIO]
+  by_name: Mapping[str, UnitIO]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Program:
+  """The loss traced with whole params, its `jit`s inlined: what `run_loss` replays."""
+
+  jaxpr: jcore.Jaxpr  # inputs: every leaf, then the leaves of `batch`
+  consts: list  # the values of `jaxpr.constvars`
+  n_leaves: int
+  param_var: Mapping[jcore.Var, int]  # the input var of each leaf a unit holds -> the leaf
+  out_tree: Any  # the loss's output structure
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lazy:
+  """The vars computed from params (and consts) alone: every op that reads one recomputes it
+  from its gathered params instead of receiving it."""
+
+  defs: Mapping[jcore.Var, jcore.JaxprEqn]  # lazy var -> the eqn that defines it
+  units: Mapping[jcore.Var, set]  # a param's or a lazy var -> the names of its units
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Consecutive eqns of the program that run as one op."""
+
+  eqns: tuple[jcore.JaxprEqn, ...]  # a segment's eqns, or the one scan
+  scan_xs: Mapping[int, int] | None  # a scanned unit: {xs position: leaf}; None: a segment
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+  """A piece, planned: what it gathers, recomputes, reads and hands on."""
+
+  eqns: tuple[jcore.JaxprEqn, ...]
+  scan_xs: Mapping[int, int] | None  # as `_Piece.scan_xs`
+  units: tuple[str, ...]  # a segment: every unit it reads; a scan: the units its xs are
+  scan_consts: tuple[str, ...]  # a scan: units it reads otherwise (consts), gathered before it
+  lazy: tuple[jcore.JaxprEqn, ...]  # the lazy eqns it recomputes, in program order
+  acts: tuple[jcore.Var, ...]  # the vars it reads from earlier ops or the inputs
+  outs: tuple[jcore.Var, ...]  # the vars it defines that later ops or the output read
+
+
+def run_loss(
+  loss_fn: Callable,
+  treedef,
+  leaf_avals: Sequence[jax.ShapeDtypeStruct],
+  values: dict,
+  units: Sequence[UnitIO],
+  batch: PyTree,
+  axes: Sequence[str],
+  *,
+  reshard: bool = True,
+  prefetch: int = 1,
+) -> PyTree:
+  """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring);
+  its output may be any pytree (a loss, or a loss with aux and model state; an eval step's
+  outputs), and `batch` any pytree of the other inputs (the batch, a key, model state).
+
+  Five steps, defined below in this order: `_trace` the loss with whole params; `_find_lazy`
+  the values computed from params alone (recomputed where used); `_cut` the program into
+  pieces (segments, scans over stacked units); `_plan` each piece's units, inputs and
+  outputs; `_execute` the pieces, each as one `custom_vjp` (`_unit_call`, `_scan_unit`).
+
+  Args:
+    loss_fn: the user's loss.
+    treedef: the params' tree structure.
+    leaf_avals: every leaf's whole shape and param dtype.
+    values: leaf index -> this device's shard (float leaves of a unit: the trainable ones'
+      masters, the frozen ones as stored) or the whole value (integer leaves); a unit's
+      `UnitIO.shards` -> its flat master shards (fused state).
+    units: every unit.
+    batch: this device's batch.
+    axes: the data-parallel axes (the gathered params vary over them).
+    reshard: gather each unit again for its backward (else keep the forward's gather).
+    prefetch: how many units ahead an all-gather may start.
+  """
+  index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
+  program = _trace(loss_fn, treedef, leaf_avals, values, index, batch, axes)
+  lazy = _find_lazy(program, index)
+  rules = _chunk_rules(program, lazy, index, treedef)
+  ops = _plan(program, lazy, _cut(program, lazy, index), index)
+  outs = _execute(
+    program, ops, values, batch, index, rules, axes, reshard=reshard, prefetch=prefetch
+  )
+  return jax.tree.unflatten(program.out_tree, outs)
+
+
+_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type (a zero, see the docstring)
+
+
+def _whole_stand_in(aval, axes):
+  """Zeros of `aval` varying over `axes`: a whole-shape value to trace with (dead code once
+  traced), or a token."""
+  x = jnp.zeros(aval.shape, aval.dtype)
+  return collectives.make_varying(x, tuple(axes)) if axes else x
+
+
+def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> _Program:
+  """Step 1: `loss_fn` traced on whole-shape params, `jit`s inlined."""
+  args = [
+    _whole_stand_in(a, axes) if i in units.of_leaf else values[i] for i, a in enumerate(leaf_avals)
+  ]
+  closed, out_shape = jax.make_jaxpr(
+    lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True
+  )(args, batch)
+  flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
+    *args, *jax.tree.leaves(batch)
+  )
+  n_leaves = len(leaf_avals)
+  param_var = {v: i for i, v in enumerate(flat.jaxpr.invars[:n_leaves]) if i in units.of_leaf}
+  return _Program(flat.jaxpr, flat.consts, n_leaves, param_var, jax.tree.structure(out_shape))
+
+
+def _find_lazy(program: _Program, units: _Units) -> _Lazy:
+  """Step 2: which vars are computed from params (and consts) alone."""
+  defs, var_units = {}, {v: {units.of_leaf[i].name} for v, i in program.param_var.items()}
+  static = set(program.param_var) | set(program.jaxpr.constvars)
+  for eqn in program.jaxpr.eqns:
+    ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
+    us = set().union(*[var_units.get(v, set()) for v in ins]) if ins else set()
+    if us and all(v in static for v in ins) and not eqn.effects:
+      defs.update((v, eqn) for v in eqn.outvars)
+      static.update(eqn.outvars)
+      for v in eqn.outvars:
+        var_units[v] = us
+  return _Lazy(defs, var_units)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ChunkRule:
+  """An `_eval` rule: one matmul (`eqn`) on a leaf its unit gathers by row blocks, as
+  `_chunked_dot`."""
+
+  eqn: jcore.JaxprEqn
+  pos: int  # the leaf's operand position
+  unit: UnitIO
+  leaf: int
+  size: int  # the leaf's rows
+  x_grad: bool  # whether the other operand gets a cotangent (it depends on a float input)
+
+  def __call__(self, invals):
+    x, block = invals[1 - self.pos], invals[self.pos]
+    n = self.unit.chunks[self.leaf]
+    return [
+      _chunked_dot(self.eqn, self.pos, self.unit, self.leaf, n, self.size, self.x_grad, x, block)
+    ]
+
+
+def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
+  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
+  (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
+  use (its value is never whole, so a matmul on it is all a segment can do)."""
+  jaxpr, unit_of = program.jaxpr, units.of_leaf
+  chunked = {v: i for v, i in program.param_var.items() if i in unit_of[i].chunks}
+  # The vars a gradient flows to: those computed from a float input.
+  floats = {v for v in jaxpr.invars if _is_float(v.aval)}
+  for eqn in jaxpr.eqns:
+    if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
+      floats.update(v for v in eqn.outvars if _is_float(v.aval))
+  rules = {}
+  for eqn in jaxpr.eqns:
+    for pos, v in enumerate(eqn.invars):
+      if not (isinstance(v, jcore.Var) and v in chunked):
+        continue
+      i = chunked[v]
+      ok = (
+        eqn.primitive is prims.dot_general_p
+        and eqn.invars[1 - pos] not in chunked
+        and 0 not in eqn.params["dimension_numbers"][1][pos]
+        and not any(w in lazy.defs for w in eqn.outvars)
+      )
+      if not ok:
+        paths = jax.tree_util.tree_flatten_with_path(
+          jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+        )[0]
+        path = jax.tree_util.keystr(paths[i][0])
+        raise ValueError(
+          f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
+          f"`{eqn.primitive.name}`, not as one operand of a matmul whose other operand "
+          "depends on the batch; a param gathered by row blocks can only be used by "
+          "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
+        )
+      x_var = eqn.invars[1 - pos]
+      x_grad = isinstance(x_var, jcore.Var) and x_var in floats
+      size = program.jaxpr.invars[i].aval.shape[0]
+      rules[id(eqn)] = _ChunkRule(eqn, pos, unit_of[i], i, size, x_grad)
+  if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
+    raise ValueError(
+      "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
+      "blocks can only be used by matmuls: leave it out of chunks="
+    )
+  return rules
+
+
+def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
+  """{xs position: leaf} of a scan whose xs are every leaf of some stacked units, each once
+  (None: not such a scan)."""
+  if eqn.primitive is not prims.scan_p:
+    return None
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  param_var = program.param_var
+  pos = {
+    j: param_var[v]
+    for j, v in enumerate(eqn.invars[start:])
+    if isinstance(v, jcore.Var) and v in param_var and units.of_leaf[param_var[v]].stacked
+  }
+  names = {units.of_leaf[i].name for i in pos.values()}
+  if (
+    not pos
+    or any(set(units.by_name[n].leaves) - set(pos.values()) for n in names)
+    or len(set(pos.values())) != len(pos)
+  ):
+    return None
+  return pos
+
+
+def _cut(program: _Program, lazy: _Lazy, units: _Units) -> list[_Piece]:
+  """Step 3: the program's eqns (but the lazy ones) cut into pieces: each scan over stacked
+  units alone; between them, a new segment wherever an eqn reads a unit the open segment
+  does not (eqns that read no unit stay in the segment they fall in)."""
+  pieces, eqns, names = [], None, set()  # the open segment's eqns and units
+  for eqn in program.jaxpr.eqns:
+    if eqn.outvars and all(v in lazy.defs for v in eqn.outvars):
+      continue
+    xs = _scan_xs(eqn, program, units)
+    us = set().union(*[lazy.units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)])
+    if eqns is not None and (xs is not None or (us and names and not us <= names)):
+      pieces.append(_Piece(tuple(eqns), None))
+      eqns = None
+    if xs is not None:
+      pieces.append(_Piece((eqn,), xs))
+      continue
+    if eqns is None:
+      eqns, names = [], set()
+    eqns.append(eqn)
+    names |= us
+  if eqns is not None:
+    pieces.append(_Piece(tuple(eqns), None))
+  return pieces
+
+
+def _direct_reads(piece: _Piece) -> list:
+  """The vars a piece's eqns read (a scan: its operands but the stacked xs)."""
+  if piece.scan_xs is None:
+    return [v for e in piece.eqns for v in e.invars if isinstance(v, jcore.Var)]
+  (eqn,) = piece.eqns
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  return [
+    v
+    for j, v in enumerate(eqn.invars)
+    if isinstance(v, jcore.Var) and j - start not in piece.scan_xs
+  ]
+
+
+def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -> list[_Op]:
+  """Step 4: each piece's lazy eqns, inputs, outputs and units."""
+  order = {id(e): n for n, e in enumerate(program.jaxpr.eqns)}
+  param_var = program.param_var
+  planned = []
+  for piece in pieces:
+    direct = _direct_reads(piece)
+    need, stack = {}, list(direct)
+    while stack:
+      v = stack.pop()
+      if v in lazy.defs and id(lazy.defs[v]) not in need:
+        e = lazy.defs[v]
+        need[id(e)] = e
+        stack.extend(w for w in e.invars if isinstance(w, jcore.Var))
+    lazy_eqns = tuple(sorted(need.values(), key=lambda e: order[id(e)]))
+    defined = {v for e in lazy_eqns + piece.eqns for v in e.outvars}
+    lazy_reads = [v for e in lazy_eqns for v in e.invars if isinstance(v, jcore.Var)]
+    reads = direct + lazy_reads if piece.scan_xs is not None else lazy_reads + direct
+    acts = tuple(
+      dict.fromkeys(
+        v for v in reads if v not in defined and v not in param_var and v not in lazy.defs
+      )
+    )
+    # Units the piece reads directly or through lazy vars.
+    used = {units.of_leaf[param_var[v]].name for v in reads if v in param_var}
+    if piece.scan_xs is None:
+      names, consts = tuple(sorted(used)), ()
+    else:
+      names = tuple(sorted({units.of_leaf[i].name for i in piece.scan_xs.values()}))
+      consts = tuple(sorted(used - set(names)))
+    planned.append((piece, names, consts, lazy_eqns, acts))
+  ops = []
+  later_reads = {v for v in program.jaxpr.outvars if isinstance(v, jcore.Var)}
+  for piece, names, consts, lazy_eqns, acts in reversed(planned):
+    outs = tuple(v for e in piece.eqns for v in e.outvars if v in later_reads)
+    later_reads.update(acts)
+    ops.append(_Op(piece.eqns, piece.scan_xs, names, consts, lazy_eqns, acts, outs))
+  return ops[::-1]
+
+
+def _execute(
+  program: _Program,
+  ops: list[_Op],
+  values: dict,
+  batch,
+  units: _Units,
+  rules: dict,
+  axes,
+  *,
+  reshard: bool,
+  prefetch: int,
+) -> list:
+  """Step 5: the ops in order, each segment that reads a unit as one `_unit_call`, each
+  scanned unit as one `_scan_unit`; returns the program's outputs."""
+  jaxpr, n_leaves, by_name = program.jaxpr, program.n_leaves, units.by_name
+  env = dict(zip(jaxpr.constvars, program.consts))
+  env.update(
+    (v, values[i]) for i, v in enumerate(jaxpr.invars[:n_leaves]) if v not in program.param_var
+  )
+  env.update(zip(jaxpr.invars[n_leaves:], jax.tree.leaves(batch)))
+  op_shards = [
+    {
+      i: values[i]
+      for n in op.units + op.scan_consts
+      for i in by_name[n].shard_keys + by_name[n].frozen
+    }
+    for op in ops
+  ]
+  tokens = [_whole_stand_in(_TOKEN, axes) for _ in range(prefetch + 1)]
+  for n, op in enumerate(ops):
+    acts = [env[v] for v in op.acts]
+    ahead = n + prefetch
+    if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
+      acts, op_shards[ahead] = _together(acts, op_shards[ahead])
+    if op.scan_xs is not None:
+      outs, tokens = _run_scan(program, op, acts, op_shards[n], tokens, by_name, axes, reshard)
+    elif op.units:
+      op_units = [by_name[u] for u in op.units]
+      fn = _SegmentFn(program, op, rules)
+      outs, tokens = _unit_call(fn, op_units, acts, op_shards[n], tokens, reshard=reshard)
+    else:  # a segment that reads no unit
+      local = dict(zip(op.acts, acts))
+      _eval(op.lazy + op.eqns, local)
+      outs = [local[v] for v in op.outs]
+    env.update(zip(op.outs, outs))
+  return [_read(env, v) for v in jaxpr.outvars]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SegmentFn:
+  """A segment as `fn(acts, full) -> outs` for `_unit_call`: its eqns on its inputs, the
+  gathered params `full` ({leaf: whole param}) and the program's consts, its lazy vars
+  recomputed."""
+
+  program: _Program
+  op: _Op
+  rules: Mapping[int, Callable]
+
+  def __call__(self, acts, full):
+    local = dict(zip(self.op.acts, acts))
+    local.update((v, full[i]) for v, i in self.program.param_var.items() if i in full)
+    local.update((v, x) for v, x in zip(self.program.jaxpr.constvars, self.program.consts))
+    _eval(self.op.lazy + self.op.eqns, local, self.rules)
+    return [local[v] for v in self.op.outs]
+
+
+def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, reshard):
+  """A scanned unit's op: the units it reads as consts gathered whole, once; its lazy vars;
+  then the scan as one `_scan_unit`. Returns `(outs, tokens)`."""
+  (eqn,) = op.eqns
+  local = dict(zip(op.acts, acts))
+  local.update(zip(program.jaxpr.constvars, program.consts))
+  whole = [by_name[u] for u in op.scan_consts]
+  if whole:  # params the scan reads as consts or carry: gathered whole, once
+    token = [_whole_stand_in(_TOKEN, axes)]
+    full = _unit_call(
+      lambda a, full: [full[i] for u in whole for i in u.leaves],
+      whole,
+      [],
+      shards,
+      token,
+      reshard=False,
+    )[0]
+    it = iter(full)
+    local.update(
+      (v, next(it)) for u in whole for i in u.leaves for v, j in program.param_var.items() if j == i
+    )
+  _eval(op.lazy, local)
+  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  operands = [
+    None if j - start in op.scan_xs else _read(local, v) for j, v in enumerate(eqn.invars)
+  ]
+  outs, tokens = _scan_unit(
+    eqn,
+    [by_name[u] for u in op.units],
+    operands,
+    dict(op.scan_xs),
+    shards,
+    tokens,
+    reshard=reshard,
+  )
+  defined = dict(zip(eqn.outvars, outs))
+  return [defined[v] for v in op.outs], tokens
+
+
+# ----------------------------------------------------------------------------- a segment
 
 
 def _unit_call(
@@ -467,214 +673,7 @@ def _tie(a, zero):
   return a + zero.astype(a.dtype) if ok else a
 
 
-def _chunked_dot(
-  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block
-):
-  """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
-  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
-  `custom_vjp`.
-
-  Row block c is rows `[lo, hi)` of every device's block (`lo = c * r // n` for `r` rows
-  per device), i.e. rows `d * r + [lo, hi)` of the padded param for every device d: its
-  `gather_rows` is one all-gather of `block[lo:hi]`, and the reduce-scatter of its gradient
-  (`scatter_rows`) lands on this device's rows `[lo, hi)`. Where the leaf's rows are a free
-  dim of the product (logits `h @ wte.T`), block c computes the output's columns of those
-  rows; where they are contracted (`one_hot @ wte`) it computes a partial sum over them.
-  Forward: block c's gather waits for block c - 2's product (one block gathered ahead);
-  backward: gather block c again, its share of `x`'s cotangent, its weight gradient,
-  reduce-scatter; block c's gather waits for block c + 2's share of `x`'s cotangent and its
-  reduce-scatter. About two blocks and two block gradients are alive, never the whole param
-  or its whole gradient; the forward saves `x`.
-  Without `x_grad` (`x` is computed from integers alone, like a one-hot of the token ids) the
-  backward computes no cotangent for `x` and so gathers nothing: the weight gradient needs
-  no value of the param.
-  """
-  (contract, batch) = eqn.params["dimension_numbers"]
-  if 0 in batch[w_pos]:
-    raise AssertionError("jaxdp FSDP: a chunked param used with its rows as a batch dim")
-  r = block.shape[0]
-  x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
-  w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
-  x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
-  out_dim = (
-    None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
-  )
-  matmul = _ChunkedDot(
-    eqn=eqn,
-    w_pos=w_pos,
-    unit=unit,
-    leaf=leaf,
-    size=size,
-    x_grad=x_grad,
-    dp=jax.lax.axis_size(DATA),
-    r=r,
-    bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
-    x_dim=x_dim,
-    out_dim=out_dim,
-  )
-  dot = jax.custom_vjp(matmul.dot)
-  dot.defvjp(matmul.fwd, matmul.bwd)
-  return dot(x, block)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _ChunkedDot:
-  """A chunked matmul's `custom_vjp` (`_chunked_dot`): the matmul, the param's row blocks,
-  where its rows go in the operands and the product, and the two passes."""
-
-  eqn: jcore.JaxprEqn  # the `dot_general`
-  w_pos: int  # the param's operand position
-  unit: UnitIO
-  leaf: int
-  size: int  # the param's rows
-  x_grad: bool  # the other operand gets a cotangent
-  dp: int
-  r: int  # the param's rows per device (padded)
-  bounds: tuple[tuple[int, int], ...]  # each block's rows [lo, hi) of a device's rows
-  x_dim: int | None  # the other operand's dim contracted with the param's rows (or None)
-  out_dim: int | None  # the product's dim over the param's rows (None: they are contracted)
-
-  def rows_of(self, a, dim, lo, hi):
-    """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
-    param's rows (zeros for the padding)."""
-    dp, r = self.dp, self.r
-    a = pad_dim(a, a.shape, dim, dp * r)
-    a = a.reshape(*a.shape[:dim], dp, r, *a.shape[dim + 1 :])
-    a = jax.lax.slice_in_dim(a, lo, hi, axis=dim + 1)
-    return a.reshape(*a.shape[:dim], dp * (hi - lo), *a.shape[dim + 2 :])
-
-  def take(self, x, lo, hi):
-    """Block [lo, hi)'s share of `x`: all of it, or its rows if they are contracted."""
-    return x if self.x_dim is None else self.rows_of(x, self.x_dim, lo, hi)
-
-  def piece(self, x_c, w_c):
-    return _bind(self.eqn, [x_c, w_c] if self.w_pos else [w_c, x_c])[0]
-
-  def gather_rows(self, rows):
-    return self.unit.collectives.gather_rows(self.leaf, rows)
-
-  def combine(self, pieces):
-    if self.x_dim is not None:
-      return sum(pieces[1:], pieces[0])
-    out_dim, shape = self.out_dim, pieces[0].shape
-    parts = [p.reshape(*shape[:out_dim], self.dp, -1, *shape[out_dim + 1 :]) for p in pieces]
-    out = jnp.concatenate(parts, axis=out_dim + 1)
-    out = out.reshape(*shape[:out_dim], self.dp * self.r, *shape[out_dim + 1 :])
-    return jax.lax.slice_in_dim(out, 0, self.size, axis=out_dim)
-
-  # Each block's operands leave a barrier of their own: XLA merges matmuls that share an
-  # operand (`x`, or the cotangent) into one whole-size matmul on the concatenated blocks.
-  def forward(self, x, block):
-    pieces = []
-    for c, (lo, hi) in enumerate(self.bounds):
-      own = (block[lo:hi], self.take(x, lo, hi))
-      if c < 2:  # gathered once the input exists
-        (rows, x_c), _ = _together(own, x if self.x_dim is None else own[1])
-      else:  # ... and once block c - 2 is computed: one block ahead
-        (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
-      pieces.append(self.piece(x_c, self.gather_rows(rows)))
-    return self.combine(pieces)
-
-  def dot(self, x, block):
-    return self.forward(x, block)
-
-  def fwd(self, x, block):
-    return self.forward(x, block), (x, block)
-
-  def bwd(self, res, d_out):
-    x, block = res
-    d_xs, grads = {}, {}
-    order = list(reversed(range(len(self.bounds))))
-    for k, c in enumerate(order):
-      lo, hi = self.bounds[c]
-      x_c, take_vjp = jax.vjp(lambda x: self.take(x, lo, hi), x)
-      if k < 2:  # gathered once the cotangent exists (not hoisted into the forward)
-        (rows, x_c), d_c = _together((block[lo:hi], x_c), d_out)
-      else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
-        prev = order[k - 2]
-        (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
-          (block[lo:hi], x_c, d_out), (d_xs.get(prev), grads[prev])
-        )
-      d_piece = d_c if self.x_dim is not None else self.rows_of(d_c, self.out_dim, lo, hi)
-      if self.x_grad:
-        _, vjp = jax.vjp(self.piece, x_c, self.gather_rows(rows))
-        d_x_c, dw = vjp(d_piece)
-        (d_xs[c],) = take_vjp(d_x_c)
-      else:  # linear in the param: its gradient needs no value of it
-        w_aval = jax.eval_shape(self.gather_rows, rows)
-        (dw,) = jax.linear_transpose(lambda w: self.piece(x_c, w), w_aval)(d_piece)
-      if self.leaf in self.unit.trainable:
-        grads[c] = self.unit.collectives.scatter_rows(self.leaf, dw)
-      else:
-        grads[c] = jnp.zeros_like(rows)
-    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if self.x_grad else None
-    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(len(self.bounds))])
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _ChunkRule:
-  """An `_eval` rule: one matmul (`eqn`) on a leaf its unit gathers by row blocks, as
-  `_chunked_dot`."""
-
-  eqn: jcore.JaxprEqn
-  pos: int  # the leaf's operand position
-  unit: UnitIO
-  leaf: int
-  size: int  # the leaf's rows
-  x_grad: bool  # whether the other operand gets a cotangent (it depends on a float input)
-
-  def __call__(self, invals):
-    x, block = invals[1 - self.pos], invals[self.pos]
-    n = self.unit.chunks[self.leaf]
-    return [
-      _chunked_dot(self.eqn, self.pos, self.unit, self.leaf, n, self.size, self.x_grad, x, block)
-    ]
-
-
-def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
-  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
-  (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
-  use (its value is never whole, so a matmul on it is all a segment can do)."""
-  jaxpr, unit_of = program.jaxpr, units.of_leaf
-  chunked = {v: i for v, i in program.param_var.items() if i in unit_of[i].chunks}
-  # The vars a gradient flows to: those computed from a float input.
-  floats = {v for v in jaxpr.invars if _is_float(v.aval)}
-  for eqn in jaxpr.eqns:
-    if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
-      floats.update(v for v in eqn.outvars if _is_float(v.aval))
-  rules = {}
-  for eqn in jaxpr.eqns:
-    for pos, v in enumerate(eqn.invars):
-      if not (isinstance(v, jcore.Var) and v in chunked):
-        continue
-      i = chunked[v]
-      ok = (
-        eqn.primitive is prims.dot_general_p
-        and eqn.invars[1 - pos] not in chunked
-        and 0 not in eqn.params["dimension_numbers"][1][pos]
-        and not any(w in lazy.defs for w in eqn.outvars)
-      )
-      if not ok:
-        paths = jax.tree_util.tree_flatten_with_path(
-          jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
-        )[0]
-        path = jax.tree_util.keystr(paths[i][0])
-        raise ValueError(
-          f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
-          f"`{eqn.primitive.name}`, not as one operand of a matmul whose other operand "
-          "depends on the batch; a param gathered by row blocks can only be used by "
-          "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
-        )
-      x_var = eqn.invars[1 - pos]
-      x_grad = isinstance(x_var, jcore.Var) and x_var in floats
-      size = program.jaxpr.invars[i].aval.shape[0]
-      rules[id(eqn)] = _ChunkRule(eqn, pos, unit_of[i], i, size, x_grad)
-  if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
-    raise ValueError(
-      "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
-      "blocks can only be used by matmuls: leave it out of chunks="
-    )
-  return rules
+# ----------------------------------------------------------------------------- a scanned unit
 
 
 def _scan_unit(
@@ -832,339 +831,357 @@ class _ScanUnit:
     return (d_carry, d_consts), (d_x, d_t)
 
 
-# ----------------------------------------------------------------------------- the program
+# ----------------------------------------------------------------------------- a chunked matmul
 
 
-@dataclasses.dataclass(frozen=True)
-class _Units:
-  """The units, looked up by leaf and by name."""
+def _chunked_dot(
+  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block
+):
+  """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
+  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
+  `custom_vjp`.
 
-  of_leaf: Mapping[int, UnitIO]
-  by_name: Mapping[str, UnitIO]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Program:
-  """The loss traced with whole params, its `jit`s inlined: what `run_loss` replays."""
-
-  jaxpr: jcore.Jaxpr  # inputs: every leaf, then the leaves of `batch`
-  consts: list  # the values of `jaxpr.constvars`
-  n_leaves: int
-  param_var: Mapping[jcore.Var, int]  # the input var of each leaf a unit holds -> the leaf
-  out_tree: Any  # the loss's output structure
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lazy:
-  """The vars computed from params (and consts) alone: every op that reads one recomputes it
-  from its gathered params instead of receiving it."""
-
-  defs: Mapping[jcore.Var, jcore.JaxprEqn]  # lazy var -> the eqn that defines it
-  units: Mapping[jcore.Var, set]  # a param's or a lazy var -> the names of its units
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-  """Consecutive eqns of the program that run as one op."""
-
-  eqns: tuple[jcore.JaxprEqn, ...]  # a segment's eqns, or the one scan
-  scan_xs: Mapping[int, int] | None  # a scanned unit: {xs position: leaf}; None: a segment
-
-
-@dataclasses.dataclass(frozen=True)
-class _Op:
-  """A piece, planned: what it gathers, recomputes, reads and hands on."""
-
-  eqns: tuple[jcore.JaxprEqn, ...]
-  scan_xs: Mapping[int, int] | None  # as `_Piece.scan_xs`
-  units: tuple[str, ...]  # a segment: every unit it reads; a scan: the units its xs are
-  scan_consts: tuple[str, ...]  # a scan: units it reads otherwise (consts), gathered before it
-  lazy: tuple[jcore.JaxprEqn, ...]  # the lazy eqns it recomputes, in program order
-  acts: tuple[jcore.Var, ...]  # the vars it reads from earlier ops or the inputs
-  outs: tuple[jcore.Var, ...]  # the vars it defines that later ops or the output read
-
-
-def run_loss(
-  loss_fn: Callable,
-  treedef,
-  leaf_avals: Sequence[jax.ShapeDtypeStruct],
-  values: dict,
-  units: Sequence[UnitIO],
-  batch: PyTree,
-  axes: Sequence[str],
-  *,
-  reshard: bool = True,
-  prefetch: int = 1,
-) -> PyTree:
-  """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring);
-  its output may be any pytree (a loss, or a loss with aux and model state; an eval step's
-  outputs), and `batch` any pytree of the other inputs (the batch, a key, model state).
-
-  Args:
-    loss_fn: the user's loss.
-    treedef: the params' tree structure.
-    leaf_avals: every leaf's whole shape and param dtype.
-    values: leaf index -> this device's shard (float leaves of a unit: the trainable ones'
-      masters, the frozen ones as stored) or the whole value (integer leaves); a unit's
-      `UnitIO.shards` -> its flat master shards (fused state).
-    units: every unit.
-    batch: this device's batch.
-    axes: the data-parallel axes (the gathered params vary over them).
-    reshard: gather each unit again for its backward (else keep the forward's gather).
-    prefetch: how many units ahead an all-gather may start.
+  Row block c is rows `[lo, hi)` of every device's block (`lo = c * r // n` for `r` rows
+  per device), i.e. rows `d * r + [lo, hi)` of the padded param for every device d: its
+  `gather_rows` is one all-gather of `block[lo:hi]`, and the reduce-scatter of its gradient
+  (`scatter_rows`) lands on this device's rows `[lo, hi)`. Where the leaf's rows are a free
+  dim of the product (logits `h @ wte.T`), block c computes the output's columns of those
+  rows; where they are contracted (`one_hot @ wte`) it computes a partial sum over them.
+  Forward: block c's gather waits for block c - 2's product (one block gathered ahead);
+  backward: gather block c again, its share of `x`'s cotangent, its weight gradient,
+  reduce-scatter; block c's gather waits for block c + 2's share of `x`'s cotangent and its
+  reduce-scatter. About two blocks and two block gradients are alive, never the whole param
+  or its whole gradient; the forward saves `x`.
+  Without `x_grad` (`x` is computed from integers alone, like a one-hot of the token ids) the
+  backward computes no cotangent for `x` and so gathers nothing: the weight gradient needs
+  no value of the param.
   """
-  index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
-  program = _trace(loss_fn, treedef, leaf_avals, values, index, batch, axes)
-  lazy = _find_lazy(program, index)
-  rules = _chunk_rules(program, lazy, index, treedef)
-  ops = _plan(program, lazy, _cut(program, lazy, index), index)
-  outs = _execute(
-    program, ops, values, batch, index, rules, axes, reshard=reshard, prefetch=prefetch
+  (contract, batch) = eqn.params["dimension_numbers"]
+  if 0 in batch[w_pos]:
+    raise AssertionError("jaxdp FSDP: a chunked param used with its rows as a batch dim")
+  r = block.shape[0]
+  x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
+  w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
+  x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
+  out_dim = (
+    None if x_dim is not None else len(batch[0]) + (x_free if w_pos else 0) + w_free.index(0)
   )
-  return jax.tree.unflatten(program.out_tree, outs)
-
-
-_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type (a zero, see the docstring)
-
-
-def _whole_stand_in(aval, axes):
-  """Zeros of `aval` varying over `axes`: a whole-shape value to trace with (dead code once
-  traced), or a token."""
-  x = jnp.zeros(aval.shape, aval.dtype)
-  return collectives.make_varying(x, tuple(axes)) if axes else x
-
-
-def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> _Program:
-  """Step 1: `loss_fn` traced on whole-shape params, `jit`s inlined."""
-  args = [
-    _whole_stand_in(a, axes) if i in units.of_leaf else values[i] for i, a in enumerate(leaf_avals)
-  ]
-  closed, out_shape = jax.make_jaxpr(
-    lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True
-  )(args, batch)
-  flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
-    *args, *jax.tree.leaves(batch)
+  matmul = _ChunkedDot(
+    eqn=eqn,
+    w_pos=w_pos,
+    unit=unit,
+    leaf=leaf,
+    size=size,
+    x_grad=x_grad,
+    dp=jax.lax.axis_size(DATA),
+    r=r,
+    bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
+    x_dim=x_dim,
+    out_dim=out_dim,
   )
-  n_leaves = len(leaf_avals)
-  param_var = {v: i for i, v in enumerate(flat.jaxpr.invars[:n_leaves]) if i in units.of_leaf}
-  return _Program(flat.jaxpr, flat.consts, n_leaves, param_var, jax.tree.structure(out_shape))
-
-
-def _find_lazy(program: _Program, units: _Units) -> _Lazy:
-  """Step 2: which vars are computed from params (and consts) alone."""
-  defs, var_units = {}, {v: {units.of_leaf[i].name} for v, i in program.param_var.items()}
-  static = set(program.param_var) | set(program.jaxpr.constvars)
-  for eqn in program.jaxpr.eqns:
-    ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
-    us = set().union(*[var_units.get(v, set()) for v in ins]) if ins else set()
-    if us and all(v in static for v in ins) and not eqn.effects:
-      defs.update((v, eqn) for v in eqn.outvars)
-      static.update(eqn.outvars)
-      for v in eqn.outvars:
-        var_units[v] = us
-  return _Lazy(defs, var_units)
-
-
-def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
-  """{xs position: leaf} of a scan whose xs are every leaf of some stacked units, each once
-  (None: not such a scan)."""
-  if eqn.primitive is not prims.scan_p:
-    return None
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
-  param_var = program.param_var
-  pos = {
-    j: param_var[v]
-    for j, v in enumerate(eqn.invars[start:])
-    if isinstance(v, jcore.Var) and v in param_var and units.of_leaf[param_var[v]].stacked
-  }
-  names = {units.of_leaf[i].name for i in pos.values()}
-  if (
-    not pos
-    or any(set(units.by_name[n].leaves) - set(pos.values()) for n in names)
-    or len(set(pos.values())) != len(pos)
-  ):
-    return None
-  return pos
-
-
-def _cut(program: _Program, lazy: _Lazy, units: _Units) -> list[_Piece]:
-  """Step 3: the program's eqns (but the lazy ones) cut into pieces: each scan over stacked
-  units alone; between them, a new segment wherever an eqn reads a unit the open segment
-  does not (eqns that read no unit stay in the segment they fall in)."""
-  pieces, eqns, names = [], None, set()  # the open segment's eqns and units
-  for eqn in program.jaxpr.eqns:
-    if eqn.outvars and all(v in lazy.defs for v in eqn.outvars):
-      continue
-    xs = _scan_xs(eqn, program, units)
-    us = set().union(*[lazy.units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)])
-    if eqns is not None and (xs is not None or (us and names and not us <= names)):
-      pieces.append(_Piece(tuple(eqns), None))
-      eqns = None
-    if xs is not None:
-      pieces.append(_Piece((eqn,), xs))
-      continue
-    if eqns is None:
-      eqns, names = [], set()
-    eqns.append(eqn)
-    names |= us
-  if eqns is not None:
-    pieces.append(_Piece(tuple(eqns), None))
-  return pieces
-
-
-def _direct_reads(piece: _Piece) -> list:
-  """The vars a piece's eqns read (a scan: its operands but the stacked xs)."""
-  if piece.scan_xs is None:
-    return [v for e in piece.eqns for v in e.invars if isinstance(v, jcore.Var)]
-  (eqn,) = piece.eqns
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
-  return [
-    v
-    for j, v in enumerate(eqn.invars)
-    if isinstance(v, jcore.Var) and j - start not in piece.scan_xs
-  ]
-
-
-def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -> list[_Op]:
-  """Step 4: each piece's lazy eqns, inputs, outputs and units."""
-  order = {id(e): n for n, e in enumerate(program.jaxpr.eqns)}
-  param_var = program.param_var
-  planned = []
-  for piece in pieces:
-    direct = _direct_reads(piece)
-    need, stack = {}, list(direct)
-    while stack:
-      v = stack.pop()
-      if v in lazy.defs and id(lazy.defs[v]) not in need:
-        e = lazy.defs[v]
-        need[id(e)] = e
-        stack.extend(w for w in e.invars if isinstance(w, jcore.Var))
-    lazy_eqns = tuple(sorted(need.values(), key=lambda e: order[id(e)]))
-    defined = {v for e in lazy_eqns + piece.eqns for v in e.outvars}
-    lazy_reads = [v for e in lazy_eqns for v in e.invars if isinstance(v, jcore.Var)]
-    reads = direct + lazy_reads if piece.scan_xs is not None else lazy_reads + direct
-    acts = tuple(
-      dict.fromkeys(
-        v for v in reads if v not in defined and v not in param_var and v not in lazy.defs
-      )
-    )
-    # Units the piece reads directly or through lazy vars.
-    used = {units.of_leaf[param_var[v]].name for v in reads if v in param_var}
-    if piece.scan_xs is None:
-      names, consts = tuple(sorted(used)), ()
-    else:
-      names = tuple(sorted({units.of_leaf[i].name for i in piece.scan_xs.values()}))
-      consts = tuple(sorted(used - set(names)))
-    planned.append((piece, names, consts, lazy_eqns, acts))
-  ops = []
-  later_reads = {v for v in program.jaxpr.outvars if isinstance(v, jcore.Var)}
-  for piece, names, consts, lazy_eqns, acts in reversed(planned):
-    outs = tuple(v for e in piece.eqns for v in e.outvars if v in later_reads)
-    later_reads.update(acts)
-    ops.append(_Op(piece.eqns, piece.scan_xs, names, consts, lazy_eqns, acts, outs))
-  return ops[::-1]
+  dot = jax.custom_vjp(matmul.dot)
+  dot.defvjp(matmul.fwd, matmul.bwd)
+  return dot(x, block)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _SegmentFn:
-  """A segment as `fn(acts, full) -> outs` for `_unit_call`: its eqns on its inputs, the
-  gathered params `full` ({leaf: whole param}) and the program's consts, its lazy vars
-  recomputed."""
+class _ChunkedDot:
+  """A chunked matmul's `custom_vjp` (`_chunked_dot`): the matmul, the param's row blocks,
+  where its rows go in the operands and the product, and the two passes."""
 
-  program: _Program
-  op: _Op
-  rules: Mapping[int, Callable]
+  eqn: jcore.JaxprEqn  # the `dot_general`
+  w_pos: int  # the param's operand position
+  unit: UnitIO
+  leaf: int
+  size: int  # the param's rows
+  x_grad: bool  # the other operand gets a cotangent
+  dp: int
+  r: int  # the param's rows per device (padded)
+  bounds: tuple[tuple[int, int], ...]  # each block's rows [lo, hi) of a device's rows
+  x_dim: int | None  # the other operand's dim contracted with the param's rows (or None)
+  out_dim: int | None  # the product's dim over the param's rows (None: they are contracted)
 
-  def __call__(self, acts, full):
-    local = dict(zip(self.op.acts, acts))
-    local.update((v, full[i]) for v, i in self.program.param_var.items() if i in full)
-    local.update((v, x) for v, x in zip(self.program.jaxpr.constvars, self.program.consts))
-    _eval(self.op.lazy + self.op.eqns, local, self.rules)
-    return [local[v] for v in self.op.outs]
+  def rows_of(self, a, dim, lo, hi):
+    """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
+    param's rows (zeros for the padding)."""
+    dp, r = self.dp, self.r
+    a = pad_dim(a, a.shape, dim, dp * r)
+    a = a.reshape(*a.shape[:dim], dp, r, *a.shape[dim + 1 :])
+    a = jax.lax.slice_in_dim(a, lo, hi, axis=dim + 1)
+    return a.reshape(*a.shape[:dim], dp * (hi - lo), *a.shape[dim + 2 :])
+
+  def take(self, x, lo, hi):
+    """Block [lo, hi)'s share of `x`: all of it, or its rows if they are contracted."""
+    return x if self.x_dim is None else self.rows_of(x, self.x_dim, lo, hi)
+
+  def piece(self, x_c, w_c):
+    return _bind(self.eqn, [x_c, w_c] if self.w_pos else [w_c, x_c])[0]
+
+  def gather_rows(self, rows):
+    return self.unit.collectives.gather_rows(self.leaf, rows)
+
+  def combine(self, pieces):
+    if self.x_dim is not None:
+      return sum(pieces[1:], pieces[0])
+    out_dim, shape = self.out_dim, pieces[0].shape
+    parts = [p.reshape(*shape[:out_dim], self.dp, -1, *shape[out_dim + 1 :]) for p in pieces]
+    out = jnp.concatenate(parts, axis=out_dim + 1)
+    out = out.reshape(*shape[:out_dim], self.dp * self.r, *shape[out_dim + 1 :])
+    return jax.lax.slice_in_dim(out, 0, self.size, axis=out_dim)
+
+  # Each block's operands leave a barrier of their own: XLA merges matmuls that share an
+  # operand (`x`, or the cotangent) into one whole-size matmul on the concatenated blocks.
+  def forward(self, x, block):
+    pieces = []
+    for c, (lo, hi) in enumerate(self.bounds):
+      own = (block[lo:hi], self.take(x, lo, hi))
+      if c < 2:  # gathered once the input exists
+        (rows, x_c), _ = _together(own, x if self.x_dim is None else own[1])
+      else:  # ... and once block c - 2 is computed: one block ahead
+        (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
+      pieces.append(self.piece(x_c, self.gather_rows(rows)))
+    return self.combine(pieces)
+
+  def dot(self, x, block):
+    return self.forward(x, block)
+
+  def fwd(self, x, block):
+    return self.forward(x, block), (x, block)
+
+  def bwd(self, res, d_out):
+    x, block = res
+    d_xs, grads = {}, {}
+    order = list(reversed(range(len(self.bounds))))
+    for k, c in enumerate(order):
+      lo, hi = self.bounds[c]
+      x_c, take_vjp = jax.vjp(lambda x: self.take(x, lo, hi), x)
+      if k < 2:  # gathered once the cotangent exists (not hoisted into the forward)
+        (rows, x_c), d_c = _together((block[lo:hi], x_c), d_out)
+      else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
+        prev = order[k - 2]
+        (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
+          (block[lo:hi], x_c, d_out), (d_xs.get(prev), grads[prev])
+        )
+      d_piece = d_c if self.x_dim is not None else self.rows_of(d_c, self.out_dim, lo, hi)
+      if self.x_grad:
+        _, vjp = jax.vjp(self.piece, x_c, self.gather_rows(rows))
+        d_x_c, dw = vjp(d_piece)
+        (d_xs[c],) = take_vjp(d_x_c)
+      else:  # linear in the param: its gradient needs no value of it
+        w_aval = jax.eval_shape(self.gather_rows, rows)
+        (dw,) = jax.linear_transpose(lambda w: self.piece(x_c, w), w_aval)(d_piece)
+      if self.leaf in self.unit.trainable:
+        grads[c] = self.unit.collectives.scatter_rows(self.leaf, dw)
+      else:
+        grads[c] = jnp.zeros_like(rows)
+    d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if self.x_grad else None
+    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(len(self.bounds))])
 
 
-def _execute(
-  program: _Program,
-  ops: list[_Op],
-  values: dict,
-  batch,
-  units: _Units,
-  rules: dict,
-  axes,
-  *,
-  reshard: bool,
-  prefetch: int,
-) -> list:
-  """Step 5: the ops in order, each segment that reads a unit as one `_unit_call`, each
-  scanned unit as one `_scan_unit`; returns the program's outputs."""
-  jaxpr, n_leaves, by_name = program.jaxpr, program.n_leaves, units.by_name
-  env = dict(zip(jaxpr.constvars, program.consts))
-  env.update(
-    (v, values[i]) for i, v in enumerate(jaxpr.invars[:n_leaves]) if v not in program.param_var
-  )
-  env.update(zip(jaxpr.invars[n_leaves:], jax.tree.leaves(batch)))
-  op_shards = [
-    {
-      i: values[i]
-      for n in op.units + op.scan_consts
-      for i in by_name[n].shard_keys + by_name[n].frozen
-    }
-    for op in ops
-  ]
-  tokens = [_whole_stand_in(_TOKEN, axes) for _ in range(prefetch + 1)]
-  for n, op in enumerate(ops):
-    acts = [env[v] for v in op.acts]
-    ahead = n + prefetch
-    if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
-      acts, op_shards[ahead] = _together(acts, op_shards[ahead])
-    if op.scan_xs is not None:
-      outs, tokens = _run_scan(program, op, acts, op_shards[n], tokens, by_name, axes, reshard)
-    elif op.units:
-      op_units = [by_name[u] for u in op.units]
-      fn = _SegmentFn(program, op, rules)
-      outs, tokens = _unit_call(fn, op_units, acts, op_shards[n], tokens, reshard=reshard)
-    else:  # a segment that reads no unit
-      local = dict(zip(op.acts, acts))
-      _eval(op.lazy + op.eqns, local)
-      outs = [local[v] for v in op.outs]
-    env.update(zip(op.outs, outs))
+# ----------------------------------------------------------------------------- a unit's collectives
+
+
+def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
+  """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
+  one all-gather per param)."""
+  full = {}
+  for u in units:
+    t = {i: shards[i] for i in u.shard_keys}
+    f = {i: shards[i] for i in u.frozen}
+    gather = u.collectives.gather_each if each else u.collectives.gather
+    full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
+    full.update((i, shards[i]) for i in u.chunks)  # gathered by row blocks where used
+  return full
+
+
+def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = False) -> dict:
+  grads = {}
+  for u in units:
+    if u.trainable:
+      c = {i: cts[i] for i in u.trainable if i not in u.chunks}
+      scatter = (
+        u.collectives.scatter_each if each and u.collectives.scatter_each else u.collectives.scatter
+      )
+      grads.update(jax.vmap(scatter)(c) if layer_axis and u.stacked else scatter(c))
+      grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
+  return grads
+
+
+def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
+  """`cts` with each gradient bucket's ravel held back until `token` exists: the smallest
+  float cotangent of each (unit, dtype) gets the (zero) token added, so the bucket's
+  concatenation, which reads it, waits for it (adding it to every cotangent costs a pass
+  over each on XLA:CPU, where the add does not fuse into the concatenation)."""
+  picks = {}
+  for u in units:
+    for i in u.trainable:
+      x = cts.get(i)
+      if x is not None and _is_float(x) and i not in u.chunks:
+        key = (u.name, jnp.dtype(x.dtype))
+        if key not in picks or x.size < cts[picks[key]].size:
+          picks[key] = i
+  return {**cts, **_after({i: cts[i] for i in picks.values()}, token)}
+
+
+# ----------------------------------------------------------------------------- ordering
+
+
+def _together(a, b):
+  """`(a, b)` through one `optimization_barrier`: XLA computes nothing from either result
+  before both of `a` and `b` exist. The caller must use both results (XLA drops the operands
+  of a barrier whose results are unused, and with them the ordering). Integer leaves pass
+  outside the barrier, and so do leaves that vary over fewer mesh axes than the others (the
+  barrier's results vary over every axis any operand varies over: a replicated model state
+  would come out varying).
+
+  Differentiated, it is the identity on the cotangents (JAX's own rule for the barrier would
+  put them through one too, with zeros materialized for unused results)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  vma = lambda x: _varying(jax.typeof(x))
+  every = frozenset().union(*[vma(x) for x in la + lb if _is_float(x)])
+  ia = [n for n, x in enumerate(la) if _is_float(x) and vma(x) == every]
+  ib = [n for n, x in enumerate(lb) if _is_float(x) and vma(x) == every]
+  if not ia or not ib:
+    return a, b
+  xa, xb = _barrier_vjp([la[n] for n in ia], [lb[n] for n in ib])
+  for n, x in zip(ia, xa):
+    la[n] = x
+  for n, x in zip(ib, xb):
+    lb[n] = x
+  return jax.tree.unflatten(ta, la), jax.tree.unflatten(tb, lb)
+
+
+@jax.custom_vjp
+def _barrier_vjp(a, b):
+  return jax.lax.optimization_barrier((a, b))
+
+
+def _barrier_fwd(a, b):
+  return _barrier_vjp(a, b), None
+
+
+def _barrier_bwd(_, ct):
+  return ct
+
+
+_barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
+
+
+def _after(shards: dict, token) -> dict:
+  """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
+  shards cannot start before `token` exists."""
+  return {
+    i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x for i, x in shards.items()
+  }
+
+
+# ----------------------------------------------------------------------------- jaxpr helpers
+
+
+def _read(env, v):
+  return v.val if isinstance(v, jcore.Literal) else env[v]
+
+
+def _bind(eqn, invals):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  with eqn.ctx.manager:
+    out = eqn.primitive.bind(*invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _eval(eqns, env, rules=None):
+  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function run instead of binding it."""
+  for eqn in eqns:
+    invals = [_read(env, v) for v in eqn.invars]
+    rule = rules.get(id(eqn)) if rules else None
+    for v, x in zip(eqn.outvars, rule(invals) if rule else _bind(eqn, invals)):
+      env[v] = x
+
+
+def _inline_jits(jaxpr, consts, args):
+  """Evaluates `jaxpr`, inlining `jit` calls (so a jitted block, or a scan inside one, is
+  seen equation by equation)."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [_read(env, v) for v in eqn.invars]
+    if eqn.primitive is prims.jit_p:
+      inner = eqn.params["jaxpr"]
+      outs = _inline_jits(inner.jaxpr, inner.consts, invals)
+    else:
+      outs = _bind(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
+      env[v] = x
   return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, reshard):
-  """A scanned unit's op: the units it reads as consts gathered whole, once; its lazy vars;
-  then the scan as one `_scan_unit`. Returns `(outs, tokens)`."""
-  (eqn,) = op.eqns
-  local = dict(zip(op.acts, acts))
-  local.update(zip(program.jaxpr.constvars, program.consts))
-  whole = [by_name[u] for u in op.scan_consts]
-  if whole:  # params the scan reads as consts or carry: gathered whole, once
-    token = [_whole_stand_in(_TOKEN, axes)]
-    full = _unit_call(
-      lambda a, full: [full[i] for u in whole for i in u.leaves],
-      whole,
-      [],
-      shards,
-      token,
-      reshard=False,
-    )[0]
-    it = iter(full)
-    local.update(
-      (v, next(it)) for u in whole for i in u.leaves for v, j in program.param_var.items() if j == i
+def _is_float(x) -> bool:
+  return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _residual_masks(f, args, *taints: Sequence[bool]) -> list[list[bool]]:
+  """For each of `taints` (a flag per arg): which leaves of `jax.vjp(f, *args)`'s residuals
+  depend on the tainted args, from one trace of the vjp.
+
+  A residual computed from untainted args alone (params, consts) is one a unit's backward
+  recomputes instead of saving.
+  """
+  closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*args)
+  sizes = [len(jax.tree.leaves(a)) for a in args]
+  masks = []
+  for tainted in taints:
+    flat_taint = [
+      x for n, t in zip(sizes, tainted) for x in (t if isinstance(t, list) else [t] * n)
+    ]
+    marked = {v for v, t in zip(closed.jaxpr.invars, flat_taint) if t}
+    for eqn in closed.jaxpr.eqns:
+      if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
+        marked.update(eqn.outvars)
+    masks.append([isinstance(v, jcore.Var) and v in marked for v in closed.jaxpr.outvars])
+  return masks
+
+
+def _ct_or_none(x, ct):
+  """A custom_vjp cotangent for input `x` (a value or its type): None (zero) for integer
+  inputs; summed over the mesh axes it varies over and `x` does not (an input replicated
+  over "data", like a model state, used by every device: the transpose of its implicit
+  `pvary`), so that it has `x`'s type."""
+  if not _is_float(x) or ct is None:
+    return None
+  aval = x.aval if hasattr(x, "aval") else jax.typeof(x) if isinstance(x, jax.Array) else x
+  extra = _varying(jax.typeof(ct)) - _varying(aval)
+  return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
+
+
+def _avals(tree):
+  return jax.tree.map(jax.typeof, tree)
+
+
+def _varying(aval) -> frozenset:
+  """The mesh axes a value of type `aval` varies over (inside `shard_map`)."""
+  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()) or ())
+
+
+def _stand_in(aval):
+  """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
+  residuals are saved, so only dead code reads it."""
+  x = jnp.zeros(aval.shape, aval.dtype)
+  vma = tuple(sorted(_varying(aval)))
+  return collectives.make_varying(x, vma) if vma else x
+
+
+def _stand_ins(avals):
+  return jax.tree.map(_stand_in, avals)
+
+
+def _swap(vjp, saved, keep):
+  """`vjp` with the residual leaves marked in `keep` replaced by `saved`."""
+  leaves, tree = jax.tree.flatten(vjp)
+  if len(leaves) != len(keep) or sum(keep) != len(saved):
+    raise AssertionError(
+      f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
+      f"forward {len(keep)}; please report this with the model"
     )
-  _eval(op.lazy, local)
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
-  operands = [
-    None if j - start in op.scan_xs else _read(local, v) for j, v in enumerate(eqn.invars)
-  ]
-  outs, tokens = _scan_unit(
-    eqn,
-    [by_name[u] for u in op.units],
-    operands,
-    dict(op.scan_xs),
-    shards,
-    tokens,
-    reshard=reshard,
-  )
-  defined = dict(zip(eqn.outvars, outs))
-  return [defined[v] for v in op.outs], tokens
+  it = iter(saved)
+  return jax.tree.unflatten(tree, [next(it) if s else x for x, s in zip(leaves, keep)])
