@@ -164,7 +164,7 @@ class _Op:
   eqns: tuple[jcore.JaxprEqn, ...]
   scan_xs: Mapping[int, int] | None  # as `_Piece.scan_xs`
   units: tuple[str, ...]  # a segment: every unit it reads; a scan: the units its xs are
-  scan_consts: tuple[str, ...]  # a scan: units it reads otherwise (consts), gathered before it
+  scan_consts: tuple[str, ...]  # a scan: units read as consts or carry, gathered whole once
   lazy: tuple[jcore.JaxprEqn, ...]  # the lazy eqns it recomputes, in program order
   acts: tuple[jcore.Var, ...]  # the vars it reads from earlier ops or the inputs
   outs: tuple[jcore.Var, ...]  # the vars it defines that later ops or the output read
@@ -412,13 +412,24 @@ def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -
     else:
       names = tuple(sorted({units.of_leaf[i].name for i in piece.scan_xs.values()}))
       consts = tuple(sorted(used - set(names)))
-    planned.append((piece, names, consts, lazy_eqns, acts))
+    planned.append(
+      _Op(
+        eqns=piece.eqns,
+        scan_xs=piece.scan_xs,
+        units=names,
+        scan_consts=consts,
+        lazy=lazy_eqns,
+        acts=acts,
+        outs=(),
+      )
+    )
+  # Each op's outputs: what it defines that a later op or the program's output reads.
   ops = []
   later_reads = {v for v in program.jaxpr.outvars if isinstance(v, jcore.Var)}
-  for piece, names, consts, lazy_eqns, acts in reversed(planned):
-    outs = tuple(v for e in piece.eqns for v in e.outvars if v in later_reads)
-    later_reads.update(acts)
-    ops.append(_Op(piece.eqns, piece.scan_xs, names, consts, lazy_eqns, acts, outs))
+  for op in reversed(planned):
+    outs = tuple(v for e in op.eqns for v in e.outvars if v in later_reads)
+    later_reads.update(op.acts)
+    ops.append(dataclasses.replace(op, outs=outs))
   return ops[::-1]
 
 
@@ -457,7 +468,9 @@ def _execute(
     if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
       acts, op_shards[ahead] = _together(acts, op_shards[ahead])
     if op.scan_xs is not None:
-      outs, tokens = _run_scan(program, op, acts, op_shards[n], tokens, by_name, axes, reshard)
+      outs, tokens = _run_scan(
+        program, op, acts, op_shards[n], tokens, by_name, axes, reshard=reshard
+      )
     elif op.units:
       op_units = [by_name[u] for u in op.units]
       fn = _SegmentFn(program, op, rules)
@@ -488,7 +501,7 @@ class _SegmentFn:
     return [local[v] for v in self.op.outs]
 
 
-def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, reshard):
+def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, *, reshard):
   """A scanned unit's op: the units it reads as consts gathered whole, once; its lazy vars;
   then the scan as one `_scan_unit`. Returns `(outs, tokens)`."""
   (eqn,) = op.eqns
