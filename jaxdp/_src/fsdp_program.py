@@ -547,7 +547,7 @@ def _unit_call(
   fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: list, *, reshard: bool
 ):
   """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
-  module docstring). `tokens` (k zeros) carry the backward prefetch order; returns
+  module docstring). `tokens` (k + 1 zeros) carry the backward prefetch order; returns
   `(outs, tokens for the next segment)`."""
   trainable = {i: shards[i] for u in units for i in u.shard_keys}
   frozen = {i: shards[i] for u in units for i in u.frozen}
