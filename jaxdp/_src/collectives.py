@@ -7,7 +7,7 @@ asks it to "reduce this bucket" or "gather this bucket".
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +273,20 @@ def _scatter_bucket(cts, bucket: Bucket, grad_dtype, *, dp: int, axes, average: 
   return reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
 
 
+class UnitCollectives(NamedTuple):
+  """One FSDP unit's collectives as plain functions (`unit_collectives` says what each
+  takes and returns); `fsdp_program` calls them inside each unit's `custom_vjp`. The row
+  gathers are None where the unit gathers no leaf by row blocks; `scatter_each` is None
+  where a scanned layer reduce-scatters with `scatter`."""
+
+  gather: Callable  # (trainable shards, frozen shards) -> {leaf: whole param}
+  scatter: Callable  # {leaf: whole cotangent} -> {leaf: shard grad}
+  gather_each: Callable  # as gather, one all-gather per param (inside a scan)
+  gather_rows: Callable | None = None  # (leaf, rows [lo, hi) of its shard) -> every device's
+  scatter_rows: Callable | None = None  # (leaf, ct of gather_rows' output) -> reduced rows
+  scatter_each: Callable | None = None  # as scatter, one reduce-scatter per param (in a scan)
+
+
 def unit_collectives(
   gather_buckets: Sequence[tuple[Bucket, Any]],
   grad_buckets: Sequence[tuple[Bucket, Any]],
@@ -282,13 +296,13 @@ def unit_collectives(
   axes: Sequence[str],
   average: bool,
   chunked: Collection[int] = (),
-):
+) -> UnitCollectives:
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
   collectives), as plain functions; `fsdp_program` calls them inside each unit's
   `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
   the end of its backward).
 
-  Returns `(gather, scatter, gather_each, gather_rows, scatter_rows, scatter_each)`:
+  Returns a `UnitCollectives`:
 
   * `gather(trainable, frozen) -> full`: `trainable` and `frozen` map leaf indices to this
     device's row blocks `(rows / dp, ...)` of the unit's params (`trainable` in the
@@ -393,7 +407,14 @@ def unit_collectives(
   def scatter_each(cts):
     return scattered_each(cts, grad_buckets)
 
-  return gather, scatter, gather_each, gather_rows, scatter_rows, scatter_each
+  return UnitCollectives(
+    gather=gather,
+    scatter=scatter,
+    gather_each=gather_each,
+    gather_rows=gather_rows,
+    scatter_rows=scatter_rows,
+    scatter_each=scatter_each,
+  )
 
 
 def unit_collectives_flat(
@@ -403,12 +424,12 @@ def unit_collectives_flat(
   dp: int,
   axes: Sequence[str],
   average: bool,
-):
+) -> UnitCollectives:
   """`unit_collectives` for a fused FSDP state, whose master is one flat shard per grad
   bucket (`distributed_optimizer.fused_master`): the gather reads the flat shards and the
   reduce-scatter's shard is returned as it is, no slicing into leaves.
 
-  Returns `(gather, scatter, gather_each)` as `unit_collectives` does, except that
+  Returns `gather`, `scatter` and `gather_each` as `unit_collectives` does, except that
   `trainable` and the grads map each grad bucket's key to this device's flat shard
   `(shard_size,)` in its master dtype. A gather bucket that holds exactly the params of a
   grad bucket (a unit without frozen params of its dtype) all-gathers that flat shard cast
@@ -457,16 +478,16 @@ def unit_collectives_flat(
       for b, grad_dtype, dtype, key in grad_buckets
     }
 
-  _, _, each, _, _, _ = unit_collectives(
+  each = unit_collectives(
     gather_buckets,
     [(b, grad_dtype) for b, grad_dtype, _, _ in grad_buckets],
     {},
     dp=dp,
     axes=axes,
     average=average,
-  )
+  ).gather_each
 
   def gather_each(trainable, frozen):  # per param, from the flat shards' blocks
     return each(blocks(trainable), frozen)
 
-  return gather, scatter, gather_each
+  return UnitCollectives(gather=gather, scatter=scatter, gather_each=gather_each)

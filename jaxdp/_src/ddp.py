@@ -502,7 +502,17 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
         return {p.index: (None, g) for p, g in zip(b.params, blocks)}
 
       trainable = tuple(sorted(p.index for p in b.params))
-      units.append(fsdp_program.UnitIO(b.stack, trainable, (), True, gather, scatter, gather))
+      units.append(
+        fsdp_program.UnitIO(
+          name=b.stack,
+          trainable=trainable,
+          frozen=(),
+          stacked=True,
+          collectives=collectives.UnitCollectives(
+            gather=gather, scatter=scatter, gather_each=gather
+          ),
+        )
+      )
   return units
 
 

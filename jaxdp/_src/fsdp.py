@@ -298,7 +298,7 @@ def unit_values(master, layout: Layout, fused: bool) -> dict:
 
 def unit_collectives(
   layout: Layout, mesh, config: DDPConfig, fsdp: FSDPConfig | None = None, fused: bool = False
-) -> list:
+) -> list[fsdp_program.UnitIO]:
   """Inside the step: each unit's gather (forward all-gather) and scatter (backward
   reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves `fsdp.chunks` names are
   gathered by row blocks where the loss uses them (None: no chunks, for code that gathers
@@ -311,22 +311,19 @@ def unit_collectives(
       grad = tuple(
         (b, dtype, master_dtype(layout.dtypes[b.params[0].index]), keys[b]) for b, dtype in u.grad
       )
-      gather, scatter, each = collectives.unit_collectives_flat(
-        u.gather,
-        grad,
-        dp=dp_size(mesh),
-        axes=data_axes(mesh),
-        average=config.average_in_collective,
-      )
       out.append(
         fsdp_program.UnitIO(
-          u.name,
-          u.trainable,
-          u.frozen,
-          bool(u.layers),
-          gather,
-          scatter,
-          each,
+          name=u.name,
+          trainable=u.trainable,
+          frozen=u.frozen,
+          stacked=bool(u.layers),
+          collectives=collectives.unit_collectives_flat(
+            u.gather,
+            grad,
+            dp=dp_size(mesh),
+            axes=data_axes(mesh),
+            average=config.average_in_collective,
+          ),
           shards=tuple(k for *_, k in grad),
         )
       )
@@ -334,11 +331,11 @@ def unit_collectives(
   chunks = chunked_leaves(layout, fsdp) if fsdp is not None else {}
   return [
     fsdp_program.UnitIO(
-      u.name,
-      u.trainable,
-      u.frozen,
-      bool(u.layers),
-      *collectives.unit_collectives(
+      name=u.name,
+      trainable=u.trainable,
+      frozen=u.frozen,
+      stacked=bool(u.layers),
+      collectives=collectives.unit_collectives(
         u.gather,
         u.grad,
         {i: master_dtype(layout.dtypes[i]) for i in u.trainable},
