@@ -496,6 +496,22 @@ def test_launcher_names_the_collective_a_hung_jax_job_waits_in(tmp_path):
   assert "unreachable" not in log
 
 
+def test_launcher_names_frames_by_package_wherever_the_environment_lives(monkeypatch, tmp_path):
+  """A stack line names a library's file from its site-packages (`jax/...`) whether the
+  environment lies inside the working directory (a clone's .venv) or outside it, and the
+  user's own files relative to the working directory."""
+  monkeypatch.chdir(tmp_path)
+  inside = tmp_path / ".venv" / "lib" / "python3.12" / "site-packages" / "jax" / "api.py"
+  outside = pathlib.Path("/opt/env/lib/python3.12/site-packages/jax/api.py")
+  assert launch_module._short_path(str(inside)) == os.path.join("jax", "api.py")
+  assert launch_module._short_path(str(outside)) == os.path.join("jax", "api.py")
+  assert launch_module._short_path(str(tmp_path / "tests" / "w.py")) == os.path.join(
+    "tests", "w.py"
+  )
+  assert launch_module._short_path("/elsewhere/w.py") == "/elsewhere/w.py"
+  assert launch_module._short_path("<string>") == "<string>"
+
+
 # --- stress: scripts/train.py under the launcher on a busy machine -----------------------
 
 STRESS_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params", "optim")

@@ -418,13 +418,15 @@ _FRAME = re.compile(rb'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fun
 
 
 def _short_path(path: str) -> str:
-  """`path` relative to the working directory, or to its site-packages, if under one."""
+  """`path` relative to its site-packages if under one (wherever the environment lives,
+  inside the working directory too: `jax/...`), else to the working directory."""
   if not os.path.isabs(path):
     return path  # "<string>", "<frozen runpy>"
+  site, sep, rest = path.rpartition("site-packages" + os.sep)
+  if sep:
+    return rest
   relative = os.path.relpath(path)
-  if not relative.startswith(os.pardir):
-    return relative
-  return path.rsplit("site-packages" + os.sep, 1)[-1]
+  return path if relative.startswith(os.pardir) else relative
 
 
 def _where(stderr_lines: Sequence[bytes]) -> str:
