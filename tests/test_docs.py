@@ -188,6 +188,18 @@ def test_multi_host_cluster_commands_use_real_flags_and_arguments():
     }, name
 
 
+def test_ci_runs_the_suite_from_a_clone_at_a_fresh_path():
+  """CI tests a clone elsewhere, with its environment inside it, so no test may lean on
+  where the developer's checkout or environment lives."""
+  lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+  clone = next(i for i, line in enumerate(lines) if line.startswith("git clone"))
+  cd = lines.index('cd "$clone"')
+  assert any("mktemp -d" in line for line in lines[:clone]), lines
+  assert (
+    clone < cd < lines.index("python -m venv .venv") < lines.index('pip install -e ".[dev,aot]"')
+  )
+
+
 def test_ci_runs_the_readme_test_command_exactly():
   ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
   assert ci in [line.strip() for block in blocks(README, "bash") for line in block.splitlines()]
