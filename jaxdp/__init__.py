@@ -4,6 +4,12 @@ Bucketed DDP reduced inside backward, the distributed optimizer (ZeRO-1/2) and F
 any mesh with a "data" axis. See README.md and docs/design.md.
 """
 
+from jaxdp._src import cuda_probe as _cuda_probe
+
+# First, before any module below imports JAX: without the CUDA plugin's "Could not find
+# cuda drivers" lines on a machine without an NVIDIA driver (jaxdp/_src/cuda_probe.py).
+_cuda_probe.import_jax()
+
 from jaxdp import inspect as inspect
 from jaxdp import plot as plot
 from jaxdp._src import __version__ as __version__

@@ -33,6 +33,7 @@ os.environ["XLA_FLAGS"] = (
 )
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import jaxdp  # noqa: F401  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 import jax.numpy as jnp
 from jax._src import core
