@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jaxdp
+from models.mlp import MLP, mlp_loss
 from tests.tolerances import assert_trees_close
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -361,6 +362,56 @@ def test_muon_on_explicit_and_auto_meshes(strategy, axis_type):
     state, _ = step(state, batch)
   # 2 steps of unit-scale orthogonalized updates (lr 1e-2): observed ~6e-8
   assert_trees_close(jaxdp.get_params(state), ref, 1e-6)
+
+
+# ----------------------------------------------------------------------------- host-set hyperparameters
+
+LRS = (1e-2, 5e-3, 2e-2)  # one learning rate per step, set on the host before it
+
+
+def with_lr(opt_state, lr):
+  """optax's documented way to change a hyperparameter between steps."""
+  return optax.tree_utils.tree_set(opt_state, learning_rate=jnp.asarray(lr))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_learning_rate_set_on_the_host_between_steps(strategy):
+  """`inject_hyperparams` + `tree_set` on `state.opt_state` before each step (a scalar on
+  one device, or a Python float) equals the single-device loop setting the same values,
+  with one compile."""
+  tx, batch = optax.inject_hyperparams(optax.adamw)(learning_rate=LRS[0]), net_batch()
+  params, loss_fn = jaxdp.nnx_split(MLP(6, 16, 3, n_layers=2, rngs=nnx.Rngs(0)), mlp_loss)
+  batch = {"x": batch["x"], "y": jax.nn.one_hot(batch["y"], 3)}
+  ref, opt_state = params, tx.init(params)
+  for lr in LRS:
+    opt_state = with_lr(opt_state, lr)
+    updates, opt_state = tx.update(jax.grad(loss_fn)(ref, batch), opt_state, ref)
+    ref = optax.apply_updates(ref, updates)
+
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  for k, lr in enumerate(LRS):
+    lr = lr if k == 1 else jnp.asarray(lr)  # a Python float works too
+    state = dataclasses.replace(
+      state, opt_state=optax.tree_utils.tree_set(state.opt_state, learning_rate=lr)
+    )
+    state, _ = step(state, batch)
+  assert float(jaxdp.get_opt_state(state).hyperparams["learning_rate"]) == np.float32(LRS[-1])
+  # 3 Adam steps on f32: the bound of the other equality tests
+  assert_trees_close(jaxdp.get_params(state), ref, ATOL)
+  assert step._cache_size() == 1
+
+
+def test_an_optimizer_array_set_off_the_mesh_is_refused_by_name():
+  params = {"w": jnp.ones((16, 4))}
+  tx, mesh = optax.adam(1e-2), mesh8()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="no_shard")
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(lambda p, b: jnp.sum(p["w"] * b["x"]), tx, mesh, config)
+  opt_state = optax.tree_utils.tree_set(state.opt_state, mu={"w": jnp.zeros((16, 4))})
+  with pytest.raises(ValueError, match=r"state\.opt_state.*mu.*'w'.*jax\.device_put"):
+    step(dataclasses.replace(state, opt_state=opt_state), {"x": jnp.ones((8, 16, 4))})
 
 
 # ----------------------------------------------------------------------------- views
