@@ -264,17 +264,40 @@ def test_model_state_and_key_restore_across_dp_and_strategy(tmp_path):
       mgr.restore(no_key)
 
 
-def test_nnx_split_without_a_key_keeps_the_streams_frozen():
-  """The old contract, kept: no key in the state, the same masks every step."""
+def test_nnx_split_refuses_dropout_without_a_key():
+  """Without a key the streams would be frozen (the same masks every step and device):
+  refused, naming rng=; with one the masks follow it; in eval mode nothing is drawn."""
   model = Net(nnx.Rngs(0), rate=0.5)
   params, loss_fn = jaxdp.nnx_split(model, dropout_loss)
-  _, (a, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
-  _, (b, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
-  np.testing.assert_array_equal(a["mask"], b["mask"])
-  _, (c, _) = loss_fn(
-    params, net_batch(), rng=jax.random.key(1), model_state=jaxdp.nnx_model_state(model)
-  )
-  assert not np.array_equal(a["mask"], c["mask"])
+  ms = jaxdp.nnx_model_state(model)
+  with pytest.raises(ValueError, match=r"\['drop'\].*init_state\(\.\.\., rng="):
+    loss_fn(params, net_batch(), model_state=ms)
+  _, (a, _) = loss_fn(params, net_batch(), rng=jax.random.key(0), model_state=ms)
+  _, (b, _) = loss_fn(params, net_batch(), rng=jax.random.key(1), model_state=ms)
+  assert not np.array_equal(a["mask"], b["mask"])
+  mesh, config = mesh8(), jaxdp.DDPConfig()
+  state = jaxdp.init_state(params, optax.adam(1e-2), mesh, config, model_state=ms)
+  step = jaxdp.make_train_step(loss_fn, optax.adam(1e-2), mesh, config, has_aux=True)
+  with pytest.raises(ValueError, match="rng="):  # at the first step, before it compiles
+    step(state, net_batch())
+  model.eval()
+  _, eval_fn = jaxdp.nnx_split(model, lambda m, b: m(b["x"]).sum())
+  assert np.isfinite(eval_fn(params, net_batch()))
+
+
+def test_nnx_split_refuses_batchnorm_statistics_without_model_state():
+  """A training-mode BatchNorm without model_state= would keep its statistics frozen:
+  refused at the first step, naming what to pass; NNXOptimizer carries them."""
+  model = Net(nnx.Rngs(0))
+  params, loss_fn = jaxdp.nnx_split(model, net_loss)
+  mesh, config = mesh8(), jaxdp.DDPConfig()
+  state = jaxdp.init_state(params, optax.adam(1e-2), mesh, config)
+  step = jaxdp.make_train_step(loss_fn, optax.adam(1e-2), mesh, config, has_aux=True)
+  with pytest.raises(ValueError, match=r"\['bn'\]\['mean'\].*model_state=jaxdp.nnx_model_state"):
+    step(state, net_batch())
+  optimizer = jaxdp.NNXOptimizer(model, optax.adam(1e-2), mesh, config)
+  jaxdp.nnx_train_step(net_loss, has_aux=True)(model, optimizer, net_batch())
+  assert not np.allclose(optimizer.state.model_state["bn"]["mean"], 0)  # the statistics moved
 
 
 # ----------------------------------------------------------------------------- Linen
