@@ -389,6 +389,13 @@ def test_muon_on_explicit_and_auto_meshes(strategy, axis_type):
 
 # ----------------------------------------------------------------------------- host-set hyperparameters
 
+
+def mlp_problem():
+  params, loss_fn = jaxdp.nnx_split(MLP(6, 16, 3, n_layers=2, rngs=nnx.Rngs(0)), mlp_loss)
+  k1, k2 = jax.random.split(jax.random.key(1))
+  return params, loss_fn, {"x": jax.random.normal(k1, (16, 6)), "y": jax.random.normal(k2, (16, 3))}
+
+
 LRS = (1e-2, 5e-3, 2e-2)  # one learning rate per step, set on the host before it
 
 
@@ -402,9 +409,8 @@ def test_learning_rate_set_on_the_host_between_steps(strategy):
   """`inject_hyperparams` + `tree_set` on `state.opt_state` before each step (a scalar on
   one device, or a Python float) equals the single-device loop setting the same values,
   with one compile."""
-  tx, batch = optax.inject_hyperparams(optax.adamw)(learning_rate=LRS[0]), net_batch()
-  params, loss_fn = jaxdp.nnx_split(MLP(6, 16, 3, n_layers=2, rngs=nnx.Rngs(0)), mlp_loss)
-  batch = {"x": batch["x"], "y": jax.nn.one_hot(batch["y"], 3)}
+  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=LRS[0])
+  params, loss_fn, batch = mlp_problem()
   ref, opt_state = params, tx.init(params)
   for lr in LRS:
     opt_state = with_lr(opt_state, lr)
@@ -435,6 +441,56 @@ def test_an_optimizer_array_set_off_the_mesh_is_refused_by_name():
   opt_state = optax.tree_utils.tree_set(state.opt_state, mu={"w": jnp.zeros((16, 4))})
   with pytest.raises(ValueError, match=r"state\.opt_state.*mu.*'w'.*jax\.device_put"):
     step(dataclasses.replace(state, opt_state=opt_state), {"x": jnp.ones((8, 16, 4))})
+
+
+HABITS = {  # what optax's docs and nanoGPT/MaxText-style scripts wrap their optimizer in
+  "MultiSteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+  "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
+  "warmup_cosine": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.1),
+  ),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_optax_wrappers_and_a_host_numpy_batch_equal_single_device(strategy):
+  """optax.MultiSteps (accumulation inside the optimizer), apply_if_finite, a warmup-cosine
+  schedule behind a clip; the batch a host numpy array as a data loader yields it."""
+  params, loss_fn, batch = mlp_problem()
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  for name, make in HABITS.items():
+    tx = make()
+    ref, opt_state = params, tx.init(params)
+    for _ in range(4):
+      updates, opt_state = tx.update(jax.grad(loss_fn)(ref, batch), opt_state, ref)
+      ref = optax.apply_updates(ref, updates)
+    state = jaxdp.init_state(params, tx, mesh, config)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+    for _ in range(4):
+      state, _ = step(state, jax.tree.map(np.asarray, batch))
+    # 4 Adam steps on f32: the bound of the other equality tests
+    assert_trees_close(jaxdp.get_params(state), ref, ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_an_update_that_needs_the_loss_is_refused_naming_the_host_route(strategy):
+  """reduce_on_plateau's update takes value=loss, which the step does not pass."""
+  params, loss_fn, batch = mlp_problem()
+  tx = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  with pytest.raises(ValueError, match=r"'value'.*inject_hyperparams.*tree_set"):
+    state = jaxdp.init_state(params, tx, mesh, config)
+    jaxdp.make_train_step(loss_fn, tx, mesh, config)(state, batch)
+
+
+def test_the_step_under_jax_jit_is_refused():
+  """MaxText-style `jax.jit(train_step)` around the step: it is jitted already."""
+  params, loss_fn, batch = mlp_problem()
+  tx, mesh, config = optax.adam(1e-2), mesh8(), jaxdp.DDPConfig()
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  with pytest.raises(TypeError, match="jitted already.*call it from Python"):
+    jax.jit(step)(jaxdp.init_state(params, tx, mesh, config), batch)
 
 
 # ----------------------------------------------------------------------------- views

@@ -295,7 +295,8 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   caller's state valid and unchanged (at the cost of holding two states during the step).
   """
   donate = () if config.check_for_nan_in_grad else 0
-  return TrainStep(jax.jit(step, donate_argnums=donate, compiler_options=options), mesh, config)
+  jitted = jax.jit(step, donate_argnums=donate, compiler_options=options)
+  return TrainStep(jitted, mesh, config, nests=not options)
 
 
 class TrainStep:
@@ -307,11 +308,18 @@ class TrainStep:
   gradient is finite.
   """
 
-  def __init__(self, jitted, mesh, config):
+  def __init__(self, jitted, mesh, config, nests=True):
     self._jitted, self._mesh, self._config = jitted, mesh, config
     self._devices = frozenset(mesh.devices.flat)
+    self._nests = nests  # no compiler options: it can run inside another jit
 
   def __call__(self, state, batch):
+    if not self._nests and isinstance(getattr(state, "step", None), jax.core.Tracer):
+      raise TypeError(
+        "the train step is jitted already, with XLA options (compiler_options) that "
+        "jax.jit takes only at the top level: call it from Python, not inside jax.jit, "
+        "lax.scan or another transformation"
+      )
     self._check_devices(state)
     state = place_host_leaves(state, self._mesh)
     heartbeat()  # Progress, for the launcher's hang guard.
