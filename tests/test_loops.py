@@ -484,6 +484,26 @@ def test_an_update_that_needs_the_loss_is_refused_naming_the_host_route(strategy
     jaxdp.make_train_step(loss_fn, tx, mesh, config)(state, batch)
 
 
+def test_reduce_on_plateau_driven_from_the_host():
+  """The host route the refusal names: reduce_on_plateau updated with each step's loss on
+  the host, its scale set as the learning rate of an inject_hyperparams optimizer."""
+  params, loss_fn, batch = mlp_problem()
+  base = 0.0  # a learning rate that makes no progress: the loss plateaus
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=base)
+  plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=1)
+  plateau_state = plateau.init(None)
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  for _ in range(4):
+    lr = base * plateau_state.scale
+    state = dataclasses.replace(state, opt_state=with_lr(state.opt_state, lr))
+    state, metrics = step(state, batch)
+    _, plateau_state = plateau.update({}, plateau_state, value=metrics["loss"])
+  assert float(plateau_state.scale) < 1.0  # it saw the plateau and cut the rate
+  assert step._cache_size() == 1
+
+
 def test_the_step_under_jax_jit_is_refused():
   """MaxText-style `jax.jit(train_step)` around the step: it is jitted already."""
   params, loss_fn, batch = mlp_problem()
