@@ -121,6 +121,17 @@ def test_readme_links_exist():
     assert (ROOT / link).exists(), link
 
 
+def test_loops_doc_names_tests_that_exist():
+  """Every test docs/loops.md cites for a habit is a test of the suite."""
+  defined = {
+    name
+    for path in (ROOT / "tests").glob("test_*.py")
+    for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+  }
+  cited = set(re.findall(r"`(test_\w+)`", (ROOT / "docs" / "loops.md").read_text()))
+  assert cited and cited <= defined, sorted(cited - defined)
+
+
 # ----------------------------------------------------------------------------- multi-host
 
 
