@@ -6,6 +6,12 @@ steps and memory, `jaxdp.plot` draws them, `jaxdp.layout` is the static buffer l
 README.md and docs/guide.md.
 """
 
+from jaxdp._src import cuda_probe as _cuda_probe
+
+# First, before any module below imports JAX: without the CUDA plugin's "Could not find
+# cuda drivers" lines on a machine without an NVIDIA driver (jaxdp/_src/cuda_probe.py).
+_cuda_probe.import_jax()
+
 from jaxdp import inspect as inspect
 from jaxdp import layout as layout
 from jaxdp import plot as plot

@@ -20,12 +20,12 @@ os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 )
 
+import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxdp
 
 jax.config.update("jax_num_cpu_devices", 8)
 

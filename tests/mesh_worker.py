@@ -13,9 +13,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 
-import jaxdp
 import mp_worker
 
 

@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 
+import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +36,6 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-import jaxdp
 
 GLOBAL_BATCH = 16
 FEATURES = 4

@@ -8,6 +8,7 @@ with tiny `python -c` workers that do not import JAX.
 
 import contextlib
 import doctest
+import importlib.util
 import io
 import json
 import os
@@ -25,7 +26,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxdp
-from jaxdp._src import checks, distributed, train
+from jaxdp._src import checks, cuda_probe, distributed, train
 from jaxdp._src import launch as launch_module
 from jaxdp._src.launch import launch, main
 from tests import mp_worker
@@ -534,6 +535,83 @@ def test_launcher_names_the_collective_a_hung_jax_job_waits_in(tmp_path):
     log,
   ), log
   assert "unreachable" not in log
+
+
+def test_launcher_names_frames_by_package_wherever_the_environment_lives(monkeypatch, tmp_path):
+  """A stack line names a library's file from its site-packages (`jax/...`) whether the
+  environment lies inside the working directory (a clone's .venv) or outside it, and the
+  user's own files relative to the working directory."""
+  monkeypatch.chdir(tmp_path)
+  inside = tmp_path / ".venv" / "lib" / "python3.12" / "site-packages" / "jax" / "api.py"
+  outside = pathlib.Path("/opt/env/lib/python3.12/site-packages/jax/api.py")
+  assert launch_module._short_path(str(inside)) == os.path.join("jax", "api.py")
+  assert launch_module._short_path(str(outside)) == os.path.join("jax", "api.py")
+  assert launch_module._short_path(str(tmp_path / "tests" / "w.py")) == os.path.join(
+    "tests", "w.py"
+  )
+  assert launch_module._short_path("/elsewhere/w.py") == "/elsewhere/w.py"
+  assert launch_module._short_path("<string>") == "<string>"
+
+
+# --- the CUDA plugin's driver probe on a machine without an NVIDIA driver ---------------
+
+ABSL_NOTE = "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+PROBE = (
+  "I0000 00:00:1.0 1 cudart_stub.cc:31] Could not find cuda drivers on your machine, GPU "
+  "will not be used."
+)
+# A stand-in for JAX whose import writes what the plugin writes, then a real error, from
+# fd 2 as C++ does, and then fails: nothing but the probe's lines may go missing.
+FAKE_JAX = (
+  "import os\n"
+  f"for line in ({ABSL_NOTE!r}, {PROBE!r}, 'E real: libfoo.so not found', {ABSL_NOTE!r}, "
+  "'W kept after a lone note'):\n"
+  "  os.write(2, (line + '\\n').encode())\n"
+  "raise ImportError('jax is broken here')\n"
+)
+
+
+@pytest.mark.skipif(cuda_probe.has_nvidia_driver(), reason="the lines are kept with a driver")
+def test_jaxdp_imports_jax_without_the_probe_lines_and_keeps_the_rest(tmp_path):
+  (tmp_path / "jax").mkdir()
+  (tmp_path / "jax" / "__init__.py").write_text(FAKE_JAX)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+  proc = subprocess.run(
+    [sys.executable, "-c", "import jaxdp"], env=env, capture_output=True, text=True, timeout=60
+  )
+  assert proc.returncode == 1
+  assert "cudart_stub" not in proc.stderr, proc.stderr
+  lines = proc.stderr.splitlines()
+  assert lines[:3] == ["E real: libfoo.so not found", ABSL_NOTE, "W kept after a lone note"]
+  assert "ImportError: jax is broken here" in proc.stderr
+
+
+@pytest.mark.skipif(
+  cuda_probe.has_nvidia_driver() or importlib.util.find_spec("jax_cuda12_plugin") is None,
+  reason="the plugin writes its probe lines only where it is installed and finds no driver",
+)
+def test_importing_jaxdp_first_writes_nothing_on_a_cpu_machine():
+  proc = subprocess.run(
+    [sys.executable, "-c", "import jaxdp"],
+    env={**os.environ, "PYTHONPATH": str(REPO)},
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.skipif(cuda_probe.has_nvidia_driver(), reason="the lines are kept with a driver")
+def test_launcher_drops_its_workers_probe_lines_and_keeps_the_rest():
+  script = (
+    "import os\n"
+    f"for line in ({ABSL_NOTE!r}, {PROBE!r}, 'E real', {PROBE!r}, {ABSL_NOTE!r}):\n"
+    "  os.write(2, (line + '\\n').encode())\n"
+  )
+  code, _, err = launch_quiet(["-c", script], 1)
+  assert code == 0, err
+  lines = [line for line in err.splitlines() if not line.startswith("[jaxdp.launch]")]
+  assert lines == ["[p0] E real", f"[p0] {ABSL_NOTE}"], err
 
 
 # --- stress: scripts/train.py under the launcher on a busy machine -----------------------

@@ -152,6 +152,17 @@ def test_measurement_commands_name_real_scripts_and_flags(name):
     assert not any(a.startswith("/tmp") for a in args), args
 
 
+def test_loops_doc_names_tests_that_exist():
+  """Every test docs/loops.md cites for a habit is a test of the suite."""
+  defined = {
+    name
+    for path in (ROOT / "tests").glob("test_*.py")
+    for name in re.findall(r"^def (test_\w+)", path.read_text(), re.M)
+  }
+  cited = set(re.findall(r"`(test_\w+)`", (ROOT / "docs" / "loops.md").read_text()))
+  assert cited and cited <= defined, sorted(cited - defined)
+
+
 # ----------------------------------------------------------------------------- multi-host
 
 
@@ -217,6 +228,18 @@ def test_multi_host_cluster_commands_use_real_flags_and_arguments():
       distributed.ENV_PROCESS_ID,
       distributed.ENV_LOCAL_DEVICES,
     }, name
+
+
+def test_ci_runs_the_suite_from_a_clone_at_a_fresh_path():
+  """CI tests a clone elsewhere, with its environment inside it, so no test may lean on
+  where the developer's checkout or environment lives."""
+  lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+  clone = next(i for i, line in enumerate(lines) if line.startswith("git clone"))
+  cd = lines.index('cd "$clone"')
+  assert any("mktemp -d" in line for line in lines[:clone]), lines
+  assert (
+    clone < cd < lines.index("python -m venv .venv") < lines.index('pip install -e ".[dev,aot]"')
+  )
 
 
 def test_ci_runs_the_readme_test_command_exactly():

@@ -22,7 +22,7 @@ PACKAGE = "jaxdp._src"
 COLLECTIVES = frozenset({"psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "pcast"})
 
 LAYERS = (
-  ("config",),
+  ("config", "cuda_probe"),
   ("mesh",),
   ("compiler",),
   ("layout",),

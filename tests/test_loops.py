@@ -14,6 +14,7 @@ from flax import nnx
 from jax.sharding import AxisType
 
 import jaxdp
+from models.mlp import MLP, mlp_loss
 from tests.tolerances import assert_trees_close
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -263,17 +264,40 @@ def test_model_state_and_key_restore_across_dp_and_strategy(tmp_path):
       mgr.restore(no_key)
 
 
-def test_nnx_split_without_a_key_keeps_the_streams_frozen():
-  """The old contract, kept: no key in the state, the same masks every step."""
+def test_nnx_split_refuses_dropout_without_a_key():
+  """Without a key the streams would be frozen (the same masks every step and device):
+  refused, naming rng=; with one the masks follow it; in eval mode nothing is drawn."""
   model = Net(nnx.Rngs(0), rate=0.5)
   params, loss_fn = jaxdp.nnx_split(model, dropout_loss)
-  _, (a, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
-  _, (b, _) = loss_fn(params, net_batch(), model_state=jaxdp.nnx_model_state(model))
-  np.testing.assert_array_equal(a["mask"], b["mask"])
-  _, (c, _) = loss_fn(
-    params, net_batch(), rng=jax.random.key(1), model_state=jaxdp.nnx_model_state(model)
-  )
-  assert not np.array_equal(a["mask"], c["mask"])
+  ms = jaxdp.nnx_model_state(model)
+  with pytest.raises(ValueError, match=r"\['drop'\].*init_state\(\.\.\., rng="):
+    loss_fn(params, net_batch(), model_state=ms)
+  _, (a, _) = loss_fn(params, net_batch(), rng=jax.random.key(0), model_state=ms)
+  _, (b, _) = loss_fn(params, net_batch(), rng=jax.random.key(1), model_state=ms)
+  assert not np.array_equal(a["mask"], b["mask"])
+  mesh, config = mesh8(), jaxdp.DDPConfig()
+  state = jaxdp.init_state(params, optax.adam(1e-2), mesh, config, model_state=ms)
+  step = jaxdp.make_train_step(loss_fn, optax.adam(1e-2), mesh, config, has_aux=True)
+  with pytest.raises(ValueError, match="rng="):  # at the first step, before it compiles
+    step(state, net_batch())
+  model.eval()
+  _, eval_fn = jaxdp.nnx_split(model, lambda m, b: m(b["x"]).sum())
+  assert np.isfinite(eval_fn(params, net_batch()))
+
+
+def test_nnx_split_refuses_batchnorm_statistics_without_model_state():
+  """A training-mode BatchNorm without model_state= would keep its statistics frozen:
+  refused at the first step, naming what to pass; NNXOptimizer carries them."""
+  model = Net(nnx.Rngs(0))
+  params, loss_fn = jaxdp.nnx_split(model, net_loss)
+  mesh, config = mesh8(), jaxdp.DDPConfig()
+  state = jaxdp.init_state(params, optax.adam(1e-2), mesh, config)
+  step = jaxdp.make_train_step(loss_fn, optax.adam(1e-2), mesh, config, has_aux=True)
+  with pytest.raises(ValueError, match=r"\['bn'\]\['mean'\].*model_state=jaxdp.nnx_model_state"):
+    step(state, net_batch())
+  optimizer = jaxdp.NNXOptimizer(model, optax.adam(1e-2), mesh, config)
+  jaxdp.nnx_train_step(net_loss, has_aux=True)(model, optimizer, net_batch())
+  assert not np.allclose(optimizer.state.model_state["bn"]["mean"], 0)  # the statistics moved
 
 
 # ----------------------------------------------------------------------------- Linen
@@ -361,6 +385,132 @@ def test_muon_on_explicit_and_auto_meshes(strategy, axis_type):
     state, _ = step(state, batch)
   # 2 steps of unit-scale orthogonalized updates (lr 1e-2): observed ~6e-8
   assert_trees_close(jaxdp.get_params(state), ref, 1e-6)
+
+
+# ----------------------------------------------------------------------------- host-set hyperparameters
+
+
+def mlp_problem():
+  params, loss_fn = jaxdp.nnx_split(MLP(6, 16, 3, n_layers=2, rngs=nnx.Rngs(0)), mlp_loss)
+  k1, k2 = jax.random.split(jax.random.key(1))
+  return params, loss_fn, {"x": jax.random.normal(k1, (16, 6)), "y": jax.random.normal(k2, (16, 3))}
+
+
+LRS = (1e-2, 5e-3, 2e-2)  # one learning rate per step, set on the host before it
+
+
+def with_lr(opt_state, lr):
+  """optax's documented way to change a hyperparameter between steps."""
+  return optax.tree_utils.tree_set(opt_state, learning_rate=jnp.asarray(lr))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_learning_rate_set_on_the_host_between_steps(strategy):
+  """`inject_hyperparams` + `tree_set` on `state.opt_state` before each step (a scalar on
+  one device, or a Python float) equals the single-device loop setting the same values,
+  with one compile."""
+  tx = optax.inject_hyperparams(optax.adamw)(learning_rate=LRS[0])
+  params, loss_fn, batch = mlp_problem()
+  ref, opt_state = params, tx.init(params)
+  for lr in LRS:
+    opt_state = with_lr(opt_state, lr)
+    updates, opt_state = tx.update(jax.grad(loss_fn)(ref, batch), opt_state, ref)
+    ref = optax.apply_updates(ref, updates)
+
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  for k, lr in enumerate(LRS):
+    lr = lr if k == 1 else jnp.asarray(lr)  # a Python float works too
+    state = dataclasses.replace(
+      state, opt_state=optax.tree_utils.tree_set(state.opt_state, learning_rate=lr)
+    )
+    state, _ = step(state, batch)
+  assert float(jaxdp.get_opt_state(state).hyperparams["learning_rate"]) == np.float32(LRS[-1])
+  # 3 Adam steps on f32: the bound of the other equality tests
+  assert_trees_close(jaxdp.get_params(state), ref, ATOL)
+  assert step._cache_size() == 1
+
+
+def test_an_optimizer_array_set_off_the_mesh_is_refused_by_name():
+  params = {"w": jnp.ones((16, 4))}
+  tx, mesh = optax.adam(1e-2), mesh8()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="no_shard")
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(lambda p, b: jnp.sum(p["w"] * b["x"]), tx, mesh, config)
+  opt_state = optax.tree_utils.tree_set(state.opt_state, mu={"w": jnp.zeros((16, 4))})
+  with pytest.raises(ValueError, match=r"state\.opt_state.*mu.*'w'.*jax\.device_put"):
+    step(dataclasses.replace(state, opt_state=opt_state), {"x": jnp.ones((8, 16, 4))})
+
+
+HABITS = {  # what optax's docs and nanoGPT/MaxText-style scripts wrap their optimizer in
+  "MultiSteps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+  "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
+  "warmup_cosine": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0),
+    optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.1),
+  ),
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_optax_wrappers_and_a_host_numpy_batch_equal_single_device(strategy):
+  """optax.MultiSteps (accumulation inside the optimizer), apply_if_finite, a warmup-cosine
+  schedule behind a clip; the batch a host numpy array as a data loader yields it."""
+  params, loss_fn, batch = mlp_problem()
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  for name, make in HABITS.items():
+    tx = make()
+    ref, opt_state = params, tx.init(params)
+    for _ in range(4):
+      updates, opt_state = tx.update(jax.grad(loss_fn)(ref, batch), opt_state, ref)
+      ref = optax.apply_updates(ref, updates)
+    state = jaxdp.init_state(params, tx, mesh, config)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+    for _ in range(4):
+      state, _ = step(state, jax.tree.map(np.asarray, batch))
+    # 4 Adam steps on f32: the bound of the other equality tests
+    assert_trees_close(jaxdp.get_params(state), ref, ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_an_update_that_needs_the_loss_is_refused_naming_the_host_route(strategy):
+  """reduce_on_plateau's update takes value=loss, which the step does not pass."""
+  params, loss_fn, batch = mlp_problem()
+  tx = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau())
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  with pytest.raises(ValueError, match=r"'value'.*inject_hyperparams.*tree_set"):
+    state = jaxdp.init_state(params, tx, mesh, config)
+    jaxdp.make_train_step(loss_fn, tx, mesh, config)(state, batch)
+
+
+def test_reduce_on_plateau_driven_from_the_host():
+  """The host route the refusal names: reduce_on_plateau updated with each step's loss on
+  the host, its scale set as the learning rate of an inject_hyperparams optimizer."""
+  params, loss_fn, batch = mlp_problem()
+  base = 0.0  # a learning rate that makes no progress: the loss plateaus
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=base)
+  plateau = optax.contrib.reduce_on_plateau(factor=0.5, patience=1)
+  plateau_state = plateau.init(None)
+  mesh, config = mesh8(), jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
+  state = jaxdp.init_state(params, tx, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  for _ in range(4):
+    lr = base * plateau_state.scale
+    state = dataclasses.replace(state, opt_state=with_lr(state.opt_state, lr))
+    state, metrics = step(state, batch)
+    _, plateau_state = plateau.update({}, plateau_state, value=metrics["loss"])
+  assert float(plateau_state.scale) < 1.0  # it saw the plateau and cut the rate
+  assert step._cache_size() == 1
+
+
+def test_the_step_under_jax_jit_is_refused():
+  """MaxText-style `jax.jit(train_step)` around the step: it is jitted already."""
+  params, loss_fn, batch = mlp_problem()
+  tx, mesh, config = optax.adam(1e-2), mesh8(), jaxdp.DDPConfig()
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  with pytest.raises(TypeError, match="jitted already.*call it from Python"):
+    jax.jit(step)(jaxdp.init_state(params, tx, mesh, config), batch)
 
 
 # ----------------------------------------------------------------------------- views

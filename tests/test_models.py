@@ -156,8 +156,8 @@ def test_adapter_loss_fn_matches_model_and_rejects_bad_params():
     nnx_merge(model, wrong_dtype)
 
 
-def test_adapter_keeps_non_param_state_frozen():
-  class Noisy(nnx.Module):  # a Param plus a BatchStat: the stat is read, never written
+def test_adapter_is_pure_and_refuses_to_drop_what_the_forward_writes():
+  class Noisy(nnx.Module):  # a Param plus a BatchStat that the forward advances
     def __init__(self):
       self.w = nnx.Param(jnp.ones(3))
       self.count = nnx.BatchStat(jnp.array(2.0))
@@ -169,10 +169,13 @@ def test_adapter_keeps_non_param_state_frozen():
   model = Noisy()
   params, loss_fn = nnx_split(model, lambda m, b: m(b).sum())
   assert list(params) == ["w"]
-  assert float(loss_fn(params, jnp.ones(3))) == 9.0
-  assert float(loss_fn(params, jnp.ones(3))) == 9.0  # pure: the stat did not advance
-  assert float(jax.jit(loss_fn)(params, jnp.ones(3))) == 9.0  # and no tracer leaked
-  assert float(loss_fn(params, jnp.ones(3))) == 9.0
+  # Without model_state the written count would be dropped: refused, naming the fix.
+  with pytest.raises(ValueError, match=r"\['count'\].*model_state=jaxdp.nnx_model_state"):
+    loss_fn(params, jnp.ones(3))
+  ms = {"count": jnp.array(2.0)}
+  for call in (loss_fn, loss_fn, jax.jit(loss_fn)):  # pure: the same each call, no tracer leaks
+    loss, new = call(params, jnp.ones(3), model_state=ms)
+    assert float(loss) == 9.0 and float(new["count"]) == 3.0
   assert float(model.count[...]) == 2.0
 
 

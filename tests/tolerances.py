@@ -34,6 +34,7 @@ differ by rounding only. What that rounding can do:
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
@@ -74,12 +75,16 @@ class AdamBound:
     params: the initial params (their magnitude sets the rounding of p - lr * u).
     clip: the max global norm of a `clip_by_global_norm` before Adam, if any.
     b1, b2, eps: Adam's.
+    grad_rtol: how far the two runs' gradients may differ, relative to a leaf's largest
+      gradient; by default float32's `sqrt(n_terms) * rtol_sum(n_terms)`, and
+      `bf16_grad_rtol` for two bfloat16 programs.
   """
 
-  def __init__(self, lr, n_terms, params, clip=None, b1=0.9, b2=0.999, eps=1e-8):
+  def __init__(self, lr, n_terms, params, clip=None, b1=0.9, b2=0.999, eps=1e-8, grad_rtol=None):
     self.clip = clip
     self.lr = lr if callable(lr) else (lambda count: lr)
-    self.rho = float(np.sqrt(n_terms)) * rtol_sum(n_terms)
+    # How far the two runs' gradients differ, relative to a leaf's largest gradient.
+    self.rho = float(np.sqrt(n_terms)) * rtol_sum(n_terms) if grad_rtol is None else grad_rtol
     self.b1, self.b2, self.eps = b1, b2, eps
     self.t, self.v, self.delta, self.moved = 0, None, None, 0.0
     self.bound = jax.tree.map(lambda p: np.zeros(np.shape(p), np.float64), params)
@@ -146,6 +151,25 @@ class AdamBound:
     O(1), the param by O(lr) per step: a bound well below lr catches it."""
     leaves = jax.tree.leaves(self.bound)
     return sum(int((b <= atol).sum()) for b in leaves) / sum(b.size for b in leaves)
+
+
+EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)  # 2**-7: 8 significant bits, 7 stored
+
+
+def bf16_grad_rtol(roundings: int) -> float:
+  """How far two bfloat16 programs' gradients may differ, relative to a leaf's largest
+  gradient, where a gradient element is rounded to bfloat16 up to `roundings` times on
+  its way back from the loss (once per op whose output is bfloat16).
+
+  Each rounding moves a value by at most eps_bf16 / 2 = 2**-8 relative (round to nearest,
+  8 significant bits). Two programs that XLA fuses differently (one keeps an intermediate
+  in float32 where the other rounds it) round at different ops, so their gradients differ
+  by up to 2 * roundings such roundings: like the float32 sums above, a random walk,
+  GRAD_TERMS * sqrt(2 * roundings) * eps_bf16 / 2 (the worst case, every rounding the
+  same way, is sqrt(2 * roundings / GRAD_TERMS**2) times that). The float32 accumulation
+  inside the matmuls adds only float32 rounding, far below this.
+  """
+  return GRAD_TERMS * float(np.sqrt(2 * roundings)) * EPS_BF16 / 2
 
 
 def step_tolerances(params, n_terms, per_term, lr, clip=None, **adam):

@@ -13,6 +13,7 @@ Also the two ends every strategy's step shares: `jit_step` (jit, donation, the h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Sequence
@@ -246,6 +247,47 @@ def finish_step(
   return new_state, metrics
 
 
+def place_host_leaves(state, mesh):
+  """`state` with the optax state's scalars that the caller set on the host (a learning rate
+  by `optax.tree_utils.tree_set`, a `jnp.asarray` on one device) put on `mesh`, replicated,
+  where every strategy keeps them; any other leaf off the mesh is an error naming it.
+
+  Raises:
+    ValueError: a non-scalar optax state leaf that is not on the step's mesh.
+  """
+  if not isinstance(state, TrainState) or state.mesh_shape != tuple(mesh.shape.items()):
+    return state  # not ours, or another mesh shape: the traced step names that
+
+  def on_mesh(x) -> bool:
+    sharding = getattr(x, "sharding", None)
+    return isinstance(x, jax.core.Tracer) or (
+      isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh
+    )
+
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state.opt_state)
+  if all(on_mesh(x) for _, x in leaves):
+    return state
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  placed = []
+  for path, x in leaves:
+    if on_mesh(x):
+      placed.append(x)
+    elif np.ndim(x) == 0:
+      # One value on every device, from every process alike (a multi-process mesh too).
+      value = np.asarray(jax.device_get(x))
+      value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype))  # a Python float: f32
+      placed.append(jax.make_array_from_callback((), replicated, lambda _, v=value: v))
+    else:
+      raise ValueError(
+        f"state.opt_state{jax.tree_util.keystr(path)}: an array of shape {np.shape(x)} "
+        f"placed off this step's mesh ({getattr(x, 'sharding', type(x).__name__)}); a step "
+        "takes scalars set on the host (a learning rate by optax.tree_utils.tree_set) as "
+        "they are, an array only where the state had it: jax.device_put(new, "
+        "old.sharding), with old the leaf it replaces"
+      )
+  return dataclasses.replace(state, opt_state=jax.tree_util.tree_unflatten(treedef, placed))
+
+
 def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   """`step` jitted with `options`, the state donated, wrapped in the host-side checks.
 
@@ -253,7 +295,8 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   caller's state valid and unchanged (at the cost of holding two states during the step).
   """
   donate = () if config.check_for_nan_in_grad else 0
-  return TrainStep(jax.jit(step, donate_argnums=donate, compiler_options=options), mesh, config)
+  jitted = jax.jit(step, donate_argnums=donate, compiler_options=options)
+  return TrainStep(jitted, mesh, config, nests=not options)
 
 
 class TrainStep:
@@ -265,12 +308,20 @@ class TrainStep:
   gradient is finite.
   """
 
-  def __init__(self, jitted, mesh, config):
+  def __init__(self, jitted, mesh, config, nests=True):
     self._jitted, self._mesh, self._config = jitted, mesh, config
     self._devices = frozenset(mesh.devices.flat)
+    self._nests = nests  # no compiler options: it can run inside another jit
 
   def __call__(self, state, batch):
+    if not self._nests and isinstance(getattr(state, "step", None), jax.core.Tracer):
+      raise TypeError(
+        "the train step is jitted already, with XLA options (compiler_options) that "
+        "jax.jit takes only at the top level: call it from Python, not inside jax.jit, "
+        "lax.scan or another transformation"
+      )
     self._check_devices(state)
+    state = place_host_leaves(state, self._mesh)
     heartbeat()  # Progress, for the launcher's hang guard.
     if not self._config.check_for_nan_in_grad:
       return self._jitted(state, batch)

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxdp._src import collectives
+from jaxdp._src import collectives, loop
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.buffer import (
   bucket_ravel,
@@ -165,7 +165,7 @@ def _run_both(tx, runs, treedefs):
 
     def step(carry, g):
       params, state = carry
-      updates, state = tx.update(unflat(g), state, params)
+      updates, state = loop.call_update(tx, unflat(g), state, params)
       return (optax.apply_updates(params, updates), state), flat(updates)
 
     params = unflat(tree)

@@ -34,7 +34,7 @@ import threading
 import time
 from typing import IO, Callable, Sequence
 
-from jaxdp._src import checks, distributed
+from jaxdp._src import checks, cuda_probe, distributed
 
 _POLL_S = 0.05
 PROG = "python -m jaxdp.launch"
@@ -86,34 +86,51 @@ def _pump(
   sink: IO[bytes],
   lock: threading.Lock,
   on_line: Callable[[bytes], None] = lambda line: None,
+  drop_probe: bool = False,
 ) -> None:
   """Copies `pipe` to `sink` line by line, each line prefixed, until EOF.
 
   `on_line` sees every line, and also every chunk that ends without a newline (a progress
   bar's ``\r`` updates), so that any byte a process writes counts as progress.
+  `drop_probe`: leave out the CUDA plugin's "Could not find cuda drivers" lines and absl's
+  note before each (`cuda_probe`), for a machine without an NVIDIA driver.
   """
+
+  def write(line: bytes) -> None:
+    with lock:
+      try:
+        sink.write(prefix + line)
+        sink.flush()
+      except (BrokenPipeError, ValueError):  # Our own stdout went away: keep draining.
+        pass
+
+  held: list[bytes] = []  # absl's note, until the next line says whether a probe follows.
+
+  def copy(line: bytes) -> None:
+    on_line(line)
+    if drop_probe:
+      if cuda_probe.is_probe_line(line):
+        held.clear()
+        return
+      for h in held:
+        write(h)
+      held.clear()
+      if cuda_probe.is_absl_note(line):
+        held.append(line)
+        return
+    write(line)
+
   pending = b""
   while chunk := os.read(pipe.fileno(), 65536):
     *lines, pending = (pending + chunk).split(b"\n")
     if not lines:
       on_line(b"")  # Output, but no complete line yet.
     for line in lines:
-      line += b"\n"
-      on_line(line)
-      with lock:
-        try:
-          sink.write(prefix + line)
-          sink.flush()
-        except (BrokenPipeError, ValueError):  # Our own stdout went away: keep draining.
-          pass
+      copy(line + b"\n")
   if pending:
-    on_line(pending + b"\n")
-    with lock:
-      try:
-        sink.write(prefix + pending + b"\n")
-        sink.flush()
-      except (BrokenPipeError, ValueError):
-        pass
+    copy(pending + b"\n")
+  for h in held:
+    write(h)
   pipe.close()
 
 
@@ -251,6 +268,7 @@ def launch(
   # A hung process answers SIGABRT with the Python stacks of all its threads.
   base_env.setdefault("PYTHONFAULTHANDLER", "1")
   heartbeats = pathlib.Path(tempfile.mkdtemp(prefix="jaxdp-launch-"))
+  quiet_probe = not cuda_probe.has_nvidia_driver()
   last_output = [time.monotonic()]
 
   def saw(worker: _Worker, stream: str) -> Callable[[bytes], None]:
@@ -294,6 +312,7 @@ def launch(
         threading.Thread(
           target=_pump,
           args=(pipe, f"[p{i}] ".encode(), sink, lock, saw(worker, stream)),
+          kwargs={"drop_probe": stream == "stderr" and quiet_probe},
           daemon=True,
         )
         for pipe, sink, stream in ((proc.stdout, out, "stdout"), (proc.stderr, err, "stderr"))
@@ -418,13 +437,15 @@ _FRAME = re.compile(rb'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fun
 
 
 def _short_path(path: str) -> str:
-  """`path` relative to the working directory, or to its site-packages, if under one."""
+  """`path` relative to its site-packages if under one (wherever the environment lives,
+  inside the working directory too: `jax/...`), else to the working directory."""
   if not os.path.isabs(path):
     return path  # "<string>", "<frozen runpy>"
+  site, sep, rest = path.rpartition("site-packages" + os.sep)
+  if sep:
+    return rest
   relative = os.path.relpath(path)
-  if not relative.startswith(os.pardir):
-    return relative
-  return path.rsplit("site-packages" + os.sep, 1)[-1]
+  return path if relative.startswith(os.pardir) else relative
 
 
 def _where(stderr_lines: Sequence[bytes]) -> str:

@@ -190,6 +190,27 @@ def with_extras(state, mesh, rng, model_state):
 # ----------------------------------------------------------------------------- the update
 
 
+def call_update(tx, grads: PyTree, opt_state: PyTree, params: PyTree):
+  """`tx.update(grads, opt_state, params)`, the only way jaxdp calls it: no extra arguments.
+
+  Raises:
+    ValueError: `tx` needs an extra argument (`reduce_on_plateau`'s `value=`), naming the
+      host-side way to drive it.
+  """
+  try:
+    return tx.update(grads, opt_state, params)
+  except TypeError as e:
+    if "required keyword-only argument" not in str(e):
+      raise
+    raise ValueError(
+      f"the optimizer's update needs an extra argument ({e}); jaxdp's step calls "
+      "tx.update(grads, opt_state, params) and nothing more. For a transformation driven "
+      "by a value such as the loss (optax.contrib.reduce_on_plateau), run it on the host "
+      "between steps and set what it decides through optax.inject_hyperparams: "
+      "state.opt_state = optax.tree_utils.tree_set(state.opt_state, learning_rate=lr)"
+    ) from None
+
+
 def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   """`tx.update(grads, opt_state, opt_params)`, in the global view, on any mesh.
 
@@ -204,8 +225,8 @@ def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
     a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
   )
   if not explicit:
-    return tx.update(grads, opt_state, opt_params)
+    return call_update(tx, grads, opt_state, opt_params)
   shardings = jax.tree.map(lambda x: jax.typeof(x).sharding, (grads, opt_state))
   return jax.sharding.auto_axes(
-    lambda g, s, p: tx.update(g, s, p), axes=explicit, out_sharding=shardings
+    lambda g, s, p: call_update(tx, g, s, p), axes=explicit, out_sharding=shardings
   )(grads, opt_state, opt_params)

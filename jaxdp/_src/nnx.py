@@ -18,14 +18,19 @@ Non-param state takes one of two routes, depending on what the train state holds
 * `nnx.Rngs` streams (`nnx.RngState`): with `init_state(..., rng=key)` the step hands
   `loss_fn` a fresh key per step and per data shard (`rng=`), and every stream of the
   rebuilt model restarts from it (stream `j` in tree order from `fold_in(rng, j)`, count
-  0): dropout draws new masks every step and on every device. Without a key the streams
-  are frozen at split time: the same masks every step, on every device.
+  0): dropout draws new masks every step and on every device. Without a key a forward
+  that draws (dropout in training mode) is refused: its streams would be frozen at split
+  time, the same masks at every step and on every device.
 * Everything else (`nnx.BatchStat` running statistics, any other non-`Param`
   `nnx.Variable`): with `init_state(..., model_state=jaxdp.nnx_model_state(model))` it is
   the train state's `model_state`: `loss_fn` gets it (`model_state=`), returns what the
   forward wrote (`(loss, new_model_state)`), and the step averages it over the data axes
-  (see `make_train_step`); `nnx_merge(model, state)` writes it back. Without it, it is frozen
-  at split time (exact for BatchNorm in eval mode, and for models without such state).
+  (see `make_train_step`); `nnx_merge(model, state)` writes it back. Without it, a forward
+  that writes such a variable (BatchNorm in training mode) is refused, since what it wrote
+  would be dropped; one that only reads it (BatchNorm in eval mode) runs as it is.
+
+`jaxdp.NNXOptimizer` carries both. The refusals come when `loss_fn` is traced: at a train
+step's first call, before it compiles.
 
 With both::
 
@@ -103,6 +108,11 @@ def nnx_split(
     `(loss, (aux, new_model_state))` when `model_loss` returns `(loss, aux)` (see the
     module docstring; `make_train_step` passes both when the state holds them).
 
+  Raises:
+    ValueError: from `loss_fn`, where the forward draws from the model's RNG streams and
+      `loss_fn` got no `rng`, or writes a non-param variable (BatchNorm statistics) and
+      got no `model_state`: the message names the variables and what to pass.
+
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
@@ -151,15 +161,46 @@ def nnx_split(
     )
     model = nnx.merge(graphdef, state, rngs, rest)
     out = model_loss(model, batch)
+    _, _, drawn, written = nnx.split(model, nnx.Param, nnx.RngState, ...)
+    if rng is None:
+      _refuse_frozen(drawn, rng_leaves, RNG_FROZEN)
     if model_state is None:
+      _refuse_frozen(written, rest_leaves, MODEL_STATE_FROZEN)
       return out
-    written = nnx.split(model, nnx.Param, nnx.RngState, ...)[3]
     new = jax.tree.unflatten(jax.tree.structure(model_state), jax.tree.leaves(written))
     if isinstance(out, (tuple, list)) and len(out) == 2:  # (loss, aux)
       return out[0], (out[1], new)
     return out, new
 
   return params, loss_fn
+
+
+RNG_FROZEN = (
+  "the forward drew from the model's RNG streams {paths} (dropout, say), but loss_fn got no "
+  "rng=, so it would draw the same numbers at every step and on every device: build the "
+  "state with init_state(..., rng=jax.random.key(0)) (the step then passes a key per step "
+  "and device), or train with jaxdp.NNXOptimizer, which carries it; calling loss_fn "
+  "yourself, pass rng=key; for a forward that draws nothing, use model.eval()"
+)
+MODEL_STATE_FROZEN = (
+  "the forward wrote the model's non-param variables {paths} (BatchNorm running "
+  "statistics, say), but loss_fn got no model_state=, so they would stay as they were at "
+  "split time: build the state with init_state(..., "
+  "model_state=jaxdp.nnx_model_state(model)) (the step then carries them and "
+  "jaxdp.nnx_merge(model, state) writes them back), or train with jaxdp.NNXOptimizer, "
+  "which carries them; for a forward that writes nothing, use model.eval()"
+)
+
+
+def _refuse_frozen(variables: nnx.State, before: list, message: str) -> None:
+  """Raise ValueError if the forward wrote any of `variables` (a leaf is no longer the array
+  the model was rebuilt with): what it wrote would be dropped, the state frozen."""
+  after = jax.tree_util.tree_leaves_with_path(variables)
+  paths = [
+    jax.tree_util.keystr(p).removesuffix(".value") for (p, x), b in zip(after, before) if x is not b
+  ]
+  if paths:
+    raise ValueError("loss_fn: " + message.format(paths=paths[:4]))
 
 
 @jax.jit

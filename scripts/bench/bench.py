@@ -138,6 +138,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
 )
+sys.path.insert(
+  0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)  # repo root
+import jaxdp  # noqa: E402  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", args.cpu_devices)
@@ -151,9 +155,6 @@ from jax.flatten_util import ravel_pytree  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO)  # the repo root
-import jaxdp  # noqa: E402
 from bench_programs import (  # noqa: E402
   GSPMD,
   JAXDP,

@@ -39,13 +39,13 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import jaxdp
 from jaxdp._src import aot
 from jaxdp._src import inspect as jinspect
 from jaxdp import FSDPConfig

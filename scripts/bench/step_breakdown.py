@@ -98,6 +98,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.dp}"
 )
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # the repo root
+import jaxdp  # noqa: E402, F401  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", args.dp)
@@ -106,8 +109,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)  # the repo root
 from bench_programs import (  # noqa: E402
   GSPMD,
   JAXDP,
