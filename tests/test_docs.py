@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MULTI_HOST = (ROOT / "docs" / "multi-host.md").read_text()
 GUIDE = (ROOT / "docs" / "guide.md").read_text()
-MEASURED = {name: (ROOT / "docs" / name).read_text() for name in ("bench.md", "memory.md")}
+MEASURED = {
+  name: (ROOT / "docs" / name).read_text() for name in ("bench.md", "memory.md", "sharded-job.md")
+}
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 NO_GPU = not glob.glob("/dev/nvidia[0-9]*")
 
@@ -127,12 +129,19 @@ def test_readme_links_exist():
 # ----------------------------------------------------------------------------- docs/
 
 
-@pytest.mark.parametrize("i", range(len(blocks(GUIDE, "python"))))
+DOC_BLOCKS = [
+  (name, code)
+  for name in ("guide.md", "sharded-job.md")
+  for code in blocks((ROOT / "docs" / name).read_text(), "python")
+]
+
+
+@pytest.mark.parametrize("i", range(len(DOC_BLOCKS)))
 def test_guide_python_block_runs_from_any_folder(tmp_path, i):
-  code = blocks(GUIDE, "python")[i]
+  name, code = DOC_BLOCKS[i]
   (tmp_path / "snippet.py").write_text(code)
   proc = run(["python", "snippet.py"], tmp_path, reader_env(tmp_path))
-  assert proc.returncode == 0, f"docs/guide.md python block {i}:\n{code}\n{proc.stderr[-3000:]}"
+  assert proc.returncode == 0, f"docs/{name} python block {i}:\n{code}\n{proc.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("name", sorted(MEASURED))
