@@ -2,9 +2,9 @@
 
 RMSNorm, grouped-query attention with rotary embeddings, SwiGLU MLP, an untied embedding
 (read by indexing, `embed[ids]`) and output matrix. The params are float32 and the loss
-casts them to bfloat16 (mixed precision as the models people train write it); the blocks'
-params are stacked on a leading layer axis and run with `jax.lax.scan`, each block under
-`jax.checkpoint`. Attention is plain `jnp` (no flash kernel): causal, softmax in float32.
+casts each to bfloat16 where it is used (a layer's inside its scan iteration, the
+embedding's rows after the lookup); the blocks' params are stacked on a leading layer axis
+and run with `jax.lax.scan`, each block under `jax.checkpoint`. Attention is plain `jnp` (no flash kernel): causal, softmax in float32.
 
 `LlamaConfig.llama3_8b()` is the 8.03B-param shape (32 layers, d 4096, 32 heads, 8 KV
 heads, ffn 14336, vocab 128256).
@@ -122,12 +122,13 @@ def llama_loss(config: LlamaConfig):
   """`loss(params, batch) -> mean cross-entropy` of next tokens `batch["y"]` given
   `batch["x"]` (int32 `(batch, seq)`), the params cast to `config.compute_dtype`."""
 
+  cast = lambda tree: jax.tree.map(lambda x: x.astype(config.compute_dtype), tree)
+
   def loss(params, batch):
-    p = jax.tree.map(lambda x: x.astype(config.compute_dtype), params)
-    h = p["embed"][batch["x"]]
-    block = jax.checkpoint(lambda h, w: _block(config, h, w))
-    h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, p["blocks"])
-    logits = (_rms_norm(h, p["norm"]) @ p["out"]).astype(jnp.float32)
+    h = cast(params["embed"][batch["x"]])  # the rows read, then cast
+    block = jax.checkpoint(lambda h, w: _block(config, h, cast(w)))  # one layer at a time
+    h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])
+    logits = (_rms_norm(h, params["norm"]) @ cast(params["out"])).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, -1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], -1))
 

@@ -548,8 +548,8 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   layout = state.layout
   names = {name for name, _, _ in bucket_names(layout)}
   is_flat = lambda x: isinstance(x, dict) and set(x) == names
-  flats = [state.master] + [
-    x for x in jax.tree.leaves(state.opt_state, is_leaf=is_flat) if is_flat(x)
+  flats = [
+    x for x in jax.tree.leaves((state.master, state.opt_state), is_leaf=is_flat) if is_flat(x)
   ]
   if state.config.use_distributed_optimizer:
     trees = iter(leaves_of_shards(flats, layout, mesh))
