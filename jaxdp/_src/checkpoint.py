@@ -211,7 +211,7 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
 
   A sharded fused state stores its flat buckets as they are (`flat_master_<n>`,
   `flat_opt<k>_<n>`: bucket `n` of `master` and of the `k`-th flat tree of the optax state);
-  `flat` says where each per-leaf key's values lie in them (`_flat_sources`). `no_shard`'s
+  `flat` says where each per-leaf key's values lie in them (`_stored_flat`). `no_shard`'s
   fused state, replicated, is stored in its per-leaf form."""
   if state.fused and state.config.use_distributed_optimizer:
     return _stored_flat(state)
@@ -236,16 +236,14 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
   return out, {}
 
 
+def _is_flat(x, layout) -> bool:
+  """Is `x` a fused state's flat tree (`{bucket name: flat}`)?"""
+  return isinstance(x, dict) and set(x) == {name for name, _, _ in bucket_names(layout)}
+
+
 def _flat_items(state: TrainState) -> tuple[list[Any], Any]:
   """The optax state of a fused state as `jax.tree.flatten` with each flat tree one item."""
-  names = {name for name, _, _ in bucket_names(state.layout)}
-  return jax.tree.flatten(
-    state.opt_state, is_leaf=lambda x: isinstance(x, dict) and set(x) == names
-  )
-
-
-def _is_flat(x, layout) -> bool:
-  return isinstance(x, dict) and set(x) == {name for name, _, _ in bucket_names(layout)}
+  return jax.tree.flatten(state.opt_state, is_leaf=lambda x: _is_flat(x, state.layout))
 
 
 def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any]]:
@@ -292,16 +290,14 @@ def _per_leaf_program(state: TrainState, mesh) -> TrainState:
   return per_leaf_state(state, mesh)
 
 
-def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...], keep: bool) -> jax.Array:
+def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...]) -> jax.Array:
   """Traced: a stored leaf `x` in `like`'s shape and dtype. The stored leaf holds its logical
   region `logical` first on every dim, then padding rows; every element outside the logical
-  region is `like`'s (the padding `init_state` put there), unless `keep` (`x` was stored in
-  `like`'s very shape: the saved run's own padding, so that a resumed run is bitwise the
-  uninterrupted one).
+  region is `like`'s (the padding `init_state` put there).
 
   orbax read `x` into `like`'s shape and sharding where it could (cut or zero-extended at
   the end of each dim, shard by shard), so this is elementwise on each device's shard. A
-  leaf read once for two targets (a param and its master) is cut or extended here, and a
+  leaf cut from a flat bucket (in its saved padded shape) is cut or extended here, and a
   scalar stored as one padded dim (or the other way round) is reshaped."""
   if x.ndim != like.ndim or not logical:  # a scalar: its one element
     value = x.reshape(-1)[0].astype(like.dtype)
@@ -313,7 +309,7 @@ def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...], keep: bool) ->
   if tuple(x.shape) != tuple(like.shape):
     x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, like.shape))]
     x = jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, like.shape)])
-  if keep or tuple(like.shape) == tuple(logical):
+  if tuple(like.shape) == tuple(logical):
     return x
   inside = functools.reduce(
     jnp.logical_and,
@@ -557,15 +553,14 @@ def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Arra
     if x is None:  # stored in like's very shape, or like has no padding: as stored
       out.append(_cut(v, t.shape).astype(t.dtype))
     else:
-      out.append(_fit(v, x, t.logical, False))
+      out.append(_fit(v, x, t.logical))
   return out
 
 
 def _cut(x: jax.Array, shape) -> jax.Array:
-  """`x` cut to `shape` at the end of each dim (a flat-stored leaf's padding rows)."""
-  if tuple(x.shape) == tuple(shape) or x.ndim != len(shape):
-    return x.reshape(shape) if x.size == math.prod(shape) else x
-  return x[tuple(slice(0, n) for n in shape)]
+  """`x` cut to `shape` (of its rank) at the end of each dim (a flat-stored leaf's padding
+  rows)."""
+  return x if tuple(x.shape) == tuple(shape) else x[tuple(slice(0, n) for n in shape)]
 
 
 def _read_args(abstract: dict[str, jax.ShapeDtypeStruct]) -> dict[str, Any]:
@@ -668,7 +663,8 @@ class _LikeLeaves:
       rng=self.values["rng"][0],
     )
     if self.given.fused and not self.flat:
-      return jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
+      out = jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
+      jax.tree.map(lambda x: x.delete(), self.given)  # consumed, as every other `like`
     return out
 
 

@@ -577,27 +577,23 @@ def _leaf_shard_specs(layout: Layout, axes) -> list[P | None]:
   ]
 
 
-def leaves_of_shards(flats: list[dict], layout: Layout, mesh, names=None) -> list[list[Any]]:
-  """Each flat tree of a sharded fused state (`{bucket name: flat}`, or its buckets `names`)
-  as padded per-leaf arrays (tree order, None for leaves of no such bucket), each device
-  unraveling its own shard. Traced."""
+def leaves_of_shards(flats: list[dict], layout: Layout, mesh) -> list[list[Any]]:
+  """Each flat tree of a sharded fused state (`{bucket name: flat}`) as padded per-leaf
+  arrays (tree order, None for leaves without a bucket), each device unraveling its own
+  shard. Traced."""
   axes = data_axes(mesh)
-  buckets = [(n, buf, b) for n, buf, b in bucket_names(layout) if names is None or n in names]
 
   def local(flats):
     out = []
     for flat in flats:
       leaves = [None] * len(layout.shapes)
-      for name, _, b in buckets:
+      for name, _, b in bucket_names(layout):
         for p, x in zip(b.params, shard_unravel(flat[name], b, layout.dp)):
           leaves[p.index] = x
       out.append(leaves)
     return out
 
-  specs = {n: manual_spec(((DATA,),), axes) for n, _, _ in buckets}
-  held = {p.index for _, _, b in buckets for p in b.params}
-  leaf_specs_ = [s if i in held else None for i, s in enumerate(_leaf_shard_specs(layout, axes))]
-  flats = [{n: flat[n] for n in specs} for flat in flats]
+  specs, leaf_specs_ = flat_master_specs(layout, axes), _leaf_shard_specs(layout, axes)
   return jax.shard_map(
     local,
     mesh=mesh,
@@ -607,18 +603,17 @@ def leaves_of_shards(flats: list[dict], layout: Layout, mesh, names=None) -> lis
   )(flats)
 
 
-def shards_of_leaves(trees: list[list[Any]], likes: list, layout: Layout, mesh, names=None):
+def shards_of_leaves(trees: list[list[Any]], likes: list, layout: Layout, mesh):
   """Inverse of `leaves_of_shards`: each device ravels its blocks of the padded per-leaf
-  arrays into its shard of every bucket (or of the buckets `names`); a bucket's tail past
-  its last param is `likes`' (flat trees of a fused state, or None), else zero. Traced."""
+  arrays into its shard of every bucket; a bucket's tail past its last param is `likes'`
+  (flat trees of a fused state, or None), else zero. Traced."""
   axes = data_axes(mesh)
-  buckets = [(n, buf, b) for n, buf, b in bucket_names(layout) if names is None or n in names]
 
   def local(trees, likes):
     out = []
     for leaves, like in zip(trees, likes):
       flat = {}
-      for name, _, b in buckets:
+      for name, _, b in bucket_names(layout):
         blocks = [leaves[p.index] for p in b.params]
         shard = shard_ravel(blocks, b, blocks[0].dtype)
         if like is not None:
@@ -628,11 +623,7 @@ def shards_of_leaves(trees: list[list[Any]], likes: list, layout: Layout, mesh, 
       out.append(flat)
     return out
 
-  specs = {n: manual_spec(((DATA,),), axes) for n, _, _ in buckets}
-  held = {p.index for _, _, b in buckets for p in b.params}
-  leaf_specs_ = [s if i in held else None for i, s in enumerate(_leaf_shard_specs(layout, axes))]
-  trees = [[x if i in held else None for i, x in enumerate(leaves)] for leaves in trees]
-  likes = [None if like is None else {n: like[n] for n in specs} for like in likes]
+  specs, leaf_specs_ = flat_master_specs(layout, axes), _leaf_shard_specs(layout, axes)
   like_specs = [None if like is None else specs for like in likes]
   return jax.shard_map(
     local,

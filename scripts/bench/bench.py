@@ -114,15 +114,9 @@ parser.add_argument(
   help="tiny GPT (block 16, batch 8) and mlp32x2, dp 1 and 8, 2 rounds of 2 steps "
   "(options given explicitly win)",
 )
-parser.add_argument(
-  "--system-malloc",
-  action="store_true",
-  help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
-  "does; see scripts/bench/host_malloc.py)",
-)
+host_malloc.add_flag(parser)
 args = parser.parse_args()
-if not args.system_malloc:
-  host_malloc.keep_freed_memory()
+host_malloc.apply(args)
 QUICK = dict(
   sizes="tiny,mlp32x2", dps="1,8", block_size=16, batch_size=8, steps=2, rounds=2, warmup=1
 )

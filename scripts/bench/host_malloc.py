@@ -42,3 +42,19 @@ def keep_freed_memory() -> None:
     return
   sys.stdout.flush()
   os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **SETTINGS})
+
+
+def add_flag(parser) -> None:
+  """The scripts' `--system-malloc` flag (read by `apply`)."""
+  parser.add_argument(
+    "--system-malloc",
+    action="store_true",
+    help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
+    "does; see scripts/bench/host_malloc.py)",
+  )
+
+
+def apply(args) -> None:
+  """Keeps freed memory (`keep_freed_memory`) unless `--system-malloc` was given."""
+  if not args.system_malloc:
+    keep_freed_memory()

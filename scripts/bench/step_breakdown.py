@@ -84,15 +84,9 @@ parser.add_argument("--steps", type=int, default=steps)
 parser.add_argument("--profile-steps", type=int, default=profile_steps)
 parser.add_argument("--out", default=out)
 parser.add_argument("--details", action="store_true", help="print each phase's top instructions")
-parser.add_argument(
-  "--system-malloc",
-  action="store_true",
-  help="glibc's default host allocator (default: one that keeps freed memory, as a GPU's "
-  "does; see scripts/bench/host_malloc.py)",
-)
+host_malloc.add_flag(parser)
 args = parser.parse_args()
-if not args.system_malloc:
-  host_malloc.keep_freed_memory()
+host_malloc.apply(args)
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (
