@@ -30,11 +30,13 @@ from jaxdp._src.nnx import nnx_model_state as nnx_model_state
 from jaxdp._src.nnx import nnx_train_step as nnx_train_step
 from jaxdp._src.nnx import nnx_split as nnx_split
 from jaxdp._src.state import TrainState as TrainState
+from jaxdp._src.train import abstract_state as abstract_state
 from jaxdp._src.train import get_params as get_params
 from jaxdp._src.train import init_state as init_state
 from jaxdp._src.train import make_train_step as make_train_step
 
 __all__ = [
+  "abstract_state",
   "CheckpointManager",
   "DDPConfig",
   "FSDPConfig",

@@ -14,7 +14,7 @@ next collective, which can never finish. ``raise``: the same, but process 1 rais
 ``hang``: the same, but process 1 waits forever (`wait_forever`), silent: nothing fails.
 ``checkpoint``: for each of `CHECKPOINT_STRATEGIES`, builds the state from an init function
 (`checkpoint_params`), trains `STEPS` steps, saves it to ``OUT_DIR/ckpt.{strategy}``,
-restores it into a fresh state and writes the trained and restored params and optimizer
+restores it into its `abstract_state` and writes the trained and restored params and optimizer
 state, gathered, to ``OUT_DIR/ckpt.{strategy}.p{I}.npz``.
 
 Everything but `main` is importable, so the tests compute their single-process
@@ -136,8 +136,9 @@ def checkpoint_loss(params, batch):
 
 
 def save_and_restore(strategy: str, mesh, to_global, directory) -> tuple[dict, dict]:
-  """Trains from `checkpoint_params` (as an init function), saves, restores into a fresh
-  state: `(trained, restored)`, each `{"params": ..., "opt": ...}` as views."""
+  """Trains from `checkpoint_params` (as an init function), saves, restores into its
+  `abstract_state` (each process reading its own shards into fresh arrays): `(trained,
+  restored)`, each `{"params": ..., "opt": ...}` as views."""
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   tx = make_tx()
   state = jaxdp.init_state(checkpoint_params, tx, mesh, config)
@@ -149,7 +150,7 @@ def save_and_restore(strategy: str, mesh, to_global, directory) -> tuple[dict, d
   with jaxdp.CheckpointManager(directory) as mgr:
     mgr.save(STEPS, state)
     mgr.wait_until_finished()
-    restored = mgr.restore(jaxdp.init_state(checkpoint_params, tx, mesh, config))
+    restored = mgr.restore(jaxdp.abstract_state(checkpoint_params, tx, mesh, config))
   return trained, views(restored)
 
 

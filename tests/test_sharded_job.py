@@ -6,6 +6,7 @@ partitionable threefry draws the same bits shard by shard), and a checkpoint onl
 and pads values.
 """
 
+import dataclasses
 import os
 
 import jax
@@ -76,6 +77,42 @@ def test_the_init_program_computes_shards_only():
   state = jaxdp.init_state(big, optax.adam(1e-3), mesh, config)
   (flat,) = jax.tree.leaves(state.master)  # fused: one flat bucket
   assert flat.addressable_shards[0].data.size == 1024 * 512 // 8
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_init_from_host_arrays_holds_no_more_than_the_state(strategy, monkeypatch):
+  """Each program of an init from host arrays holds, per device, what it reads and writes
+  and no temporary: the params as they arrive and the master params, then the master and
+  the optimizer state. Neither holds more than the state itself (master and Adam's two
+  moments), so the transferred params are gone before the moments are allocated."""
+  mesh = _mesh()
+  host = {"w1": np.ones((256, 512), np.float32), "w2": np.ones((512, 256), np.float32)}
+  model = sum(x.nbytes for x in host.values()) // 8  # per device, sharded
+  peaks = []
+  jit = jax.jit
+
+  def measured(fn, **kwargs):
+    program = jit(fn, **kwargs)
+
+    def run(*args):
+      memory = program.lower(*args).compile().memory_analysis()
+      peaks.append(
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        + memory.temp_size_in_bytes
+        - memory.alias_size_in_bytes
+      )
+      return program(*args)
+
+    return run
+
+  monkeypatch.setattr(jax, "jit", measured)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  jaxdp.init_state(host, optax.adam(1e-3), mesh, config)
+  assert len(peaks) == 2, peaks  # the state, then its optimizer state
+  # 1% over: Adam's counter and the buckets' alignment padding (256 x 512 divides by 8)
+  assert peaks[0] <= 2 * model * 1.01, (peaks, model)  # params in, master out
+  assert peaks[1] <= 3 * model * 1.01, (peaks, model)  # master in, two moments out
 
 
 def test_init_function_errors_name_the_fix():
@@ -218,6 +255,64 @@ def test_restore_reads_in_groups_and_consumes_like(tmp_path, monkeypatch):
   assert len(reads) >= 1 + 8  # the metadata, then groups of about an eighth of the state
   assert all(x.is_deleted() for x in jax.tree.leaves(like))
   _same(got, state)  # bitwise, on the shardings the step's cache expects
+
+
+def test_abstract_state_is_init_states_shapes_and_shardings():
+  mesh = _mesh()
+  for strategy in STRATEGIES:
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+    want = jaxdp.init_state(_init, TX, mesh, config, rng=jax.random.key(1))
+    for params in (_init, jax.tree.map(np.asarray, _init())):
+      got = jaxdp.abstract_state(params, TX, mesh, config, rng=jax.random.key(1))
+      assert jax.tree.structure(got) == jax.tree.structure(want)
+      for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert isinstance(x, jax.ShapeDtypeStruct)
+        assert (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding)
+
+
+@pytest.mark.parametrize(
+  "strategy,fused",
+  [("optim", None), ("optim", False), ("optim_grads_params", None), ("no_shard", None)],
+)
+def test_restore_into_an_abstract_state_allocates_as_it_reads(tmp_path, strategy, fused):
+  """Into `abstract_state` a resume reads each leaf into its place: the same state, bit
+  for bit and on the same shardings, as a restore into `init_state`'s."""
+  mesh = _mesh()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, fused_update=fused)
+  state = jaxdp.init_state(_init, TX, mesh, config)
+  step = jaxdp.make_train_step(_loss_init, TX, mesh, config)
+  state, _ = step(state, _batch(0))
+  with jaxdp.CheckpointManager(tmp_path / "ckpt") as mgr:
+    mgr.save(1, state)
+    mgr.wait_until_finished()
+    want = mgr.restore(jaxdp.init_state(_init, TX, mesh, config))
+    got = mgr.restore(jaxdp.abstract_state(_init, TX, mesh, config))
+  _same(got, want)
+  _same(got, state)
+  got, _ = step(got, _batch(1))
+  assert step._cache_size() == 1, "the restored state recompiled the step"
+
+
+def test_an_abstract_state_onto_other_padding_is_refused_before_reading(tmp_path, monkeypatch):
+  """Onto another dp a padded leaf's new padding rows are `like`'s values (an optimizer's
+  initial state there: Adagrad's 0.1), which shapes do not give: refused, naming the way."""
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=False)
+  with jaxdp.CheckpointManager(tmp_path / "ckpt") as mgr:
+    mgr.save(0, jaxdp.init_state(_init, TX, _mesh(3), config))
+    mgr.wait_until_finished()
+    reads = []
+    restore = mgr._mgr.restore
+    monkeypatch.setattr(mgr._mgr, "restore", lambda *a, **k: reads.append(1) or restore(*a, **k))
+    like = jaxdp.abstract_state(_init, TX, _mesh(8), config)
+    with pytest.raises(ValueError, match=r"other padding .* Pass like=jaxdp.init_state"):
+      mgr.restore(like)
+    assert len(reads) == 1  # the metadata only
+    mixed = dataclasses.replace(like, step=jnp.zeros((), jnp.int32))
+    with pytest.raises(ValueError, match="some leaves are arrays"):
+      mgr.restore(mixed)
+    on_abstract_mesh = jax.eval_shape(lambda: jaxdp.init_state(_init, TX, _mesh(8), config))
+    with pytest.raises(ValueError, match="abstract mesh.*jaxdp.abstract_state"):
+      mgr.restore(on_abstract_mesh)
 
 
 def test_relative_checkpoint_directory(tmp_path, monkeypatch):

@@ -585,19 +585,21 @@ class _LikeLeaves:
   def __init__(self, like: TrainState, mesh, same_flat: bool):
     self.mesh, self.given = mesh, like
     self.flat = same_flat
-    if like.fused and not same_flat:
-      like = _per_leaf_program(like, mesh)
-    # a leaf held twice (jit returns one array for two equal outputs, e.g. an fp32 param
-    # and its unpadded master): donated once, so the second holder gets a copy
-    seen = set()
+    self.abstract = _is_abstract(like)
+    if not self.abstract:  # else nothing to overwrite: each leaf is allocated as it is read
+      if like.fused and not same_flat:
+        like = _per_leaf_program(like, mesh)
+      # a leaf held twice (jit returns one array for two equal outputs, e.g. an fp32 param
+      # and its unpadded master): donated once, so the second holder gets a copy
+      seen = set()
 
-    def own(x):
-      if x is None or id(x) not in seen:
-        seen.add(id(x))
-        return x
-      return jnp.copy(x)
+      def own(x):
+        if x is None or id(x) not in seen:
+          seen.add(id(x))
+          return x
+        return jnp.copy(x)
 
-    like = jax.tree.map(own, like)
+      like = jax.tree.map(own, like)
     self.like = like
     items, self.opt_def = _flat_items(like) if same_flat else jax.tree.flatten(like.opt_state)
     self.items = [dict(x) if _is_flat(x, like.layout) else x for x in items]
@@ -628,9 +630,15 @@ class _LikeLeaves:
 
   def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
     olds = [self._get(t) for t in group]
+    if self.abstract:  # where the state will place it
+      olds = [
+        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=NamedSharding(self.mesh, t.spec))
+        for t in group
+      ]
     if all(_as_read(t, x, stored[t.read]) for t, x in zip(group, olds)):
       for t, old in zip(group, olds):  # read as they are, into like's very shardings
-        old.delete()
+        if not self.abstract:
+          old.delete()
         self._set(t, stored[t.read])
       return
     specs = [x.sharding.spec for x in olds]
@@ -638,19 +646,21 @@ class _LikeLeaves:
       run_auto(functools.partial(_fitted, targets=tuple(group)), self.mesh, specs),
       donate_argnums=1,  # written into where the padding comes from `like`
     )
-    # a leaf that takes nothing from `like` needs none of its buffer: freed below
+    # a leaf that takes nothing from `like` needs none of its buffer: freed below (an
+    # abstract like's targets all take nothing: `_abstract_fits`)
     likes = [None if _keeps(t) else x for t, x in zip(group, olds)]
     new = fit({t.read: stored[t.read] for t in group}, likes)
     for t, old, x in zip(group, olds, new):
-      if _keeps(t) and not old.is_deleted():
+      if not self.abstract and _keeps(t) and not old.is_deleted():
         old.delete()
       self._set(t, x)
 
   def state(self, step: int) -> TrainState:
     like = self.like
     layout = like.layout
-    step = jax.device_put(np.asarray(step, like.step.dtype), like.step.sharding)
-    like.step.delete()
+    step = jax.device_put(np.asarray(step, like.step.dtype), NamedSharding(self.mesh, P()))
+    if not self.abstract:
+      like.step.delete()
     out = dataclasses.replace(
       like,
       step=step,
@@ -666,6 +676,36 @@ class _LikeLeaves:
       out = jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
       jax.tree.map(lambda x: x.delete(), self.given)  # consumed, as every other `like`
     return out
+
+
+def _abstract_fits(like: TrainState, targets: list[_Target], same_flat: bool) -> str | None:
+  """Why an abstract `like` cannot take this checkpoint, or None: a leaf restored onto other
+  padding needs the padding rows `init_state` computes (an optimizer's initial state, e.g.
+  Adagrad's accumulator of 0.1), which shapes alone do not give."""
+  if like.fused and not same_flat:
+    return "the checkpoint's flat buckets are laid out for another dp or strategy"
+  for t in targets:
+    if not _keeps(t):
+      return f"{t.key} is stored as {t.stored} and is {t.shape} here"
+  return None
+
+
+def _is_abstract(like: TrainState) -> bool:
+  """Is `like` shapes only (`abstract_state`)? Refuses a mix and an abstract mesh."""
+  leaves = jax.tree.leaves(like)
+  abstract = [isinstance(x, jax.ShapeDtypeStruct) for x in leaves]
+  if any(abstract) and not all(abstract):
+    raise ValueError(
+      "like: some leaves are arrays and some jax.ShapeDtypeStructs; pass the state of "
+      "jaxdp.init_state or of jaxdp.abstract_state, as it is"
+    )
+  mesh = getattr(getattr(like.step, "sharding", None), "mesh", None)
+  if any(abstract) and not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(
+      "like: its shardings are on an abstract mesh (jax.eval_shape of init_state); build "
+      "it with jaxdp.abstract_state(params, tx, mesh, config), which places it on `mesh`"
+    )
+  return all(abstract)
 
 
 # ----------------------------------------------------------------------------- manager
@@ -808,15 +848,18 @@ class CheckpointManager:
     """Reads checkpoint `step` into a state laid out like `like`.
 
     The checkpoint is read in groups of leaves (about an eighth of the state each), each
-    group straight into `like`'s shardings and written into `like`'s own buffers, which are
-    donated: a restore needs one state's memory and an eighth of one, not two states.
+    group straight into `like`'s shardings. Into `abstract_state(...)` each leaf is
+    allocated as it is read: the restore holds one state. Into a state of `init_state`,
+    each group is written into `like`'s own buffers, which are donated: one state's memory
+    and an eighth of one, not two states.
 
     Args:
-      like: a state from `init_state` for the *target* mesh, strategy and config; its
-        values are not used, except the padding rows of sharded leaves. It is consumed (its
-        arrays are donated to the result): build it for this call, e.g.
-        `state = mgr.restore(jaxdp.init_state(init_fn, tx, mesh, config))`. A restore that
-        is refused leaves it as it was.
+      like: the state of `abstract_state` (shapes only; the way at scale) or of
+        `init_state`, for the *target* mesh, strategy and config. Its values are not used,
+        except the padding rows of sharded leaves restored onto another dp (an abstract
+        `like`'s are zeros). A state of `init_state` is consumed (its arrays are donated
+        to the result): build it for this call. A restore that is refused leaves it as it
+        was.
       step: the checkpoint to read; None: the latest.
 
     Returns:
@@ -830,6 +873,7 @@ class CheckpointManager:
         written, and `like` is left as it was.
     """
     _check_is_state(like, "like")
+    _is_abstract(like)
     step = self._step(step)
     meta = self.metadata(step)
     if meta.get("format", 0) > FORMAT:
@@ -848,6 +892,13 @@ class CheckpointManager:
     mesh = like.step.sharding.mesh
     same_flat = _same_flat_layout(meta, like)
     targets = _targets(meta, like, mesh, same_flat)
+    if _is_abstract(like) and (why := _abstract_fits(like, targets, same_flat)):
+      raise ValueError(
+        f"checkpoint {step} in {self.directory} restores onto other padding than it was "
+        f"saved with ({why}; saved: {meta['strategy']}, dp={meta['dp']}): the padding "
+        "rows come from `like`'s values, which an abstract_state has not. Pass "
+        "like=jaxdp.init_state(...) for this restore"
+      )
     leaves = _LikeLeaves(like, mesh, same_flat)
     for group in _groups(targets):
       abstract = {}

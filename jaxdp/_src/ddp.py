@@ -215,11 +215,12 @@ def init_state(
       model_specs,
       fused=fused,
     )
-    if fused:
-      opt_params = state.master if sharded else fused_master(leaves, layout)
-    else:
-      opt_params = opt_params_of(layout, state.params, state.master)
-    return dataclasses.replace(state, opt_state=tx.init(opt_params))
+    return state
+
+  def opt_params(state):  # the tree `tx` sees
+    if fused:  # no_shard keeps every param in `params`, and fuses them for the optimizer
+      return state.master if sharded else fused_master(leaves_of(state.params), layout)
+    return opt_params_of(layout, state.params, state.master)
 
   # each leaf enters sharded over "data" where dp divides a dim (the params stay whole only
   # where the state keeps them whole): no device receives or computes a whole sharded leaf
@@ -227,10 +228,9 @@ def init_state(
     pspec(view_dims(shape, dims, mesh.shape[DATA], layout.shard_axes[i]) if sharded else dims)
     for i, (shape, dims) in enumerate(zip(layout.shapes, model_specs))
   ]
-  specs = state_specs(jax.eval_shape(build, params))
   # Placed the way the step places its output state (not by out_shardings, whose specs an
   # Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
-  return source.run(build, mesh, layout, views, specs)
+  return source.run(build, opt_params, tx, mesh, layout, views, state_specs)
 
 
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:

@@ -211,8 +211,10 @@ def init_state(
       tuple(mesh.shape.items()),
       fused=fused,
     )
-    opt_params = master if fused else opt_params_of(layout, state.params, state.master)
-    return dataclasses.replace(state, opt_state=tx.init(opt_params))
+    return state
+
+  def opt_params(state):  # the tree `tx` sees
+    return state.master if fused else opt_params_of(layout, state.params, state.master)
 
   # each leaf enters sharded over "data" where dp divides a dim: no device receives or
   # computes a whole leaf
@@ -220,8 +222,7 @@ def init_state(
     pspec(view_dims(shape, (), mesh.shape[DATA], sharded_shape(layout, i)[1]))
     for i, shape in enumerate(layout.shapes)
   ]
-  out_specs = state_specs(jax.eval_shape(build, params))
-  return source.run(build, mesh, layout, views, out_specs)
+  return source.run(build, opt_params, tx, mesh, layout, views, state_specs)
 
 
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:

@@ -303,10 +303,16 @@ class InitSource:
   """The params' shapes and dtypes (`jax.ShapeDtypeStruct`s for a function)."""
   fn: Callable[[], PyTree] | None = None
 
-  def run(self, build, mesh, layout: Layout, views: Sequence[P], specs) -> Any:
-    """`build(params)` in one program whose output is placed on `specs`, each param leaf
-    entering it on `views` (per leaf in tree order): a host array is sent to the devices
-    slice by slice, a function's params are computed there shard by shard."""
+  def run(
+    self, build, opt_params, tx, mesh, layout: Layout, views: Sequence[P], state_specs
+  ) -> TrainState:
+    """The state of `build(params)` (every field but `opt_state`) and then its optimizer
+    state, `tx.init(opt_params(state))`, each leaf placed on `state_specs(state)`; each
+    param leaf enters on `views` (per leaf in tree order): a host array is sent to the
+    devices slice by slice, a function's params are computed there shard by shard.
+
+    Two programs, so that the params as they came in are freed before the optimizer state
+    is allocated: the peak is the state itself (or the master params and the params)."""
 
     def program(params):
       # a copy: the state never shares a buffer with the caller's arrays, which the
@@ -316,6 +322,11 @@ class InitSource:
       ]
       return build(tree_of(layout, leaves))
 
+    def whole(params):
+      state = build(params)
+      return dataclasses.replace(state, opt_state=tx.init(opt_params(state)))
+
+    specs = state_specs(jax.eval_shape(whole, self.abstract))
     if self.fn is None:  # each device receives its slice of each host array, nothing more
       leaves = [
         jax.device_put(x, NamedSharding(mesh, v))
@@ -324,7 +335,13 @@ class InitSource:
     else:  # computed where they go: each device runs the init of its shards only
       shardings = [NamedSharding(mesh, v) for v in views]
       leaves = jax.jit(lambda: jax.tree.leaves(self.fn()), out_shardings=shardings)()
-    return jax.jit(run_auto(program, mesh, specs))(tree_of(layout, leaves))
+    state_program = run_auto(program, mesh, dataclasses.replace(specs, opt_state=None))
+    state = jax.jit(state_program)(tree_of(layout, leaves))
+    del leaves  # (the caller's arrays, where the transfer kept them, stay the caller's)
+    opt_program = run_auto(lambda s: tx.init(opt_params(s)), mesh, specs.opt_state)
+    # keep_unused: an init that reads no value (zeros like the params) still runs on `mesh`
+    opt_state = jax.jit(opt_program, keep_unused=True)(state)
+    return dataclasses.replace(state, opt_state=opt_state)
 
 
 def init_source(params) -> InitSource:

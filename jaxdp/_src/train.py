@@ -101,6 +101,49 @@ def init_state(
   return loop.with_extras(state, mesh, rng, model_state)
 
 
+def abstract_state(
+  params: PyTree,
+  tx: optax.GradientTransformation,
+  mesh,
+  config: DDPConfig,
+  **kwargs,
+) -> TrainState:
+  """The state `init_state` would build, as `jax.ShapeDtypeStruct`s with their shardings:
+  nothing is computed, allocated or transferred.
+
+  What a restore at scale reads into (`CheckpointManager.restore(abstract_state(...))`):
+  the checkpoint's arrays are allocated as they are read, so the restore holds one state,
+  never a state to overwrite as well.
+
+  Args:
+    params, tx, mesh, config, kwargs: as `init_state` takes them (`params` an init
+      function, host arrays or their `jax.ShapeDtypeStruct`s: only shapes and dtypes are
+      read).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+    >>> like = jaxdp.abstract_state(lambda: {"w": jnp.ones((16, 4))}, optax.sgd(0.1), mesh, config)
+    >>> flat = jax.tree.leaves(like.master)[0]
+    >>> type(flat).__name__, flat.shape, flat.sharding.spec
+    ('ShapeDtypeStruct', (64,), P('data',))
+  """
+  if not callable(params):  # only its shapes: zeros of them, traced and never run
+    shapes = params
+    params = lambda: jax.tree.map(
+      lambda x: jax.numpy.zeros(x.shape, x.dtype, device=getattr(x, "sharding", None)), shapes
+    )
+  state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
+  # eval_shape places on the abstract mesh; a restore needs the devices
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, x.sharding.spec)
+    ),
+    state,
+  )
+
+
 def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
   """The model param tree of a state, every leaf in its own shape and dtype.
 

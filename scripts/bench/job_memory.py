@@ -15,9 +15,10 @@ The GSPMD way is what a JAX user writes instead: `jax.jit` of the init function 
 step with params and optimizer state sharded `P("data")` on a dim that 8 divides, and
 orbax's `StandardCheckpointer` (restored into `jax.ShapeDtypeStruct` targets with those
 shardings). jaxdp's variants: `optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp`
-(`optim_grads_params`), each with `init_state(init_fn)`, `CheckpointManager.save` and
-`restore(init_state(init_fn))`. "ratio" is a phase's growth over the GSPMD way's, in the
-same run.
+(`optim_grads_params`), each with `init_state(init_fn)`, `init_state(host arrays)`,
+`CheckpointManager.save` and `restore(abstract_state(init_fn))`. The host arrays are NumPy's
+own memory, as a loader reads them. "ratio" is a phase's growth over the GSPMD way's, in
+the same run.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def worker(variant: str, layers: int, directory: str) -> dict:
   batch = jax.device_put(
     {"x": rng.standard_normal((16, 32, D), np.float32)}, NamedSharding(mesh, P("data"))
   )
-  host = jax.tree.map(np.asarray, jax.jit(init_fn)())  # a pretrained checkpoint, say
+  # a pretrained checkpoint read by a loader: NumPy's own memory (a view of an XLA:CPU
+  # buffer instead would be device memory already, which the transfer aliases)
+  host = jax.tree.map(np.array, jax.jit(init_fn)())
   out = {}
   if variant == "gspmd":
     spec = lambda x: P(*["data" if d == 0 else None for d in range(x.ndim)]) if x.ndim else P()
@@ -169,7 +172,7 @@ def worker(variant: str, layers: int, directory: str) -> dict:
     mgr.wait_until_finished()
   del state
   with Phase("restore", out):
-    state = mgr.restore(jaxdp.init_state(init_fn, tx, mesh, config))
+    state = mgr.restore(jaxdp.abstract_state(init_fn, tx, mesh, config))
     jax.block_until_ready(state)
   mgr.close()
   return out
