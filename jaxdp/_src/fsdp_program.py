@@ -54,11 +54,14 @@ ones included, are cut into units as they are.
 
 * A *chunked* param (`FSDPConfig(chunks={"wte": C})`, a large embedding or output
   projection): its unit hands the segment this device's shard, and each matmul on it
-  (`dot_general`, the only use allowed) runs as one `custom_vjp` (`_chunked_dot`) over C
-  row blocks: forward, gather one block, compute its share of the product; backward, gather
-  it again (not at all when the other operand needs no cotangent, like a one-hot), compute
-  its shares of the gradients and reduce-scatter the block's weight gradient at once. The
-  param and its gradient are never whole (GPT-2's 147 MiB tied `wte`).
+  (`dot_general`) runs as one `custom_vjp` (`_chunked_dot`) over C row blocks: forward,
+  gather one block, compute its share of the product; backward, gather it again (not at
+  all when the other operand needs no cotangent, like a one-hot), compute its shares of the
+  gradients and reduce-scatter the block's weight gradient at once. A row lookup on it
+  (`w[ids]`) runs as `_chunked_take`: each block gathered once in the forward, nothing in
+  the backward. Casts and transposes of it on the way (`w.astype(jnp.bfloat16).T`) are
+  recomputed on the blocks. The param and its gradient are never whole (GPT-2's 147 MiB
+  tied `wte`, a Llama's 2 GiB `embed` and `out`).
 
 What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
 anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
