@@ -3,8 +3,7 @@
 This is Megatron's `param_layout.py` in static Python data. Params are grouped into one
 flat buffer per (param dtype, grad dtype) key, laid out in reverse tree order (backprop
 order, so the last layers' bucket fills first) and cut into buckets of at least
-`bucket_size` elements without splitting a param; a param of `bucket_size` elements or more
-is a bucket of its own.
+`bucket_size` elements without splitting a param.
 
 A bucket is stored *shard-major*: its buffer is `dp` equal shards, and shard `d` holds rows
 `[d * r, (d + 1) * r)` of every param in the bucket, where `r = rows / dp` and `rows` is the
@@ -608,11 +607,7 @@ def make_layout(
     else:
       group, count = [], 0
       for i in leaves:
-        # a new bucket for another stack, and for a param that fills one alone (a large
-        # embedding): XLA has no buffer views, so a bucket of several params is a
-        # concatenation, a copy of each, where a param's own bucket is the param itself
-        alone = math.prod(local_shapes[i]) >= bucket_size and stack_of[i] is None
-        if group and (stack_of[i] != stack_of[group[0]] or alone):
+        if group and stack_of[i] != stack_of[group[0]]:
           groups.append(group)
           group, count = [], 0
         group.append(i)
