@@ -1,10 +1,12 @@
 """A Llama-3-shaped decoder as a param dict and a loss function, in one readable file.
 
 RMSNorm, grouped-query attention with rotary embeddings, SwiGLU MLP, an untied embedding
-(read by indexing, `embed[ids]`) and output matrix. The params are float32 and the loss
+(read by indexing, `embed[ids]`) and output matrix (`(vocab, d)`, as Hugging Face's
+`lm_head.weight`: the logits are `h @ out.T`). The params are float32 and the loss
 casts each to bfloat16 where it is used (a layer's inside its scan iteration, the
 embedding's rows after the lookup); the blocks' params are stacked on a leading layer axis
-and run with `jax.lax.scan`, each block under `jax.checkpoint`. Attention is plain `jnp` (no flash kernel): causal, softmax in float32.
+and run with `jax.lax.scan` (or, `scan_layers=False`, a list run by a Python loop), each
+block under `jax.checkpoint`. Attention is plain `jnp` (no flash kernel): causal, softmax in float32.
 
 `LlamaConfig.llama3_8b()` is the 8.03B-param shape (32 layers, d 4096, 32 heads, 8 KV
 heads, ffn 14336, vocab 128256).
@@ -37,6 +39,11 @@ class LlamaConfig:
   ffn: int = 14336
   rope_theta: float = 500000.0
   compute_dtype: type = jnp.bfloat16
+  scan_layers: bool = True
+  """True: the blocks' params stacked on a leading layer axis, run by `jax.lax.scan`;
+  False: a list of per-layer dicts, run by a Python loop (unrolled)."""
+  remat: bool = True
+  """Each block under `jax.checkpoint` (its input saved, the rest recomputed)."""
 
   @classmethod
   def llama3_8b(cls, **kw) -> "LlamaConfig":
@@ -48,23 +55,26 @@ class LlamaConfig:
 
 
 def param_shapes(config: LlamaConfig) -> dict:
-  """Every param's shape: `embed`, `blocks` (stacked over layers), `norm`, `out`."""
-  c, L, hd = config, config.n_layer, config.head_dim
+  """Every param's shape: `embed`, `blocks` (stacked over layers, or a list of layers),
+  `norm`, `out`."""
+  c, hd = config, config.head_dim
+  layer = {
+    "attn_norm": (c.d,),
+    "wq": (c.d, c.n_head * hd),
+    "wk": (c.d, c.n_kv_head * hd),
+    "wv": (c.d, c.n_kv_head * hd),
+    "wo": (c.n_head * hd, c.d),
+    "mlp_norm": (c.d,),
+    "w_gate": (c.d, c.ffn),
+    "w_up": (c.d, c.ffn),
+    "w_down": (c.ffn, c.d),
+  }
+  stacked = {k: (c.n_layer, *s) for k, s in layer.items()}
   return {
     "embed": (c.vocab, c.d),
-    "blocks": {
-      "attn_norm": (L, c.d),
-      "wq": (L, c.d, c.n_head * hd),
-      "wk": (L, c.d, c.n_kv_head * hd),
-      "wv": (L, c.d, c.n_kv_head * hd),
-      "wo": (L, c.n_head * hd, c.d),
-      "mlp_norm": (L, c.d),
-      "w_gate": (L, c.d, c.ffn),
-      "w_up": (L, c.d, c.ffn),
-      "w_down": (L, c.ffn, c.d),
-    },
+    "blocks": stacked if c.scan_layers else [dict(layer) for _ in range(c.n_layer)],
     "norm": (c.d,),
-    "out": (c.d, c.vocab),
+    "out": (c.vocab, c.d),
   }
 
 
@@ -126,9 +136,14 @@ def llama_loss(config: LlamaConfig):
 
   def loss(params, batch):
     h = cast(params["embed"][batch["x"]])  # the rows read, then cast
-    block = jax.checkpoint(lambda h, w: _block(config, h, cast(w)))  # one layer at a time
-    h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])
-    logits = (_rms_norm(h, params["norm"]) @ cast(params["out"])).astype(jnp.float32)
+    block = lambda h, w: _block(config, h, cast(w))  # one layer at a time
+    block = jax.checkpoint(block) if config.remat else block
+    if config.scan_layers:
+      h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])
+    else:
+      for w in params["blocks"]:
+        h = block(h, w)
+    logits = (_rms_norm(h, params["norm"]) @ cast(params["out"]).T).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, -1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["y"][..., None], -1))
 

@@ -313,17 +313,107 @@ def test_chunked_tied_embedding(scanned):
   assert count("all-gather", f"{304 * d}") == count("all-gather", f"304,{d}") == 0
 
 
-def test_chunks_refuse_a_param_used_outside_a_matmul():
-  """A chunked param's value is never whole, so any use but a matmul is refused, by name."""
-  params = {"wte": jnp.ones((64, 8)), "head": jnp.ones((8, 3))}
+def test_chunks_refuse_a_param_used_outside_a_matmul_or_lookup():
+  """A chunked param's value is never whole, so any use but a cast, a matmul or a row
+  lookup is refused, by name."""
+  params = {"wte": jnp.ones((64, 8)), "head": jnp.ones((4, 3))}
 
   def loss_fn(params, batch):
-    h = jnp.take(params["wte"], batch["ids"], axis=0)  # a gather, not a matmul
+    h = params["wte"][:, :4] + batch["x"]  # a slice of the table, not its rows by id
     return jnp.mean(h @ params["head"])
 
   mesh = jax.make_mesh((DP,), ("data",))
   fsdp = FSDPConfig(chunks={"wte": 2})
   state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
   step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
-  with pytest.raises(ValueError, match=r"params\['wte'\].*`gather`.*leave it out of chunks="):
-    step(state, {"ids": jnp.zeros((8,), jnp.int32)})
+  with pytest.raises(ValueError, match=r"params\['wte'\].*`slice`.*leave it out of chunks="):
+    step(state, {"x": jnp.zeros((8, 64, 4))})
+
+
+def _tiny_llama(compute_dtype):
+  from models.llama import LlamaConfig, init_params, llama_loss
+
+  # vocab 300: 304 padded rows, 38 per device, row blocks of 9 / 10 / 9 / 10 at C = 4
+  config = LlamaConfig(
+    vocab=300, d=16, n_layer=2, n_head=2, n_kv_head=1, ffn=32, compute_dtype=compute_dtype
+  )
+  k1, k2 = jax.random.split(jax.random.key(1))
+  b = {"x": jax.random.randint(k1, (16, 8), 0, 300), "y": jax.random.randint(k2, (16, 8), 0, 300)}
+  return init_params(config, jax.random.key(0)), llama_loss(config), b
+
+
+LLAMA_CHUNKS = FSDPConfig(chunks={"embed": 4, "out": 4}, stacked=["blocks"])
+
+
+def test_chunked_vocabulary_of_a_llama():
+  """models/llama.py reads its embedding by indexing (`embed[ids]`) and casts its output
+  matrix before `h @ out.T`: both chunked, one SGD step equals one device's (float32), and
+  in bfloat16 neither is ever gathered whole. The lookup's forward gathers each row block
+  once, in the table's float32 (the rows are cast after the lookup), and its backward
+  gathers nothing (linear in the table); `out`'s blocks move in the loss's bfloat16, twice
+  (forward, and backward for the cotangent of `h`). Each block's gradient is
+  reduce-scattered in float32."""
+  import re
+
+  params, loss_fn, b = _tiny_llama(jnp.float32)
+  one_sgd_step(params, loss_fn, b, LLAMA_CHUNKS)
+
+  params, loss_fn, b = _tiny_llama(jnp.bfloat16)
+  mesh = jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=LLAMA_CHUNKS)
+  step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=LLAMA_CHUNKS)
+  hlo = step.lower(state, b).as_text(dialect="hlo")
+  count = lambda kind, dtype, shape: len(re.findall(rf"= {dtype}\[{shape}\]\S* {kind}\(", hlo))
+  for rows in (9, 10):  # two blocks of each size, of each table
+    assert count("all-gather", "f32", f"{DP * rows},16") == 2  # embed: forward only
+    assert count("all-gather", "bf16", f"{DP * rows},16") == 2 * 2  # out: forward, backward
+    assert count("reduce-scatter", "f32", f"{rows},16") == 2 * 2
+  for dtype in ("f32", "bf16"):
+    assert count("all-gather", dtype, "304,16") == count("all-gather", dtype, f"{304 * 16}") == 0
+
+
+def test_chunked_vocabulary_in_bfloat16_equals_one_device():
+  """The bfloat16 Llama, chunked: one SGD step (lr 1: params - grads) against one device's.
+  Two bfloat16 programs: the blocks' matmuls and the unchunked ones may round at other ops,
+  and `out`'s block gradients are rounded to bfloat16 once more after their float32
+  reduction. An embedding gradient is rounded at most at each bfloat16 op on its way back
+  from the loss: per layer its two residual adds, the two RMSNorms, q, k, v and their two
+  rotary embeddings, the scores, the probabilities, the attention output and its
+  projection, the gate, the up projection, their product and the down projection (16),
+  plus the logits, the final norm, `out`'s extra rounding and the embedding's cast: so the
+  gradients differ by up to `bf16_grad_rtol(16 * layers + 4)` of a leaf's largest."""
+  params, loss_fn, b = _tiny_llama(jnp.bfloat16)
+  got, _ = train(params, loss_fn, b, optax.sgd(1.0), 1, LLAMA_CHUNKS)
+  grads = jax.grad(loss_fn)(params, b)
+  rho = tolerances.bf16_grad_rtol(16 * 2 + 4)
+  for (path, x), p, g in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(params), jax.tree.leaves(grads)
+  ):
+    scale = float(jnp.max(jnp.abs(g)))
+    atol = rho * scale + 2 * tolerances.EPS32 * float(jnp.max(jnp.abs(p) + jnp.abs(g)))
+    np.testing.assert_allclose(
+      np.asarray(p - x), np.asarray(g), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path)
+    )
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_chunked_lookup_modes(mode):
+  """`jnp.take(w, ids, axis=0, mode=...)`: "fill" reads NaN for an id out of range and
+  "clip" the nearest row, as the lookup does on one device; in range, the same rows."""
+  params = {"wte": jax.random.normal(jax.random.key(0), (60, 8)), "head": jnp.ones((8, 3))}
+  ids = jnp.array([[0, 59, 17, 31], [45, 8, 59, 3]] * 4, jnp.int32)
+
+  def loss_fn(params, batch):
+    h = jnp.take(params["wte"], batch["ids"], axis=0, mode=mode)
+    return jnp.mean(jnp.tanh(h) @ params["head"])
+
+  if mode == "clip":  # ids past either end read (and train) the first and last rows
+    ids = ids.at[0, 0].set(70).at[1, 1].set(-3)
+  one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(chunks={"wte": 3}))
+  if mode == "fill":
+    mesh = jax.make_mesh((DP,), ("data",))
+    fsdp = FSDPConfig(chunks={"wte": 3})
+    state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+    step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+    _, metrics = step(state, {"ids": ids.at[0, 0].set(60)})
+    assert np.isnan(float(metrics["loss"]))

@@ -316,8 +316,9 @@ def unit_collectives(
   * `gather_each(trainable, frozen) -> full`: as `gather`, one `all_gather` per param (on its
     shard dim, no ravel): a scanned layer's params arrive one by one, so each param's
     gather overlaps the compute of the ones before it inside the loop iteration.
-  * `gather_rows(leaf, rows) -> gathered`: `rows` is a slice `[lo, hi)` of this device's
-    block of a `chunked` leaf; `gathered` stacks every device's slice, in the param dtype:
+  * `gather_rows(leaf, rows, dtype=None) -> gathered`: `rows` is a slice `[lo, hi)` of this
+    device's block of a `chunked` leaf; `gathered` stacks every device's slice, in the param
+    dtype (or `dtype`: the loss casts the param before using it, and the cast moves):
     rows `d * rows/dp + [lo, hi)` of the padded param for d = 0..dp-1.
   * `scatter_rows(leaf, ct) -> grad`: the inverse collective of `gather_rows` for the
     cotangent of `gathered`: reduce-scattered in the grad dtype, this device's `[lo, hi)`
@@ -346,9 +347,9 @@ def unit_collectives(
   grad_dtypes = {p.index: dtype for b, dtype in grad_buckets for p in b.params}
   specs = {p.index: p for b, _ in gather_buckets for p in b.params}
 
-  def gather_rows(i, rows):
+  def gather_rows(i, rows, dtype=None):
     x = jax.lax.all_gather(
-      rows.astype(dtypes[i]), DATA, axis=specs[i].axis, tiled=True, to="varying"
+      rows.astype(dtype or dtypes[i]), DATA, axis=specs[i].axis, tiled=True, to="varying"
     )
     return make_varying(x, other) if other else x
 

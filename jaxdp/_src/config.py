@@ -181,7 +181,10 @@ class FSDPConfig:
   backward each block's gradient is reduce-scattered right after its matmul, so a unit never
   holds the whole param or its whole gradient (e.g. GPT-2's 147 MiB tied `wte`: 2/C of it
   instead of twice it). Every use of the param in the loss must be a matmul
-  (`dot_general`: `x @ w.T`, `one_hot @ w`, an einsum); stored as sorted `(prefix, C)` pairs."""
+  (`dot_general`: `x @ w.T`, `one_hot @ w`, an einsum) or a row lookup (`w[ids]`,
+  `jnp.take(w, ids, axis=0)`: each block gathered once, nothing in the backward), possibly
+  after a cast (`w.astype(jnp.bfloat16)`: the blocks then move in that dtype); stored as
+  sorted `(prefix, C)` pairs."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):

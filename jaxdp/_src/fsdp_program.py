@@ -54,11 +54,14 @@ ones included, are cut into units as they are.
 
 * A *chunked* param (`FSDPConfig(chunks={"wte": C})`, a large embedding or output
   projection): its unit hands the segment this device's shard, and each matmul on it
-  (`dot_general`, the only use allowed) runs as one `custom_vjp` (`_chunked_dot`) over C
-  row blocks: forward, gather one block, compute its share of the product; backward, gather
-  it again (not at all when the other operand needs no cotangent, like a one-hot), compute
-  its shares of the gradients and reduce-scatter the block's weight gradient at once. The
-  param and its gradient are never whole (GPT-2's 147 MiB tied `wte`).
+  (`dot_general`) runs as one `custom_vjp` (`_chunked_dot`) over C row blocks: forward,
+  gather one block, compute its share of the product; backward, gather it again (not at
+  all when the other operand needs no cotangent, like a one-hot), compute its shares of the
+  gradients and reduce-scatter the block's weight gradient at once. A row lookup on it
+  (`w[ids]`) runs as `_chunked_take`: each block gathered once in the forward, nothing in
+  the backward. Casts and transposes of it on the way (`w.astype(jnp.bfloat16).T`) are
+  recomputed on the blocks. The param and its gradient are never whole (GPT-2's 147 MiB
+  tied `wte`, a Llama's 2 GiB `embed` and `out`).
 
 What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
 anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
@@ -73,6 +76,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
 
@@ -259,7 +263,7 @@ def _find_lazy(program: _Program, units: _Units) -> _Lazy:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ChunkRule:
   """An `_eval` rule: one matmul (`eqn`) on a leaf its unit gathers by row blocks, as
-  `_chunked_dot`."""
+  `_chunked_dot`, or one row lookup (`w[ids]`), as `_chunked_take`."""
 
   eqn: jcore.JaxprEqn
   pos: int  # the leaf's operand position
@@ -267,21 +271,80 @@ class _ChunkRule:
   leaf: int
   size: int  # the leaf's rows
   x_grad: bool  # whether the other operand gets a cotangent (it depends on a float input)
+  dtype: Any = None  # the operand's dtype where the loss casts the leaf first, else None
+  perm: tuple[int, ...] | None = None  # the operand is the leaf transposed so (`w.T`)
 
   def __call__(self, invals):
     x, block = invals[1 - self.pos], invals[self.pos]
+    if self.perm is not None:  # the block as the leaf holds it (`eqn` reads it so)
+      block = jnp.transpose(block, tuple(int(k) for k in np.argsort(self.perm)))
     n = self.unit.chunks[self.leaf]
+    if self.eqn.primitive is prims.gather_p:
+      return [_chunked_take(self.eqn, self.unit, self.leaf, n, self.size, self.dtype, x, block)]
     return [
-      _chunked_dot(self.eqn, self.pos, self.unit, self.leaf, n, self.size, self.x_grad, x, block)
+      _chunked_dot(
+        self.eqn, self.pos, self.unit, self.leaf, n, self.size, self.x_grad, x, block, self.dtype
+      )
     ]
+
+
+def _is_row_lookup(eqn) -> bool:
+  """Is `eqn` a `gather` of whole rows of its operand (`w[ids]`, `jnp.take(w, ids, 0)`,
+  `nnx.Embed`): one index per row, every other dim taken whole, after the ids' dims?"""
+  if eqn.primitive is not prims.gather_p:
+    return False
+  w, ids = (v.aval for v in eqn.invars)
+  dims = eqn.params["dimension_numbers"]
+  return (
+    tuple(dims.collapsed_slice_dims) == (0,)
+    and tuple(dims.start_index_map) == (0,)
+    and not dims.operand_batching_dims
+    and ids.shape[-1:] == (1,)
+    and tuple(eqn.params["slice_sizes"]) == (1, *w.shape[1:])
+    and tuple(dims.offset_dims) == tuple(range(ids.ndim - 1, ids.ndim - 2 + w.ndim))
+  )
+
+
+def _untransposed(eqn, pos: int, perm: tuple[int, ...]):
+  """The `dot_general` `eqn` reading its operand `pos` untransposed (`x @ w.T` as a matmul
+  that contracts `w`'s last dim), or None where that would order the product's dims
+  otherwise (or `eqn` is no matmul). `perm`: the operand is the leaf transposed by it."""
+  if eqn.primitive is not prims.dot_general_p:
+    return None
+  (contract, batch), ndim = eqn.params["dimension_numbers"], len(perm)
+  to_leaf = lambda dims: tuple(perm[k] for k in dims)
+  free = [k for k in range(ndim) if k not in contract[pos] and k not in batch[pos]]
+  if [perm[k] for k in free] != sorted(perm[k] for k in free) or batch[pos]:
+    return None
+  contract = tuple(to_leaf(d) if j == pos else tuple(d) for j, d in enumerate(contract))
+  return eqn.replace(params={**eqn.params, "dimension_numbers": (contract, batch)})
 
 
 def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
   """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
-  (`UnitIO.chunks`) runs as `_chunked_dot`. Raises ValueError if such a leaf has another
-  use (its value is never whole, so a matmul on it is all a segment can do)."""
+  (`UnitIO.chunks`) runs as `_chunked_dot`, each row lookup on it as `_chunked_take`; a cast
+  of the leaf (`w.astype(jnp.bfloat16)`) is the leaf's rows in that dtype, recomputed on
+  the row blocks, which then move in it. Raises ValueError if such a leaf has another use
+  (its value is never whole)."""
   jaxpr, unit_of = program.jaxpr, units.of_leaf
   chunked = {v: i for v, i in program.param_var.items() if i in unit_of[i].chunks}
+  # Casts and transposes of chunked leaves (`w.astype(jnp.bfloat16).T`) are chunked views of
+  # them: recomputed on the row blocks, then read by the matmul or lookup they feed.
+  views, perms = set(), {v: None for v in chunked}
+  for eqn in jaxpr.eqns:
+    v = eqn.invars[0] if eqn.invars else None
+    if not (isinstance(v, jcore.Var) and v in chunked):
+      continue
+    if eqn.primitive is prims.convert_element_type_p:
+      perms[eqn.outvars[0]] = perms[v]
+    elif eqn.primitive is prims.transpose_p:
+      perm = tuple(eqn.params["permutation"])
+      old = perms[v] or tuple(range(len(perm)))
+      perms[eqn.outvars[0]] = tuple(old[k] for k in perm)
+    else:
+      continue
+    chunked[eqn.outvars[0]] = chunked[v]
+    views.add(id(eqn))
   # The vars a gradient flows to: those computed from a float input.
   floats = {v for v in jaxpr.invars if _is_float(v.aval)}
   for eqn in jaxpr.eqns:
@@ -289,35 +352,43 @@ def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict
       floats.update(v for v in eqn.outvars if _is_float(v.aval))
   rules = {}
   for eqn in jaxpr.eqns:
+    if id(eqn) in views:
+      continue
     for pos, v in enumerate(eqn.invars):
       if not (isinstance(v, jcore.Var) and v in chunked):
         continue
       i = chunked[v]
-      ok = (
-        eqn.primitive is prims.dot_general_p
+      perm = perms[v] if perms[v] != tuple(range(v.aval.ndim)) else None
+      read = eqn if perm is None else _untransposed(eqn, pos, perm)  # as it reads the leaf
+      matmul = (
+        read is not None
+        and read.primitive is prims.dot_general_p
         and eqn.invars[1 - pos] not in chunked
-        and 0 not in eqn.params["dimension_numbers"][1][pos]
+        and 0 not in read.params["dimension_numbers"][1][pos]
         and not any(w in lazy.defs for w in eqn.outvars)
       )
-      if not ok:
+      lookup = pos == 0 and perm is None and _is_row_lookup(eqn)
+      if not (matmul or lookup):
         paths = jax.tree_util.tree_flatten_with_path(
           jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
         )[0]
         path = jax.tree_util.keystr(paths[i][0])
         raise ValueError(
           f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
-          f"`{eqn.primitive.name}`, not as one operand of a matmul whose other operand "
-          "depends on the batch; a param gathered by row blocks can only be used by "
-          "matmuls (x @ w.T, one_hot @ w, an einsum with it): leave it out of chunks="
+          f"`{eqn.primitive.name}`, neither as one operand of a matmul whose other operand "
+          "depends on the batch nor as the table of a row lookup; a param gathered by row "
+          "blocks can only be cast, used by matmuls (x @ w.T, one_hot @ w, an einsum with "
+          "it) and read by rows (w[ids], jnp.take(w, ids, axis=0)): leave it out of chunks="
         )
       x_var = eqn.invars[1 - pos]
       x_grad = isinstance(x_var, jcore.Var) and x_var in floats
       size = program.jaxpr.invars[i].aval.shape[0]
-      rules[id(eqn)] = _ChunkRule(eqn, pos, unit_of[i], i, size, x_grad)
+      cast = v.aval.dtype if v not in program.param_var else None
+      rules[id(eqn)] = _ChunkRule(read, pos, unit_of[i], i, size, x_grad, cast, perm)
   if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
     raise ValueError(
       "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
-      "blocks can only be used by matmuls: leave it out of chunks="
+      "blocks can only be used by matmuls and row lookups: leave it out of chunks="
     )
   return rules
 
@@ -848,7 +919,7 @@ class _ScanUnit:
 
 
 def _chunked_dot(
-  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block
+  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block, dtype
 ):
   """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
   `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
@@ -891,6 +962,7 @@ def _chunked_dot(
     bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
     x_dim=x_dim,
     out_dim=out_dim,
+    dtype=dtype,
   )
   dot = jax.custom_vjp(matmul.dot)
   dot.defvjp(matmul.fwd, matmul.bwd)
@@ -913,6 +985,7 @@ class _ChunkedDot:
   bounds: tuple[tuple[int, int], ...]  # each block's rows [lo, hi) of a device's rows
   x_dim: int | None  # the other operand's dim contracted with the param's rows (or None)
   out_dim: int | None  # the product's dim over the param's rows (None: they are contracted)
+  dtype: Any = None  # the dtype the rows move in where the loss casts the param, else None
 
   def rows_of(self, a, dim, lo, hi):
     """The rows `d * r + [lo, hi)` (for every d) of `a`'s dim `dim`, which runs over the
@@ -931,7 +1004,7 @@ class _ChunkedDot:
     return _bind(self.eqn, [x_c, w_c] if self.w_pos else [w_c, x_c])[0]
 
   def gather_rows(self, rows):
-    return self.unit.collectives.gather_rows(self.leaf, rows)
+    return self.unit.collectives.gather_rows(self.leaf, rows, self.dtype)
 
   def combine(self, pieces):
     if self.x_dim is not None:
@@ -983,12 +1056,117 @@ class _ChunkedDot:
       else:  # linear in the param: its gradient needs no value of it
         w_aval = jax.eval_shape(self.gather_rows, rows)
         (dw,) = jax.linear_transpose(lambda w: self.piece(x_c, w), w_aval)(d_piece)
-      if self.leaf in self.unit.trainable:
-        grads[c] = self.unit.collectives.scatter_rows(self.leaf, dw)
+      if self.leaf in self.unit.trainable:  # reduced in the grad dtype, then the block's
+        grads[c] = self.unit.collectives.scatter_rows(self.leaf, dw).astype(rows.dtype)
       else:
         grads[c] = jnp.zeros_like(rows)
     d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if self.x_grad else None
     return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(len(self.bounds))])
+
+
+# ----------------------------------------------------------------------------- a chunked lookup
+
+
+def _chunked_take(eqn, unit: UnitIO, leaf: int, n: int, size: int, dtype, ids, block):
+  """`eqn` (a row lookup `w[ids]` of the chunked `leaf`, `_is_row_lookup`) on this device's
+  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
+  `custom_vjp` (`_ChunkedTake`)."""
+  r = block.shape[0]
+  take = _ChunkedTake(
+    eqn=eqn,
+    unit=unit,
+    leaf=leaf,
+    size=size,
+    dp=jax.lax.axis_size(DATA),
+    r=r,
+    bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
+    dtype=dtype,
+  )
+  lookup = jax.custom_vjp(take.take)
+  lookup.defvjp(take.fwd, take.bwd)
+  return lookup(ids, block)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ChunkedTake:
+  """A chunked row lookup's `custom_vjp`: row block c holds rows `d * r + [lo, hi)` of the
+  padded param for every device d (`_chunked_dot`), so id `g` is in it where `lo <= g % r <
+  hi`, at row `(g // r) * (hi - lo) + g % r - lo` of the gathered block. Forward: gather
+  each block (one block ahead) and select the rows of the ids it holds; each output row is
+  one row of the param, as the lookup reads it, bit for bit. Backward: nothing to gather
+  (the lookup is linear in the param); each block's gradient is the cotangent rows of its
+  ids added into the block's rows (`.at[].add`, as the lookup's own transpose does),
+  reduce-scattered at once. About two blocks are alive, never the whole table or its
+  gradient."""
+
+  eqn: jcore.JaxprEqn  # the `gather`
+  unit: UnitIO
+  leaf: int
+  size: int  # the param's rows
+  dp: int
+  r: int  # the param's rows per device (padded)
+  bounds: tuple[tuple[int, int], ...]  # each block's rows [lo, hi) of a device's rows
+  dtype: Any = None  # the dtype the rows move in where the loss casts the param, else None
+
+  def ids_of(self, ids):
+    """The row each output row reads, and where it reads none (`mode`'s out-of-range ids)."""
+    g = ids[..., 0]
+    mode = self.eqn.params["mode"]
+    if mode == jax.lax.GatherScatterMode.CLIP:
+      return jnp.clip(g, 0, self.size - 1), None
+    outside = (g < 0) | (g >= self.size)
+    if mode == jax.lax.GatherScatterMode.FILL_OR_DROP:
+      return jnp.where(outside, 0, g), outside
+    return g, None  # PROMISE_IN_BOUNDS: the caller's promise
+
+  def where(self, g, lo, hi):
+    j = g % self.r
+    inside = (j >= lo) & (j < hi)
+    return inside, jnp.where(inside, (g // self.r) * (hi - lo) + j - lo, 0)
+
+  def expand(self, mask, ndim):
+    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+  def take(self, ids, block):
+    g, outside = self.ids_of(ids)
+    out, outs = None, []
+    for c, (lo, hi) in enumerate(self.bounds):
+      own = block[lo:hi]
+      if c >= 2:  # gathered once block c - 2's rows are selected: one block ahead
+        own, outs[c - 2] = _together(own, outs[c - 2])
+      rows = self.unit.collectives.gather_rows(self.leaf, own, self.dtype)
+      inside, local = self.where(g, lo, hi)
+      got = jnp.take(rows, local, axis=0)
+      out = got if out is None else jnp.where(self.expand(inside, got.ndim), got, out)
+      outs.append(out)
+    if outside is not None:  # FILL_OR_DROP: an id out of range reads the fill value
+      fill = self.eqn.params["fill_value"]
+      fill = jnp.nan if fill is None and jnp.issubdtype(out.dtype, jnp.inexact) else fill or 0
+      out = jnp.where(self.expand(outside, out.ndim), jnp.asarray(fill, out.dtype), out)
+    return out
+
+  def fwd(self, ids, block):
+    return self.take(ids, block), (ids, block)
+
+  def bwd(self, res, d_out):
+    ids, block = res
+    g, outside = self.ids_of(ids)
+    if outside is not None:
+      d_out = jnp.where(self.expand(outside, d_out.ndim), 0, d_out)
+    grads = {}
+    for k, c in enumerate(reversed(range(len(self.bounds)))):
+      lo, hi = self.bounds[c]
+      d_c = d_out
+      if k >= 2:  # once block c + 2's gradient is reduce-scattered
+        d_c, grads[c + 2] = _together(d_out, grads[c + 2])
+      inside, local = self.where(g, lo, hi)
+      rows = jnp.zeros((self.dp * (hi - lo), *block.shape[1:]), d_out.dtype)
+      d_rows = rows.at[local].add(jnp.where(self.expand(inside, d_c.ndim), d_c, 0))
+      if self.leaf in self.unit.trainable:  # reduced in the grad dtype, then the block's
+        grads[c] = self.unit.collectives.scatter_rows(self.leaf, d_rows).astype(block.dtype)
+      else:
+        grads[c] = jnp.zeros((hi - lo, *block.shape[1:]), block.dtype)
+    return None, jnp.concatenate([grads[c] for c in range(len(self.bounds))])
 
 
 # ----------------------------------------------------------------------------- a unit's collectives

@@ -11,6 +11,9 @@ Models (`--model`):
 * `gpt`: `models/gpt.py` (d 768, 12 heads, vocab 50304, seq 128, one sequence per GPU);
   jaxdp's FSDP gathers its tied `wte` in `--wte-chunks` row blocks (default 16:
   `FSDPConfig(chunks={"wte": 16})`).
+* `llama`: `models/llama.py` (Llama-3-8B's width: d 4096, GQA 32 / 8 heads, SwiGLU 14336,
+  untied 128,256-token `embed` and `out`, f32 params cast to bf16 where used; 2 x 2048
+  tokens per GPU); jaxdp's FSDP gathers `embed` and `out` in `--wte-chunks` row blocks.
 
 each unrolled (a Python loop over the blocks) or scanned (`lax.scan` over stacked blocks),
 with each block under the user's `jax.checkpoint` (`--remat`, the default) or not.
@@ -50,6 +53,7 @@ from jaxdp._src import aot
 from jaxdp._src import inspect as jinspect
 from jaxdp import FSDPConfig
 from models.gpt import GPT, GPTConfig, gpt_loss
+from models.llama import LlamaConfig, llama_loss, param_shapes
 
 PROGRAMS = (
   "GSPMD DDP",
@@ -115,14 +119,47 @@ def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=1
   return params, loss_fn, {"x": tokens, "y": tokens}
 
 
+def llama_problem(
+  n_layer,
+  *,
+  scanned,
+  remat,
+  d=4096,
+  n_head=32,
+  n_kv_head=8,
+  ffn=14336,
+  vocab=128256,
+  seq=2048,
+  batch=16,
+):
+  config = LlamaConfig(
+    vocab=vocab,
+    d=d,
+    n_layer=n_layer,
+    n_head=n_head,
+    n_kv_head=n_kv_head,
+    ffn=ffn,
+    scan_layers=scanned,
+    remat=remat,
+  )
+  params = jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
+    param_shapes(config),
+    is_leaf=lambda s: isinstance(s, tuple),
+  )
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+  return params, llama_loss(config), {"x": tokens, "y": tokens}
+
+
 SMALL = {
   "mlp": dict(d=64, ffn=256, batch=8, seq=16),
   "gpt": dict(d=64, n_head=4, vocab=256, seq=16, batch=8),
+  "llama": dict(d=64, n_head=4, n_kv_head=2, ffn=128, vocab=256, seq=16, batch=8),
 }
 
 
 def problem(model, n_layer, *, scanned, remat, small=False, **kw):
-  make = mlp_problem if model == "mlp" else gpt_problem
+  make = {"mlp": mlp_problem, "gpt": gpt_problem, "llama": llama_problem}[model]
   return make(n_layer, scanned=scanned, remat=remat, **{**(SMALL[model] if small else {}), **kw})
 
 
@@ -214,7 +251,8 @@ def compile_program(
     data_parallel_sharding_strategy=strategy, bucket_size=bucket_size, stacked=stacked
   )
   if strategy == "optim_grads_params":
-    chunks = {"wte": wte_chunks} if model == "gpt" and wte_chunks else {}
+    tables = {"gpt": ["wte"], "llama": ["embed", "out"]}.get(model, [])
+    chunks = {name: wte_chunks for name in tables} if wte_chunks else {}
     fsdp = fsdp or FSDPConfig(
       stacked=["blocks"] if scanned else [], prefetch=prefetch, chunks=chunks
     )
@@ -267,7 +305,7 @@ def table(stats, layers, programs=PROGRAMS, title="") -> str:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+  parser.add_argument("--model", choices=["mlp", "gpt", "llama"], default="mlp")
   parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
   form = parser.add_mutually_exclusive_group()
   form.add_argument("--scanned", action="store_true", help="scanned only")
@@ -282,8 +320,9 @@ def main():
     "--wte-chunks",
     type=int,
     default=16,
-    help="GPT, jaxdp FSDP: FSDPConfig(chunks={'wte': N}), wte gathered and reduce-scattered "
-    "in N row blocks where it is used (0: gathered whole)",
+    help="GPT and Llama, jaxdp FSDP: FSDPConfig(chunks={table: N}) for the vocabulary "
+    "tables (GPT's wte; Llama's embed and out), gathered and reduce-scattered in N row "
+    "blocks where they are used (0: gathered whole)",
   )
   parser.add_argument(
     "--bucket-size",
