@@ -5,8 +5,8 @@ Every program is compiled for N compile-only H100s, 8 per host
 XLA's own cost model (its GPU scheduler's speed-of-light estimates) replayed over the
 compiled schedule. Nothing runs; the numbers are XLA's estimate, not a measurement.
 
-    python scripts/bench/predict_scaling.py                 # every sweep, written to docs/
-    python scripts/bench/predict_scaling.py --quick --out out/predict   # a small GPT, for a test
+    python scripts/bench/predict_scaling.py                 # every sweep (about 25 minutes)
+    python scripts/bench/predict_scaling.py --quick         # a 2-layer GPT, for a test
 
 Sweeps (each row against the GSPMD program of the same memory, compiled in the same run):
 
@@ -24,8 +24,9 @@ The scaling model is GPT-2 small's shape (models/gpt.py: d 768, 12 layers, 12 he
 vocabulary 50304, 1024 tokens, tied embedding), fp32 params, AdamW. Attention in both models
 is plain `jnp` (scores materialized, softmax in fp32; no flash kernel).
 
-Writes to --out: `predict_scaling.md` (the tables, with the command), `predict_scaling.png`
-(step time and exposed communication against N), `predict_scaling.json` (every prediction).
+Writes to --out: `predict_scaling.md` (the tables, with the command: docs/bench.md's),
+`predict_scaling.png` (step time and exposed communication against N: docs/predict_scaling.png),
+`predict_scaling.json` (every prediction).
 """
 
 import argparse
@@ -45,7 +46,9 @@ parser.add_argument(
 parser.add_argument("--prefetch", default="1,2,3", help="FSDP prefetch depths")
 parser.add_argument("--sweeps", default="scaling,buckets,prefetch,models", help="what to run")
 parser.add_argument("--quick", action="store_true", help="a 2-layer GPT, N = 8 and 16")
-parser.add_argument("--out", default="docs", help="folder for the table, figure and json")
+parser.add_argument(
+  "--out", default="out/predict_scaling", help="folder for the table, figure and json"
+)
 args = parser.parse_args()
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -190,7 +193,7 @@ def main():
   lines = [
     "Command: `python scripts/bench/predict_scaling.py"
     + (" --quick" if args.quick else "")
-    + (f" --out {args.out}" if args.out != "docs" else "")
+    + (f" --out {args.out}" if args.out != "out/predict_scaling" else "")
     + "`",
     "",
     f"XLA's estimate (jax {jax.__version__}), N x H100 compiled without a GPU, 8 per host; "
@@ -304,21 +307,30 @@ def plot(rows, path):
   import matplotlib.pyplot as plt
 
   ns = sorted(rows)
+  step = {name: [rows[n][name]["step_us"] * MS for n in ns] for name in rows[ns[0]]}
+  top = 1.2 * max(max(step[s]) for s in JAXDP)  # a GSPMD program far above: off the scale
   fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
-  for name in list(JAXDP) + list(GSPMD):
-    style = "--" if name.startswith("gspmd") else "-"
-    step = [rows[n][name]["step_us"] * MS for n in ns]
-    exposed = [rows[n][name]["exposed_us"]["total"] * MS for n in ns]
-    a.plot(ns, step, style, marker="o", label=name)
-    b.plot(ns, exposed, style, marker="o", label=name)
-  for ax, what in ((a, "predicted step (ms)"), (b, "exposed communication (ms)")):
+  for color, (strategy, twin) in zip(("tab:blue", "tab:orange", "tab:green"), JAXDP.items()):
+    for name, style in ((strategy, "-"), (twin, "--")):
+      exposed = [max(rows[n][name]["exposed_us"]["total"] * MS, 1e-2) for n in ns]
+      off = max(step[name]) > top
+      label = f"{name} (off the scale: {min(step[name]):,.0f} to {max(step[name]):,.0f} ms)"
+      if not off:
+        a.plot(ns, step[name], style, color=color, marker="o")
+      b.plot(ns, exposed, style, color=color, marker="o", label=label if off else name)
+  a.set_ylim(0.95 * min(min(v) for v in step.values()), top)
+  b.set_yscale("log")
+  for ax, what in ((a, "predicted step (ms)"), (b, "exposed communication (ms, 0 at 0.01)")):
     ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel("H100s (8 per host)")
     ax.set_ylabel(what)
-    ax.set_ylim(bottom=0)
   b.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-  fig.suptitle("XLA's estimate per step, the per-GPU batch fixed (jaxdp solid, GSPMD dashed)")
+  fig.suptitle(
+    "XLA's estimate per step, per-GPU batch fixed: jaxdp (solid) and the GSPMD program "
+    "of the same memory (dashed)",
+    fontsize="medium",
+  )
   fig.savefig(path, dpi=100)
 
 
