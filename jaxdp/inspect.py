@@ -15,12 +15,16 @@ from jaxdp._src.aot import gpu_compile_unavailable as gpu_compile_unavailable
 from jaxdp._src.aot import gpu_mesh as gpu_mesh
 from jaxdp._src.aot import gpu_topology as gpu_topology
 from jaxdp._src.aot import h100_target_config as h100_target_config
+from jaxdp._src.compiler import COST_MODEL_OPTIONS as COST_MODEL_OPTIONS
 from jaxdp._src.compiler import compiler_options as compiler_options
 from jaxdp._src.inspect import Collective as Collective
+from jaxdp._src.inspect import Interval as Interval
 from jaxdp._src.inspect import MemoryStats as MemoryStats
 from jaxdp._src.inspect import Schedule as Schedule
 from jaxdp._src.inspect import ScheduledOp as ScheduledOp
+from jaxdp._src.inspect import StepPrediction as StepPrediction
 from jaxdp._src.inspect import memory_stats as memory_stats
+from jaxdp._src.inspect import predict_step as predict_step
 from jaxdp._src.inspect import report as report
 from jaxdp._src.inspect import ring_bytes as ring_bytes
 from jaxdp._src.inspect import schedule as schedule
@@ -36,20 +40,24 @@ __all__ = [
   "compile_for_gpu",
   "compile_train_step",
   "compiler_options",
+  "COST_MODEL_OPTIONS",
   "gpu_compile_unavailable",
   "gpu_mesh",
   "gpu_topology",
   "h100_target_config",
+  "Interval",
   "measured_bytes",
   "memory_ledger",
   "memory_report",
   "memory_stats",
   "MemoryLedger",
   "MemoryStats",
+  "predict_step",
   "report",
   "ring_bytes",
   "ring_formula",
   "Schedule",
   "schedule",
   "ScheduledOp",
+  "StepPrediction",
 ]

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from jaxdp import inspect
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSPMD = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather"]
 VARIANTS = GSPMD + ["no_shard", "optim", "optim_grads_params"]
@@ -161,3 +163,31 @@ def test_step_breakdown_puts_each_instruction_in_a_phase(tmp_path):
     assert r["wall_ms"] > 0 and r["instructions_per_step"] > 10
     waiting = r["phases"]["waiting for other devices"]  # split off the collectives' events
     assert sum(i["ms"] for i in r["instructions"].values()) + waiting == pytest.approx(r["sum_ms"])
+
+
+def test_predict_scaling_writes_its_table_and_predictions(tmp_path):
+  """scripts/bench/predict_scaling.py compiles for the H100 target and writes its table, a row
+  per program, and the predictions behind it."""
+  if inspect.gpu_compile_unavailable():
+    pytest.skip(inspect.gpu_compile_unavailable())
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  script = os.path.join(ROOT, "scripts", "bench", "predict_scaling.py")
+  command = [sys.executable, script, "--quick", "--sweeps", "prefetch", "--prefetch", "1"]
+  done = subprocess.run(
+    command + ["--out", str(tmp_path)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
+  assert done.returncode == 0, done.stderr[-4000:]
+  table = (tmp_path / "predict_scaling.md").read_text()
+  assert table in done.stdout
+  rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()]
+  assert [r[:2] for r in rows if r and r[0] == "optim_grads_params"] == [
+    ["optim_grads_params", "1"]
+  ]
+  predictions = json.loads((tmp_path / "predict_scaling.json").read_text())["prefetch"]
+  (row,) = predictions.values()
+  assert 0 <= row["exposed_us"]["total"] <= row["comm_us"]["total"] < row["step_us"] + 1e-6

@@ -358,8 +358,25 @@ def test_gpu_unavailable_is_reported_not_raised_at_import():
   assert "RuntimeError: gpu_topology:" in out
 
 
+GPU_EXAMPLES = ("predict_step",)  # inspect's examples that compile for the GPU target
+
+
+def run_doctests(module, gpu: bool):
+  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+  for test in doctest.DocTestFinder().find(module):
+    if test.name.endswith(GPU_EXAMPLES) == gpu:
+      runner.run(test)
+  return doctest.TestResults(runner.failures, runner.tries)
+
+
 def test_doctests_inspect():
-  result = doctest.testmod(ji, optionflags=doctest.ELLIPSIS)
+  result = run_doctests(ji, gpu=False)
+  assert result.attempted > 0 and result.failed == 0
+
+
+@needs_gpu_compile
+def test_doctests_inspect_gpu():
+  result = run_doctests(ji, gpu=True)
   assert result.attempted > 0 and result.failed == 0
 
 

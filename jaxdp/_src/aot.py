@@ -24,7 +24,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdp._src import train
-from jaxdp._src.compiler import GPU_OPTIONS, GPU_PLATFORMS
+from jaxdp._src.compiler import COST_MODEL_OPTIONS, GPU_OPTIONS, GPU_PLATFORMS
 from jaxdp._src.mesh import DATA, data_axes
 
 PyTree = Any
@@ -256,7 +256,7 @@ def compile_for_gpu(
       f"give them shardings on a GPU mesh: "
       f"args = abstract_like(args, gpu_mesh(...))"
     )
-  options = {**GPU_OPTIONS, **(compiler_options or {})}
+  options = {**GPU_OPTIONS, **COST_MODEL_OPTIONS, **(compiler_options or {})}
   compiled = fn.lower(*args, **kwargs).compile(compiler_options=options)
   compiled_platforms = _platforms_of((compiled.input_shardings, compiled.output_shardings))
   if compiled_platforms - {"gpu"}:
@@ -348,5 +348,6 @@ def compile_train_step(
     loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, **extra
   )
   platform = mesh.devices.flat[0].platform
-  options = {**(GPU_OPTIONS if platform in GPU_PLATFORMS else {}), **(compiler_options or {})}
+  gpu = {**GPU_OPTIONS, **COST_MODEL_OPTIONS} if platform in GPU_PLATFORMS else {}
+  options = {**gpu, **(compiler_options or {})}
   return step.lower(state, batch).compile(compiler_options=options or None)

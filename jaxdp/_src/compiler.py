@@ -18,6 +18,12 @@ Facts checked with jax/jaxlib 0.10.2 (see tests/test_inspect.py):
   (`xla_gpu_enable_async_collectives` no longer exists.)
 - Options given to `jax.jit(f, compiler_options=...)` and to
   `.lower(...).compile(compiler_options=...)` are merged.
+- On the H100 target the latency hiding scheduler's default estimator is XLA's analytical
+  speed-of-light one (`SolLatencyEstimator`; `xla_gpu_enable_analytical_sol_latency_estimator`
+  false falls back to fixed "T-shirt" costs). `xla_gpu_collect_cost_model_stats` writes its
+  estimate of every instruction, loop bodies included, into the compiled HLO's
+  `backend_config` (`"reification_cost":[{"name":"sol","exec_time_us":...}]`; an async
+  collective's start holds the collective's time) without changing the schedule.
 """
 
 from __future__ import annotations
@@ -40,6 +46,11 @@ GPU_OPTIONS = {
 }
 
 GPU_PLATFORMS = ("cuda", "gpu", "rocm")
+
+COST_MODEL_OPTIONS = {"xla_gpu_collect_cost_model_stats": True}
+"""XLA:GPU options that keep the scheduler's cost estimate of every instruction in the
+compiled HLO, for `jaxdp.inspect.predict_step`. The schedule is the same with or without
+them."""
 
 
 def compiler_options(platform: str) -> dict[str, str | int | bool]:

@@ -32,12 +32,15 @@ bytes are what each device sends with the ring algorithm (`ring_bytes`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+
+from jaxdp._src.compiler import COST_MODEL_OPTIONS
 
 COLLECTIVE_KINDS = (
   "all-reduce",
@@ -935,3 +938,341 @@ def memory_stats(
     generated_code_bytes=int(m.generated_code_size_in_bytes),
     peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or peak),
   )
+
+
+# ----------------------------------------------------------------------------
+# Predicted time
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  """One kernel or collective of a `StepPrediction`'s timeline, in microseconds.
+
+  Attributes:
+    name: HLO instruction name (a collective's `-start`, or the op itself when synchronous).
+    kind: `"gemm"`, `"compute"` (any other kernel) or a collective kind (`COLLECTIVE_KINDS`).
+    lane: `"compute"` (the stream kernels run on) or `"comm"` (the collectives' stream).
+    start_us: when it starts, from the start of the program.
+    end_us: when it ends.
+    computation: the HLO computation holding it (the entry, or a loop body once per trip).
+    exposed_us: for a collective, how long the compute stream waited for it (at most
+      `end_us - start_us`); 0 for a kernel.
+  """
+
+  name: str
+  kind: str
+  lane: str
+  start_us: float
+  end_us: float
+  computation: str
+  exposed_us: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrediction:
+  """A compiled GPU program's time, from XLA's own cost model (see `predict_step`).
+
+  Attributes:
+    module: HLO module name, e.g. `"jit_step"`.
+    step_us: predicted time of one run: kernels back to back on one stream plus the waits for
+      collectives (`compute_us + exposed_us["total"]`).
+    compute_us: time of the kernels (every loop trip counted).
+    comm_us: time of the collectives per kind, and `"total"`.
+    exposed_us: the part of `comm_us` the kernels wait for (not hidden under compute), per
+      kind and `"total"`; never more than `comm_us`.
+    timeline: every kernel and collective in run order, loops unrolled.
+    unestimated: kernels XLA gave no estimate (counted as taking no time).
+    unknown_trip_counts: `while` loops without a known trip count (counted as one trip).
+  """
+
+  module: str
+  step_us: float
+  compute_us: float
+  comm_us: dict[str, float]
+  exposed_us: dict[str, float]
+  timeline: tuple[Interval, ...]
+  unestimated: tuple[str, ...] = ()
+  unknown_trip_counts: tuple[str, ...] = ()
+
+  @property
+  def hidden_fraction(self) -> float:
+    """Fraction of the communication time hidden under compute (1.0 without any)."""
+    total = self.comm_us["total"]
+    return 1.0 - self.exposed_us["total"] / total if total else 1.0
+
+  def records(self) -> list[dict[str, Any]]:
+    """The timeline as plain dicts, for tables and plots."""
+    return [dataclasses.asdict(i) for i in self.timeline]
+
+  def summary(self) -> str:
+    """A few lines: step, compute, and each collective kind's time and exposure."""
+    lines = [
+      f"{self.module}: step {self.step_us:,.1f} us = compute {self.compute_us:,.1f} us "
+      f"+ exposed communication {self.exposed_us['total']:,.1f} us "
+      f"({100 * self.hidden_fraction:.0f}% of {self.comm_us['total']:,.1f} us hidden)"
+    ]
+    for kind, us in self.comm_us.items():
+      if kind != "total":
+        lines.append(f"  {kind:<18} {us:>12,.1f} us, exposed {self.exposed_us[kind]:>12,.1f} us")
+    if self.unestimated:
+      lines.append(f"  {len(self.unestimated)} kernels without an estimate (counted as 0)")
+    if self.unknown_trip_counts:
+      lines.append(f"  loops without a known trip count (run once): {self.unknown_trip_counts}")
+    return "\n".join(lines)
+
+
+_REIFICATION = re.compile(r'"reification_cost":\[')
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _estimate_us(attrs: str) -> float | None:
+  """XLA's speed-of-light estimate in an instruction's backend_config, if it has one."""
+  m = _REIFICATION.search(attrs)
+  if not m:
+    return None
+  text = attrs[m.end() - 1 : _balanced(attrs, m.end() - 1)]
+  try:
+    entries = json.loads(text)
+  except ValueError:
+    return None
+  times = [float(e.get("exec_time_us", 0.0)) for e in entries if e.get("name") == "sol"]
+  return times[-1] if times else None
+
+
+def _wrapped_estimates(compiled: jax.stages.Compiled) -> dict[str, float]:
+  """Estimates of the collectives async-starts wrap, by start name.
+
+  `as_text()` prints an async-wrapped collective as a sugared `reduce-scatter-start` with the
+  start's own backend_config; the estimate is in the wrapped op's, which only the module's
+  instructions give.
+  """
+  out: dict[str, float] = {}
+  try:
+    modules = compiled.runtime_executable().hlo_modules()
+  except Exception:  # noqa: BLE001 - a backend without HLO modules: the text is all there is
+    return out
+  for computation in modules[0].computations() if modules else ():
+    for instr in computation.instructions():
+      if str(instr.opcode) != "HloOpcode.kAsyncStart":
+        continue
+      us = _estimate_us(instr.async_wrapped_root().to_string())
+      if us is not None:
+        out[instr.name] = us
+  return out
+
+
+@dataclasses.dataclass
+class _Slot:
+  name: str
+  kind: str
+  lane: str
+  start: float
+  end: float
+  computation: str
+  exposed: float = 0.0
+
+
+class _Replay:
+  """Runs a scheduled module on two streams with XLA's estimates (see `predict_step`).
+
+  The compute stream runs the kernels of each computation in schedule order. A collective's
+  start queues it on the communication stream (one collective at a time, in issue order); its
+  done makes the compute stream wait until it has finished. A wait is charged to the
+  collectives the communication stream runs meanwhile, so no collective is exposed for longer
+  than it runs.
+  """
+
+  def __init__(self, parser: _Parser, wrapped: dict[str, float]):
+    self.p = parser
+    self.wrapped = wrapped  # async-start name -> estimate of the collective it wraps
+    self.t = 0.0  # the compute stream's clock
+    self.comm_free = 0.0  # when the communication stream is next idle
+    self.slots: list[_Slot] = []
+    self.comm: list[int] = []  # slots of the collectives, in stream order
+    self.unestimated: dict[str, None] = {}
+    self.unknown_trips: dict[str, None] = {}
+
+  def cost(self, instr: _Instr) -> float:
+    us = _estimate_us(instr.attrs)
+    if us is None:
+      self.unestimated[instr.name] = None
+      return 0.0
+    return us
+
+  def kernel(self, instr: _Instr, kind: str, comp: str) -> None:
+    end = self.t + self.cost(instr)
+    self.slots.append(_Slot(instr.name, kind, "compute", self.t, end, comp))
+    self.t = end
+
+  def issue(self, instr: _Instr, kind: str, comp: str) -> int:
+    us = _estimate_us(instr.attrs)
+    if us is None:  # an async-start: the estimate is the collective's it wraps
+      us = self.wrapped.get(instr.name)
+    for called in _called(instr) if us is None else ():  # unsugared: calls=%wrapped
+      us = next((_estimate_us(i.attrs) for i in self.p.comps.get(called, [])[::-1]), None)
+    if us is None:
+      self.unestimated[instr.name] = None
+    start = max(self.t, self.comm_free)
+    self.comm_free = start + (us or 0.0)
+    self.slots.append(_Slot(instr.name, kind, "comm", start, self.comm_free, comp))
+    self.comm.append(len(self.slots) - 1)
+    return len(self.slots) - 1
+
+  def wait(self, slot: int) -> None:
+    end = self.slots[slot].end
+    if end <= self.t:
+      return
+    for i in reversed(self.comm):  # the stream is busy all through [t, end]
+      s = self.slots[i]
+      if s.end <= self.t:
+        break
+      s.exposed += max(0.0, min(s.end, end) - max(s.start, self.t))
+    self.t = end
+
+  def loop(self, instr: _Instr, depth: int) -> None:
+    body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
+    cond = re.search(r"\bcondition=%?([\w.\-]+)", instr.attrs)
+    n = _TRIP_COUNT.search(instr.attrs)
+    if n:  # XLA:GPU runs the body n times and never the condition (while_thunk.cc)
+      for _ in range(int(n.group(1))):
+        self.run(body.group(1), depth + 1)
+      return
+    self.unknown_trips[instr.name] = None
+    for comp in (cond, body, cond):
+      if comp:
+        self.run(comp.group(1), depth + 1)
+
+  def branches(self, instr: _Instr, depth: int) -> None:
+    """A conditional: the longest branch (each replayed from the same state)."""
+    before = (self.t, self.comm_free, len(self.slots), len(self.comm))
+    longest = None
+    for comp in _called(instr):
+      self.t, self.comm_free = before[:2]
+      del self.slots[before[2] :], self.comm[before[3] :]
+      self.run(comp, depth + 1)
+      if longest is None or self.t > longest[0]:
+        longest = (self.t, self.comm_free, self.slots[before[2] :], self.comm[before[3] :])
+    if longest is not None:
+      self.t, self.comm_free = longest[:2]
+      del self.slots[before[2] :], self.comm[before[3] :]
+      self.slots += longest[2]
+      self.comm += longest[3]
+
+  def run(self, comp: str, depth: int = 0) -> None:
+    if depth > 64:
+      raise ValueError(f"predict_step: computations nested over 64 deep at {comp}")
+    in_flight: dict[str, int] = {}
+    for instr in self.p.comps.get(comp, []):
+      category, kind, role = self.p.classify(instr)
+      if role in ("sync", "start") and kind is not None:
+        slot = self.issue(instr, kind, comp)
+        if role == "sync":
+          self.wait(slot)
+        else:
+          in_flight[instr.name] = slot
+      elif role == "done":
+        slot = next((in_flight.pop(o) for o in instr.operands if o in in_flight), None)
+        if slot is not None:
+          self.wait(slot)
+      elif instr.opcode == "while":
+        self.loop(instr, depth)
+      elif instr.opcode == "conditional":
+        self.branches(instr, depth)
+      elif instr.opcode == "call":
+        for called in _called(instr):
+          self.run(called, depth + 1)
+      elif category in ("gemm", "compute"):
+        self.kernel(instr, category, comp)
+
+  def prediction(self) -> StepPrediction:
+    comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    compute = 0.0
+    for s in self.slots:
+      if s.lane == "comm":
+        comm[s.kind] = comm.get(s.kind, 0.0) + (s.end - s.start)
+        exposed[s.kind] = exposed.get(s.kind, 0.0) + s.exposed
+      else:
+        compute += s.end - s.start
+    comm["total"], exposed["total"] = sum(comm.values()), sum(exposed.values())
+    timeline = tuple(
+      Interval(s.name, s.kind, s.lane, s.start, s.end, s.computation, s.exposed) for s in self.slots
+    )
+    return StepPrediction(
+      module=self.p.module,
+      step_us=self.t,
+      compute_us=compute,
+      comm_us=comm,
+      exposed_us=exposed,
+      timeline=timeline,
+      unestimated=tuple(self.unestimated),
+      unknown_trip_counts=tuple(self.unknown_trips),
+    )
+
+
+def predict_step(
+  program: Any,
+  *args: Any,
+  compiler_options: dict[str, Any] | None = None,
+  **kwargs: Any,
+) -> StepPrediction:
+  """Predicts a compiled GPU program's time from XLA's own cost model.
+
+  XLA's GPU latency hiding scheduler orders a program with an estimate of every kernel and
+  collective (on Hopper and Blackwell its analytical speed-of-light model: roofline kernels,
+  measured tables for GEMMs and collectives). Compiled with `COST_MODEL_OPTIONS`, the program
+  keeps those estimates; this replays its schedule with them. Kernels run back to back on one
+  stream, every `while` body its known trip count of times; a collective starts on its own
+  stream when issued (after the one before it) and its done waits for it. What the kernels
+  wait is the exposed communication; the rest of each collective is hidden.
+
+  Not modelled: kernels slowed by a collective running beside them (memory bandwidth, SMs), host
+  overhead and launch latency, anything XLA gave no estimate (`unestimated`).
+
+  Args:
+    program: a `jax.stages.Compiled` compiled with `COST_MODEL_OPTIONS` (`compile_for_gpu` and
+      `compile_train_step` add them); its `as_text()`; a `jax.stages.Lowered` or a function
+      (jitted or not, or a jaxdp train step) with `args`/`kwargs`, compiled here with them.
+    *args: example arguments (arrays or `jax.ShapeDtypeStruct`) when `program` is a function.
+    compiler_options: more XLA options for the compile done here.
+    **kwargs: keyword arguments of the function.
+
+  Returns:
+    The `StepPrediction`: step time, compute time, per collective kind the communication time
+    and the exposed part of it, and the timeline in microseconds.
+
+  Raises:
+    ValueError: if the program carries no estimates: not a GPU program, or compiled without
+      `COST_MODEL_OPTIONS`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> from jaxdp import inspect
+    >>> mesh = inspect.gpu_mesh((8,), ("data",))
+    >>> x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+    >>> p = inspect.predict_step(inspect.compile_for_gpu(lambda x: jnp.tanh(x @ x.T).sum(), x))
+    >>> p.step_us > p.comm_us["all-gather"] >= p.exposed_us["all-gather"] >= 0
+    True
+    >>> sorted({i.lane for i in p.timeline})
+    ['comm', 'compute']
+  """
+  if isinstance(program, StepPrediction):
+    return program
+  wrapped: dict[str, float] = {}
+  if isinstance(program, str):
+    text = program
+  else:
+    options = {**COST_MODEL_OPTIONS, **(compiler_options or {})}
+    compiled = _compiled(program, args, kwargs, options)
+    text, wrapped = compiled.as_text(), _wrapped_estimates(compiled)
+  parser = _Parser(text)
+  if not _REIFICATION.search(text) or '"name":"sol"' not in text:
+    raise ValueError(
+      f"predict_step: {parser.module} carries no XLA:GPU cost estimates; pass a GPU program "
+      "compiled with compiler_options=jaxdp.inspect.COST_MODEL_OPTIONS (compile_for_gpu and "
+      "compile_train_step add them), or the function or Lowered to compile here"
+    )
+  replay = _Replay(parser, wrapped)
+  replay.run(parser.entry)
+  return replay.prediction()

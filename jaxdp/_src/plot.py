@@ -10,6 +10,8 @@ scripts hold no drawing code:
 - `plot_timeline`: a compiled program's `Schedule` (`jaxdp.inspect.schedule`) as lanes:
   the compute kernels (GEMMs dark), then one lane per collective from its start to its
   done, exposed ones called out.
+- `plot_predicted_timeline`: a `StepPrediction` (`jaxdp.inspect.predict_step`) on a time
+  axis, the exposed communication shaded.
 - `plot_memory`: bytes per device as stacked bars (a `MemoryLedger` or any
   `{kind: bytes}`), with measured or compiled numbers as markers on top.
 
@@ -412,6 +414,98 @@ def plot_timeline(schedule, ax=None, *, title: str | None = None, legend: bool =
       Patch(facecolor="white", edgecolor=_EXPOSED, linewidth=2, label="no GEMM under it"),
       Patch(facecolor=_EXPOSED, hatch="xx", edgecolor="white", label="exposed"),
     ]
+    ax.legend(
+      handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False
+    )
+  return ax
+
+
+def plot_predicted_timeline(
+  prediction, ax=None, *, title: str | None = None, legend: bool = True, unit: str = "us"
+):
+  """Draws a `StepPrediction` on a time axis: the compute stream above, collectives below.
+
+  The top lane holds the kernels back to back (GEMMs dark); the lane below it the
+  collectives, each a bar from when the communication stream starts it to when it ends,
+  coloured by kind. Red spans cross both lanes wherever the kernels wait for a collective:
+  that is the exposed communication; a collective's bar outside them is hidden under
+  compute. Loops are drawn trip by trip.
+
+  Args:
+    prediction: a `jaxdp.inspect.StepPrediction` (or anything `predict_step` takes).
+    ax: matplotlib axes; None: a new figure.
+    title: axes title; default: module, step time, exposed and hidden communication.
+    legend: draw the legend.
+    unit: `"us"` or `"ms"` for the time axis.
+
+  Returns:
+    The axes.
+
+  Examples:
+    >>> from jaxdp.inspect import Interval, StepPrediction
+    >>> p = StepPrediction(  # a GEMM, an all-reduce under it, then a kernel that waits for it
+    ...   "demo", step_us=10.0, compute_us=8.0,
+    ...   comm_us={"all-reduce": 5.0, "total": 5.0}, exposed_us={"all-reduce": 2.0, "total": 2.0},
+    ...   timeline=(Interval("dot", "gemm", "compute", 0.0, 6.0, "main"),
+    ...             Interval("all-reduce-start", "all-reduce", "comm", 3.0, 8.0, "main", 2.0),
+    ...             Interval("add", "compute", "compute", 8.0, 10.0, "main")))
+    >>> ax = plot_predicted_timeline(p)
+    >>> ax.get_title()
+    'demo: 10 us, exposed communication 2 us (60% hidden)'
+  """
+  from jaxdp._src.inspect import predict_step  # noqa: PLC0415
+
+  from matplotlib.patches import Patch  # noqa: PLC0415
+
+  if unit not in ("us", "ms"):
+    raise ValueError(f"plot_predicted_timeline: unit={unit!r}; use 'us' or 'ms'")
+  p = predict_step(prediction)
+  scale = 1e-3 if unit == "ms" else 1.0
+  ax = _axes(ax, (11, 2.2))
+  kernels = [i for i in p.timeline if i.lane == "compute"]
+  for kind, color in (("compute", "lightsteelblue"), ("gemm", "navy")):
+    spans = [(i.start_us * scale, (i.end_us - i.start_us) * scale) for i in kernels]
+    spans = [s for s, i in zip(spans, kernels) if i.kind == kind]
+    ax.broken_barh(spans, (-0.4, 0.8), facecolors=color, linewidth=0)
+  colls = [i for i in p.timeline if i.lane == "comm"]
+  for kind in dict.fromkeys(i.kind for i in colls):
+    spans = [(i.start_us * scale, (i.end_us - i.start_us) * scale) for i in colls if i.kind == kind]
+    ax.broken_barh(
+      spans,
+      (0.6, 0.8),
+      facecolors=_KIND_COLOR.get(kind, "tab:gray"),
+      edgecolor="white",
+      linewidth=0.3,
+    )
+  # The compute stream waits only for collectives: its gaps are the exposed communication.
+  waits, t = [], 0.0
+  for i in kernels:
+    if i.start_us > t:
+      waits.append((t * scale, (i.start_us - t) * scale))
+    t = max(t, i.end_us)
+  if p.step_us > t:
+    waits.append((t * scale, (p.step_us - t) * scale))
+  ax.broken_barh(waits, (-0.5, 2.0), facecolors=_EXPOSED, alpha=0.3, linewidth=0)
+  ax.set_yticks([0, 1], ["compute", "collectives"], fontsize="small")
+  ax.set_ylim(1.6, -0.6)
+  ax.set_xlim(0, max(p.step_us, 1e-9) * scale)
+  ax.set_xlabel(f"predicted time ({unit}), from XLA's cost model")
+  ax.set_title(
+    title
+    or f"{p.module}: {p.step_us * scale:,.3g} {unit}, exposed communication "
+    f"{p.exposed_us['total'] * scale:,.3g} {unit} ({100 * p.hidden_fraction:.0f}% hidden)",
+    fontsize="medium",
+  )
+  if legend:
+    handles = [
+      Patch(color="navy", label="GEMM"),
+      Patch(color="lightsteelblue", label="other kernel"),
+    ]
+    handles += [
+      Patch(color=_KIND_COLOR.get(k, "tab:gray"), label=k)
+      for k in dict.fromkeys(i.kind for i in colls)
+    ]
+    handles.append(Patch(color=_EXPOSED, alpha=0.3, label="exposed (kernels wait)"))
     ax.legend(
       handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False
     )

@@ -13,7 +13,11 @@ step costs over `jit` is jaxdp's own machinery (bucket ravel/unravel, hooks, mas
 
 Prints one JSON line: median step time over `--repeats` timed blocks of `--steps` steps,
 compile time, the compiled program's memory analysis (`peak_memory_in_bytes` and parts),
-and the device's real `peak_bytes_in_use` after the steps.
+the device's real `peak_bytes_in_use` after the steps, and the step time XLA's cost model
+predicts for that very program (`jaxdp.inspect.predict_step`; the program is compiled with
+`COST_MODEL_OPTIONS`, which leave its schedule as it is), so that the run measures the
+estimate's error. Where the option or the estimate fails, the line says why and the step is
+compiled and timed without it.
 """
 
 import argparse
@@ -48,6 +52,7 @@ from flax import nnx  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)  # the repo root
 import jaxdp  # noqa: E402
+from jaxdp import inspect  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 spec = dict(MODELS[args.model])
@@ -82,8 +87,23 @@ else:
   batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
 
 t0 = time.perf_counter()
-compiled = fn.lower(carry, batch).compile()
-compile_s = time.perf_counter() - t0
+lowered = fn.lower(carry, batch)
+try:  # the prediction's estimates ride along in the compiled program
+  compiled = lowered.compile(compiler_options=inspect.COST_MODEL_OPTIONS)
+  compile_s = time.perf_counter() - t0
+  prediction = inspect.predict_step(compiled)
+  predicted = dict(
+    predicted_ms=prediction.step_us / 1e3,
+    predicted_compute_ms=prediction.compute_us / 1e3,
+    predicted_exposed_ms=prediction.exposed_us["total"] / 1e3,
+    predicted_unestimated=len(prediction.unestimated),
+  )
+except Exception as e:  # noqa: BLE001 - any failure: time the step as compiled without them
+  t0 = time.perf_counter()
+  lowered = fn.lower(carry, batch)
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  predicted = dict(predicted_ms=None, predicted_error=f"{type(e).__name__}: {e}"[:500])
 analysis = compiled.memory_analysis()
 in_use_before = (device.memory_stats() or {}).get("bytes_in_use", 0)
 
@@ -122,6 +142,7 @@ print(
       compiled_alias=int(analysis.alias_size_in_bytes),
       in_use_before=int(in_use_before),
       real_peak=int(stats.get("peak_bytes_in_use", 0)),
+      **predicted,
     )
   ),
   flush=True,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One real GPU, one run (<= 8 minutes): jaxdp's dp = 1 overhead against plain jax.jit on a
-# GPT of 3.2M and of 352M params, the real peak memory against the compiled estimate, and
+# GPT of 3.2M and of 352M params, the real peak memory against the compiled estimate, the
+# measured step against the one XLA's cost model predicts (jaxdp.inspect.predict_step), and
 # the device's target description. Output (to $OUT, else ./out/gpu_check): gpu_check.jsonl
 # (one line per model x variant, from scripts/bench/gpu_check.py), gpu_check.md (the table),
 # <device>_target_config.txtpb, nvidia-smi.txt, versions.txt.
@@ -34,15 +35,19 @@ import json, sys
 out = sys.argv[1]
 rows = [json.loads(l) for l in open(f"{out}/gpu_check.jsonl") if l.startswith("{")]
 base = {r["model"]: r for r in rows if r["variant"] == "jit"}
-lines = ["| model | params | variant | step ms | / jit | compile s | compiled peak MiB "
-         "| real peak MiB | real / compiled |", "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+lines = ["| model | params | variant | step ms | / jit | predicted ms | measured / predicted "
+         "| compile s | compiled peak MiB | real peak MiB | real / compiled |",
+         "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for r in rows:
   b = base.get(r["model"])
   ratio = f"{r['step_ms'] / b['step_ms']:.3f}" if b else "-"
   peak = r["compiled_peak"] or r["compiled_temp"] + r["compiled_args"]
+  pred = r.get("predicted_ms")
+  vs = f"{pred:.2f} | {r['step_ms'] / pred:.3f}" if pred else "- | -"
   lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['variant']} | "
-               f"{r['step_ms']:.2f} | {ratio} | {r['compile_s']:.1f} | {peak / 2**20:.0f} | "
-               f"{r['real_peak'] / 2**20:.0f} | {r['real_peak'] / max(peak, 1):.3f} |")
+               f"{r['step_ms']:.2f} | {ratio} | {vs} | {r['compile_s']:.1f} | "
+               f"{peak / 2**20:.0f} | {r['real_peak'] / 2**20:.0f} | "
+               f"{r['real_peak'] / max(peak, 1):.3f} |")
 open(f"{out}/gpu_check.md", "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
