@@ -25,7 +25,9 @@ in `params`. Readers see the per-leaf form through `per_leaf_state`.
 One step: `fsdp_program.run_loss` traces the loss with whole params and runs it unit by
 unit, each unrolled unit (and each scan over a stacked unit, one layer per iteration) one
 `custom_vjp`: the forward all-gathers the unit's shard in the param dtype where the unit is
-first used (one all-gather per unit and dtype, `collectives.unit_collectives`), keeps what
+first used (one all-gather per unit and dtype, `collectives.unit_collectives`; with
+`FSDPConfig(param_dtype=)` the fp32 shard is cast to it before the collective, and the loss
+receives every float param in it: torch FSDP2's `MixedPrecisionPolicy`), keeps what
 `jax.vjp` of the unit keeps less what is computed from the params alone; the backward
 all-gathers the unit again (`reshard_after_forward`, the default), runs the unit's vjp and
 reduce-scatters its grads in the grad dtype (one reduce-scatter; fp32 with
@@ -73,7 +75,13 @@ from jaxdp._src.state import (
   opt_params_of,
   tree_of,
 )
-from jaxdp._src.units import assign_units, chunked_leaves, param_specs, units_of
+from jaxdp._src.units import (
+  assign_units,
+  chunked_leaves,
+  compute_dtype,
+  param_specs,
+  units_of,
+)
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
@@ -267,7 +275,11 @@ def call_with_units(
   uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
   values = dict(enumerate(stored))
   values.update(tmaster)
-  leaf_avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+  # the loss receives every float param in `fsdp.param_dtype` (what the gathers return)
+  leaf_avals = [
+    jax.ShapeDtypeStruct(s, compute_dtype(d, fsdp.param_dtype))
+    for s, d in zip(layout.shapes, layout.dtypes)
+  ]
   return fsdp_program.run_loss(
     lambda tree, a: call(tree, *a),
     layout.treedef,
@@ -297,17 +309,26 @@ def unit_values(master, layout: Layout, fused: bool) -> dict:
 
 
 def unit_collectives(
-  layout: Layout, mesh, config: DDPConfig, fsdp: FSDPConfig | None = None, fused: bool = False
+  layout: Layout,
+  mesh,
+  config: DDPConfig,
+  fsdp: FSDPConfig | None = None,
+  fused: bool = False,
+  *,
+  chunks: bool = True,
 ) -> list[fsdp_program.UnitIO]:
-  """Inside the step: each unit's gather (forward all-gather) and scatter (backward
-  reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves `fsdp.chunks` names are
-  gathered by row blocks where the loss uses them (None: no chunks, for code that gathers
-  units whole outside `run_loss`); `fused`: on the flat master shards of a fused state
-  (`collectives.unit_collectives_flat`; a fused state has no chunks, see `init_state`)."""
+  """Inside the step: each unit's gather (forward all-gather, in `fsdp.param_dtype`) and
+  scatter (backward reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves
+  `fsdp.chunks` names are gathered by row blocks where the loss uses them (`chunks=False`:
+  none, for code that gathers units whole outside `run_loss`); `fused`: on the flat master
+  shards of a fused state (`collectives.unit_collectives_flat`; a fused state has no
+  chunks, see `init_state`)."""
+  fsdp = fsdp or FSDPConfig()
+  units = units_of(layout, fsdp.param_dtype, config.grad_reduce_in_fp32)
   if fused:
     keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
     out = []
-    for u in units_of(layout):
+    for u in units:
       grad = tuple(
         (b, dtype, master_dtype(layout.dtypes[b.params[0].index]), keys[b]) for b, dtype in u.grad
       )
@@ -328,7 +349,7 @@ def unit_collectives(
         )
       )
     return out
-  chunks = chunked_leaves(layout, fsdp) if fsdp is not None else {}
+  chunks = chunked_leaves(layout, fsdp) if chunks else {}
   return [
     fsdp_program.UnitIO(
       name=u.name,
@@ -346,7 +367,7 @@ def unit_collectives(
       ),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
-    for u in units_of(layout)
+    for u in units
   ]
 
 
@@ -379,7 +400,7 @@ def make_grad_fn(
     stored, trainable = leaves_of(params), layout.trainable
     # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
     units = unit_collectives(
-      layout, mesh, config, fsdp if k == 1 or fsdp.reshard_after_backward else None, fused
+      layout, mesh, config, fsdp, fused, chunks=k == 1 or fsdp.reshard_after_backward
     )
 
     def loss_of(tmaster, mb, j, ms):
