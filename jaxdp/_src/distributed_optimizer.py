@@ -77,6 +77,8 @@ from jaxdp._src.mesh import (
   data_axes,
   manual_spec,
   pspec,
+  run_manual,
+  runs_auto,
   view_dims,
   with_data,
 )
@@ -807,11 +809,10 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
     specs = [
       manual_spec(d, axes) if m is not None else None for m, d in zip(master, leaf_specs(state)[1])
     ]
-  out_specs = [
-    manual_spec(model_spec(state, i, len(layout.shapes[i])), axes) if t else None
-    for i, t in enumerate(layout.trainable)
-  ]
-  gathered = jax.shard_map(
-    gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs, axis_names=set(axes)
-  )(master)
+  dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+  out_specs = [manual_spec(d, axes) if t else None for t, d in zip(layout.trainable, dims)]
+  placed = [pspec(d) if t else None for t, d in zip(layout.trainable, dims)]
+  if not runs_auto(mesh, state.model_specs):
+    placed = None
+  gathered = run_manual(gather, mesh, (specs,), out_specs, placed)(master)
   return [g if g is not None else x for g, x in zip(gathered, params)]

@@ -12,7 +12,14 @@ from jaxdp._src import checks, collectives, fsdp as fsdp_lib, train
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import flat_master_specs, gather_master
-from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
+from jaxdp._src.mesh import (
+  constrain,
+  data_axes,
+  dp_size,
+  manual_spec,
+  run_manual,
+  runs_auto,
+)
 from jaxdp._src.state import (
   TrainState,
   extra_specs,
@@ -133,12 +140,13 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       param_specs, master_specs = manual(param_dims), manual(master_dims)
       if flat_master(state):
         master_specs = flat_master_specs(state.layout, axes)
-    return jax.shard_map(
+    out_spec = batch_spec if per_example else P()
+    return run_manual(
       functools.partial(local, layout=state.layout, fused=state.fused),
-      mesh=mesh,
-      in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
-      out_specs=batch_spec if per_example else P(),
-      axis_names=set(axes),
+      mesh,
+      (param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
+      out_spec,
+      out_spec if runs_auto(mesh, state.model_specs) else None,
     )(state.params, state.master, batch, state.model_state)
 
   return jax.jit(step, compiler_options=compiler_options(mesh.devices.flat[0].platform))

@@ -60,11 +60,13 @@ def init_state(
       jaxdp runs its step manual over "replica", "expert" and "data" and leaves every
       other axis (e.g. "model") to the compiler. Params placed with a `NamedSharding` on
       this mesh keep their sharding over the other axes (tensor-parallel weights, e.g.
-      `P(None, "model")`), in `params`, master params and optimizer state alike. Params
-      sharded `P("expert", ...)` are expert params: dense params are data parallel over
-      "expert" too, expert params get buffers of their own reduced over the
-      expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees this
-      rank's experts (the model exchanges tokens over "expert" itself).
+      `P(None, "model")`), in `params`, master params and optimizer state alike, on a mesh
+      with Auto or Explicit axes (where params are sharded over Explicit ones the step
+      runs with them Auto: the loss is written as for an Auto mesh, with no sharding
+      annotations). Params sharded `P("expert", ...)` are expert params: dense params
+      are data parallel over "expert" too, expert params get buffers of their own reduced
+      over the expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees
+      this rank's experts (the model exchanges tokens over "expert" itself).
     config: the `DDPConfig`.
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
