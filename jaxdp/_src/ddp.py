@@ -51,6 +51,7 @@ from jaxdp._src.config import DDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
   check_expert_rows,
+  check_model_rows,
   fused_master,
   flat_master_specs,
   gather_master,
@@ -192,6 +193,7 @@ def init_state(
   sharded, trainable = _sharded(config), layout.trainable
   if sharded:
     check_expert_rows(layout, mesh)
+    check_model_rows(layout, model_specs, mesh, [i for i, t in enumerate(trainable) if t])
     # the optimizer sees padded leaves: refuse tx that would be silently different
     check_exact(tx, layout)
   fused = use_fused(tx, layout, config, model_specs)

@@ -4,8 +4,9 @@ jaxdp runs its step manual over the data axes (`data_axes`) and leaves every oth
 axis (e.g. "model") to the compiler, Auto even where the mesh made it Explicit and a param
 is sharded over it (`run_manual`). A param keeps the sharding its caller gave it over
 those other axes (Megatron-style tensor parallel weights) and over "expert" (expert
-params): its `ModelSpec`. jaxdp adds "data" on dim 0 where it shards (master params and
-optimizer state of the sharded strategies): after the leaf's manual axes, because a
+params): its `ModelSpec`. jaxdp adds "data" on the leaf's shard dim where it shards
+(master params and optimizer state of the sharded strategies, FSDP's params; FSDP picks a
+dim the other axes do not split where there is one): after the leaf's manual axes, because a
 bucket holds the slice that one expert-parallel rank sees, and before its automatic ones,
 because inside the step the compiler splits the device's block further.
 """
@@ -64,8 +65,8 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
 
   Raises:
     ValueError: a leaf sharded over a data axis ("data", "replica": jaxdp shards over those
-      itself), over "expert" on a dim other than its leading one, or with a non-trivial
-      sharding on another mesh.
+      itself), over "expert" on a dim other than its leading one, on a dim its axes do not
+      divide, or with a non-trivial sharding on another mesh.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -111,6 +112,13 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
         raise ValueError(
           f"{name} is sharded {sharding.spec}: expert params are sharded over {EXPERT!r} "
           f"on their leading (expert) dim alone; place them with P({EXPERT!r}, ...)"
+        )
+      ways = math.prod(mesh.shape[a] for a in axes)
+      if np.shape(x)[d] % ways:
+        raise ValueError(
+          f"{name} is sharded {sharding.spec}, but its dim {d} ({np.shape(x)[d]}) does not "
+          f"divide over {' x '.join(map(repr, axes))} ({ways} devices); give that dim a "
+          f"multiple of {ways}, or split another dim"
         )
     out.append(dims)
   return tuple(out)

@@ -83,10 +83,12 @@ def init_state(
 
   Raises:
     ValueError: the mesh has no "data" axis, params have no trainable float leaf,
-      `frozen` does not match params, a param is placed over a data axis or on another
-      mesh, or (sharded strategies) an expert param's experts per rank do not divide by
-      the "data" axis size.
-    NotImplementedError: tensor- or expert-parallel params under `optim_grads_params`.
+      `frozen` does not match params, a param is placed over a data axis, on another mesh
+      or over axes that do not divide its dim, or (sharded strategies) an expert param's
+      experts per rank, or the rows of a dim that both its caller and jaxdp split, do not
+      divide by the axis sizes; under `optim_grads_params`, a tensor-parallel param split
+      over its layer axis (`FSDPConfig(stacked=)`) or gathered by row blocks (`chunks=`).
+    NotImplementedError: expert-parallel params under `optim_grads_params`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
