@@ -296,6 +296,7 @@ def unit_collectives(
   axes: Sequence[str],
   average: bool,
   chunked: Collection[int] = (),
+  own: Mapping[int, Any] | None = None,
 ) -> UnitCollectives:
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
   collectives), as plain functions; `fsdp_program` calls them inside each unit's
@@ -330,7 +331,9 @@ def unit_collectives(
   The `chunked` leaves (`FSDPConfig(chunks=...)`) are left out of `gather`, `scatter`,
   `gather_each` and `scatter_each` (`fsdp_program` gathers them a row block at a time with `gather_rows`); the
   other params of a bucket that holds one are gathered and reduce-scattered one collective
-  per param.
+  per param, and so are those of a bucket that holds one of the `own` leaves (a
+  tensor-parallel leaf, split over another mesh axis on a dim other than its shard dim:
+  its own all-gather over `DATA` keeps that split, a ravel into the bucket would not).
 
   Args:
     gather_buckets: `(bucket, param dtype)` over all the unit's float params.
@@ -340,26 +343,46 @@ def unit_collectives(
     axes: the data-parallel mesh axes (`DATA` last).
     average: average inside the collective instead of pre-scaling.
     chunked: leaves gathered by row blocks.
+    own: leaf -> the PartitionSpec over other mesh axes its caller split it over (of one
+      layer for a stacked unit), for leaves whose shard dim those axes leave whole: each of
+      their gathers and reduce-scatters runs in a `shard_map` manual over those axes too,
+      on this device's own slice. (Inside the step's `shard_map` the compiler first gathers
+      an operand whole over the automatic axes before a collective over a manual one: a
+      tensor-parallel block would be gathered over "model" first.)
   """
   other = tuple(a for a in axes if a != DATA)
+  own = own or {}
   chunked = frozenset(chunked)
+  single = chunked | frozenset(own)
+
+  def manual_over(i, f):
+    """`f` on leaf `i`'s values, manual over the axes its caller split it over (`own`)."""
+    if i not in own:
+      return f
+    spec = own[i]
+    names = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=names)
+
   dtypes = {p.index: dtype for b, dtype in gather_buckets for p in b.params}
   grad_dtypes = {p.index: dtype for b, dtype in grad_buckets for p in b.params}
   specs = {p.index: p for b, _ in gather_buckets for p in b.params}
 
   def gather_rows(i, rows, dtype=None):
-    x = jax.lax.all_gather(
-      rows.astype(dtype or dtypes[i]), DATA, axis=specs[i].axis, tiled=True, to="varying"
-    )
+    x = manual_over(
+      i, lambda r: jax.lax.all_gather(r, DATA, axis=specs[i].axis, tiled=True, to="varying")
+    )(rows.astype(dtype or dtypes[i]))
     return make_varying(x, other) if other else x
 
   def scatter_rows(i, ct):
     p = specs[i]
-    ct = ct.astype(grad_dtypes[i])
-    if p.axis:  # reduce_bucket scatters dim 0
-      ct = jnp.moveaxis(ct, p.axis, 0)
-    g = reduce_bucket(ct, dp=dp, scatter=True, axes=axes, average=average)
-    return (jnp.moveaxis(g, 0, p.axis) if p.axis else g).astype(cotangent_dtypes[i])
+
+    def reduce(ct):
+      if p.axis:  # reduce_bucket scatters dim 0
+        ct = jnp.moveaxis(ct, p.axis, 0)
+      g = reduce_bucket(ct, dp=dp, scatter=True, axes=axes, average=average)
+      return jnp.moveaxis(g, 0, p.axis) if p.axis else g
+
+    return manual_over(i, reduce)(ct.astype(grad_dtypes[i])).astype(cotangent_dtypes[i])
 
   def gathered_each(local, buckets):  # one all-gather per param of `buckets`, no ravel
     return {
@@ -382,7 +405,7 @@ def unit_collectives(
     shards = jax.lax.axis_size(DATA)
     out = {}
     for b, dtype in gather_buckets:
-      if any(p.index in chunked for p in b.params):
+      if any(p.index in single for p in b.params):
         out.update(gathered_each(local, [(b, dtype)]))
         continue
       full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
@@ -394,7 +417,7 @@ def unit_collectives(
     shards = jax.lax.axis_size(DATA)
     grads = {}
     for b, grad_dtype in grad_buckets:
-      if any(p.index in chunked for p in b.params):
+      if any(p.index in single for p in b.params):
         grads.update(scattered_each(cts, [(b, grad_dtype)]))
         continue
       shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average)

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import jax.numpy as jnp
+import numpy as np
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 Strategy = Literal["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -147,6 +150,12 @@ class FSDPConfig:
     Traceback (most recent call last):
     ...
     ValueError: FSDPConfig: stacked= needs the default units or a list of prefixes; a units function must name the unit of every leaf itself, so put each stacked subtree in a unit of its own and leave stacked= out
+    >>> FSDPConfig(param_dtype="bfloat16").param_dtype
+    dtype(bfloat16)
+    >>> FSDPConfig(param_dtype="int8")
+    Traceback (most recent call last):
+    ...
+    ValueError: FSDPConfig: param_dtype='int8': must be a floating-point dtype (e.g. jnp.bfloat16), the dtype the params are gathered and computed in; None keeps each param's own dtype
   """
 
   units: Sequence[Prefix] | Callable[[str], str] | None = None
@@ -185,6 +194,12 @@ class FSDPConfig:
   `jnp.take(w, ids, axis=0)`: each block gathered once, nothing in the backward), possibly
   after a cast (`w.astype(jnp.bfloat16)`: the blocks then move in that dtype); stored as
   sorted `(prefix, C)` pairs."""
+  param_dtype: Any = None
+  """The dtype every float param is gathered in and the loss receives (torch FSDP2's
+  `MixedPrecisionPolicy(param_dtype=)`, e.g. `jnp.bfloat16`): the fp32 master stays sharded,
+  each unit's shard is cast before its all-gather (which moves, and gathers, half the bytes
+  of fp32), and gradients are reduce-scattered in fp32 with `DDPConfig(grad_reduce_in_fp32=
+  True)` (the default), else in this dtype. None: each param's own dtype."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):
@@ -235,6 +250,18 @@ class FSDPConfig:
         "a stacked layer is gathered whole inside its scan iteration: chunk only unstacked "
         "params (an embedding, an output projection)"
       )
+    if self.param_dtype is not None:
+      try:
+        dtype = np.dtype(self.param_dtype)
+      except TypeError:
+        dtype = None
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+          f"FSDPConfig: param_dtype={self.param_dtype!r}: must be a floating-point dtype "
+          "(e.g. jnp.bfloat16), the dtype the params are gathered and computed in; None "
+          "keeps each param's own dtype"
+        )
+      object.__setattr__(self, "param_dtype", dtype)
     if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
       raise ValueError(
         f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "

@@ -51,6 +51,7 @@ from jaxdp._src.config import DDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
   check_expert_rows,
+  check_model_rows,
   fused_master,
   flat_master_specs,
   gather_master,
@@ -84,6 +85,8 @@ from jaxdp._src.mesh import (
   model_specs_of,
   own_axes,
   pspec,
+  run_manual,
+  runs_auto,
   view_dims,
   with_data,
 )
@@ -190,6 +193,7 @@ def init_state(
   sharded, trainable = _sharded(config), layout.trainable
   if sharded:
     check_expert_rows(layout, mesh)
+    check_model_rows(layout, model_specs, mesh, [i for i, t in enumerate(trainable) if t])
     # the optimizer sees padded leaves: refuse tx that would be silently different
     check_exact(tx, layout)
   fused = use_fused(tx, layout, config, model_specs)
@@ -643,29 +647,34 @@ def make_train_step(
     param_dims, master_dims = leaf_specs(state)
     manual = lambda dims: [None if d is None else manual_spec(d, axes) for d in dims]
     model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-    grad_specs = [
-      manual_spec(with_data(d, axes, layout.shard_axes[i]) if sharded else d, axes) if t else None
+    grad_dims = [
+      (with_data(d, axes, layout.shard_axes[i]) if sharded else d) if t else None
       for i, (t, d) in enumerate(zip(layout.trainable, model_dims))
     ]
     own = tuple(own_axes(d, axes) for d in model_dims)
     extras = extra_specs(state)
-    master_specs, grad_specs = tree_of(layout, manual(master_dims)), tree_of(layout, grad_specs)
+    master_specs, grad_specs = (
+      tree_of(layout, manual(master_dims)),
+      tree_of(layout, manual(grad_dims)),
+    )
+    placed = tree_of(layout, [None if d is None else pspec(d) for d in grad_dims])
     if state.fused and sharded:
-      master_specs = grad_specs = flat_master_specs(layout, axes)
+      master_specs = grad_specs = placed = flat_master_specs(layout, axes)
     elif state.fused:
-      grad_specs = {name: P() for name, _, _ in bucket_names(layout)}
-    grads, loss, grad_norm, aux, model_state = jax.shard_map(
+      grad_specs = placed = {name: P() for name, _, _ in bucket_names(layout)}
+    out_specs = (grad_specs, P(), P(), P(), extras["model_state"])
+    grads, loss, grad_norm, aux, model_state = run_manual(
       functools.partial(local_grads, loss_fn, plan_, layout=layout, own_axes=own),
-      mesh=mesh,
-      in_specs=(
+      mesh,
+      (
         tree_of(layout, manual(param_dims)),
         master_specs,
         batch_spec,
         extras["rng"],
         extras["model_state"],
       ),
-      out_specs=(grad_specs, P(), P(), P(), extras["model_state"]),
-      axis_names=set(axes),
+      out_specs,
+      (placed, *out_specs[1:]) if runs_auto(mesh, state.model_specs) else None,
     )(state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state)
 
     if state.fused:  # one update per bucket (see `distributed_optimizer`)

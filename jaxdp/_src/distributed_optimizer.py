@@ -77,6 +77,8 @@ from jaxdp._src.mesh import (
   data_axes,
   manual_spec,
   pspec,
+  run_manual,
+  runs_auto,
   view_dims,
   with_data,
 )
@@ -793,6 +795,27 @@ def check_expert_rows(layout: Layout, mesh):
         )
 
 
+def check_model_rows(layout: Layout, model_specs, mesh, leaves):
+  """Each of `leaves` (indices) a sharded strategy pads and splits over "data" on its shard
+  dim must divide there over the other axes its caller split that dim over, too (a
+  column-parallel bias `P("model")`: its rows over "data" x "model")."""
+  dp = mesh.shape[DATA]
+  for i in leaves:
+    dims = model_specs[i] if model_specs else ()
+    shape, axis = sharded_shape(layout, i)
+    own = [a for a in (dims[axis] if dims else ()) if a not in data_axes(mesh)]
+    ways = dp * math.prod(mesh.shape[a] for a in own)
+    if own and shape[axis] % ways:
+      n = (layout.shapes[i] or (1,))[axis]
+      raise ValueError(
+        f"params{layout.paths[i]} is split over {own} on dim {axis} ({n} rows), which the "
+        f"sharded optimizer also splits over {DATA!r}: padded to {shape[axis]} rows for "
+        f"{dp} devices they do not divide over {DATA!r} x {' x '.join(map(repr, own))} "
+        f"= {ways}; give that dim a size that is a multiple of {ways}, or split another "
+        "dim over the other axes"
+      )
+
+
 def gather_params(master, layout: Layout, mesh, params, state: TrainState):
   """All-gathers the updated params per bucket right after the update; `master` as
   `gather_master` takes it (a fused state's flat buckets when `state.fused`)."""
@@ -807,11 +830,10 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
     specs = [
       manual_spec(d, axes) if m is not None else None for m, d in zip(master, leaf_specs(state)[1])
     ]
-  out_specs = [
-    manual_spec(model_spec(state, i, len(layout.shapes[i])), axes) if t else None
-    for i, t in enumerate(layout.trainable)
-  ]
-  gathered = jax.shard_map(
-    gather, mesh=mesh, in_specs=(specs,), out_specs=out_specs, axis_names=set(axes)
-  )(master)
+  dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+  out_specs = [manual_spec(d, axes) if t else None for t, d in zip(layout.trainable, dims)]
+  placed = [pspec(d) if t else None for t, d in zip(layout.trainable, dims)]
+  if not runs_auto(mesh, state.model_specs):
+    placed = None
+  gathered = run_manual(gather, mesh, (specs,), out_specs, placed)(master)
   return [g if g is not None else x for g, x in zip(gathered, params)]

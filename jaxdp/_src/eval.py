@@ -8,11 +8,18 @@ from typing import Any, Callable
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._src import checks, collectives, fsdp as fsdp_lib, train
+from jaxdp._src import checks, collectives, fsdp as fsdp_lib
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import flat_master_specs, gather_master
-from jaxdp._src.mesh import constrain, data_axes, dp_size, manual_spec
+from jaxdp._src.mesh import (
+  constrain,
+  data_axes,
+  dp_size,
+  manual_spec,
+  run_manual,
+  runs_auto,
+)
 from jaxdp._src.state import (
   TrainState,
   extra_specs,
@@ -95,7 +102,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
   def finish(out):
     return out if per_example else collectives.average_aux(out, axes)
 
-  def local(params, master, batch, model_state, layout, fused):
+  def local(params, master, batch, model_state, layout, fused, model_specs):
     if fsdp_branch:
       return finish(
         fsdp_lib.call_with_units(
@@ -103,7 +110,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
           layout,
           leaves_of(params),
           fsdp_lib.unit_values(master, layout, fused),
-          fsdp_lib.unit_collectives(layout, mesh, config, fsdp, fused),
+          fsdp_lib.unit_collectives(layout, mesh, config, fsdp, fused, model_specs=model_specs),
           fsdp,
           data_axes(mesh),
           batch,
@@ -123,8 +130,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
     checks.check_batch(batch, dp_size(mesh))
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     if fsdp_branch:
-      specs = train.state_specs(state)
-      param_specs, master_specs = specs.params, specs.master
+      param_specs, master_specs = fsdp_lib.manual_specs(state)
     else:
       param_dims, master_dims = leaf_specs(state)
       manual = lambda dims: tree_of(
@@ -133,12 +139,15 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       param_specs, master_specs = manual(param_dims), manual(master_dims)
       if flat_master(state):
         master_specs = flat_master_specs(state.layout, axes)
-    return jax.shard_map(
-      functools.partial(local, layout=state.layout, fused=state.fused),
-      mesh=mesh,
-      in_specs=(param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
-      out_specs=batch_spec if per_example else P(),
-      axis_names=set(axes),
+    out_spec = batch_spec if per_example else P()
+    return run_manual(
+      functools.partial(
+        local, layout=state.layout, fused=state.fused, model_specs=state.model_specs
+      ),
+      mesh,
+      (param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
+      out_spec,
+      out_spec if runs_auto(mesh, state.model_specs) else None,
     )(state.params, state.master, batch, state.model_state)
 
   return jax.jit(step, compiler_options=compiler_options(mesh.devices.flat[0].platform))

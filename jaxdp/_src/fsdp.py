@@ -25,7 +25,9 @@ in `params`. Readers see the per-leaf form through `per_leaf_state`.
 One step: `fsdp_program.run_loss` traces the loss with whole params and runs it unit by
 unit, each unrolled unit (and each scan over a stacked unit, one layer per iteration) one
 `custom_vjp`: the forward all-gathers the unit's shard in the param dtype where the unit is
-first used (one all-gather per unit and dtype, `collectives.unit_collectives`), keeps what
+first used (one all-gather per unit and dtype, `collectives.unit_collectives`; with
+`FSDPConfig(param_dtype=)` the fp32 shard is cast to it before the collective, and the loss
+receives every float param in it: torch FSDP2's `MixedPrecisionPolicy`), keeps what
 `jax.vjp` of the unit keeps less what is computed from the params alone; the backward
 all-gathers the unit again (`reshard_after_forward`, the default), runs the unit's vjp and
 reduce-scatters its grads in the grad dtype (one reduce-scatter; fp32 with
@@ -33,6 +35,16 @@ reduce-scatters its grads in the grad dtype (one reduce-scatter; fp32 with
 the unit before it starts. `FSDPConfig(prefetch=k)` bounds how far ahead a gather may start,
 by data dependencies. Frozen params are gathered but get no grad, no collective and no
 optimizer state. The user's `jax.checkpoint` decides which activations are saved.
+
+Tensor-parallel params (a leaf the caller placed `P(None, "model")`): each keeps that
+placement in every field of the state, and jaxdp adds "data" on a dim the other axes do
+not split where the leaf has one (`layout_for`), so that its unit's all-gather and
+reduce-scatter run on this device's own "model" slice, manual over both axes
+(`collectives.unit_collectives(own=)`): they move 1/tp of the leaf over "data" alone. A
+leaf split over another axis on every dim (a column-parallel bias) is sharded on that dim
+too and gathered whole over the other axes by the compiler first. The loss sees whole
+params over "data" with the caller's split over the rest, and the compiler runs the
+tensor-parallel arithmetic (on a mesh with Explicit axes, under `mesh.run_manual`).
 
 Units (which params) are `units.py`'s.
 """
@@ -54,14 +66,30 @@ from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
+  check_model_rows,
   fused_master,
   grad_blocks,
   per_leaf_state,
   unpad_view,
   use_fused,
 )
-from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype, sharded_shape
-from jaxdp._src.mesh import DATA, constrain, data_axes, dp_size, model_specs_of, pspec, view_dims
+from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype, shard_axis
+from jaxdp._src.mesh import (
+  DATA,
+  EXPERT,
+  ModelSpec,
+  constrain,
+  data_axes,
+  data_axes_in,
+  dp_size,
+  manual_spec,
+  model_specs_of,
+  pspec,
+  run_manual,
+  runs_auto,
+  view_dims,
+  with_data,
+)
 from jaxdp._src.state import (
   FLAT_SPEC,
   TrainState,
@@ -70,20 +98,45 @@ from jaxdp._src.state import (
   extra_specs,
   is_flat_leaf,
   leaves_of,
+  model_spec,
   opt_params_of,
+  opt_state_specs,
   tree_of,
 )
-from jaxdp._src.units import assign_units, chunked_leaves, param_specs, units_of
+from jaxdp._src.units import (
+  assign_units,
+  chunked_leaves,
+  compute_dtype,
+  param_specs,
+  units_of,
+)
 
 PyTree = Any
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 def layout_for(
-  params: PyTree, mesh, config: DDPConfig, fsdp: FSDPConfig, frozen: Frozen = None
+  params: PyTree,
+  mesh,
+  config: DDPConfig,
+  fsdp: FSDPConfig,
+  frozen: Frozen = None,
+  model_specs: tuple[ModelSpec, ...] = (),
 ) -> Layout:
-  """The FSDP layout: one bucket per (unit, buffer) over the trainable params."""
+  """The FSDP layout: one bucket per (unit, buffer) over the trainable params. A leaf the
+  caller sharded over other mesh axes (`model_specs`: tensor parallel) is sharded over
+  "data" on a dim those axes do not split where it has one (`shard_axis(taken=)`), so that
+  each device's block keeps the caller's split and its all-gather over "data" needs
+  nothing of the other axes."""
   units, stacked = assign_units(params, fsdp)
+  keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+  shard_dims = {}
+  for (keys, x), dims in zip(keyed, model_specs):
+    path = jax.tree_util.keystr(keys)
+    if any(dims):
+      lead = 1 if path in stacked else 0  # a stacked leaf's dims of one layer
+      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
+      shard_dims[path] = shard_axis(tuple(x.shape[lead:]), mesh.shape[DATA], taken)
   layout = make_layout(
     params,
     dp=mesh.shape[DATA],
@@ -91,6 +144,7 @@ def layout_for(
     frozen=frozen,
     units=units,
     stacked=stacked,
+    shard_dims=shard_dims,
   )
   if not layout.buffers:
     raise ValueError(
@@ -100,30 +154,37 @@ def layout_for(
   return layout
 
 
-def _shard_dim(spec: ParamSpec) -> int:
-  return 1 if spec.layers else 0
-
-
 def _pad(x, spec: ParamSpec):
   return jax.vmap(lambda y: pad_rows(y, spec))(x) if spec.layers else pad_rows(x, spec)
-
-
-def _spec(ndim: int, dim: int | None) -> P:
-  """Full-length spec sharding `dim` over "data" (None: replicated)."""
-  return P(*[DATA if d == dim else None for d in range(ndim)]) if ndim else P()
 
 
 # ----------------------------------------------------------------------------- state
 
 
+def leaf_dims(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec | None]]:
+  """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is): a
+  unit's leaf sharded over "data" on its shard dim (`Layout.shard_axes`) and over the axes
+  the caller split it over, an integer leaf over the latter alone; master all None in a
+  fused state (flat)."""
+  layout = state.layout
+  manual = data_axes_in(dict(state.mesh_shape))
+  specs = param_specs(layout)
+  own = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+  sharded = lambda i: with_data(own[i], manual, layout.shard_axes[i])
+  params = [
+    None if x is None else sharded(i) if i in specs else own[i]
+    for i, x in enumerate(leaves_of(state.params))
+  ]
+  if state.fused:
+    return params, [None] * len(layout.shapes)
+  return params, [None if m is None else sharded(i) for i, m in enumerate(leaves_of(state.master))]
+
+
 def state_specs(state: TrainState) -> TrainState:
   """The PartitionSpec of every leaf of an FSDP state (a tree like `state`)."""
   layout = state.layout
-  specs = param_specs(layout)
-  params = [
-    None if x is None else _spec(x.ndim, _shard_dim(specs[i]) if i in specs else None)
-    for i, x in enumerate(leaves_of(state.params))
-  ]
+  param_dims, master_dims = leaf_dims(state)
+  params = [None if d is None else pspec(d) for d in param_dims]
   if state.fused:
     flat = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
     return dataclasses.replace(
@@ -132,27 +193,31 @@ def state_specs(state: TrainState) -> TrainState:
       params=tree_of(layout, params),
       master={name: FLAT_SPEC for name in flat},
       opt_state=jax.tree_util.tree_map_with_path(
-        lambda path, x: FLAT_SPEC if is_flat_leaf(path, x, flat) else _spec(x.ndim, None),
+        lambda path, x: FLAT_SPEC if is_flat_leaf(path, x, flat) else pspec(((),) * x.ndim),
         state.opt_state,
       ),
       **extra_specs(state),
     )
-  master = [
-    None if m is None else _spec(m.ndim, _shard_dim(specs[i]))
-    for i, m in enumerate(leaves_of(state.master))
-  ]
-  by_shape = {}
-  for i, m in enumerate(leaves_of(state.master)):
-    if m is not None:
-      by_shape.setdefault(tuple(m.shape), _shard_dim(specs[i]))
   return dataclasses.replace(
     state,
     step=P(),
     params=tree_of(layout, params),
-    master=tree_of(layout, master),
-    opt_state=jax.tree.map(lambda x: _spec(x.ndim, by_shape.get(tuple(x.shape))), state.opt_state),
+    master=tree_of(layout, [None if d is None else pspec(d) for d in master_dims]),
+    opt_state=opt_state_specs(state, master_dims),
     **extra_specs(state),
   )
+
+
+def manual_specs(state: TrainState) -> tuple[PyTree, PyTree]:
+  """`(params, master)` as a `shard_map` over the data axes takes them (`mesh.manual_spec`:
+  the other axes are left to the compiler)."""
+  layout = state.layout
+  axes = data_axes_in(dict(state.mesh_shape))
+  param_dims, master_dims = leaf_dims(state)
+  params = tree_of(layout, [None if d is None else manual_spec(d, axes) for d in param_dims])
+  if state.fused:
+    return params, {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
+  return params, tree_of(layout, [None if d is None else manual_spec(d, axes) for d in master_dims])
 
 
 def init_state(
@@ -170,21 +235,13 @@ def init_state(
   source = init_source(params)
   params = source.abstract
   model_specs = model_specs_of(params, mesh)
-  if any(any(dims) for dims in model_specs):
-    path = jax.tree_util.keystr(
-      jax.tree_util.tree_flatten_with_path(params)[0][
-        next(i for i, dims in enumerate(model_specs) if any(dims))
-      ][0]
-    )
-    raise NotImplementedError(
-      f"params{path} is sharded over a non-data mesh axis (tensor or expert parallel): "
-      "optim_grads_params does not keep such shardings yet; use 'optim' (or no_shard), "
-      "or place the params replicated"
-    )
-  layout = layout_for(params, mesh, config, fsdp, frozen)
-  check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
+  layout = layout_for(params, mesh, config, fsdp, frozen, model_specs)
   specs, trainable = param_specs(layout), layout.trainable
-  fused = use_fused(tx, layout, config, chunked=bool(chunked_leaves(layout, fsdp)))
+  _check_model_specs(layout, model_specs, fsdp)
+  check_model_rows(layout, model_specs, mesh, specs)
+  check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
+  chunked = bool(chunked_leaves(layout, fsdp))
+  fused = use_fused(tx, layout, config, model_specs, chunked=chunked)
 
   def build(params):
     leaves = leaves_of(params)
@@ -209,6 +266,7 @@ def init_state(
       layout,
       config,
       tuple(mesh.shape.items()),
+      model_specs,
       fused=fused,
     )
     return state
@@ -216,13 +274,39 @@ def init_state(
   def opt_params(state):  # the tree `tx` sees
     return state.master if fused else opt_params_of(layout, state.params, state.master)
 
-  # each leaf enters sharded over "data" where dp divides a dim: no device receives or
-  # computes a whole leaf
+  # each leaf enters sharded over "data" where dp divides a dim (and over the caller's own
+  # axes): no device receives or computes a whole leaf
   views = [
-    pspec(view_dims(shape, (), mesh.shape[DATA], sharded_shape(layout, i)[1]))
-    for i, shape in enumerate(layout.shapes)
+    pspec(view_dims(shape, dims, mesh.shape[DATA], layout.shard_axes[i]))
+    for i, (shape, dims) in enumerate(zip(layout.shapes, model_specs))
   ]
   return source.run(build, opt_params, tx, mesh, layout, views, state_specs)
+
+
+def _check_model_specs(layout: Layout, model_specs, fsdp: FSDPConfig):
+  """Raises for a caller's sharding FSDP cannot keep: over "expert", over the layer axis of
+  a stacked leaf, or of a leaf gathered by row blocks."""
+  chunked = chunked_leaves(layout, fsdp)
+  for i, (path, dims) in enumerate(zip(layout.paths, model_specs)):
+    spec = pspec(dims)
+    if any(EXPERT in axes for axes in dims):
+      raise NotImplementedError(
+        f"params{path} is sharded over a non-data axis of its own for expert parallelism "
+        f"({spec}): optim_grads_params keeps tensor-parallel shardings, not expert ones; "
+        "use 'optim' (or no_shard) for an expert-parallel model"
+      )
+    if layout.layers[i] and dims[0]:
+      raise ValueError(
+        f"params{path} is sharded {spec}: over its layer axis, which "
+        "FSDPConfig(stacked=...) scans and gathers one layer at a time; split a dim of a "
+        f"layer instead (e.g. P(None, {', '.join(repr(a) for a in dims[0])}))"
+      )
+    if any(dims) and i in chunked:
+      raise ValueError(
+        f"FSDPConfig(chunks=...) names params{path}, which is sharded {spec}: a param "
+        "gathered by row blocks must be replicated over the other mesh axes; leave it "
+        "out of chunks, or place it replicated"
+      )
 
 
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
@@ -233,13 +317,11 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   specs = param_specs(layout)
 
   def whole(i, x, m):
-    shape = layout.shapes[i]
+    shape, dims = layout.shapes[i], model_spec(state, i, len(layout.shapes[i]))
     if m is not None or i in specs:  # stored padded and sharded
-      x = unpad_view(
-        m if m is not None else x, shape, sharded_shape(layout, i)[1], mesh, (), sharded
-      )
+      x = unpad_view(m if m is not None else x, shape, layout.shard_axes[i], mesh, dims, sharded)
       return jnp.copy(x.astype(layout.dtypes[i]))
-    view = view_dims(shape, (), mesh.shape[DATA]) if sharded else ()
+    view = view_dims(shape, dims, mesh.shape[DATA]) if sharded else dims
     return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, pspec(view))
 
   return tree_of(
@@ -268,7 +350,11 @@ def call_with_units(
   uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
   values = dict(enumerate(stored))
   values.update(tmaster)
-  leaf_avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+  # the loss receives every float param in `fsdp.param_dtype` (what the gathers return)
+  leaf_avals = [
+    jax.ShapeDtypeStruct(s, compute_dtype(d, fsdp.param_dtype))
+    for s, d in zip(layout.shapes, layout.dtypes)
+  ]
   return fsdp_program.run_loss(
     lambda tree, a: call(tree, *a),
     layout.treedef,
@@ -298,17 +384,29 @@ def unit_values(master, layout: Layout, fused: bool) -> dict:
 
 
 def unit_collectives(
-  layout: Layout, mesh, config: DDPConfig, fsdp: FSDPConfig | None = None, fused: bool = False
+  layout: Layout,
+  mesh,
+  config: DDPConfig,
+  fsdp: FSDPConfig | None = None,
+  fused: bool = False,
+  *,
+  chunks: bool = True,
+  model_specs: tuple[ModelSpec, ...] = (),
 ) -> list[fsdp_program.UnitIO]:
-  """Inside the step: each unit's gather (forward all-gather) and scatter (backward
-  reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves `fsdp.chunks` names are
-  gathered by row blocks where the loss uses them (None: no chunks, for code that gathers
-  units whole outside `run_loss`); `fused`: on the flat master shards of a fused state
-  (`collectives.unit_collectives_flat`; a fused state has no chunks, see `init_state`)."""
+  """Inside the step: each unit's gather (forward all-gather, in `fsdp.param_dtype`) and
+  scatter (backward reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves
+  `fsdp.chunks` names are gathered by row blocks where the loss uses them (`chunks=False`:
+  none, for code that gathers units whole outside `run_loss`); `fused`: on the flat master
+  shards of a fused state (`collectives.unit_collectives_flat`; a fused state has no
+  chunks, see `init_state`). A leaf the caller sharded over other mesh axes
+  (`model_specs`) on dims other than its shard dim is gathered and reduce-scattered one
+  collective per param, manual over those axes too (`collectives.unit_collectives(own=)`)."""
+  fsdp = fsdp or FSDPConfig()
+  units = units_of(layout, fsdp.param_dtype, config.grad_reduce_in_fp32)
   if fused:
     keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
     out = []
-    for u in units_of(layout):
+    for u in units:
       grad = tuple(
         (b, dtype, master_dtype(layout.dtypes[b.params[0].index]), keys[b]) for b, dtype in u.grad
       )
@@ -329,7 +427,13 @@ def unit_collectives(
         )
       )
     return out
-  chunks = chunked_leaves(layout, fsdp) if fsdp is not None else {}
+  chunks = chunked_leaves(layout, fsdp) if chunks else {}
+  # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its axes.
+  own, specs = {}, param_specs(layout)
+  for i, dims in enumerate(model_specs):
+    layer = dims[1:] if layout.layers[i] else dims  # a stacked unit's collectives: a layer's
+    if any(dims) and i in specs and not layer[specs[i].axis]:
+      own[i] = pspec(layer)
   return [
     fsdp_program.UnitIO(
       name=u.name,
@@ -344,10 +448,11 @@ def unit_collectives(
         axes=data_axes(mesh),
         average=config.average_in_collective,
         chunked=[i for i in u.leaves if i in chunks],
+        own=own,
       ),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
-    for u in units_of(layout)
+    for u in units
   ]
 
 
@@ -373,14 +478,22 @@ def make_grad_fn(
   fsdp = fsdp or FSDPConfig()
   axes, dp, k = data_axes(mesh), dp_size(mesh), grad_accum_steps
 
-  def local_grads(master, params, batch, key, model_state, layout: Layout, fused: bool):
+  def local_grads(
+    master, params, batch, key, model_state, layout: Layout, fused: bool, model_specs
+  ):
     """Per device: this device's rows of every trainable param's grad (a fused state: its
     flat shard of every unit bucket), the loss, the aux and the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
     stored, trainable = leaves_of(params), layout.trainable
     # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
     units = unit_collectives(
-      layout, mesh, config, fsdp if k == 1 or fsdp.reshard_after_backward else None, fused
+      layout,
+      mesh,
+      config,
+      fsdp,
+      fused,
+      chunks=k == 1 or fsdp.reshard_after_backward,
+      model_specs=model_specs,
     )
 
     def loss_of(tmaster, mb, j, ms):
@@ -475,14 +588,19 @@ def make_grad_fn(
 
   def grad_fn(state: TrainState, batch):
     specs = state_specs(state)
+    params, master = manual_specs(state)
     batch_spec = P(axes)
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
-    return jax.shard_map(
-      functools.partial(local_grads, layout=state.layout, fused=state.fused),
-      mesh=mesh,
-      in_specs=(specs.master, specs.params, batch_spec, specs.rng, specs.model_state),
-      out_specs=(specs.master, P(), P(), P(), specs.model_state),
-      axis_names=set(axes),
+    out_specs = (master, P(), P(), P(), specs.model_state)
+    placed = (specs.master, *out_specs[1:]) if runs_auto(mesh, state.model_specs) else None
+    return run_manual(
+      functools.partial(
+        local_grads, layout=state.layout, fused=state.fused, model_specs=state.model_specs
+      ),
+      mesh,
+      (master, params, batch_spec, specs.rng, specs.model_state),
+      out_specs,
+      placed,
     )(state.master, state.params, batch, loop.step_key(state.rng, state.step), state.model_state)
 
   return grad_fn

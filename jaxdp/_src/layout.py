@@ -150,16 +150,20 @@ def _with_dim(shape: tuple[int, ...], axis: int, n: int) -> tuple[int, ...]:
   return (*shape[:axis], n, *shape[axis + 1 :])
 
 
-def shard_axis(shape: tuple[int, ...], dp: int) -> int:
+def shard_axis(shape: tuple[int, ...], dp: int, taken: Collection[int] = ()) -> int:
   """The dim to shard a param over dp devices: the one that needs the least padding to a
-  multiple of dp, the leading one on ties (0 for a scalar).
+  multiple of dp, the leading one on ties (0 for a scalar); of the dims not in `taken`
+  (split over another mesh axis) where there is one.
 
   Examples:
     >>> shard_axis((50257, 768), 8), shard_axis((4, 768, 3072), 8), shard_axis((300, 4), 8)
     (1, 1, 0)
+    >>> shard_axis((64, 8), 4, taken={0}), shard_axis((64,), 4, taken={0})
+    (1, 0)
   """
   padded = [round_up(n, dp) / n if n else math.inf for n in shape]
-  return min(range(len(shape)), key=lambda k: (padded[k], k)) if shape else 0
+  free = [k for k in range(len(shape)) if k not in taken] or list(range(len(shape)))
+  return min(free, key=lambda k: (padded[k], k)) if shape else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +258,8 @@ class Layout:
   layers: tuple[int, ...] | None = None
   """Per leaf in tree order: its leading layer axis size when stacked, else 0 (layouts made
   with `stacked=`), else None."""
+  shard_dims: tuple[tuple[str, int], ...] = ()
+  """`(path, dim)` of every leaf `make_layout(shard_dims=)` gave its shard dim, sorted."""
 
   @property
   def stacked(self) -> bool:
@@ -281,6 +287,9 @@ class Layout:
     (`ParamSpec.axis`; for a stacked leaf, whose layers lead, that of a layer + 1; for a
     leaf without a gradient buffer the leading dim, of a layer if stacked)."""
     axes = [1 if self.layers and self.layers[i] else 0 for i in range(len(self.shapes))]
+    given = dict(self.shard_dims)
+    for i, path in enumerate(self.paths):
+      axes[i] += given.get(path, 0)
     for p in self.params:
       axes[p.index] = p.axis + (1 if p.layers else 0)
     return tuple(axes)
@@ -487,6 +496,7 @@ def make_layout(
   expert_parallel: int = 1,
   leading: Frozen = None,
   scanned: Callable[[str], str | None] | None = None,
+  shard_dims: Mapping[str, int] | None = None,
 ) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
@@ -526,6 +536,9 @@ def make_layout(
       `shard_axis` picks (+ 1), never on the layers, so that one layer's reduced gradient
       is a slice of every device's block; a stack's params of one buffer are one bucket
       (`Bucket.stack`) whatever `bucket_size`, reduced one layer at a time.
+    shard_dims: `{path: dim}`: the shard dim of these params (of a layer if stacked),
+      whatever its padding (FSDP gives a tensor-parallel leaf a dim the other mesh axes do
+      not split, `shard_axis(..., taken=)`); kept in `Layout.shard_dims`.
 
   Returns:
     A static `Layout`.
@@ -583,6 +596,7 @@ def make_layout(
   local_shapes = _expert_shapes(expert_leaves, expert_parallel, paths, shapes)
   unit_of = _unit_names(units, paths)
   layers = _layer_counts(stacked, paths, shapes, unit_of)
+  given = dict(shard_dims or {})
 
   by_key: dict[tuple[np.dtype, np.dtype, bool], list[int]] = {}
   static = []
@@ -627,6 +641,7 @@ def make_layout(
         axis = shard_axis(shape, dp) if free else 0
         if stack_of[i] is not None:
           axis = 1 + shard_axis(shape[1:], dp)
+        axis = given.get(paths[i], axis)
         rows = round_up(shape[axis] if shape else 1, dp)
         spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
@@ -651,6 +666,7 @@ def make_layout(
     tuple(sorted(static)),
     tuple(unit_of) if unit_of is not None else None,
     tuple(layers) if layers is not None else None,
+    tuple(sorted(given.items())),
   )
 
 

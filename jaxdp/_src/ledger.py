@@ -12,7 +12,8 @@ What each device sends per step, by strategy:
 | `optim_grads_params` | all-gather `(N-1)/N · P`, twice with `reshard_after_forward`, + reduce-scatter `(N-1)/N · G` |
 
 `G` is the bytes of the grad buffers (fp32 with `grad_reduce_in_fp32`), `P` of the param
-buffers in the params' dtype, `N` the size of the "data" axis. With fp32 params `P = G`, so
+buffers in the params' dtype (FSDP: in `FSDPConfig.param_dtype` when set, the dtype its
+all-gathers move), `N` the size of the "data" axis. With fp32 params `P = G`, so
 ZeRO-1/2 move what DDP moves and FSDP 1.5× that. `ring_formula` gives these numbers
 for a `TrainState`, to hold against `jaxdp.inspect.Schedule.comm_bytes` of the
 compiled step (`jaxdp.inspect.report(..., expected=ring_formula(state))` prints both).
@@ -48,7 +49,7 @@ from jaxdp._src.layout import (
   round_up,
 )
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
-from jaxdp._src.units import assign_units, chunked_leaves, gather_layout
+from jaxdp._src.units import assign_units, chunked_leaves, units_of
 
 PyTree = Any
 
@@ -70,6 +71,10 @@ class MemoryLedger:
   each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
   reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
   live only inside the step. `master` and `opt_state` are what `TrainState` holds.
+  `gathered_unit` (`optim_grads_params`) is the largest unit gathered whole inside the step
+  (one layer of a stacked unit; a param gathered by row blocks counted whole), in the dtype
+  its all-gather moves (`FSDPConfig.param_dtype`, else the params' own), padding included:
+  at most `prefetch + 1` units are gathered at once; not part of `total`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdp
@@ -88,6 +93,7 @@ class MemoryLedger:
   master: int
   opt_state: int
   gathered_in_step: int = 0
+  gathered_unit: int = 0
 
   @property
   def total(self) -> int:
@@ -150,7 +156,7 @@ def memory_ledger(
       too, `stacked`: those stacks' leaves are sharded on a dim of a layer).
     frozen: as in `init_state`.
     fsdp: the `FSDPConfig` of `optim_grads_params` (None: the default); its units are the
-      buckets of a fused FSDP state.
+      buckets of a fused FSDP state, and its `param_dtype` the dtype of `gathered_unit`.
 
   Returns:
     A `MemoryLedger`.
@@ -212,9 +218,10 @@ def memory_ledger(
       master += _nbytes(shape, dtype)
   if tx is None:
     tx = optax.scale_by_adam()
-  flat_layout, chunked = layout, False
+  flat_layout, chunked, gathered_unit = layout, False, 0
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
-    units, unit_stacks = assign_units(params, fsdp or FSDPConfig())
+    fsdp = fsdp or FSDPConfig()
+    units, unit_stacks = assign_units(params, fsdp)
     flat_layout = make_layout(
       params,
       dp=dp,
@@ -223,7 +230,11 @@ def memory_ledger(
       stacked=unit_stacks,
       grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
     )
-    chunked = bool(chunked_leaves(flat_layout, fsdp or FSDPConfig()))
+    chunked = bool(chunked_leaves(flat_layout, fsdp))
+    gathered_unit = max(
+      sum(b.shard_size * dp * dtype.itemsize for b, dtype in u.gather)
+      for u in units_of(flat_layout, fsdp.param_dtype)
+    )
   if use_fused(tx, flat_layout, config, chunked=chunked):  # flat buckets, end padding included
     flat = {
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
@@ -244,7 +255,12 @@ def memory_ledger(
 
   gathered = trainable_model if sharded and not fsdp_step and config.overlap_param_gather else 0
   return MemoryLedger(
-    params=model, grads=grads, master=master, opt_state=opt, gathered_in_step=gathered
+    params=model,
+    grads=grads,
+    master=master,
+    opt_state=opt,
+    gathered_in_step=gathered,
+    gathered_unit=gathered_unit,
   )
 
 
@@ -298,15 +314,19 @@ def measured_bytes(state, device=None) -> dict[str, int]:
 # ----------------------------------------------------------------------------- communication
 
 
+def _bucket_bytes(layout, bucket, dtype) -> int:
+  """Bytes of one bucket in `dtype`, padding and stacked layers included."""
+  layers = max((p.layers for p in bucket.params), default=0) or 1
+  return bucket.shard_size * layout.dp * layers * np.dtype(dtype).itemsize
+
+
 def _buffer_bytes(layout) -> tuple[int, int]:
   """(grad bytes, param bytes) of a layout's buffers, padding and stacked layers included."""
   grad = param = 0
   for buf in layout.buffers:
     for b in buf.buckets:
-      layers = max((p.layers for p in b.params), default=0) or 1
-      n = b.shard_size * layout.dp * layers
-      grad += n * np.dtype(buf.grad_dtype).itemsize
-      param += n * np.dtype(buf.param_dtype).itemsize
+      grad += _bucket_bytes(layout, b, buf.grad_dtype)
+      param += _bucket_bytes(layout, b, buf.param_dtype)
   return grad, param
 
 
@@ -321,7 +341,8 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   Args:
     state: a `TrainState` from `jaxdp.init_state` (or its `jax.eval_shape`).
     fsdp: the `FSDPConfig` of an `optim_grads_params` state (None: the default, which
-      reshards after forward: two all-gathers per unit).
+      reshards after forward: two all-gathers per unit; its `param_dtype` is the dtype the
+      all-gathers move).
     grad_accum_steps: micro-batches per step (`optim_grads` reduce-scatters, and FSDP
       gathers and reduce-scatters, once per micro-batch).
 
@@ -351,7 +372,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   if strategy in ("optim", "optim_grads"):
     return {"reduce-scatter": k * share * grad, "all-gather": share * param}
   fsdp = fsdp or FSDPConfig()
-  _, gathered = _buffer_bytes(gather_layout(layout))
+  units = units_of(layout, fsdp.param_dtype, config.grad_reduce_in_fp32)
+  gathered = sum(_bucket_bytes(layout, b, dtype) for u in units for b, dtype in u.gather)
+  grad = sum(_bucket_bytes(layout, b, dtype) for u in units for b, dtype in u.grad)
   gathers = 2 if fsdp.reshard_after_forward else 1
   return {"all-gather": k * gathers * share * gathered, "reduce-scatter": k * share * grad}
 
@@ -397,7 +420,7 @@ def memory_report(
     One dict per kind: `strategy`, `dp`, `kind` (`"params"`, `"master"`, `"opt_state"`:
     what `TrainState` holds; `"state"`: their sum with the step counter; `"grads"`: the
     reduced grads, alive only inside the step; `"gathered"`: params gathered inside the
-    step; `"total"`: params + grads + master + opt_state, against the compiled peak),
+    step, under FSDP the largest unit, `MemoryLedger.gathered_unit`; `"total"`: params + grads + master + opt_state, against the compiled peak),
     `predicted`, `measured`, `compiled` (bytes, or None where a source does not say).
 
   Examples:
@@ -458,6 +481,6 @@ def memory_report(
     )
   )
   rows.append(row("grads", ledger.grads))
-  rows.append(row("gathered", ledger.gathered_in_step))
+  rows.append(row("gathered", ledger.gathered_in_step + ledger.gathered_unit))
   rows.append(row("total", ledger.total, None, compiled and compiled["total"]))
   return rows

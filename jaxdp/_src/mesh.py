@@ -1,10 +1,12 @@
 """The mesh: jaxdp's axis names, the data axes a step runs manual over, and placement.
 
 jaxdp runs its step manual over the data axes (`data_axes`) and leaves every other mesh
-axis (e.g. "model") to the compiler. A param keeps the sharding its caller gave it over
+axis (e.g. "model") to the compiler, Auto even where the mesh made it Explicit and a param
+is sharded over it (`run_manual`). A param keeps the sharding its caller gave it over
 those other axes (Megatron-style tensor parallel weights) and over "expert" (expert
-params): its `ModelSpec`. jaxdp adds "data" on dim 0 where it shards (master params and
-optimizer state of the sharded strategies): after the leaf's manual axes, because a
+params): its `ModelSpec`. jaxdp adds "data" on the leaf's shard dim where it shards
+(master params and optimizer state of the sharded strategies, FSDP's params; FSDP picks a
+dim the other axes do not split where there is one): after the leaf's manual axes, because a
 bucket holds the slice that one expert-parallel rank sees, and before its automatic ones,
 because inside the step the compiler splits the device's block further.
 """
@@ -63,8 +65,8 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
 
   Raises:
     ValueError: a leaf sharded over a data axis ("data", "replica": jaxdp shards over those
-      itself), over "expert" on a dim other than its leading one, or with a non-trivial
-      sharding on another mesh.
+      itself), over "expert" on a dim other than its leading one, on a dim its axes do not
+      divide, or with a non-trivial sharding on another mesh.
 
   Examples:
     >>> import jax, jax.numpy as jnp
@@ -110,6 +112,13 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
         raise ValueError(
           f"{name} is sharded {sharding.spec}: expert params are sharded over {EXPERT!r} "
           f"on their leading (expert) dim alone; place them with P({EXPERT!r}, ...)"
+        )
+      ways = math.prod(mesh.shape[a] for a in axes)
+      if np.shape(x)[d] % ways:
+        raise ValueError(
+          f"{name} is sharded {sharding.spec}, but its dim {d} ({np.shape(x)[d]}) does not "
+          f"divide over {' x '.join(map(repr, axes))} ({ways} devices); give that dim a "
+          f"multiple of {ways}, or split another dim"
         )
     out.append(dims)
   return tuple(out)
@@ -185,11 +194,52 @@ def run_auto(fn, mesh, out_specs):
   return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=shardings)
 
 
+def auto_mesh(mesh):
+  """`mesh` with every axis Auto: the mesh a program under `run_auto` runs on."""
+  return jax.sharding.Mesh(
+    mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  )
+
+
 def constrain_auto(x, mesh, spec):
   """`constrain` inside `run_auto`: a sharding constraint on the mesh with Auto axes."""
   if not explicit_axes(mesh):
     return constrain(x, mesh, spec)
-  auto = jax.sharding.Mesh(
-    mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(auto_mesh(mesh), spec))
+
+
+def runs_auto(mesh, model_specs) -> bool:
+  """Does a step on `mesh` run its `shard_map` with every axis Auto (`run_manual`)? Where
+  some param is sharded (`model_specs`, one `ModelSpec` per leaf) over an Explicit axis
+  that is not a data axis: a tensor-parallel leaf on `jax.make_mesh`'s default axes.
+
+  Examples:
+    >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
+    >>> runs_auto(mesh, [((), ("model",))]), runs_auto(mesh, [((), ())])
+    (True, False)
+  """
+  other = set(explicit_axes(mesh)) - set(data_axes(mesh))
+  return any(a in other for dims in model_specs for axes in dims for a in axes)
+
+
+def run_manual(fn, mesh, in_specs, out_specs, placed=None):
+  """`jax.shard_map(fn)` manual over the data axes, every other mesh axis left to the
+  compiler: `in_specs`/`out_specs` name the data axes only.
+
+  On a mesh with an Explicit axis besides the data axes (`jax.make_mesh((4, 2), ("data",
+  "model"))`) the values inside carry it in their types, and a ravel, pad or reshape of a
+  leaf sharded over it (a bucket, a unit) or a loss written for one device would need an
+  `out_sharding`. With `placed` (a tree like the output of full PartitionSpecs, data and
+  other axes; see `runs_auto`) the call therefore runs under `run_auto`, exactly as on a
+  mesh with Auto axes (the compiler picks the tensor-parallel collectives), and its
+  outputs come back placed there.
+  """
+  axes = data_axes(mesh)
+  if placed is None or not explicit_axes(mesh):
+    return jax.shard_map(
+      fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes)
+    )
+  inner = jax.shard_map(
+    fn, mesh=auto_mesh(mesh), in_specs=in_specs, out_specs=out_specs, axis_names=set(axes)
   )
-  return jax.lax.with_sharding_constraint(x, NamedSharding(auto, spec))
+  return run_auto(inner, mesh, placed)

@@ -60,11 +60,13 @@ def init_state(
       jaxdp runs its step manual over "replica", "expert" and "data" and leaves every
       other axis (e.g. "model") to the compiler. Params placed with a `NamedSharding` on
       this mesh keep their sharding over the other axes (tensor-parallel weights, e.g.
-      `P(None, "model")`), in `params`, master params and optimizer state alike. Params
-      sharded `P("expert", ...)` are expert params: dense params are data parallel over
-      "expert" too, expert params get buffers of their own reduced over the
-      expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees this
-      rank's experts (the model exchanges tokens over "expert" itself).
+      `P(None, "model")`), in `params`, master params and optimizer state alike, on a mesh
+      with Auto or Explicit axes (where params are sharded over Explicit ones the step
+      runs with them Auto: the loss is written as for an Auto mesh, with no sharding
+      annotations). Params sharded `P("expert", ...)` are expert params: dense params
+      are data parallel over "expert" too, expert params get buffers of their own reduced
+      over the expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees
+      this rank's experts (the model exchanges tokens over "expert" itself).
     config: the `DDPConfig`.
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
@@ -81,10 +83,12 @@ def init_state(
 
   Raises:
     ValueError: the mesh has no "data" axis, params have no trainable float leaf,
-      `frozen` does not match params, a param is placed over a data axis or on another
-      mesh, or (sharded strategies) an expert param's experts per rank do not divide by
-      the "data" axis size.
-    NotImplementedError: tensor- or expert-parallel params under `optim_grads_params`.
+      `frozen` does not match params, a param is placed over a data axis, on another mesh
+      or over axes that do not divide its dim, or (sharded strategies) an expert param's
+      experts per rank, or the rows of a dim that both its caller and jaxdp split, do not
+      divide by the axis sizes; under `optim_grads_params`, a tensor-parallel param split
+      over its layer axis (`FSDPConfig(stacked=)`) or gathered by row blocks (`chunks=`).
+    NotImplementedError: expert-parallel params under `optim_grads_params`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp

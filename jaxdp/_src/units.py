@@ -103,22 +103,46 @@ def gather_layout(layout: Layout) -> Layout:
     dp=layout.dp,
     units=dict(zip(layout.paths, layout.units)),
     stacked={p for p, n in zip(layout.paths, layout.layers) if n},
+    shard_dims=dict(layout.shard_dims),
   )
 
 
+def compute_dtype(dtype, param_dtype=None) -> np.dtype:
+  """The dtype a param of `dtype` is gathered in and the loss receives it in:
+  `param_dtype` (`FSDPConfig.param_dtype`) for a float param, else its own.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> compute_dtype(jnp.float32, jnp.bfloat16), compute_dtype(jnp.int32, jnp.bfloat16)
+    (dtype(bfloat16), dtype('int32'))
+  """
+  dtype = np.dtype(dtype)
+  floating = jax.numpy.issubdtype(dtype, jax.numpy.floating)
+  return np.dtype(param_dtype) if param_dtype is not None and floating else dtype
+
+
 @functools.cache
-def units_of(layout: Layout) -> tuple[Unit, ...]:
-  """The units of an FSDP layout, in backprop order."""
+def units_of(
+  layout: Layout, param_dtype=None, grad_reduce_in_fp32: bool = True
+) -> tuple[Unit, ...]:
+  """The units of an FSDP layout, in backprop order.
+
+  With `param_dtype` (`FSDPConfig.param_dtype`) every gather bucket is in it (each shard is
+  cast before its all-gather), and so is every grad bucket unless `grad_reduce_in_fp32`
+  (whose fp32 the layout's grad buffers hold already): torch FSDP2's `reduce_dtype=None`,
+  Megatron's grads in the param dtype.
+  """
   specs = {}
   gathers: dict[str, list] = {}
   grads: dict[str, list] = {}
   for buf in gather_layout(layout).buffers:
     for b in buf.buckets:
-      gathers.setdefault(b.unit, []).append((b, buf.param_dtype))
+      gathers.setdefault(b.unit, []).append((b, compute_dtype(buf.param_dtype, param_dtype)))
       specs.update({p.index: p for p in b.params})
   for buf in layout.buffers:
+    grad = buf.grad_dtype if grad_reduce_in_fp32 else compute_dtype(buf.grad_dtype, param_dtype)
     for b in buf.buckets:
-      grads.setdefault(b.unit, []).append((b, buf.grad_dtype))
+      grads.setdefault(b.unit, []).append((b, grad))
   trainable = layout.trainable
   units = []
   for name, gather in gathers.items():
