@@ -6,6 +6,8 @@ an H100 target on a machine without a GPU via `compile_for_gpu`); `memory_stats`
 `measured_bytes` reads them off a `TrainState`. `compile_train_step` compiles jaxdp's
 step from params alone (for 8 H100s by default, without a GPU); `ring_formula` says what
 a step should move and `memory_report` lines up predicted, measured and compiled bytes.
+`predict_step` puts a compiled GPU program on a time axis with XLA's own cost model: step
+time, communication and its exposed part per collective kind, every kernel's interval.
 """
 
 from jaxdp._src.aot import abstract_like as abstract_like

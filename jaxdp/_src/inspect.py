@@ -1053,7 +1053,7 @@ def _wrapped_estimates(compiled: jax.stages.Compiled) -> dict[str, float]:
     return out
   for computation in modules[0].computations() if modules else ():
     for instr in computation.instructions():
-      if str(instr.opcode) != "HloOpcode.kAsyncStart":
+      if getattr(instr.opcode, "name", None) != "kAsyncStart":
         continue
       us = _estimate_us(instr.async_wrapped_root().to_string())
       if us is not None:
