@@ -23,7 +23,7 @@ Rows, each against the GSPMD program of the same placement compiled in the same 
   (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone).
 
 Usage:
-    python scripts/bench/tp_memory.py                       # both meshes, ~5 min on 2 cores
+    python scripts/bench/tp_memory.py                       # both meshes, ~3 min on 2 cores
     python scripts/bench/tp_memory.py --meshes 4x2 --layers 4
     python scripts/bench/tp_memory.py --small               # d 256: seconds per program
 """
@@ -122,7 +122,9 @@ def gspmd_step(program, params, loss_fn, batch, mesh):
   args = (
     shard(params, param_specs),
     shard(opt, opt_specs),
-    jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(P("data"))), batch),
+    jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(P("data"))), batch
+    ),
   )
   out = (jax.tree.map(named, param_specs), jax.tree.map(named, opt_specs), named(P()))
   jitted = jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
