@@ -249,3 +249,26 @@ def test_placements_fsdp_cannot_keep_are_refused_before_compiling():
     ValueError, match=r"params\['w'\] .* dim 1 \(7\) does not divide over 'model'"
   ):
     jaxdp.init_state({"w": odd}, TX, auto, FSDP)
+
+
+# ----------------------------------------------------------------------------- compile only
+
+
+def test_compile_train_step_keeps_placements_of_abstract_params():
+  """`inspect.compile_train_step` from `ShapeDtypeStruct`s placed over "model" compiles the
+  state `init_state` builds from arrays so placed (master over both axes, as in
+  `test_fsdp_keeps_tensor_parallel_placements`); on Auto axes, where the abstract state cannot
+  read a placement, it refuses them rather than compile them replicated."""
+  params, loss_fn, batch = problem()
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AXES["explicit"])
+  abstract = lambda mesh: {
+    k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, SPECS[k]))
+    for k, v in params.items()
+  }
+  compiled = jaxdp.inspect.compile_train_step(loss_fn, TX, mesh, FSDP, abstract(mesh), batch)
+  master = compiled.input_shardings[0][0].master
+  assert full_spec(master["w1"].spec, 2) == ("data", "model")
+  assert full_spec(master["w2"].spec, 2) == ("model", "data")
+  auto = jax.make_mesh((4, 2), ("data", "model"), axis_types=AXES["auto"])
+  with pytest.raises(ValueError, match=r"placed .* on a mesh with Auto axes .* Explicit axes"):
+    jaxdp.inspect.compile_train_step(loss_fn, TX, auto, FSDP, abstract(auto), batch)

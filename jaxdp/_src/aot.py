@@ -137,6 +137,7 @@ def gpu_mesh(
   *,
   num_hosts: int = 1,
   target_config: str | None = None,
+  axis_types: Sequence[jax.sharding.AxisType] | None = None,
 ) -> jax.sharding.Mesh:
   """A mesh over compile-only GPU devices, like `jax.make_mesh` for a GPU.
 
@@ -145,6 +146,8 @@ def gpu_mesh(
     axis_names: one name per axis.
     num_hosts: hosts the GPUs are spread over.
     target_config: a `GpuTargetConfigProto` text; default: H100.
+    axis_types: one `jax.sharding.AxisType` per axis (default: Auto); Explicit axes let
+      `compile_train_step` read tensor-parallel placements from abstract params.
 
   Returns:
     A `jax.sharding.Mesh` to build shardings and `shard_map`s on.
@@ -168,7 +171,9 @@ def gpu_mesh(
   for s in axis_shapes:
     n *= s
   devices = gpu_topology(n, num_hosts=num_hosts, target_config=target_config)
-  return jax.sharding.Mesh(mesh_utils.create_device_mesh(axis_shapes, list(devices)), axis_names)
+  grid = mesh_utils.create_device_mesh(axis_shapes, list(devices))
+  types = {} if axis_types is None else {"axis_types": tuple(axis_types)}
+  return jax.sharding.Mesh(grid, axis_names, **types)
 
 
 def abstract_like(tree: PyTree, mesh: jax.sharding.Mesh) -> PyTree:
@@ -328,7 +333,24 @@ def compile_train_step(
     )
   fsdp_step = config.data_parallel_sharding_strategy == "optim_grads_params"
   extra = {"fsdp": fsdp} if fsdp_step else {}
-  shape_of = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+  # A leaf placed on `mesh` keeps its placement (tensor-parallel params): `init_state` reads
+  # it from the traced leaf's type, which carries it where the mesh's axes are Explicit.
+  explicit = {
+    a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
+  }
+
+  def shape_of(x):
+    sharding = getattr(x, "sharding", None)
+    keep = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+    if keep and any(sharding.spec) and explicit != set(mesh.axis_names):
+      raise ValueError(
+        f"compile_train_step: a param is placed {sharding.spec} on a mesh with Auto axes "
+        f"{sorted(set(mesh.axis_names) - explicit)}, whose placement the abstract state "
+        "cannot read; build the mesh with Explicit axes (gpu_mesh(..., axis_types="
+        "(jax.sharding.AxisType.Explicit,) * len(axis_names)), jax.make_mesh's default)"
+      )
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if keep else None)
+
   state = jax.eval_shape(
     lambda p: train.init_state(p, tx, mesh, config, frozen=frozen, **extra),
     jax.tree.map(shape_of, params),

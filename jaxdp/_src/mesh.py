@@ -81,7 +81,10 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
   for path, x in keyed:
     name = "params" + jax.tree_util.keystr(path)
     ndim = len(np.shape(x))
-    sharding = getattr(x, "sharding", None)
+    # A tracer (under `jax.eval_shape`, as `abstract_state` runs) has its placement in its
+    # type, on an abstract mesh, where the mesh's axes are Explicit.
+    traced = isinstance(x, jax.core.Tracer)
+    sharding = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
     entries = sharding.spec if isinstance(sharding, NamedSharding) else P()
     dims = tuple(
       () if e is None else (e,) if isinstance(e, str) else tuple(e)
@@ -93,8 +96,8 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
     other = sharding.mesh
     if (
       tuple(other.axis_names) != tuple(mesh.axis_names)
-      or other.devices.shape != mesh.devices.shape
-      or [d.id for d in other.devices.flat] != [d.id for d in mesh.devices.flat]
+      or tuple(other.axis_sizes) != tuple(mesh.axis_sizes)
+      or (not traced and [d.id for d in other.devices.flat] != [d.id for d in mesh.devices.flat])
     ):
       raise ValueError(
         f"{name} is sharded {sharding.spec} on another mesh ({dict(other.shape)}) than the "
