@@ -270,6 +270,27 @@ def test_abstract_state_is_init_states_shapes_and_shardings():
         assert (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding)
 
 
+def test_abstract_state_keeps_tensor_parallel_placements():
+  """From arrays or their `jax.ShapeDtypeStruct`s, a param's split over "model" is read."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  put = lambda x, spec: jax.device_put(x, jax.NamedSharding(mesh, spec))
+  params = {
+    "w1": put(jnp.ones((16, 8)), jax.P(None, "model")),
+    "w2": put(jnp.ones((8, 16)), jax.P("model", None)),
+  }
+  shapes = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+  )
+  for strategy in ("optim", "optim_grads_params"):
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+    want = jaxdp.init_state(params, TX, mesh, config)
+    for source in (params, shapes):
+      got = jaxdp.abstract_state(source, TX, mesh, config)
+      assert jax.tree.map(lambda x: (x.shape, x.sharding), got) == jax.tree.map(
+        lambda x: (x.shape, x.sharding), want
+      )
+
+
 @pytest.mark.parametrize(
   "strategy,fused",
   [("optim", None), ("optim", False), ("optim_grads_params", None), ("no_shard", None)],

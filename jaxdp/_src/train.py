@@ -121,8 +121,8 @@ def abstract_state(
 
   Args:
     params, tx, mesh, config, kwargs: as `init_state` takes them (`params` an init
-      function, host arrays or their `jax.ShapeDtypeStruct`s: only shapes and dtypes are
-      read).
+      function, arrays or their `jax.ShapeDtypeStruct`s: only shapes, dtypes and
+      placements, a tensor-parallel split, are read).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -133,12 +133,10 @@ def abstract_state(
     >>> type(flat).__name__, flat.shape, flat.sharding.spec
     ('ShapeDtypeStruct', (64,), P('data',))
   """
-  if not callable(params):  # only its shapes: zeros of them, traced and never run
-    shapes = params
-    params = lambda: jax.tree.map(
-      lambda x: jax.numpy.zeros(x.shape, x.dtype, device=getattr(x, "sharding", None)), shapes
-    )
-  state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
+  if callable(params):
+    state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
+  else:  # traced, so only shapes, dtypes and placements (a tensor-parallel split) are read
+    state = jax.eval_shape(lambda p: init_state(p, tx, mesh, config, **kwargs), params)
   # eval_shape places on the abstract mesh; a restore needs the devices
   return jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(
