@@ -131,7 +131,7 @@ def abstract_state(
     >>> like = jaxdp.abstract_state(lambda: {"w": jnp.ones((16, 4))}, optax.sgd(0.1), mesh, config)
     >>> flat = jax.tree.leaves(like.master)[0]
     >>> type(flat).__name__, flat.shape, flat.sharding.spec
-    ('ShapeDtypeStruct', (64,), P('data',))
+    ('ShapeDtypeStruct', (128,), P('data',))
   """
   if callable(params):
     state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
