@@ -120,9 +120,13 @@ def abstract_state(
   never a state to overwrite as well.
 
   Args:
-    params, tx, mesh, config, kwargs: as `init_state` takes them (`params` an init
-      function, arrays or their `jax.ShapeDtypeStruct`s: only shapes, dtypes and
-      placements, a tensor-parallel split, are read).
+    params: as `init_state` takes it: an init function, arrays or their
+      `jax.ShapeDtypeStruct`s (only shapes, dtypes and placements, a tensor-parallel
+      split, are read).
+    tx: the optax transformation, as `init_state` takes it.
+    mesh: the mesh, as `init_state` takes it.
+    config: the `DDPConfig`, as `init_state` takes it.
+    **kwargs: `init_state`'s keyword arguments (`frozen`, `fsdp`, `rng`, `model_state`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
