@@ -78,6 +78,15 @@ def param_shapes(config: LlamaConfig) -> dict:
   }
 
 
+def abstract_params(config: LlamaConfig, dtype=jnp.float32) -> dict:
+  """Every param as a `jax.ShapeDtypeStruct` (what an AOT compile takes)."""
+  return jax.tree.map(
+    lambda s: jax.ShapeDtypeStruct(s, dtype),
+    param_shapes(config),
+    is_leaf=lambda s: isinstance(s, tuple),
+  )
+
+
 def init_params(config: LlamaConfig, key: jax.Array) -> dict:
   """float32 params: norms at one, matrices normal with std 0.02."""
   shapes = param_shapes(config)

@@ -959,7 +959,7 @@ def _chunked_dot(
     x_grad=x_grad,
     dp=jax.lax.axis_size(DATA),
     r=r,
-    bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
+    bounds=_row_blocks(r, n),
     x_dim=x_dim,
     out_dim=out_dim,
     dtype=dtype,
@@ -967,6 +967,11 @@ def _chunked_dot(
   dot = jax.custom_vjp(matmul.dot)
   dot.defvjp(matmul.fwd, matmul.bwd)
   return dot(x, block)
+
+
+def _row_blocks(r: int, n: int) -> tuple[tuple[int, int], ...]:
+  """`[lo, hi)` of each of `n` row blocks of a device's `r` rows of a chunked param."""
+  return tuple((c * r // n, (c + 1) * r // n) for c in range(n))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1079,7 +1084,7 @@ def _chunked_take(eqn, unit: UnitIO, leaf: int, n: int, size: int, dtype, ids, b
     size=size,
     dp=jax.lax.axis_size(DATA),
     r=r,
-    bounds=tuple((c * r // n, (c + 1) * r // n) for c in range(n)),
+    bounds=_row_blocks(r, n),
     dtype=dtype,
   )
   lookup = jax.custom_vjp(take.take)

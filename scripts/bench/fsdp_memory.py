@@ -53,7 +53,7 @@ from jaxdp._src import aot
 from jaxdp._src import inspect as jinspect
 from jaxdp import FSDPConfig
 from models.gpt import GPT, GPTConfig, gpt_loss
-from models.llama import LlamaConfig, llama_loss, param_shapes
+from models.llama import LlamaConfig, abstract_params, llama_loss
 
 PROGRAMS = (
   "GSPMD DDP",
@@ -142,11 +142,7 @@ def llama_problem(
     scan_layers=scanned,
     remat=remat,
   )
-  params = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    param_shapes(config),
-    is_leaf=lambda s: isinstance(s, tuple),
-  )
+  params = abstract_params(config)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   return params, llama_loss(config), {"x": tokens, "y": tokens}
 

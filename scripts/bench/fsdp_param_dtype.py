@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdp import inspect as jinspect
-from models.llama import LlamaConfig, llama_loss, param_shapes
+from models.llama import LlamaConfig, abstract_params, llama_loss
 
 MiB = 2**20
 DP = 8
@@ -31,11 +31,7 @@ DP = 8
 
 def measure(n_layer, param_dtype):
   config = LlamaConfig.llama3_8b(n_layer=n_layer)
-  params = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    param_shapes(config),
-    is_leaf=lambda s: isinstance(s, tuple),
-  )
+  params = abstract_params(config)
   tokens = jax.ShapeDtypeStruct((2 * DP, 2048), jnp.int32)
   ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
   fsdp = jaxdp.FSDPConfig(stacked=["blocks"], param_dtype=param_dtype)

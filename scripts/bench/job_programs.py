@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jaxdp import inspect as jinspect
 from jaxdp._src import train
 from models.gpt import GPT, GPTConfig, gpt_loss
-from models.llama import LlamaConfig, init_params, llama_loss, param_shapes
+from models.llama import LlamaConfig, abstract_params, init_params, llama_loss
 
 GiB = 2**30
 DP = 8
@@ -44,11 +44,7 @@ PROGRAMS = ("init", "step", "params", "eval")
 
 def llama_problem(n_layer):
   config = LlamaConfig.llama3_8b(n_layer=n_layer)
-  params = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    param_shapes(config),
-    is_leaf=lambda s: isinstance(s, tuple),
-  )
+  params = abstract_params(config)
   tokens = jax.ShapeDtypeStruct((2 * DP, 2048), jnp.int32)
   init_fn = lambda: init_params(config, jax.random.key(0))
   return params, init_fn, llama_loss(config), {"x": tokens, "y": tokens}, ["blocks"], {}

@@ -64,7 +64,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdp import inspect  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
-from models.llama import LlamaConfig, llama_loss, param_shapes  # noqa: E402
+from models.llama import LlamaConfig, abstract_params, llama_loss  # noqa: E402
 
 JAXDP = {"no_shard": "gspmd", "optim": "gspmd_zero1", "optim_grads_params": "gspmd_fsdp"}
 GSPMD = {"gspmd": "", "gspmd_zero1": "opt", "gspmd_fsdp": "params+opt"}  # what each shards
@@ -97,11 +97,7 @@ def llama2_7b(n, n_layer=32):
   config = LlamaConfig(
     vocab=32000, d=4096, n_layer=n_layer, n_head=32, n_kv_head=32, ffn=11008, rope_theta=1e4
   )
-  params = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    param_shapes(config),
-    is_leaf=lambda s: isinstance(s, tuple),
-  )
+  params = abstract_params(config)
   tokens = jax.ShapeDtypeStruct((2 * n, 4096), jnp.int32)
   return params, llama_loss(config), {"x": tokens, "y": tokens}
 

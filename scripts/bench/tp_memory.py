@@ -43,7 +43,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxdp import inspect
-from models.llama import LlamaConfig, llama_loss, param_shapes
+from models.llama import LlamaConfig, abstract_params, llama_loss
 
 MiB = 2**20
 TX = optax.adam(1e-4)
@@ -78,11 +78,7 @@ def problem(n_layer, small):
     sizes = dict(vocab=32000, d=2048, n_head=16, n_kv_head=8, ffn=5632)
     seq = 2048
   config = LlamaConfig(n_layer=n_layer, scan_layers=True, remat=True, **sizes)
-  params = jax.tree.map(
-    lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-    param_shapes(config),
-    is_leaf=lambda s: isinstance(s, tuple),
-  )
+  params = abstract_params(config)
   return config, params, llama_loss(config), seq
 
 
