@@ -237,6 +237,27 @@ def test_a_refused_restore_reads_nothing_writes_nothing_and_keeps_like(tmp_path)
   jax.tree.map(lambda x: x.block_until_ready(), like)  # not donated
 
 
+def test_a_save_with_bounded_concurrency_restores_bitwise_and_refuses_a_larger_shard(tmp_path):
+  """`save_concurrent_gb` bounds the bytes being written at once; the checkpoint is the same.
+  A shard is written in one piece, so a state with a shard over the bound is refused before
+  anything is written."""
+  mesh = _mesh()
+  params = {f"w{i}": jnp.full((64, 32), float(i)) for i in range(10)}  # 1 KiB shards
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=False)
+  state = jaxdp.init_state(params, TX, mesh, config)
+  with jaxdp.CheckpointManager(tmp_path / "ok", save_concurrent_gb=4e-6) as mgr:
+    assert mgr.save(0, state)  # 4 KB in flight: a few shards at a time
+    mgr.wait_until_finished()
+    got = mgr.restore(jaxdp.abstract_state(params, TX, mesh, config))
+  _same(got, state)
+  with jaxdp.CheckpointManager(tmp_path / "small", save_concurrent_gb=1e-6) as mgr:
+    with pytest.raises(ValueError, match=r"shard of 1.02e-06 GB per device.*above 1.02e-06"):
+      mgr.save(0, state)
+    assert mgr.all_steps() == []
+  with pytest.raises(ValueError, match="save_concurrent_gb=0: must be a positive number"):
+    jaxdp.CheckpointManager(tmp_path / "zero", save_concurrent_gb=0)
+
+
 def test_restore_reads_in_groups_and_consumes_like(tmp_path, monkeypatch):
   """A restore holds one state and one group: the leaves are read in several groups, and
   each group frees the leaves of `like` it replaces (or writes into them)."""

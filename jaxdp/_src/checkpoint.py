@@ -708,6 +708,19 @@ def _is_abstract(like: TrainState) -> bool:
   return all(abstract)
 
 
+def _check_shards_fit(arrays: dict[str, jax.Array], concurrent_gb: float) -> None:
+  """Raises unless each device's shard of every array is below `concurrent_gb` GB: orbax
+  writes a shard in one piece, reserving its bytes first."""
+  for key, x in arrays.items():
+    shard = max((s.data.nbytes for s in x.addressable_shards), default=0)
+    if shard >= concurrent_gb * 10**9:
+      raise ValueError(
+        f"CheckpointManager(save_concurrent_gb={concurrent_gb}): the stored array {key!r} "
+        f"{x.shape} has a shard of {shard / 10**9:.3g} GB per device, which is written in "
+        f"one piece; give save_concurrent_gb above {shard / 10**9:.3g}"
+      )
+
+
 # ----------------------------------------------------------------------------- manager
 
 
@@ -722,6 +735,11 @@ class CheckpointManager:
     max_to_keep: keep the newest this many checkpoints; None keeps all.
     save_interval_steps: `save` only writes steps that are multiples of this (unless
       `force=True`).
+    save_concurrent_gb: at most this many GB (10^9 bytes) of arrays being written by this
+      process at once (orbax's `save_concurrent_gb`): a bound on the host memory a save's
+      writes hold, at the price of fewer writes in flight. None: orbax's default (no bound
+      below the state's own size). Each device's shard of every array must be smaller,
+      since a shard is written in one piece; `save` refuses a state with a larger one.
 
   Examples:
     >>> import tempfile, jax, jax.numpy as jnp, optax, jaxdp
@@ -740,7 +758,14 @@ class CheckpointManager:
     0
   """
 
-  def __init__(self, directory, *, max_to_keep: int | None = None, save_interval_steps: int = 1):
+  def __init__(
+    self,
+    directory,
+    *,
+    max_to_keep: int | None = None,
+    save_interval_steps: int = 1,
+    save_concurrent_gb: float | None = None,
+  ):
     if max_to_keep is not None and (
       isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
     ):
@@ -751,10 +776,22 @@ class CheckpointManager:
       or save_interval_steps < 1
     ):
       raise ValueError(f"save_interval_steps={save_interval_steps!r}: must be a positive integer")
+    if save_concurrent_gb is not None and (
+      isinstance(save_concurrent_gb, bool)
+      or not isinstance(save_concurrent_gb, (int, float))
+      or not save_concurrent_gb > 0
+    ):
+      raise ValueError(
+        f"save_concurrent_gb={save_concurrent_gb!r}: must be a positive number of GB, or None"
+      )
+    self.save_concurrent_gb = save_concurrent_gb
     self.directory = os.path.abspath(os.fspath(directory))  # orbax takes absolute paths
     self._mgr = ocp.CheckpointManager(
       self.directory,
-      item_names=(_STATE, _META),
+      item_handlers={
+        _STATE: ocp.PyTreeCheckpointHandler(save_concurrent_gb=save_concurrent_gb),
+        _META: ocp.JsonCheckpointHandler(),
+      },
       options=ocp.CheckpointManagerOptions(
         max_to_keep=max_to_keep,
         create=True,
@@ -806,6 +843,8 @@ class CheckpointManager:
       **_describe(state),
     }
     arrays, flat = _stored_arrays(state)
+    if self.save_concurrent_gb is not None:
+      _check_shards_fit(arrays, self.save_concurrent_gb)
     meta["stored"] = {k: list(x.shape) for k, x in arrays.items()}
     if flat:
       meta["flat"] = flat

@@ -2,6 +2,7 @@
 
     python scripts/bench/job_memory.py --mib 128 --repeat 3
     python scripts/bench/job_memory.py --mib 256 --variants gspmd fsdp
+    python scripts/bench/job_memory.py --mib 128 --repeat 3 --save-concurrent-gb 0.05
 
 All 8 simulated devices live in one process, so a whole copy of the model on every device
 shows as 8 x the model. Each variant runs in a fresh process: init (from the model's init
@@ -16,7 +17,9 @@ step with params and optimizer state sharded `P("data")` on a dim that 8 divides
 orbax's `StandardCheckpointer` (restored into `jax.ShapeDtypeStruct` targets with those
 shardings). jaxdp's variants: `optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp`
 (`optim_grads_params`), each with `init_state(init_fn)`, `init_state(host arrays)`,
-`CheckpointManager.save` and `restore(abstract_state(init_fn))`. The host arrays are NumPy's
+`CheckpointManager.save` and `restore(abstract_state(init_fn))`; `--save-concurrent-gb`
+passes jaxdp's `CheckpointManager(save_concurrent_gb=)`, the bound on bytes being written at
+once (the GSPMD way keeps orbax's default). The host arrays are NumPy's
 own memory, as a loader reads them. "ratio" is a phase's growth over the GSPMD way's, in
 the same run.
 """
@@ -66,7 +69,7 @@ class Phase:
       print(f"  {self.name}: {self.out[self.name]['grow'] / MiB:.0f} MiB", file=sys.stderr)
 
 
-def worker(variant: str, layers: int, directory: str) -> dict:
+def worker(variant: str, layers: int, directory: str, save_gb: float | None = None) -> dict:
   """One job of `variant`, phase by phase: `{phase: {"grow": bytes, "s": seconds}}`."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
@@ -167,7 +170,7 @@ def worker(variant: str, layers: int, directory: str) -> dict:
     for _ in range(2):
       state, metrics = train_step(state, batch)
     jax.block_until_ready(metrics)
-  mgr = jaxdp.CheckpointManager(os.path.join(directory, variant))
+  mgr = jaxdp.CheckpointManager(os.path.join(directory, variant), save_concurrent_gb=save_gb)
   with Phase("save", out):
     mgr.save(2, state)
     mgr.wait_until_finished()
@@ -190,12 +193,17 @@ def main():
     help="run each variant this many times (in turn) and keep each phase's least growth: "
     "a high-water mark depends on which of glibc's arenas serve each thread",
   )
+  parser.add_argument(
+    "--save-concurrent-gb",
+    type=float,
+    help="jaxdp's CheckpointManager(save_concurrent_gb=): GB being written at once",
+  )
   parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
   parser.add_argument("--dir", help=argparse.SUPPRESS)
   args = parser.parse_args()
   layers = max(1, args.mib // 32)
   if args.worker:
-    print(json.dumps(worker(args.worker, layers, args.dir)))
+    print(json.dumps(worker(args.worker, layers, args.dir, args.save_concurrent_gb)))
     return
   if "gspmd" not in args.variants:
     args.variants = ["gspmd", *args.variants]
@@ -219,6 +227,11 @@ def main():
             str(args.mib),
             "--dir",
             directory,
+            *(
+              ["--save-concurrent-gb", str(args.save_concurrent_gb)]
+              if args.save_concurrent_gb
+              else []
+            ),
           ],
           stdout=subprocess.PIPE,
           text=True,
