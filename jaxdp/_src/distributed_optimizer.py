@@ -485,6 +485,11 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=Fal
       "some params are stacked FSDP units (FSDPConfig(stacked=...)), whose master is "
       "(layers, rows, ...) with one layer gathered per scan iteration: they update per leaf"
     )
+  elif layout.outer > 1:
+    why = (
+      "outer_dp_sharding_strategy='optim' splits each param's block again across "
+      "'replica' (the master and optimizer state): they update per leaf"
+    )
   elif chunked:
     why = (
       "FSDPConfig(chunks=...) gathers some params by row blocks of their own master: they "
