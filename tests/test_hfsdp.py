@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp.inspect import measured_bytes, memory_ledger
+from jaxdp.inspect import measured_bytes, memory_ledger, memory_report
 from tests.test_meshes import STEPS, as_sets, collectives, groups, mlp, reference
 from tests.tolerances import AdamBound, rtol_sum
 
@@ -149,6 +149,9 @@ def test_hfsdp_collectives_and_bytes_per_device():
   want["opt_state"] = 2 * want["master"] + 4
   assert {k: v for k, v in measured_bytes(state).items() if k != "step"} == want
   assert memory_ledger(params, tx, D, HFSDP).state == want
+  report = memory_report(params, tx, D, HFSDP)  # measured on a (replica, data) mesh of its own
+  assert all(r["predicted"] == r["measured"] for r in report if r["measured"] is not None)
+  assert {r["kind"] for r in report if r["measured"] is not None} >= set(want)
 
 
 def test_hfsdp_state_readers_and_checkpoints_across_strategies(tmp_path):

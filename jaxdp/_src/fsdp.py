@@ -46,6 +46,15 @@ too and gathered whole over the other axes by the compiler first. The loss sees 
 params over "data" with the caller's split over the rest, and the compiler runs the
 tensor-parallel arithmetic (on a mesh with Explicit axes, under `mesh.run_manual`).
 
+HFSDP (`DDPConfig(outer_dp_sharding_strategy="optim")` on a `("replica", "data")` mesh,
+`Layout.outer` = replicas): rows pad to a multiple of replicas x dp; `params` also holds each
+trainable param's compute rows (1/dp of them, in its own dtype, over "data" alone), which
+the units gather; `master` and `opt_state` are sharded over ("data", "replica") on the
+shard dim. The backward's reduce-scatters sum over "data" alone; once per step each unit
+bucket's grads are reduce-scattered across "replica" (`scatter_outer`), and after the
+update the master is all-gathered back across it into the compute rows (`gather_outer`).
+docs/design.md, "HFSDP", says why.
+
 Units (which params) are `units.py`'s.
 """
 

@@ -424,7 +424,9 @@ def memory_report(
   Args:
     params: the model params (arrays; `jax.ShapeDtypeStruct`s when nothing is measured).
     tx: the optax transformation.
-    dp: data-parallel size (the "data" axis of the mesh the report is for).
+    dp: data-parallel size (the "data" axis of the mesh the report is for; with
+      `num_distributed_optimizer_instances` R > 1 a sharded state is measured and compiled
+      on a `("replica", "data")` mesh of R x dp devices).
     config: the `jaxdp.DDPConfig` (its strategy, `grad_reduce_in_fp32`, buckets, ...).
     loss_fn: `loss_fn(params, batch)`, to compile the step for the GPU column.
     batch: one global batch (arrays or `jax.ShapeDtypeStruct`s).
@@ -472,12 +474,13 @@ def memory_report(
 
   compiled = None
   if loss_fn is not None and batch is not None and aot.gpu_compile_unavailable() is None:
+    target = aot.gpu_mesh((replicas, dp), (REPLICA, DATA)) if replicas > 1 else dp
     program = aot.compile_train_step(
-      loss_fn, tx, dp, config, params, batch, frozen=frozen, fsdp=fsdp if fsdp_step else None
+      loss_fn, tx, target, config, params, batch, frozen=frozen, fsdp=fsdp if fsdp_step else None
     )
     stats = memory_stats(program)
     compiled = {
-      "state": stats.argument_bytes - _batch_bytes_per_device(batch, dp),
+      "state": stats.argument_bytes - _batch_bytes_per_device(batch, replicas * dp),
       "total": stats.peak_bytes,
     }
 
