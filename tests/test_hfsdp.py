@@ -149,7 +149,8 @@ def test_hfsdp_collectives_and_bytes_per_device():
   want["opt_state"] = 2 * want["master"] + 4
   assert {k: v for k, v in measured_bytes(state).items() if k != "step"} == want
   assert memory_ledger(params, tx, D, HFSDP).state == want
-  report = memory_report(params, tx, D, HFSDP)  # measured on a (replica, data) mesh of its own
+  # measured on a (replica, data) mesh of its own
+  report = memory_report(jax.tree.map(jnp.asarray, params), tx, D, HFSDP)
   assert all(r["predicted"] == r["measured"] for r in report if r["measured"] is not None)
   assert {r["kind"] for r in report if r["measured"] is not None} >= set(want)
 
@@ -158,10 +159,16 @@ def test_hfsdp_state_readers_and_checkpoints_across_strategies(tmp_path):
   """`get_params` (whole and sharded), `get_opt_state`, `make_eval_step` and
   `abstract_state` read an HFSDP state; its checkpoint restores into plain FSDP on one
   "data" axis of 8 and back, bit for bit, and the restored state steps as the original.
-  One param is bf16, so its fp32 master is stored apart from it."""
+  One param is bf16, so its fp32 master is stored apart from it; one (5 x 4) is padded on
+  its rows, and its sharded views are over "data" on its columns."""
   params, loss_fn, batch = mlp()
   params["l1"]["w"] = params["l1"]["w"].astype(jnp.bfloat16)
-  loss = lambda p, b: loss_fn(jax.tree.map(lambda x: x.astype(jnp.float32), p), b)
+  params["extra"] = np.linspace(-1, 1, 20, dtype=np.float32).reshape(5, 4)
+
+  def loss(p, b):
+    p = jax.tree.map(lambda x: x.astype(jnp.float32), p)
+    return loss_fn(p, b) + 1e-2 * jnp.sum(p["extra"] ** 2)
+
   mesh = jax.make_mesh((R, D), ("replica", "data"))
   tx = optax.adamw(1e-2)
   state = jaxdp.init_state(params, tx, mesh, HFSDP)
@@ -172,7 +179,9 @@ def test_hfsdp_state_readers_and_checkpoints_across_strategies(tmp_path):
   assert jax.tree.map(lambda x: (x.shape, x.dtype), whole) == jax.tree.map(
     lambda x: (x.shape, x.dtype), params
   )
-  for a, b in zip(jax.tree.leaves(jaxdp.get_params(state, sharded=True)), jax.tree.leaves(whole)):
+  view = jaxdp.get_params(state, sharded=True)
+  assert view["extra"].sharding.spec == jax.P(None, "data")
+  for a, b in zip(jax.tree.leaves(view), jax.tree.leaves(whole)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # the compute params are the master cast to the param dtype, rows in place
   compute = jax.tree.map(lambda x: np.asarray(x), state.params)
@@ -181,6 +190,10 @@ def test_hfsdp_state_readers_and_checkpoints_across_strategies(tmp_path):
     np.testing.assert_array_equal(c, m.astype(c.dtype))
   mu = jaxdp.get_opt_state(state)[0].mu
   assert jax.tree.map(np.shape, mu) == jax.tree.map(np.shape, params)
+  mu_view = jaxdp.get_opt_state(state, sharded=True)[0].mu
+  assert mu_view["extra"].sharding.spec == jax.P(None, "data")
+  for a, b in zip(jax.tree.leaves(mu_view), jax.tree.leaves(mu)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   evaluate = jaxdp.make_eval_step(lambda p, b: {"loss": loss(p, b)}, mesh, HFSDP)
   np.testing.assert_allclose(
     float(evaluate(state, batch)["loss"]), float(loss(whole, batch)), rtol=rtol_sum(16 * 3)

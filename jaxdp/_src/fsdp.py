@@ -97,6 +97,7 @@ from jaxdp._src.mesh import (
   REPLICA,
   ModelSpec,
   constrain,
+  constrain_auto,
   data_axes,
   data_axes_in,
   dp_size,
@@ -270,6 +271,14 @@ def init_state(
   fused = use_fused(tx, layout, config, model_specs, chunked=chunked)
   outer = layout.outer > 1
 
+  def rows(i, x):
+    """Leaf `i` padded; HFSDP: placed over "data" on its shard dim first (the compute rows),
+    from where the master's placement over ("data", "replica") is a slice."""
+    x = _pad(x, specs[i])
+    if not outer:
+      return x
+    return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), layout.shard_axes[i])))
+
   def build(params):
     leaves = leaves_of(params)
     if fused:  # one flat array per unit bucket
@@ -278,13 +287,13 @@ def init_state(
       master = tree_of(
         layout,
         [
-          _pad(x, specs[i]).astype(master_dtype(x.dtype)) if trainable[i] else None
+          rows(i, x).astype(master_dtype(x.dtype)) if trainable[i] else None
           for i, x in enumerate(leaves)
         ],
       )
     # HFSDP (`layout.outer`): the trainable params' compute rows too, in their own dtype
     stored = [
-      None if trainable[i] and not outer else _pad(x, specs[i]) if i in specs else x
+      None if trainable[i] and not outer else rows(i, x) if i in specs else x
       for i, x in enumerate(leaves)
     ]
     state = TrainState(
@@ -369,7 +378,8 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   def whole(i, x, m):
     shape, dims = layout.shapes[i], model_spec(state, i, len(layout.shapes[i]))
     if m is not None or i in specs:  # stored padded and sharded
-      x = unpad_view(m if m is not None else x, shape, layout.shard_axes[i], mesh, dims, sharded)
+      # HFSDP: the compute rows (over "data" alone), the master's cast to the param dtype
+      x = unpad_view(x if x is not None else m, shape, layout.shard_axes[i], mesh, dims, sharded)
       return jnp.copy(x.astype(layout.dtypes[i]))
     view = view_dims(shape, dims, mesh.shape[DATA]) if sharded else dims
     return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, pspec(view))
