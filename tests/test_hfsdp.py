@@ -270,3 +270,36 @@ def test_hfsdp_bad_input_is_refused_before_compiling():
   }
   with pytest.raises(NotImplementedError, match=r"tensor parallel.*place the params replicated"):
     jaxdp.init_state(placed, optax.sgd(0.1), tp, HFSDP)
+
+
+def test_hfsdp_frozen_params_and_average_in_collective():
+  """A frozen param is gathered over "data" and gets no grad, no master and no collective
+  across "replica"; `average_in_collective` divides by R·D inside the reduce-scatter over
+  "data", and the one across "replica" sums: one SGD step is the single-device one."""
+  params, loss_fn, batch = mlp()
+  mesh = jax.make_mesh((R, D), ("replica", "data"))
+  config = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy="optim_grads_params",
+    num_distributed_optimizer_instances=R,
+    outer_dp_sharding_strategy="optim",
+    average_in_collective=True,
+  )
+  frozen = {"l0": {"w": True, "b": False}, "l1": {"w": False, "b": False}}
+  tx = optax.sgd(1.0)
+  state = jaxdp.init_state(params, tx, mesh, config, frozen=frozen)
+  assert state.master["l0"]["w"] is None
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  ops = collectives(step, state, batch)
+  replica = as_sets(groups(mesh, "replica"))
+  assert len([kind for kind, _, g in ops if g == replica and kind == "reduce-scatter"]) == 2
+  state, _ = step(state, batch)
+  got, grads = jaxdp.get_params(state), jax.grad(loss_fn)(params, batch)
+  np.testing.assert_array_equal(np.asarray(got["l0"]["w"]), params["l0"]["w"])
+  # SGD at lr 1: p - g. A gradient element sums 48 terms in another order, so it moves by
+  # up to sqrt(48) * rtol_sum(48) of its leaf's largest gradient (tests/tolerances.py); the
+  # subtraction rounds once more in each program, by eps32 / 2 of |p - g|.
+  for path in (("l0", "b"), ("l1", "w"), ("l1", "b")):
+    g, p = grads[path[0]][path[1]], params[path[0]][path[1]]
+    atol = np.sqrt(48) * rtol_sum(48) * float(jnp.max(jnp.abs(g)))
+    atol += 2**-23 * float(np.max(np.abs(p - g)))
+    np.testing.assert_allclose(got[path[0]][path[1]], p - g, rtol=0, atol=atol, err_msg=str(path))
