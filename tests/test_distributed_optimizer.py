@@ -581,6 +581,14 @@ def test_ledger_reproduces_the_design_table():
   assert memory_ledger(params, None, n, bf16_grads).grads == 2 * psi
   frozen = memory_ledger(params, None, n, ddp("optim"), frozen={"w": True, "v": False})
   assert frozen.grads == 2 * psi and frozen.opt_state == 8 * psi // 2 // n + 4
+  # HFSDP over 2 replicas: the bf16 compute rows 1/N, the fp32 master and Adam 1/(2N).
+  hfsdp = ddp(
+    "optim_grads_params", num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="optim"
+  )
+  ledger = memory_ledger(params, None, n, hfsdp)
+  assert (ledger.params, ledger.grads) == (2 * psi // n, 4 * psi // n)
+  assert (ledger.master, ledger.opt_state) == (4 * psi // (2 * n), 8 * psi // (2 * n) + 4)
+  assert ledger.total == 6 * psi // n + 12 * psi // (2 * n) + 4
 
 
 # ----------------------------------------------------------------------------- exactness

@@ -20,6 +20,16 @@ from tests.tolerances import bf16_grad_rtol
 
 DP, LAYERS, D = 8, 3, 16
 FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+# HFSDP on a (replica=2, data=4) mesh: the fp32 master 1/8, the compute params 1/4
+HFSDP = jaxdp.DDPConfig(
+  data_parallel_sharding_strategy="optim_grads_params",
+  num_distributed_optimizer_instances=2,
+  outer_dp_sharding_strategy="optim",
+)
+MESHES = {  # name: (mesh shape, axis names, config)
+  "data": ((DP,), ("data",), FSDP),
+  "hfsdp": ((2, DP // 2), ("replica", "data"), HFSDP),
+}
 BF16 = jnp.bfloat16
 FORMS = {  # name: (stacked layers, FSDPConfig without param_dtype)
   "unrolled": (False, FSDPConfig()),
@@ -66,22 +76,33 @@ def result_dtypes(hlo, kind):
   return [(t, int(np.prod([int(n) for n in dims.split(",") if n]))) for t, dims in found]
 
 
-@pytest.mark.parametrize("form", list(FORMS))
-def test_param_dtype_equals_the_single_device_program_that_casts(form):
+@pytest.mark.parametrize(
+  "form,where",
+  [(form, "data") for form in FORMS] + [("unrolled", "hfsdp"), ("stacked", "hfsdp")],
+)
+def test_param_dtype_equals_the_single_device_program_that_casts(form, where):
+  """Also under HFSDP (no chunks there): its compute rows are cast before the gather the
+  same way, and its reduce-scatter across "replica" adds the two replicas' fp32 partial
+  sums as HSDP's all-reduce would: the same programs, the same tolerance argument."""
   stacked, base = FORMS[form]
+  shape, names, FSDP = MESHES[where]
   params, forward, loss_fn, batch = problem(stacked)
   fsdp = FSDPConfig(
     units=base.units, stacked=base.stacked, chunks=dict(base.chunks), param_dtype=BF16
   )
-  mesh, tx = jax.make_mesh((DP,), ("data",)), optax.sgd(1.0)
+  mesh, tx = jax.make_mesh(shape, names), optax.sgd(1.0)
   state = jaxdp.init_state(params, tx, mesh, FSDP, fsdp=fsdp)
   assert {x.dtype for x in jax.tree.leaves(state.master)} == {jnp.dtype(jnp.float32)}
   step = jaxdp.make_train_step(loss_fn, tx, mesh, FSDP, fsdp=fsdp)
-  # The lowered program, before XLA:CPU promotes bf16 arithmetic: every all-gather moves
-  # bf16, every reduce-scatter fp32 (grad_reduce_in_fp32, the default).
+  # The lowered program, before XLA:CPU promotes bf16 arithmetic: every all-gather of a
+  # unit moves bf16, every reduce-scatter fp32 (grad_reduce_in_fp32, the default). HFSDP's
+  # all-gathers across "replica" after the update (one per unit bucket) move the compute
+  # rows, which the state keeps in the params' own dtype (fp32) and the units cast.
   hlo = step.lower(state, batch).as_text(dialect="hlo")
   gathers, scatters = result_dtypes(hlo, "all-gather"), result_dtypes(hlo, "reduce-scatter")
-  assert gathers and {t for t, _ in gathers} == {"bf16"}, gathers
+  outer = state.layout.num_buckets if where == "hfsdp" else 0
+  assert len([t for t, _ in gathers if t == "f32"]) == outer, gathers
+  assert len(gathers) > outer and {t for t, _ in gathers} - {"f32"} == {"bf16"}, gathers
   assert scatters and {t for t, _ in scatters} == {"f32"}, scatters
 
   # Step 0 of fp32 params with param_dtype=bf16 is the step of those params stored in bf16
@@ -94,7 +115,9 @@ def test_param_dtype_equals_the_single_device_program_that_casts(form):
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(same)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
-  if form == "unrolled":  # one all-gather per unit: the largest is the ledger's unit
+  if (
+    form == "unrolled" and where == "data"
+  ):  # one all-gather per unit: the largest is the ledger's unit
     ledger = memory_ledger(params, tx, DP, FSDP, fsdp=fsdp)
     assert ledger.gathered_unit == 2 * max(n for _, n in gathers)
     assert memory_ledger(params, tx, DP, FSDP, fsdp=plain).gathered_unit == 2 * ledger.gathered_unit

@@ -359,7 +359,8 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
     if tuple(x.shape) == tuple(shape) and not sharded:
       out.append(jnp.copy(x))
     else:
-      out.append(jnp.copy(unpad_view(x, shape, axis, mesh, (), sharded)))
+      outer = state.layout.outer > 1  # HFSDP: over ("data", "replica")
+      out.append(jnp.copy(unpad_view(x, shape, axis, mesh, (), sharded, outer)))
   return jax.tree.unflatten(treedef, out)
 
 

@@ -21,7 +21,7 @@ from jaxdp._src.buffer import (
   unpad_rows,
 )
 from jaxdp._src.layout import Bucket, Layout, ParamSpec, layer_bucket
-from jaxdp._src.mesh import DATA
+from jaxdp._src.mesh import DATA, REPLICA
 
 
 def varying_axes(x) -> frozenset:
@@ -297,6 +297,7 @@ def unit_collectives(
   average: bool,
   chunked: Collection[int] = (),
   own: Mapping[int, Any] | None = None,
+  reduce_axes: Sequence[str] | None = None,
 ) -> UnitCollectives:
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
   collectives), as plain functions; `fsdp_program` calls them inside each unit's
@@ -349,8 +350,11 @@ def unit_collectives(
       on this device's own slice. (Inside the step's `shard_map` the compiler first gathers
       an operand whole over the automatic axes before a collective over a manual one: a
       tensor-parallel block would be gathered over "model" first.)
+    reduce_axes: the axes the reduce-scatters sum over (`DATA` last); None: `axes`.
+      `(DATA,)` leaves the sum over "replica" to `reduce_scatter_outer` (HFSDP).
   """
   other = tuple(a for a in axes if a != DATA)
+  reduce_axes = tuple(axes if reduce_axes is None else reduce_axes)
   own = own or {}
   chunked = frozenset(chunked)
   single = chunked | frozenset(own)
@@ -379,7 +383,7 @@ def unit_collectives(
     def reduce(ct):
       if p.axis:  # reduce_bucket scatters dim 0
         ct = jnp.moveaxis(ct, p.axis, 0)
-      g = reduce_bucket(ct, dp=dp, scatter=True, axes=axes, average=average)
+      g = reduce_bucket(ct, dp=dp, scatter=True, axes=reduce_axes, average=average)
       return jnp.moveaxis(g, 0, p.axis) if p.axis else g
 
     return manual_over(i, reduce)(ct.astype(grad_dtypes[i])).astype(cotangent_dtypes[i])
@@ -420,7 +424,7 @@ def unit_collectives(
       if any(p.index in single for p in b.params):
         grads.update(scattered_each(cts, [(b, grad_dtype)]))
         continue
-      shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average)
+      shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=reduce_axes, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
     return grads
@@ -439,6 +443,28 @@ def unit_collectives(
     scatter_rows=scatter_rows,
     scatter_each=scatter_each,
   )
+
+
+def reduce_scatter_outer(blocks: Sequence[jax.Array], bucket: Bucket, grad_dtype) -> list:
+  """HFSDP's reduce-scatter across "replica" (Megatron-FSDP's outer-DP gradient
+  reduce-scatter, `outer_dp_sharding_strategy="optim"`): this device's blocks of one
+  bucket's grads, already reduce-scattered over `DATA`, raveled in `grad_dtype` as
+  `bucket` lays them out (`layout.outer_bucket`) and summed over `REPLICA` with one
+  `psum_scatter`. Returns this device's `1 / replicas` of each block (`local_shape` of
+  `bucket`'s specs), in the blocks' dtype."""
+  replicas = jax.lax.axis_size(REPLICA)
+  flat = bucket_ravel(blocks, bucket, replicas, grad_dtype)
+  shard = jax.lax.psum_scatter(flat, REPLICA, tiled=True)
+  return [g.astype(x.dtype) for g, x in zip(shard_unravel(shard, bucket, replicas), blocks)]
+
+
+def all_gather_outer(shards: Sequence[jax.Array], bucket: Bucket, dtype) -> list:
+  """The inverse of `reduce_scatter_outer` for the updated params: this device's
+  `1 / replicas` of each param's block of `bucket` (`layout.outer_bucket`), cast to the
+  param `dtype`, all-gathered across `REPLICA` with one collective. Returns every block
+  (`bucket`'s param shapes) in `dtype`, the same on every replica ("invarying")."""
+  full = jax.lax.all_gather(shard_ravel(shards, bucket, dtype), REPLICA, tiled=True, to="invarying")
+  return bucket_unravel(full, bucket, jax.lax.axis_size(REPLICA))
 
 
 def unit_collectives_flat(

@@ -48,6 +48,8 @@ class DDPConfig:
   """Raise (naming the parameter) when a reduced gradient holds NaN or Inf; the state is kept."""
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
+  outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
+  """FSDP across "replica": "no_shard" (HSDP) keeps whole copies; "optim" (HFSDP) also shards the master and optimizer state across it."""
   fused_update: bool | None = None
   """Update each bucket (its shard; FSDP: each unit's) as one flat array (Megatron's fused
   multi-tensor Adam); None: the sharded strategies do when the optax transformation gives
@@ -88,6 +90,28 @@ class DDPConfig:
         f"num_distributed_optimizer_instances={n} needs a sharded strategy: with "
         "'no_shard' nothing is sharded; use data_parallel_sharding_strategy='optim' or "
         "leave num_distributed_optimizer_instances=1"
+      )
+    outer = self.outer_dp_sharding_strategy
+    if outer not in ("no_shard", "optim"):
+      raise ValueError(
+        f"outer_dp_sharding_strategy={outer!r}: unknown strategy; use 'no_shard' (whole "
+        "copies across 'replica') or 'optim' (master and optimizer state sharded across it)"
+      )
+    if outer == "optim" and self.data_parallel_sharding_strategy != "optim_grads_params":
+      raise ValueError(
+        "outer_dp_sharding_strategy='optim' shards FSDP's master params and optimizer "
+        "state across 'replica' (Megatron-FSDP's HFSDP) and needs "
+        "data_parallel_sharding_strategy='optim_grads_params'; for "
+        f"{self.data_parallel_sharding_strategy!r} shard over every device instead (one "
+        "'data' axis of replica x data devices, num_distributed_optimizer_instances=1), or "
+        "leave outer_dp_sharding_strategy='no_shard'"
+      )
+    if outer == "optim" and n == 1:
+      raise ValueError(
+        "outer_dp_sharding_strategy='optim' shards across the 'replica' axis, but "
+        "num_distributed_optimizer_instances=1 says there is none; set "
+        "num_distributed_optimizer_instances to the 'replica' axis size (> 1), or leave "
+        "outer_dp_sharding_strategy='no_shard'"
       )
     for name in (
       "grad_reduce_in_fp32",

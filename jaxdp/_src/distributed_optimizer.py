@@ -485,6 +485,11 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=Fal
       "some params are stacked FSDP units (FSDPConfig(stacked=...)), whose master is "
       "(layers, rows, ...) with one layer gathered per scan iteration: they update per leaf"
     )
+  elif layout.outer > 1:
+    why = (
+      "outer_dp_sharding_strategy='optim' splits each param's block again across "
+      "'replica' (the master and optimizer state): they update per leaf"
+    )
   elif chunked:
     why = (
       "FSDPConfig(chunks=...) gathers some params by row blocks of their own master: they "
@@ -761,19 +766,24 @@ def unpad_leaf(x, layout: Layout, i: int):
   return unpad_dim(x, layout.shapes[i], layout.shard_axes[i])
 
 
-def unpad_view(x, shape: tuple[int, ...], axis: int, mesh, dims, sharded: bool):
+def unpad_view(x, shape: tuple[int, ...], axis: int, mesh, dims, sharded: bool, outer=False):
   """Traced: a leaf `x` padded on dim `axis` back in its own `shape`, in the params' dtype
   unchanged, placed over its own axes `dims` and, if `sharded`, over "data" on a dim that dp
   divides (`view_dims`); replicated over "data" otherwise.
 
   Shard by shard where it can: a leaf whose padded dim is sharded moves to the view's dim
   first (an all-to-all, each device keeping `1 / dp` of the leaf), then drops its padding
-  rows, so no device holds the whole leaf unless the view is replicated.
+  rows, so no device holds the whole leaf unless the view is replicated. `outer`: a leaf
+  sharded over ("data", "replica") on `axis` (HFSDP's master and optimizer state), which is
+  all-gathered across "replica" first (the compiler has no direct path from it to another
+  dim over "data" and would gather it whole).
   """
   ndim = len(shape)
   dims = tuple(dims) if dims else ((),) * ndim
   view = view_dims(shape, dims, mesh.shape[DATA], axis) if sharded else dims
   if tuple(x.shape) != tuple(shape):
+    if outer and x.ndim == ndim:
+      x = constrain(x, mesh, pspec(with_data(dims, (), axis)))
     # `view` splits no padded dim (dp divides none of them): the padded leaf takes it as it
     # is, rows to drop included; a scalar stored as one padded dim is gathered (it is tiny)
     mid = view if x.ndim == ndim else ((),)

@@ -39,7 +39,8 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
   The params are used where they live: `no_shard` reads the replicated params, the other
   sharded strategies all-gather each bucket from the master shards inside the step (as the
   train step does with `overlap_param_gather`), and `optim_grads_params` gathers unit by unit
-  with the train step's unit gathers (stacked units inside the model's scan), so the whole model is never held gathered at once.
+  with the train step's unit gathers (stacked units inside the model's scan; under HFSDP from the
+  compute rows the state keeps), so the whole model is never held gathered at once.
 
   Args:
     fn: `fn(params, batch) -> outputs` (a pytree of arrays). When the state holds
@@ -109,7 +110,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
           call,
           layout,
           leaves_of(params),
-          fsdp_lib.unit_values(master, layout, fused),
+          fsdp_lib.unit_values(master, layout, fused, params),
           fsdp_lib.unit_collectives(layout, mesh, config, fsdp, fused, model_specs=model_specs),
           fsdp,
           data_axes(mesh),

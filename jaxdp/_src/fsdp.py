@@ -46,6 +46,15 @@ too and gathered whole over the other axes by the compiler first. The loss sees 
 params over "data" with the caller's split over the rest, and the compiler runs the
 tensor-parallel arithmetic (on a mesh with Explicit axes, under `mesh.run_manual`).
 
+HFSDP (`DDPConfig(outer_dp_sharding_strategy="optim")` on a `("replica", "data")` mesh,
+`Layout.outer` = replicas): rows pad to a multiple of replicas x dp; `params` also holds each
+trainable param's compute rows (1/dp of them, in its own dtype, over "data" alone), which
+the units gather; `master` and `opt_state` are sharded over ("data", "replica") on the
+shard dim. The backward's reduce-scatters sum over "data" alone; once per step each unit
+bucket's grads are reduce-scattered across "replica" (`scatter_outer`), and after the
+update the master is all-gathered back across it into the compute rows (`gather_outer`).
+docs/design.md, "HFSDP", says why.
+
 Units (which params) are `units.py`'s.
 """
 
@@ -73,12 +82,22 @@ from jaxdp._src.distributed_optimizer import (
   unpad_view,
   use_fused,
 )
-from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype, shard_axis
+from jaxdp._src.layout import (
+  Frozen,
+  Layout,
+  ParamSpec,
+  make_layout,
+  master_dtype,
+  outer_bucket,
+  shard_axis,
+)
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
+  REPLICA,
   ModelSpec,
   constrain,
+  constrain_auto,
   data_axes,
   data_axes_in,
   dp_size,
@@ -145,6 +164,9 @@ def layout_for(
     units=units,
     stacked=stacked,
     shard_dims=shard_dims,
+    outer=config.num_distributed_optimizer_instances
+    if config.outer_dp_sharding_strategy == "optim"
+    else 1,
   )
   if not layout.buffers:
     raise ValueError(
@@ -165,19 +187,23 @@ def leaf_dims(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec
   """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is): a
   unit's leaf sharded over "data" on its shard dim (`Layout.shard_axes`) and over the axes
   the caller split it over, an integer leaf over the latter alone; master all None in a
-  fused state (flat)."""
+  fused state (flat). HFSDP (`Layout.outer`): the master over "data" and then "replica"
+  on its shard dim, the compute params in `params` over "data" alone."""
   layout = state.layout
   manual = data_axes_in(dict(state.mesh_shape))
   specs = param_specs(layout)
   own = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-  sharded = lambda i: with_data(own[i], manual, layout.shard_axes[i])
+  sharded = lambda i, outer=False: with_data(own[i], manual, layout.shard_axes[i], outer)
   params = [
     None if x is None else sharded(i) if i in specs else own[i]
     for i, x in enumerate(leaves_of(state.params))
   ]
   if state.fused:
     return params, [None] * len(layout.shapes)
-  return params, [None if m is None else sharded(i) for i, m in enumerate(leaves_of(state.master))]
+  outer = layout.outer > 1
+  return params, [
+    None if m is None else sharded(i, outer) for i, m in enumerate(leaves_of(state.master))
+  ]
 
 
 def state_specs(state: TrainState) -> TrainState:
@@ -238,10 +264,20 @@ def init_state(
   layout = layout_for(params, mesh, config, fsdp, frozen, model_specs)
   specs, trainable = param_specs(layout), layout.trainable
   _check_model_specs(layout, model_specs, fsdp)
+  _check_outer(layout, model_specs, fsdp)
   check_model_rows(layout, model_specs, mesh, specs)
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   chunked = bool(chunked_leaves(layout, fsdp))
   fused = use_fused(tx, layout, config, model_specs, chunked=chunked)
+  outer = layout.outer > 1
+
+  def rows(i, x):
+    """Leaf `i` padded; HFSDP: placed over "data" on its shard dim first (the compute rows),
+    from where the master's placement over ("data", "replica") is a slice."""
+    x = _pad(x, specs[i])
+    if not outer:
+      return x
+    return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), layout.shard_axes[i])))
 
   def build(params):
     leaves = leaves_of(params)
@@ -251,12 +287,14 @@ def init_state(
       master = tree_of(
         layout,
         [
-          _pad(x, specs[i]).astype(master_dtype(x.dtype)) if trainable[i] else None
+          rows(i, x).astype(master_dtype(x.dtype)) if trainable[i] else None
           for i, x in enumerate(leaves)
         ],
       )
+    # HFSDP (`layout.outer`): the trainable params' compute rows too, in their own dtype
     stored = [
-      None if trainable[i] else _pad(x, specs[i]) if i in specs else x for i, x in enumerate(leaves)
+      None if trainable[i] and not outer else rows(i, x) if i in specs else x
+      for i, x in enumerate(leaves)
     ]
     state = TrainState(
       jnp.zeros((), jnp.int32),
@@ -309,6 +347,27 @@ def _check_model_specs(layout: Layout, model_specs, fsdp: FSDPConfig):
       )
 
 
+def _check_outer(layout: Layout, model_specs, fsdp: FSDPConfig):
+  """Raises for what HFSDP (`outer_dp_sharding_strategy="optim"`) does not run: params the
+  caller sharded over other mesh axes, params gathered by row blocks."""
+  if layout.outer == 1:
+    return
+  for path, dims in zip(layout.paths, model_specs):
+    if any(dims):
+      raise NotImplementedError(
+        f"params{path} is sharded {pspec(dims)} over another mesh axis (tensor parallel): "
+        "outer_dp_sharding_strategy='optim' keeps params replicated over the other axes; "
+        "place the params replicated, or use outer_dp_sharding_strategy='no_shard'"
+      )
+  chunked = chunked_leaves(layout, fsdp)
+  if chunked:
+    raise NotImplementedError(
+      f"FSDPConfig(chunks={dict(fsdp.chunks)}) with outer_dp_sharding_strategy='optim': "
+      "row-block gathers are not built for HFSDP; leave chunks out, or use "
+      "outer_dp_sharding_strategy='no_shard'"
+    )
+
+
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   """Traced `get_params`: every leaf in its own shape and dtype, fresh, replicated, or with
   `sharded` over "data" on a dim that dp divides (`unpad_view`)."""
@@ -319,7 +378,8 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   def whole(i, x, m):
     shape, dims = layout.shapes[i], model_spec(state, i, len(layout.shapes[i]))
     if m is not None or i in specs:  # stored padded and sharded
-      x = unpad_view(m if m is not None else x, shape, layout.shard_axes[i], mesh, dims, sharded)
+      # HFSDP: the compute rows (over "data" alone), the master's cast to the param dtype
+      x = unpad_view(x if x is not None else m, shape, layout.shard_axes[i], mesh, dims, sharded)
       return jnp.copy(x.astype(layout.dtypes[i]))
     view = view_dims(shape, dims, mesh.shape[DATA]) if sharded else dims
     return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, pspec(view))
@@ -374,9 +434,14 @@ def flat_keys(layout: Layout) -> dict[str, int]:
   return {name: -1 - n for n, (name, _, _) in enumerate(bucket_names(layout))}
 
 
-def unit_values(master, layout: Layout, fused: bool) -> dict:
+def unit_values(master, layout: Layout, fused: bool, params=None) -> dict:
   """Inside the step: this device's master shards as `call_with_units` takes them: leaf
-  index -> rows, or (`fused`) `flat_keys` -> flat shard."""
+  index -> rows, or (`fused`) `flat_keys` -> flat shard. HFSDP (`layout.outer`): the
+  trainable leaves' compute rows in `params` (a tree like the state's), which the units
+  gather (the master holds 1/replicas of them)."""
+  if layout.outer > 1:
+    stored = leaves_of(params)
+    return {i: stored[i] for i, t in enumerate(layout.trainable) if t}
   if fused:
     keys = flat_keys(layout)
     return {keys[name]: m for name, m in master.items()}
@@ -449,6 +514,8 @@ def unit_collectives(
         average=config.average_in_collective,
         chunked=[i for i in u.leaves if i in chunks],
         own=own,
+        # HFSDP: summed over "replica" once per step, after the backward (`scatter_outer`)
+        reduce_axes=(DATA,) if layout.outer > 1 else None,
       ),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
@@ -513,7 +580,13 @@ def make_grad_fn(
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
     sync = lambda ms: collectives.sync_model_state(ms, axes)
-    tmaster = unit_values(master, layout, fused)
+    tmaster = unit_values(master, layout, fused, params)
+    if layout.outer > 1:
+      # HFSDP: the compute rows, differentiated in the master dtype (the reduce-scatter's
+      # shard is fp32) and varying over "replica", so that no implicit psum over it runs
+      tmaster = collectives.make_varying(
+        {i: x.astype(master_dtype(x.dtype)) for i, x in tmaster.items()}, (REPLICA,)
+      )
     if k == 1:
       (loss, (aux, model_state)), grads = grad_fn(tmaster, batch, 0, model_state)
       model_state, aux = sync(model_state), loop.mean_micro(None, aux, 1)
@@ -566,10 +639,13 @@ def make_grad_fn(
       (loss, grads, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
       aux = loop.mean_micro(auxs, None, k)
     aux = collectives.average_aux(aux, axes)
+    if layout.outer > 1:  # HFSDP: one reduce-scatter per unit bucket across "replica"
+      grads = scatter_outer(grads, layout)
     # The global mean loss and grad norm in one collective: every device holds a distinct
-    # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards, so the
-    # norm² of the local shards summed over all devices counts each element `replicas` times.
-    replicas = dp // mesh.shape[DATA]
+    # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards (HFSDP:
+    # distinct ones), so the norm² of the local shards summed over all devices counts each
+    # element `replicas` times.
+    replicas = 1 if layout.outer > 1 else dp // mesh.shape[DATA]
     sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
     if replicas > 1:
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
@@ -606,6 +682,46 @@ def make_grad_fn(
   return grad_fn
 
 
+def scatter_outer(grads: dict, layout: Layout) -> dict:
+  """Inside the step, HFSDP: `{leaf: this device's block of its grad}` (reduced over
+  "data") reduced over "replica" too, one reduce-scatter per unit bucket
+  (`collectives.reduce_scatter_outer`): each device's 1/replicas of the block, the
+  master's shape."""
+  out = {}
+  for buf in layout.buffers:
+    for b in buf.buckets:
+      blocks = [grads[p.index] for p in b.params]
+      shards = collectives.reduce_scatter_outer(
+        blocks, outer_bucket(b, layout.dp, layout.outer), buf.grad_dtype
+      )
+      out.update((p.index, g) for p, g in zip(b.params, shards))
+  return out
+
+
+def gather_outer(state: TrainState, mesh) -> PyTree:
+  """HFSDP after the update: `state.params` with each trainable param's compute rows
+  (sharded over "data") all-gathered across "replica" from the master (sharded over both),
+  cast to the param dtype: one all-gather per unit bucket (`collectives.all_gather_outer`)."""
+  layout = state.layout
+  params_spec, master_spec = manual_specs(state)
+
+  def local(master, params):
+    blocks, out = leaves_of(master), leaves_of(params)
+    for buf in layout.buffers:
+      for b in buf.buckets:
+        shards = [blocks[p.index] for p in b.params]
+        full = collectives.all_gather_outer(
+          shards, outer_bucket(b, layout.dp, layout.outer), buf.param_dtype
+        )
+        for p, x in zip(b.params, full):
+          out[p.index] = x
+    return tree_of(layout, out)
+
+  return run_manual(local, mesh, (master_spec, params_spec), params_spec)(
+    state.master, state.params
+  )
+
+
 def make_train_step(
   loss_fn: LossFn,
   tx: optax.GradientTransformation,
@@ -634,6 +750,8 @@ def make_train_step(
     new_state = dataclasses.replace(
       state, step=state.step + 1, master=master, opt_state=opt_state, model_state=model_state
     )
+    if layout.outer > 1:  # HFSDP: the updated params back into the compute rows
+      new_state = dataclasses.replace(new_state, params=gather_outer(new_state, mesh))
     return checks.finish_step(
       new_state,
       state_specs(new_state),

@@ -260,6 +260,9 @@ class Layout:
   with `stacked=`), else None."""
   shard_dims: tuple[tuple[str, int], ...] = ()
   """`(path, dim)` of every leaf `make_layout(shard_dims=)` gave its shard dim, sorted."""
+  outer: int = 1
+  """Outer shards of each device's block (`make_layout(outer=)`): rows are padded to a
+  multiple of `dp * outer`."""
 
   @property
   def stacked(self) -> bool:
@@ -359,8 +362,36 @@ def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   """
   shape = layout.shapes[i] or (1,)
   axis = layout.shard_axes[i]
-  rows = round_up(shape[axis], layout.dp)
+  rows = round_up(shape[axis], layout.dp * layout.outer)
   return (*shape[:axis], rows, *shape[axis + 1 :]), axis
+
+
+def outer_bucket(bucket: Bucket, dp: int, outer: int) -> Bucket:
+  """One device's shard of `bucket` as a bucket of its own, to be split `outer` ways (a
+  layout made with `outer=`): each param's block (`local_shape(dp)`, its layers leading if
+  stacked) is a param whose rows (`rows / dp`, a multiple of `outer`) are split again, so
+  that a reduce-scatter of it over the outer axis hands each device `1 / (dp * outer)` of
+  every param's rows, contiguous on its shard dim, and an all-gather rebuilds the block.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> params = {"w": jnp.zeros((10, 3)), "s": jnp.zeros((2, 6, 5))}
+    >>> layout = make_layout(params, dp=4, units=lambda p: p, stacked={"['s']"}, outer=2)
+    >>> [(p.path, p.rows) for p in layout.params]  # rows padded to multiples of 4 x 2
+    [("['w']", 16), ("['s']", 8)]
+    >>> w, s = [outer_bucket(b, 4, 2).params[0] for b in layout.buffers[0].buckets]
+    >>> (w.shape, w.axis, w.rows, w.local_shape(2)), (s.shape, s.axis, s.local_shape(2))
+    (((4, 3), 0, 4, (2, 3)), ((2, 2, 5), 1, (2, 1, 5)))
+  """
+  specs, offset = [], 0
+  for p in bucket.params:
+    lead = (p.layers,) if p.layers else ()
+    spec = ParamSpec(
+      p.path, p.index, (*lead, *p.local_shape(dp)), p.rows // dp, offset, 0, p.axis + len(lead)
+    )
+    specs.append(spec)
+    offset += spec.shard_size(outer)
+  return Bucket(bucket.index, tuple(specs), 0, offset, bucket.unit, bucket.stack)
 
 
 def layer_bucket(bucket: Bucket, dp: int) -> Bucket:
@@ -497,6 +528,7 @@ def make_layout(
   leading: Frozen = None,
   scanned: Callable[[str], str | None] | None = None,
   shard_dims: Mapping[str, int] | None = None,
+  outer: int = 1,
 ) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
@@ -539,6 +571,9 @@ def make_layout(
     shard_dims: `{path: dim}`: the shard dim of these params (of a layer if stacked),
       whatever its padding (FSDP gives a tensor-parallel leaf a dim the other mesh axes do
       not split, `shard_axis(..., taken=)`); kept in `Layout.shard_dims`.
+    outer: rows are padded to a multiple of `dp * outer`, so that each device's block
+      splits `outer` ways again (`outer_bucket`: FSDP's optimizer sharded across the
+      "replica" axis as well, `outer_dp_sharding_strategy="optim"`).
 
   Returns:
     A static `Layout`.
@@ -575,6 +610,8 @@ def make_layout(
   """
   if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
     raise ValueError(f"dp={dp!r}: must be a positive integer (the data axis size)")
+  if isinstance(outer, bool) or not isinstance(outer, int) or outer < 1:
+    raise ValueError(f"outer={outer!r}: must be a positive integer (the replica axis size)")
   if bucket_size is None:
     bucket_size = default_bucket_size(dp)
   if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0:
@@ -642,7 +679,7 @@ def make_layout(
         if stack_of[i] is not None:
           axis = 1 + shard_axis(shape[1:], dp)
         axis = given.get(paths[i], axis)
-        rows = round_up(shape[axis] if shape else 1, dp)
+        rows = round_up(shape[axis] if shape else 1, dp * outer)
         spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
         shard += spec.shard_size(dp)
@@ -667,6 +704,7 @@ def make_layout(
     tuple(unit_of) if unit_of is not None else None,
     tuple(layers) if layers is not None else None,
     tuple(sorted(given.items())),
+    outer,
   )
 
 

@@ -48,6 +48,7 @@ from jaxdp._src.layout import (
   master_dtype,
   round_up,
 )
+from jaxdp._src.mesh import DATA, REPLICA
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
 from jaxdp._src.units import assign_units, chunked_leaves, units_of
 
@@ -149,8 +150,10 @@ def memory_ledger(
   Args:
     params: the model params (arrays or `jax.ShapeDtypeStruct`s).
     tx: the optax transformation; None: Adam (two moments in the master dtype).
-    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies): the
-      mesh the ledger predicts for need not exist.
+    dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies, except
+      under HFSDP, `outer_dp_sharding_strategy="optim"`, where the master and the
+      optimizer state are sharded over it too: 1/(replicas * dp) each): the mesh the
+      ledger predicts for need not exist.
     config: the `DDPConfig` (its strategy, `grad_reduce_in_fp32`, buckets,
       `overlap_param_gather`, `fused_update`: a fused state holds its buckets' end padding
       too, `stacked`: those stacks' leaves are sharded on a dim of a layer).
@@ -180,6 +183,12 @@ def memory_ledger(
   size = size if config.overlap_grad_reduce else sys.maxsize
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
   leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
+  # HFSDP: rows padded to replicas * dp; master and optimizer state 1/(replicas * dp)
+  outer = (
+    config.num_distributed_optimizer_instances
+    if config.outer_dp_sharding_strategy == "optim"
+    else 1
+  )
   layout = make_layout(
     params,
     dp=dp,
@@ -188,6 +197,7 @@ def memory_ledger(
     leading=leading,
     grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
     scanned=config.stack_of if config.stacked else None,
+    outer=outer,
   )
   sharded = strategy != "no_shard"
   fsdp_step = strategy == "optim_grads_params"
@@ -200,8 +210,11 @@ def memory_ledger(
     for i in layout.static:
       shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
       if jnp.issubdtype(dtype, jnp.floating):
-        shape = (round_up(shape[0], dp) // dp, *shape[1:])  # this device's rows, padding included
+        # this device's rows, padding included
+        shape = (round_up(shape[0], dp * outer) // dp, *shape[1:])
       model += _nbytes(shape, dtype)
+    if outer > 1:  # HFSDP: the trainable params' compute rows too, in their own dtype
+      model += sum(_nbytes(x.seen, layout.dtypes[x.index]) // dp for x in leaves_)
   grads = sum(buf.size * buf.grad_dtype.itemsize for buf in layout.buffers)
   if strategy in ("optim_grads", "optim_grads_params"):
     grads //= dp
@@ -213,7 +226,7 @@ def memory_ledger(
     shape = x.seen if sharded else x.shape
     opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
     if sharded:
-      master += _nbytes(shape, dtype) // dp
+      master += _nbytes(shape, dtype) // (dp * outer)
     elif dtype != layout.dtypes[i]:
       master += _nbytes(shape, dtype)
   if tx is None:
@@ -229,6 +242,7 @@ def memory_ledger(
       units=units,
       stacked=unit_stacks,
       grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+      outer=outer,
     )
     chunked = bool(chunked_leaves(flat_layout, fsdp))
     gathered_unit = max(
@@ -251,7 +265,7 @@ def memory_ledger(
   opt = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state):
     n = _nbytes(x.shape, x.dtype)
-    opt += n // dp if is_sharded(path, x) else n
+    opt += n // (dp * outer) if is_sharded(path, x) else n
 
   gathered = trainable_model if sharded and not fsdp_step and config.overlap_param_gather else 0
   return MemoryLedger(
@@ -334,8 +348,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   """Bytes each device should send per step, by collective kind (the table above).
 
   Computed from the state's layout (padding included), for the data axis; a "replica"
-  axis (`num_distributed_optimizer_instances > 1`) adds an all-reduce of the shards that
-  is not counted here. Small collectives of the step's metrics (the loss, norms) are not
+  axis (`num_distributed_optimizer_instances > 1`) adds an all-reduce of the shards (under
+  HFSDP, `outer_dp_sharding_strategy="optim"`: a reduce-scatter of them and an all-gather
+  of the updated params) that is not counted here. Small collectives of the step's metrics (the loss, norms) are not
   counted either.
 
   Args:
@@ -409,7 +424,9 @@ def memory_report(
   Args:
     params: the model params (arrays; `jax.ShapeDtypeStruct`s when nothing is measured).
     tx: the optax transformation.
-    dp: data-parallel size (the "data" axis of the mesh the report is for).
+    dp: data-parallel size (the "data" axis of the mesh the report is for; with
+      `num_distributed_optimizer_instances` R > 1 a sharded state is measured and compiled
+      on a `("replica", "data")` mesh of R x dp devices).
     config: the `jaxdp.DDPConfig` (its strategy, `grad_reduce_in_fp32`, buckets, ...).
     loss_fn: `loss_fn(params, batch)`, to compile the step for the GPU column.
     batch: one global batch (arrays or `jax.ShapeDtypeStruct`s).
@@ -441,8 +458,15 @@ def memory_report(
   # This process's own devices: the measured state never spans processes, so building it
   # needs no other process (in a multi-process job each measures on its own).
   cpus = jax.local_devices(backend="cpu")
-  if len(cpus) >= dp and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
-    mesh = jax.sharding.Mesh(np.array(cpus[:dp]), ("data",))
+  # a sharded optimizer's copies (HSDP, HFSDP) live on a "replica" axis of this size
+  replicas = config.num_distributed_optimizer_instances if config.use_distributed_optimizer else 1
+  if len(cpus) >= replicas * dp and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
+    devices = np.array(cpus[: replicas * dp])
+    mesh = (
+      jax.sharding.Mesh(devices.reshape(replicas, dp), (REPLICA, DATA))
+      if replicas > 1
+      else jax.sharding.Mesh(devices, (DATA,))
+    )
     extra = {"fsdp": fsdp} if fsdp_step else {}
     state = train.init_state(params, tx, mesh, config, frozen=frozen, **extra)
     measured = measured_bytes(state)
@@ -450,12 +474,13 @@ def memory_report(
 
   compiled = None
   if loss_fn is not None and batch is not None and aot.gpu_compile_unavailable() is None:
+    target = aot.gpu_mesh((replicas, dp), (REPLICA, DATA)) if replicas > 1 else dp
     program = aot.compile_train_step(
-      loss_fn, tx, dp, config, params, batch, frozen=frozen, fsdp=fsdp if fsdp_step else None
+      loss_fn, tx, target, config, params, batch, frozen=frozen, fsdp=fsdp if fsdp_step else None
     )
     stats = memory_stats(program)
     compiled = {
-      "state": stats.argument_bytes - _batch_bytes_per_device(batch, dp),
+      "state": stats.argument_bytes - _batch_bytes_per_device(batch, replicas * dp),
       "total": stats.peak_bytes,
     }
 

@@ -132,14 +132,19 @@ def pspec(dims: ModelSpec) -> P:
   return P(*[None if not a else a[0] if len(a) == 1 else a for a in dims]) if dims else P()
 
 
-def with_data(dims: ModelSpec, manual: tuple[str, ...], axis: int = 0) -> ModelSpec:
+def with_data(
+  dims: ModelSpec, manual: tuple[str, ...], axis: int = 0, outer: bool = False
+) -> ModelSpec:
   """A leaf's spec with `DATA` added on its shard dim `axis` (after its manual axes, before
-  its automatic ones); a scalar becomes one padded dim."""
+  its automatic ones); a scalar becomes one padded dim. `outer`: `(DATA, REPLICA)`, each
+  device's block over "data" split again over "replica" (HFSDP's master and optimizer
+  state)."""
   dims = dims or ((),)
   on = dims[axis]
+  ours = (DATA, REPLICA) if outer else (DATA,)
   return (
     *dims[:axis],
-    tuple(a for a in on if a in manual) + (DATA,) + tuple(a for a in on if a not in manual),
+    tuple(a for a in on if a in manual) + ours + tuple(a for a in on if a not in manual),
     *dims[axis + 1 :],
   )
 

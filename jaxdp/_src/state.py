@@ -64,12 +64,15 @@ class TrainState:
   params: PyTree
   """The model params, replicated over the data axes (over other axes as the caller placed
   them). Under a sharded strategy with `overlap_param_gather` the trainable leaves are
-  None: they are gathered from `master` inside the next step."""
+  None: they are gathered from `master` inside the next step. FSDP shards its frozen
+  params over "data" (padded rows), and under HFSDP (`outer_dp_sharding_strategy="optim"`)
+  its trainable ones too: the compute rows the units gather, the master's cast."""
   master: PyTree
   """The optimizer's copy of each trainable param ("main params"): sharded strategies
   hold each device's rows of the leaf's shard dim (`Layout.shard_axes`) sharded over
-  "data", in fp32 (or wider), or with the fused update (`fused`) one flat array per bucket;
-  DDP holds fp32 copies of low-precision params only."""
+  "data" (HFSDP: over "data" and "replica"), in fp32 (or wider), or with the fused update
+  (`fused`) one flat array per bucket; DDP holds fp32 copies of low-precision params
+  only."""
   opt_state: PyTree
   """The optax state, built on `master`'s shapes and sharded like it."""
   layout: Layout

@@ -104,6 +104,7 @@ def gather_layout(layout: Layout) -> Layout:
     units=dict(zip(layout.paths, layout.units)),
     stacked={p for p, n in zip(layout.paths, layout.layers) if n},
     shard_dims=dict(layout.shard_dims),
+    outer=layout.outer,
   )
 
 
