@@ -61,11 +61,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
-from jaxdp._src.buffer import pad_rows
+from jaxdp._src.buffer import pad_dim
 from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
+  check_expert_rows,
   check_model_rows,
   fused_master,
   grad_blocks,
@@ -82,6 +83,7 @@ from jaxdp._src.mesh import (
   data_axes,
   data_axes_in,
   dp_size,
+  experts_of,
   manual_spec,
   model_specs_of,
   pspec,
@@ -127,12 +129,20 @@ def layout_for(
   caller sharded over other mesh axes (`model_specs`: tensor parallel) is sharded over
   "data" on a dim those axes do not split where it has one (`shard_axis(taken=)`), so that
   each device's block keeps the caller's split and its all-gather over "data" needs
-  nothing of the other axes."""
+  nothing of the other axes. Expert params (sharded over "expert") get buffers of their
+  own, each `ParamSpec` one expert-parallel rank's slice, sharded over "data" on a dim
+  other than the expert dim the same way (see the module docstring)."""
   units, stacked = assign_units(params, fsdp)
-  keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+  keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
   shard_dims = {}
   for (keys, x), dims in zip(keyed, model_specs):
     path = jax.tree_util.keystr(keys)
+    if path in stacked and any(EXPERT in axes for axes in dims):
+      raise ValueError(
+        f"params{path} is an expert param ({pspec(dims)}) under FSDPConfig(stacked=...), "
+        "whose leaves lead with their layer axis, while an expert param leads with its "
+        "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
+      )
     if any(dims):
       lead = 1 if path in stacked else 0  # a stacked leaf's dims of one layer
       taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
@@ -145,6 +155,8 @@ def layout_for(
     units=units,
     stacked=stacked,
     shard_dims=shard_dims,
+    experts=jax.tree.unflatten(treedef, experts_of(model_specs)) if model_specs else None,
+    expert_parallel=mesh.shape.get(EXPERT, 1),
   )
   if not layout.buffers:
     raise ValueError(
@@ -155,7 +167,10 @@ def layout_for(
 
 
 def _pad(x, spec: ParamSpec):
-  return jax.vmap(lambda y: pad_rows(y, spec))(x) if spec.layers else pad_rows(x, spec)
+  """A whole leaf padded on its shard dim (an expert leaf's spec is of one rank's slice; its
+  shard dim is the same in the whole leaf)."""
+  pad = lambda y: pad_dim(y, y.shape, spec.axis, spec.rows)
+  return jax.vmap(pad)(x) if spec.layers else pad(x)
 
 
 # ----------------------------------------------------------------------------- state
@@ -238,6 +253,7 @@ def init_state(
   layout = layout_for(params, mesh, config, fsdp, frozen, model_specs)
   specs, trainable = param_specs(layout), layout.trainable
   _check_model_specs(layout, model_specs, fsdp)
+  check_expert_rows(layout, mesh)
   check_model_rows(layout, model_specs, mesh, specs)
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   chunked = bool(chunked_leaves(layout, fsdp))
@@ -284,16 +300,17 @@ def init_state(
 
 
 def _check_model_specs(layout: Layout, model_specs, fsdp: FSDPConfig):
-  """Raises for a caller's sharding FSDP cannot keep: over "expert", over the layer axis of
-  a stacked leaf, or of a leaf gathered by row blocks."""
+  """Raises for a caller's sharding FSDP cannot keep: of a frozen expert param, over the
+  layer axis of a stacked leaf, or of a leaf gathered by row blocks."""
   chunked = chunked_leaves(layout, fsdp)
+  trainable = layout.trainable
   for i, (path, dims) in enumerate(zip(layout.paths, model_specs)):
     spec = pspec(dims)
-    if any(EXPERT in axes for axes in dims):
-      raise NotImplementedError(
-        f"params{path} is sharded over a non-data axis of its own for expert parallelism "
-        f"({spec}): optim_grads_params keeps tensor-parallel shardings, not expert ones; "
-        "use 'optim' (or no_shard) for an expert-parallel model"
+    if any(EXPERT in axes for axes in dims) and not trainable[i]:
+      raise ValueError(
+        f"params{path} is an expert param ({spec}) that is frozen (or not float): "
+        "optim_grads_params shards only trainable expert params; train it, or use 'optim' "
+        "(which keeps frozen params whole) for this model"
       )
     if layout.layers[i] and dims[0]:
       raise ValueError(
@@ -350,10 +367,12 @@ def call_with_units(
   uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
   values = dict(enumerate(stored))
   values.update(tmaster)
-  # the loss receives every float param in `fsdp.param_dtype` (what the gathers return)
+  # the loss receives every float param in `fsdp.param_dtype` (what the gathers return),
+  # an expert param as this rank's experts (its `ParamSpec`'s shape)
+  local = {p.index: p.shape for buf in layout.buffers if buf.expert for p in buf.params}
   leaf_avals = [
-    jax.ShapeDtypeStruct(s, compute_dtype(d, fsdp.param_dtype))
-    for s, d in zip(layout.shapes, layout.dtypes)
+    jax.ShapeDtypeStruct(local.get(i, s), compute_dtype(d, fsdp.param_dtype))
+    for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))
   ]
   return fsdp_program.run_loss(
     lambda tree, a: call(tree, *a),
@@ -428,12 +447,14 @@ def unit_collectives(
       )
     return out
   chunks = chunked_leaves(layout, fsdp) if chunks else {}
-  # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its axes.
-  own, specs = {}, param_specs(layout)
+  # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its
+  # automatic axes (an expert param's "expert" is one of the step's manual axes already).
+  own, specs, manual = {}, param_specs(layout), data_axes(mesh)
   for i, dims in enumerate(model_specs):
     layer = dims[1:] if layout.layers[i] else dims  # a stacked unit's collectives: a layer's
-    if any(dims) and i in specs and not layer[specs[i].axis]:
-      own[i] = pspec(layer)
+    auto = tuple(tuple(a for a in axes if a not in manual) for axes in layer)
+    if any(auto) and i in specs and not layer[specs[i].axis]:
+      own[i] = pspec(auto)
   return [
     fsdp_program.UnitIO(
       name=u.name,
@@ -449,6 +470,7 @@ def unit_collectives(
         average=config.average_in_collective,
         chunked=[i for i in u.leaves if i in chunks],
         own=own,
+        experts=[i for i, e in enumerate(experts_of(model_specs)) if e],
       ),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
@@ -568,9 +590,14 @@ def make_grad_fn(
     aux = collectives.average_aux(aux, axes)
     # The global mean loss and grad norm in one collective: every device holds a distinct
     # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards, so the
-    # norm² of the local shards summed over all devices counts each element `replicas` times.
-    replicas = dp // mesh.shape[DATA]
-    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+    # norm² of the local shards summed over all devices counts each element `replicas` times;
+    # an expert param's shards differ across "expert" too (`ep` times fewer replicas).
+    replicas, ep = dp // mesh.shape[DATA], mesh.shape.get(EXPERT, 1)
+    experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
+    sq = sum(
+      jnp.sum(jnp.square(g.astype(jnp.float32))) * (ep if i in experts else 1)
+      for i, g in grads.items()
+    )
     if replicas > 1:
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
