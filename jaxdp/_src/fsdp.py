@@ -46,6 +46,25 @@ too and gathered whole over the other axes by the compiler first. The loss sees 
 params over "data" with the caller's split over the rest, and the compiler runs the
 tensor-parallel arithmetic (on a mesh with Explicit axes, under `mesh.run_manual`).
 
+Expert params (MoE, a leaf placed `P("expert", ...)` on its leading, expert dim, on a mesh
+with an "expert" axis): dense params are FSDP as on any mesh (sharded over "data",
+replicated over "expert", their reduce-scatter over "data" followed by an all-reduce of
+the shard over "expert"); an expert param keeps its "expert" split and is sharded over
+"data" as well, on a dim the expert dim leaves whole (`layout_for`: `P("expert", "data",
+None)` for a `(experts, d, h)` weight), in `master`, `opt_state` and `params` alike, so a
+device holds `1 / (ep * data)` of it. Its `ParamSpec`s describe one expert-parallel rank's
+slice (`make_layout(experts=)`, buffers of their own, as under ZeRO), and since "expert" is
+one of the step's manual axes, its unit's all-gather and reduce-scatter are the plain ones
+of that slice over "data", the expert-data-parallel group; the grads are never reduced over
+"expert" (`collectives.unit_collectives(experts=)`), and the loss receives the rank's
+experts, as under `optim`. Why not split the rank's experts themselves over "data", as
+ZeRO's expert buckets do: that needs `experts / ep` to divide over "data" (or padding
+inside each rank's slice, which no whole-array view, `get_params` or checkpoint, could
+cut), while another dim pads at its end like any leaf, and the gather still returns whole
+experts. An expert param with no other dim is split on its experts (they must divide). A
+frozen expert param, one under `FSDPConfig(stacked=...)` (whose leading dim is the layer
+axis) or gathered by row blocks (`chunks=`) is refused by `init_state`.
+
 Units (which params) are `units.py`'s.
 """
 
