@@ -195,17 +195,30 @@ def moe_problem():
 
 
 @pytest.mark.slow  # an MoE / GPT train step, compiled per strategy
-@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
 def test_moe_expert_grads_reduced_over_expert_data_parallel_group(strategy, tmp_path):
   """Mesh (data=4, expert=2): dense params are data parallel over all 8 devices, the 8
-  experts are sharded 4 per expert rank and their grads reduced over "data" only. The
-  checkpoint of an expert-parallel state restores into a plain data-parallel one."""
+  experts are sharded 4 per expert rank and their grads reduced over "data" only (FSDP:
+  gathered over "data" only too, as the rank's 4 experts). The grad-norm metric, the
+  sharded view, the eval step and the checkpoint see the whole model: it restores into a
+  plain data-parallel state, and into the expert-parallel one's `abstract_state`."""
   params, rank_loss, batch, want, bound = moe_problem()
   mesh = jax.make_mesh((4, 2), ("data", "expert"))
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   state, step = train(place_experts(params, mesh), rank_loss, batch, MOE_TX, mesh, config)
   got = jaxdp.get_params(state)
   bound.check(got, want)
+  assert step._cache_size() == 1  # the state a step returns is placed like init_state's
+  # the grad-norm metric counts each element once: a dense one is on both expert ranks, an
+  # expert one on one. A norm sums squares: rtol_sum of the 16 x 8 terms of each gradient
+  # and of the params' count.
+  _, loss_fn = jaxdp.nnx_split(MoEGPT(MOE, rngs=nnx.Rngs(0)), gpt_loss)
+  _, metrics = step(jaxdp.init_state(place_experts(params, mesh), MOE_TX, mesh, config), batch)
+  np.testing.assert_allclose(
+    float(metrics["grad_norm"]),
+    float(optax.tree.norm(jax.grad(loss_fn)(params, batch))),
+    rtol=rtol_sum(16 * 8) + rtol_sum(sum(x.size for x in jax.tree.leaves(params))),
+  )
 
   layout = state.layout
   assert [(buf.name, buf.expert) for buf in layout.buffers] == [
@@ -219,32 +232,62 @@ def test_moe_expert_grads_reduced_over_expert_data_parallel_group(strategy, tmp_
   }
   w_fc = got["blocks"][0]["moe"]["w_fc"]  # (8, 16, 64): 4 experts per device
   assert w_fc.sharding.spec[0] == "expert" and w_fc.addressable_shards[0].data.shape[0] == 4
+  mu = state.opt_state[0].mu["blocks"][0]["moe"]["w_fc"]
   if strategy == "optim":  # optimizer state: 4 experts per expert rank, 1 per device
-    mu = state.opt_state[0].mu["blocks"][0]["moe"]["w_fc"]
     assert mu.sharding.spec[0] == ("expert", "data")
     assert mu.addressable_shards[0].data.shape[0] == 1
+  if strategy == "optim_grads_params":  # master and Adam's moments: 4 experts per expert
+    for x in (state.master["blocks"][0]["moe"]["w_fc"], mu):  # rank, 16 / 4 rows per device
+      assert tuple(x.sharding.spec) == ("expert", "data", None)
+      assert x.addressable_shards[0].data.shape == (4, 4, 64)
+  # get_params(sharded=True): the same values, 1/8 of each expert param per device
+  view = jaxdp.get_params(state, sharded=True)
+  assert_close(view, got, atol=0)
+  assert view["blocks"][0]["moe"]["w_fc"].addressable_shards[0].data.shape == (4, 4, 64)
 
   data, everyone = as_sets(groups(mesh, "data")), as_sets(ALL)
+  expert = as_sets(groups(mesh, "expert"))
   ops = collectives(step, state, batch)
   kind = "all-reduce" if strategy == "no_shard" else "reduce-scatter"
-  reductions = {n: g for k, n, g in ops if k == kind and n > 8}  # not the metrics
+  reductions = {}  # bytes -> replica groups (FSDP has several buckets of one size)
+  for k, n, g in ops:
+    if k == kind and n > 8:  # not the metrics
+      reductions.setdefault(n, set()).add(g)
   expert_bytes, dense_bytes = bucket_bytes(layout, True), bucket_bytes(layout, False)
-  assert sorted(reductions) == sorted(expert_bytes + dense_bytes)
+  assert sorted(reductions) == sorted(set(expert_bytes + dense_bytes))
   for n in expert_bytes:  # the expert-data-parallel group: devices holding the same experts
-    assert reductions[n] == data
+    assert reductions[n] == {data}
   for n in dense_bytes:  # all 8 devices: at once (DDP), or scattered over "data" and the
     if strategy == "no_shard":  # shard then all-reduced over "expert"
-      assert reductions[n] == everyone
+      assert reductions[n] == {everyone}
     else:
-      assert reductions[n] == data
-      assert ("all-reduce", n // 4, as_sets(groups(mesh, "expert"))) in ops
+      assert reductions[n] == {data}
+  if strategy != "no_shard":  # only the dense shards are all-reduced over "expert"
+    assert {4 * n for k, n, g in ops if k == "all-reduce" and g == expert} == set(dense_bytes)
+  if strategy == "optim_grads_params":  # every unit gathered over "data" alone, its shard
+    gathers = {(4 * n, g) for k, n, g in ops if k == "all-gather"}  # a quarter of its bucket
+    assert gathers == {(n, data) for n in expert_bytes + dense_bytes}
+
+  # the eval step runs the rank's model on the same placements
+  loss = jaxdp.make_eval_step(rank_loss, mesh, config)(state, batch)
+  # a mean of 16 x 8 token losses, each a log-sum-exp of 64 logits
+  np.testing.assert_allclose(
+    float(loss), float(loss_fn(jax.device_get(got), batch)), rtol=rtol_sum(16 * 8 * 64)
+  )
 
   with jaxdp.CheckpointManager(tmp_path) as mgr:
     mgr.save(STEPS, state)
     mgr.wait_until_finished()
     dense = jax.make_mesh((8,), ("data",))
     restored = mgr.restore(jaxdp.init_state(params, MOE_TX, dense, jaxdp.DDPConfig()))
-  assert_close(jaxdp.get_params(restored), got, atol=0)  # a round trip: bit for bit
+    assert_close(jaxdp.get_params(restored), got, atol=0)  # a round trip: bit for bit
+    # and back into the expert-parallel state, read into its abstract form
+    like = jaxdp.abstract_state(place_experts(params, mesh), MOE_TX, mesh, config)
+    back = mgr.restore(like)
+  assert_close(jaxdp.get_params(back), got, atol=0)
+  assert jax.tree.map(lambda x: x.sharding, back) == jax.tree.map(lambda x: x.sharding, state)
+  state, _ = step(back, batch)  # and it trains on
+  assert step._cache_size() == 1
 
 
 def test_compile_train_step_shards_the_batch_like_the_step():
@@ -355,9 +398,20 @@ def test_placements_jaxdp_cannot_keep_are_refused():
   optim = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
   with pytest.raises(ValueError, match=r"params\['w'\]: 2 experts per expert-parallel rank"):
     jaxdp.init_state({"w": on(jnp.zeros((4, 3)), "expert")}, tx, mesh, optim)
+  # FSDP: an expert param with no dim besides its experts is split like the optimizer's; one
+  # FSDP does not gather (frozen), scans (stacked) or gathers by row blocks (chunks)
   fsdp = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
-  with pytest.raises(NotImplementedError, match=r"params\['w'\] is sharded over a non-data"):
-    jaxdp.init_state({"w": on(jnp.zeros((8, 3)), "expert")}, tx, mesh, fsdp)
+  with pytest.raises(ValueError, match=r"params\['w'\]: 2 experts per expert-parallel rank"):
+    jaxdp.init_state({"w": on(jnp.zeros(4), "expert")}, tx, mesh, fsdp)
+  expert = {"w": on(jnp.zeros((8, 16)), "expert"), "b": jnp.zeros(3)}
+  with pytest.raises(ValueError, match=r"params\['w'\] is an expert param .* frozen"):
+    jaxdp.init_state(expert, tx, mesh, fsdp, frozen={"w": True, "b": False})
+  stacked = jaxdp.FSDPConfig(stacked=["w"])
+  with pytest.raises(ValueError, match=r"params\['w'\] is an expert param .* out of stacked"):
+    jaxdp.init_state(expert, tx, mesh, fsdp, fsdp=stacked)
+  chunks = jaxdp.FSDPConfig(chunks={"w": 2})
+  with pytest.raises(ValueError, match=r"chunks=.* params\['w'\], which is sharded"):
+    jaxdp.init_state(expert, tx, mesh, fsdp, fsdp=chunks)
   assert model_specs_of({"w": on(jnp.zeros((8, 3)), "expert")}, mesh) == ((("expert",), ()),)
 
 

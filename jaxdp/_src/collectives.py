@@ -21,7 +21,7 @@ from jaxdp._src.buffer import (
   unpad_rows,
 )
 from jaxdp._src.layout import Bucket, Layout, ParamSpec, layer_bucket
-from jaxdp._src.mesh import DATA, REPLICA
+from jaxdp._src.mesh import DATA, EXPERT, REPLICA
 
 
 def varying_axes(x) -> frozenset:
@@ -298,6 +298,7 @@ def unit_collectives(
   chunked: Collection[int] = (),
   own: Mapping[int, Any] | None = None,
   reduce_axes: Sequence[str] | None = None,
+  experts: Collection[int] = (),
 ) -> UnitCollectives:
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
   collectives), as plain functions; `fsdp_program` calls them inside each unit's
@@ -352,12 +353,17 @@ def unit_collectives(
       tensor-parallel block would be gathered over "model" first.)
     reduce_axes: the axes the reduce-scatters sum over (`DATA` last); None: `axes`.
       `(DATA,)` leaves the sum over "replica" to `reduce_scatter_outer` (HFSDP).
+    experts: expert params (split over `EXPERT`, a manual axis: each device holds its
+      rank's experts): their grads are reduced over `axes` less `EXPERT`, the
+      expert-data-parallel group. A bucket holds expert params only or none.
   """
   other = tuple(a for a in axes if a != DATA)
   reduce_axes = tuple(axes if reduce_axes is None else reduce_axes)
   own = own or {}
   chunked = frozenset(chunked)
   single = chunked | frozenset(own)
+  experts = frozenset(experts)
+  group = lambda i: tuple(a for a in reduce_axes if a != EXPERT) if i in experts else reduce_axes
 
   def manual_over(i, f):
     """`f` on leaf `i`'s values, manual over the axes its caller split it over (`own`)."""
@@ -383,7 +389,7 @@ def unit_collectives(
     def reduce(ct):
       if p.axis:  # reduce_bucket scatters dim 0
         ct = jnp.moveaxis(ct, p.axis, 0)
-      g = reduce_bucket(ct, dp=dp, scatter=True, axes=reduce_axes, average=average)
+      g = reduce_bucket(ct, dp=dp, scatter=True, axes=group(i), average=average)
       return jnp.moveaxis(g, 0, p.axis) if p.axis else g
 
     return manual_over(i, reduce)(ct.astype(grad_dtypes[i])).astype(cotangent_dtypes[i])
@@ -424,7 +430,8 @@ def unit_collectives(
       if any(p.index in single for p in b.params):
         grads.update(scattered_each(cts, [(b, grad_dtype)]))
         continue
-      shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=reduce_axes, average=average)
+      axes_b = group(b.params[0].index)
+      shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes_b, average=average)
       for p, g in zip(b.params, shard_unravel(shard, b, shards)):
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
     return grads

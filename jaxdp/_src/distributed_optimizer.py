@@ -792,10 +792,12 @@ def unpad_view(x, shape: tuple[int, ...], axis: int, mesh, dims, sharded: bool, 
 
 
 def check_expert_rows(layout: Layout, mesh):
-  """Sharded strategies split each rank's experts over "data": they must divide evenly."""
+  """Sharded strategies split each rank's experts over "data" (an expert param sharded on its
+  expert dim: every one of `optim*`'s, an FSDP one with no other dim): they must divide
+  evenly."""
   for buf in layout.buffers:
     for p in buf.params if buf.expert else ():
-      if p.rows != p.shape[0]:
+      if p.axis == 0 and p.rows != p.shape[0]:
         raise ValueError(
           f"params{p.path}: {p.shape[0]} experts per expert-parallel rank do not divide "
           f"over the {mesh.shape[DATA]} devices of the {DATA!r} axis, which the sharded "

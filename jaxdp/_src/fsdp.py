@@ -55,6 +55,25 @@ bucket's grads are reduce-scattered across "replica" (`scatter_outer`), and afte
 update the master is all-gathered back across it into the compute rows (`gather_outer`).
 docs/design.md, "HFSDP", says why.
 
+Expert params (MoE, a leaf placed `P("expert", ...)` on its leading, expert dim, on a mesh
+with an "expert" axis): dense params are FSDP as on any mesh (sharded over "data",
+replicated over "expert", their reduce-scatter over "data" followed by an all-reduce of
+the shard over "expert"); an expert param keeps its "expert" split and is sharded over
+"data" as well, on a dim the expert dim leaves whole (`layout_for`: `P("expert", "data",
+None)` for a `(experts, d, h)` weight), in `master`, `opt_state` and `params` alike, so a
+device holds `1 / (ep * data)` of it. Its `ParamSpec`s describe one expert-parallel rank's
+slice (`make_layout(experts=)`, buffers of their own, as under ZeRO), and since "expert" is
+one of the step's manual axes, its unit's all-gather and reduce-scatter are the plain ones
+of that slice over "data", the expert-data-parallel group; the grads are never reduced over
+"expert" (`collectives.unit_collectives(experts=)`), and the loss receives the rank's
+experts, as under `optim`. Why not split the rank's experts themselves over "data", as
+ZeRO's expert buckets do: that needs `experts / ep` to divide over "data" (or padding
+inside each rank's slice, which no whole-array view, `get_params` or checkpoint, could
+cut), while another dim pads at its end like any leaf, and the gather still returns whole
+experts. An expert param with no other dim is split on its experts (they must divide). A
+frozen expert param, one under `FSDPConfig(stacked=...)` (whose leading dim is the layer
+axis) or gathered by row blocks (`chunks=`) is refused by `init_state`.
+
 Units (which params) are `units.py`'s.
 """
 
@@ -70,11 +89,12 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
-from jaxdp._src.buffer import pad_rows
+from jaxdp._src.buffer import pad_dim
 from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
+  check_expert_rows,
   check_model_rows,
   fused_master,
   grad_blocks,
@@ -101,6 +121,7 @@ from jaxdp._src.mesh import (
   data_axes,
   data_axes_in,
   dp_size,
+  experts_of,
   manual_spec,
   model_specs_of,
   pspec,
@@ -146,12 +167,20 @@ def layout_for(
   caller sharded over other mesh axes (`model_specs`: tensor parallel) is sharded over
   "data" on a dim those axes do not split where it has one (`shard_axis(taken=)`), so that
   each device's block keeps the caller's split and its all-gather over "data" needs
-  nothing of the other axes."""
+  nothing of the other axes. Expert params (sharded over "expert") get buffers of their
+  own, each `ParamSpec` one expert-parallel rank's slice, sharded over "data" on a dim
+  other than the expert dim the same way (see the module docstring)."""
   units, stacked = assign_units(params, fsdp)
-  keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+  keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
   shard_dims = {}
   for (keys, x), dims in zip(keyed, model_specs):
     path = jax.tree_util.keystr(keys)
+    if path in stacked and any(EXPERT in axes for axes in dims):
+      raise ValueError(
+        f"params{path} is an expert param ({pspec(dims)}) under FSDPConfig(stacked=...), "
+        "whose leaves lead with their layer axis, while an expert param leads with its "
+        "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
+      )
     if any(dims):
       lead = 1 if path in stacked else 0  # a stacked leaf's dims of one layer
       taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
@@ -167,6 +196,8 @@ def layout_for(
     outer=config.num_distributed_optimizer_instances
     if config.outer_dp_sharding_strategy == "optim"
     else 1,
+    experts=jax.tree.unflatten(treedef, experts_of(model_specs)) if model_specs else None,
+    expert_parallel=mesh.shape.get(EXPERT, 1),
   )
   if not layout.buffers:
     raise ValueError(
@@ -177,7 +208,10 @@ def layout_for(
 
 
 def _pad(x, spec: ParamSpec):
-  return jax.vmap(lambda y: pad_rows(y, spec))(x) if spec.layers else pad_rows(x, spec)
+  """A whole leaf padded on its shard dim (an expert leaf's spec is of one rank's slice; its
+  shard dim is the same in the whole leaf)."""
+  pad = lambda y: pad_dim(y, y.shape, spec.axis, spec.rows)
+  return jax.vmap(pad)(x) if spec.layers else pad(x)
 
 
 # ----------------------------------------------------------------------------- state
@@ -265,6 +299,7 @@ def init_state(
   specs, trainable = param_specs(layout), layout.trainable
   _check_model_specs(layout, model_specs, fsdp)
   _check_outer(layout, model_specs, fsdp)
+  check_expert_rows(layout, mesh)
   check_model_rows(layout, model_specs, mesh, specs)
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   chunked = bool(chunked_leaves(layout, fsdp))
@@ -322,16 +357,17 @@ def init_state(
 
 
 def _check_model_specs(layout: Layout, model_specs, fsdp: FSDPConfig):
-  """Raises for a caller's sharding FSDP cannot keep: over "expert", over the layer axis of
-  a stacked leaf, or of a leaf gathered by row blocks."""
+  """Raises for a caller's sharding FSDP cannot keep: of a frozen expert param, over the
+  layer axis of a stacked leaf, or of a leaf gathered by row blocks."""
   chunked = chunked_leaves(layout, fsdp)
+  trainable = layout.trainable
   for i, (path, dims) in enumerate(zip(layout.paths, model_specs)):
     spec = pspec(dims)
-    if any(EXPERT in axes for axes in dims):
-      raise NotImplementedError(
-        f"params{path} is sharded over a non-data axis of its own for expert parallelism "
-        f"({spec}): optim_grads_params keeps tensor-parallel shardings, not expert ones; "
-        "use 'optim' (or no_shard) for an expert-parallel model"
+    if any(EXPERT in axes for axes in dims) and not trainable[i]:
+      raise ValueError(
+        f"params{path} is an expert param ({spec}) that is frozen (or not float): "
+        "optim_grads_params shards only trainable expert params; train it, or use 'optim' "
+        "(which keeps frozen params whole) for this model"
       )
     if layout.layers[i] and dims[0]:
       raise ValueError(
@@ -355,7 +391,7 @@ def _check_outer(layout: Layout, model_specs, fsdp: FSDPConfig):
   for path, dims in zip(layout.paths, model_specs):
     if any(dims):
       raise NotImplementedError(
-        f"params{path} is sharded {pspec(dims)} over another mesh axis (tensor parallel): "
+        f"params{path} is sharded {pspec(dims)} over another mesh axis (tensor or expert parallel): "
         "outer_dp_sharding_strategy='optim' keeps params replicated over the other axes; "
         "place the params replicated, or use outer_dp_sharding_strategy='no_shard'"
       )
@@ -410,10 +446,12 @@ def call_with_units(
   uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
   values = dict(enumerate(stored))
   values.update(tmaster)
-  # the loss receives every float param in `fsdp.param_dtype` (what the gathers return)
+  # the loss receives every float param in `fsdp.param_dtype` (what the gathers return),
+  # an expert param as this rank's experts (its `ParamSpec`'s shape)
+  local = {p.index: p.shape for buf in layout.buffers if buf.expert for p in buf.params}
   leaf_avals = [
-    jax.ShapeDtypeStruct(s, compute_dtype(d, fsdp.param_dtype))
-    for s, d in zip(layout.shapes, layout.dtypes)
+    jax.ShapeDtypeStruct(local.get(i, s), compute_dtype(d, fsdp.param_dtype))
+    for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))
   ]
   return fsdp_program.run_loss(
     lambda tree, a: call(tree, *a),
@@ -493,12 +531,14 @@ def unit_collectives(
       )
     return out
   chunks = chunked_leaves(layout, fsdp) if chunks else {}
-  # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its axes.
-  own, specs = {}, param_specs(layout)
+  # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its
+  # automatic axes (an expert param's "expert" is one of the step's manual axes already).
+  own, specs, manual = {}, param_specs(layout), data_axes(mesh)
   for i, dims in enumerate(model_specs):
     layer = dims[1:] if layout.layers[i] else dims  # a stacked unit's collectives: a layer's
-    if any(dims) and i in specs and not layer[specs[i].axis]:
-      own[i] = pspec(layer)
+    auto = tuple(tuple(a for a in axes if a not in manual) for axes in layer)
+    if any(auto) and i in specs and not layer[specs[i].axis]:
+      own[i] = pspec(auto)
   return [
     fsdp_program.UnitIO(
       name=u.name,
@@ -516,6 +556,7 @@ def unit_collectives(
         own=own,
         # HFSDP: summed over "replica" once per step, after the backward (`scatter_outer`)
         reduce_axes=(DATA,) if layout.outer > 1 else None,
+        experts=[i for i, e in enumerate(experts_of(model_specs)) if e],
       ),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
     )
@@ -644,9 +685,15 @@ def make_grad_fn(
     # The global mean loss and grad norm in one collective: every device holds a distinct
     # 1/dp of each reduced grad (zero padding) and the replicas hold the same shards (HFSDP:
     # distinct ones), so the norm² of the local shards summed over all devices counts each
-    # element `replicas` times.
+    # element `replicas` times; an expert param's shards differ across "expert" too (`ep`
+    # times fewer replicas).
     replicas = 1 if layout.outer > 1 else dp // mesh.shape[DATA]
-    sq = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+    ep = mesh.shape.get(EXPERT, 1)
+    experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
+    sq = sum(
+      jnp.sum(jnp.square(g.astype(jnp.float32))) * (ep if i in experts else 1)
+      for i, g in grads.items()
+    )
     if replicas > 1:
       sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)

@@ -65,8 +65,9 @@ def init_state(
       runs with them Auto: the loss is written as for an Auto mesh, with no sharding
       annotations). Params sharded `P("expert", ...)` are expert params: dense params
       are data parallel over "expert" too, expert params get buffers of their own reduced
-      over the expert-data-parallel group ("replica" and "data") only, and `loss_fn` sees
-      this rank's experts (the model exchanges tokens over "expert" itself).
+      over the expert-data-parallel group ("replica" and "data") only (FSDP: sharded over
+      "data" on a dim of their own besides "expert", and gathered over "data" alone), and
+      `loss_fn` sees this rank's experts (the model exchanges tokens over "expert" itself).
     config: the `DDPConfig`.
     frozen: params to leave untrained: a boolean pytree (True = frozen) or a function
       `(path, leaf) -> bool`. They get no grads, no optimizer state, no collective.
@@ -87,8 +88,8 @@ def init_state(
       or over axes that do not divide its dim, or (sharded strategies) an expert param's
       experts per rank, or the rows of a dim that both its caller and jaxdp split, do not
       divide by the axis sizes; under `optim_grads_params`, a tensor-parallel param split
-      over its layer axis (`FSDPConfig(stacked=)`) or gathered by row blocks (`chunks=`).
-    NotImplementedError: expert-parallel params under `optim_grads_params`.
+      over its layer axis (`FSDPConfig(stacked=)`), a tensor- or expert-parallel param
+      gathered by row blocks (`chunks=`), an expert param under `stacked=`, or a frozen one.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp

@@ -94,10 +94,15 @@ class Unit:
 
 @functools.cache
 def gather_layout(layout: Layout) -> Layout:
-  """The layout of every float param (frozen too), unit by unit: what the gathers carry."""
+  """The layout of every float param (frozen too), unit by unit: what the gathers carry.
+  Expert params (trainable: FSDP refuses frozen ones) keep their buffers of one
+  expert-parallel rank's slice."""
   abstract = jax.tree.unflatten(
     layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
   )
+  experts = {p.path: p for buf in layout.buffers if buf.expert for p in buf.params}
+  # the expert axis size: a whole expert param's leading dim over one rank's
+  ep = [layout.shapes[p.index][0] // p.shape[0] for p in experts.values()][:1] or [1]
   return make_layout(
     abstract,
     dp=layout.dp,
@@ -105,6 +110,8 @@ def gather_layout(layout: Layout) -> Layout:
     stacked={p for p, n in zip(layout.paths, layout.layers) if n},
     shard_dims=dict(layout.shard_dims),
     outer=layout.outer,
+    experts=lambda path, _: path in experts,
+    expert_parallel=ep[0],
   )
 
 
