@@ -268,7 +268,9 @@ def test_hfsdp_bad_input_is_refused_before_compiling():
     "w": jax.device_put(params["l0"]["w"], jax.NamedSharding(tp, jax.P(None, "model"))),
     "b": params["l0"]["b"],
   }
-  with pytest.raises(NotImplementedError, match=r"tensor or expert parallel.*place the params replicated"):
+  with pytest.raises(
+    NotImplementedError, match=r"tensor or expert parallel.*place the params replicated"
+  ):
     jaxdp.init_state(placed, optax.sgd(0.1), tp, HFSDP)
 
 
