@@ -73,7 +73,14 @@ from jaxdp._src.distributed_optimizer import (
   unpad_view,
   use_fused,
 )
-from jaxdp._src.layout import Frozen, Layout, ParamSpec, make_layout, master_dtype, shard_axis
+from jaxdp._src.layout import (
+  Frozen,
+  Layout,
+  ParamSpec,
+  make_layout,
+  master_dtype,
+  model_shard_dims,
+)
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
@@ -130,13 +137,13 @@ def layout_for(
   nothing of the other axes."""
   units, stacked = assign_units(params, fsdp)
   keyed = jax.tree_util.tree_flatten_with_path(params)[0]
-  shard_dims = {}
-  for (keys, x), dims in zip(keyed, model_specs):
-    path = jax.tree_util.keystr(keys)
-    if any(dims):
-      lead = 1 if path in stacked else 0  # a stacked leaf's dims of one layer
-      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
-      shard_dims[path] = shard_axis(tuple(x.shape[lead:]), mesh.shape[DATA], taken)
+  shard_dims = model_shard_dims(
+    [jax.tree_util.keystr(keys) for keys, _ in keyed],
+    [tuple(x.shape) for _, x in keyed],
+    model_specs,
+    mesh.shape[DATA],
+    stacked.__contains__,  # a stacked leaf's dims of one layer
+  )
   layout = make_layout(
     params,
     dp=mesh.shape[DATA],

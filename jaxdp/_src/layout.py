@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +164,44 @@ def shard_axis(shape: tuple[int, ...], dp: int, taken: Collection[int] = ()) -> 
   padded = [round_up(n, dp) / n if n else math.inf for n in shape]
   free = [k for k in range(len(shape)) if k not in taken] or list(range(len(shape)))
   return min(free, key=lambda k: (padded[k], k)) if shape else 0
+
+
+def model_shard_dims(
+  paths: Sequence[str],
+  shapes: Sequence[tuple[int, ...]],
+  model_dims: Sequence[tuple[tuple[str, ...], ...]],
+  dp: int,
+  layered: Callable[[str], bool] = lambda path: False,
+) -> dict[str, int]:
+  """The shard dim of every leaf its caller split over other mesh axes (tensor parallel):
+  one those axes leave whole where the leaf has one (`shard_axis(taken=)`), so that each
+  device's block over "data" is a slice of its own block over the other axes, and a gather
+  or a reduce-scatter over "data" alone moves that slice and nothing of the rest.
+
+  Args:
+    paths, shapes: each leaf's `jax.tree_util.keystr` and shape, in tree order.
+    model_dims: per leaf, per dim, the mesh axes other than the data axes it is split over.
+    dp: the data axis size.
+    layered: the leaves whose leading dim is a layer axis: their dim is one of a layer
+      (the layer axis dropped), as `make_layout(stacked=)` takes it.
+
+  Returns:
+    `{path: dim}` of every leaf split over some axis, `make_layout`'s `shard_dims`.
+
+  Examples:
+    >>> model_shard_dims(["['w1']", "['w2']", "['b']"], [(8, 64), (64, 8), (64,)],
+    ...                  [((), ("model",)), (("model",), ()), (("model",),)], 4)
+    {"['w1']": 0, "['w2']": 1, "['b']": 0}
+    >>> model_shard_dims(["['w']"], [(2, 64, 8)], [((), ("model",), ())], 4, lambda p: True)
+    {"['w']": 1}
+  """
+  out = {}
+  for path, shape, dims in zip(paths, shapes, model_dims):
+    if any(dims):
+      lead = 1 if layered(path) else 0
+      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
+      out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
