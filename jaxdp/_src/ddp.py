@@ -68,6 +68,7 @@ from jaxdp._src.distributed_optimizer import (
 )
 from jaxdp._src.layout import (
   Frozen,
+  alone_size,
   Layout,
   default_bucket_size,
   float_elements,
@@ -162,9 +163,10 @@ def layout_for(
       treedef,
       [e or (path in shard_dims and path not in layered) for path, e in zip(paths, is_expert)],
     )
+  strategy = config.data_parallel_sharding_strategy
   if config.overlap_grad_reduce:
     bucket_size = config.bucket_size or default_bucket_size(
-      dp_size(mesh), config.data_parallel_sharding_strategy, float_elements(params)
+      dp_size(mesh), strategy, float_elements(params)
     )
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward
@@ -179,6 +181,7 @@ def layout_for(
     expert_parallel=mesh.shape.get(EXPERT, 1),
     scanned=config.stack_of if config.stacked else None,
     shard_dims=shard_dims,
+    alone_over=alone_size(strategy, bucket_size, config.bucket_size),
   )
   if not layout.buffers:
     raise ValueError(

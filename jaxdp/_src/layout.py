@@ -73,6 +73,26 @@ def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None =
   return max(DDP_SMALLEST_BUCKET, -(-elements // DDP_MIN_BUCKETS))
 
 
+def alone_size(strategy: str, bucket_size: int, configured: int | None = None) -> int | None:
+  """`make_layout`'s `alone_over` under `strategy`: with `no_shard`'s default buckets of
+  `DDP_BUCKET_SIZE` (no `configured` `DDPConfig.bucket_size`), a param larger than a bucket
+  is reduced in a bucket of its own. It would overflow the bucket anyway; in one with other
+  params it is copied into their concatenation, a copy as large as the param alive beside
+  its grad (a large embedding's, docs/design.md "Default bucket sizes"), alone its ravel is
+  a bitcast. None elsewhere: a small model's 16 buckets and the sharded strategies' keep
+  their params together.
+
+  Examples:
+    >>> alone_size("no_shard", DDP_BUCKET_SIZE), alone_size("no_shard", 52_144)
+    (6553600, None)
+    >>> alone_size("optim", 16_000_000), alone_size("no_shard", DDP_BUCKET_SIZE, 2**20)
+    (None, None)
+  """
+  if strategy == "no_shard" and configured is None and bucket_size == DDP_BUCKET_SIZE:
+    return bucket_size
+  return None
+
+
 def float_elements(params) -> int:
   """The number of floating-point elements of a param tree (what `default_bucket_size`
   divides among a small model's DDP buckets)."""
@@ -535,6 +555,7 @@ def make_layout(
   leading: Frozen = None,
   scanned: Callable[[str], str | None] | None = None,
   shard_dims: Mapping[str, int] | None = None,
+  alone_over: int | None = None,
 ) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
@@ -577,6 +598,9 @@ def make_layout(
     shard_dims: `{path: dim}`: the shard dim of these params (of a layer if stacked),
       whatever its padding (FSDP gives a tensor-parallel leaf a dim the other mesh axes do
       not split, `shard_axis(..., taken=)`); kept in `Layout.shard_dims`.
+    alone_over: size-bucket layouts: a param of more elements than this gets a bucket of
+      its own, the params before it closing theirs short of `bucket_size` (a bucket of one
+      param is raveled without a copy; `no_shard`'s default buckets, `alone_size`).
 
   Returns:
     A static `Layout`.
@@ -659,11 +683,13 @@ def make_layout(
     else:
       group, count = [], 0
       for i in leaves:
-        if group and stack_of[i] != stack_of[group[0]]:
+        n = math.prod(local_shapes[i])
+        alone = alone_over is not None and n > alone_over and stack_of[i] is None
+        if group and (stack_of[i] != stack_of[group[0]] or alone):
           groups.append(group)
           group, count = [], 0
         group.append(i)
-        count += math.prod(local_shapes[i])
+        count += n
         if count >= bucket_size and stack_of[i] is None:
           groups.append(group)
           group, count = [], 0
