@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxdp
+from jaxdp._src.ddp import layout_for
 from jaxdp._src.ledger import memory_ledger
 
 
@@ -104,6 +105,28 @@ def test_default_bucket_size_is_16m_sharded_and_pytorch_ddps_for_no_shard():
     assert (layout.bucket_size, layout.num_buckets) == (size, buckets)
     # the ledger counts the same buckets' end padding
     assert memory_ledger(p, tx, 8, ddp).grads == layout.buffers[0].size * 4
+
+
+def test_no_shard_default_buckets_give_a_param_larger_than_one_a_bucket_of_its_own():
+  """Under no_shard's default 25 MiB buckets a param larger than a bucket does not join the
+  params before it (backprop order: w, norm, then the table, 6.55M + 8K elements): alone, its
+  ravel is a bitcast, not a concatenation as large as it. Explicit bucket sizes, a small
+  model's 16 buckets and the sharded strategies keep Megatron's rule (close a bucket once
+  it reaches the size), and the ledger counts the same buckets."""
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  big = 25 * 2**20 // 4  # DDP_BUCKET_SIZE
+  params = {"embed": sds(big // 1024 + 8, 1024), "norm": sds(1024), "w": sds(1024, 1024)}
+  mesh = jax.make_mesh((8,), ("data",))
+  paths = lambda layout: [[p.path for p in b.params] for b in layout.buffers[0].buckets]
+  for strategy, bucket_size, want in (
+    ("no_shard", None, [["['w']", "['norm']"], ["['embed']"]]),
+    ("no_shard", big, [["['w']", "['norm']", "['embed']"]]),
+    ("optim", None, [["['w']", "['norm']", "['embed']"]]),
+  ):
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=bucket_size)
+    layout = layout_for(params, mesh, config)
+    assert paths(layout) == want, (strategy, bucket_size)
+    assert memory_ledger(params, None, 8, config).grads == layout.buffers[0].size * 4
 
 
 def test_a_param_is_never_split_and_every_bucket_reaches_bucket_size():

@@ -365,9 +365,8 @@ def test_tensor_parallel_weights_keep_their_model_sharding(strategy):
     shard = mu.addressable_shards[0].data.shape
     if strategy == "no_shard":  # mu: (16, 64) -> (16, 32), (64, 16) -> (32, 16)
       assert shard[dim] == mu.shape[dim] // 2 and shard[1 - dim] == mu.shape[1 - dim]
-    else:  # plus rows over "data": (16, 64) -> (4, 32), (64, 16) -> (8, 16)
-      assert shard[0] == mu.shape[0] // (4 if dim else 8)
-      assert shard[1] == mu.shape[1] // (2 if dim else 1)
+    else:  # plus "data" on the dim "model" leaves whole: (16, 64) -> (4, 32), (64, 16) -> (32, 4)
+      assert shard[dim] == mu.shape[dim] // 2 and shard[1 - dim] == mu.shape[1 - dim] // 4
   # the gradient bucket is reduced over "data" (groups of 4), never over all 8 devices
   # (the "model" groups of 2 are the compiler's tensor-parallel collectives)
   reduced = {

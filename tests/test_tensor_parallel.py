@@ -77,12 +77,13 @@ def test_ddp_and_zero_keep_tensor_parallel_placements(strategy, overlap, axes):
     assert full_spec(got[k].sharding.spec, got[k].ndim) == full_spec(SPECS[k], got[k].ndim)
   adam = state.opt_state[1][0]
   # Each device's block of w1 (8, 64) and w2 (64, 8): no_shard splits "model" only; the
-  # sharded strategies add the rows over "data" (w2's rows over both).
+  # sharded strategies add "data" on the dim "model" leaves whole, as FSDP does (w1's rows,
+  # w2's columns), so that each device gathers its own "model" slice.
   if strategy == "no_shard":
     shards = {"w1": (8, 32), "w2": (32, 8)}
   else:
-    shards = {"w1": (2, 32), "w2": (8, 8)}
-    for k, dims in (("w1", ("data", "model")), ("w2", (("data", "model"), None))):
+    shards = {"w1": (2, 32), "w2": (32, 2)}
+    for k, dims in (("w1", ("data", "model")), ("w2", ("model", "data"))):
       assert full_spec(state.master[k].sharding.spec, 2) == dims
   for k, shard in shards.items():
     for moment in (adam.mu[k], adam.nu[k]):
@@ -219,6 +220,58 @@ def test_fsdp_keeps_tensor_parallel_placements(form, axes):
     assert full_spec(w2.sharding.spec, 3) == (None, "model", "data")
     assert w2.addressable_shards[0].data.shape == (LAYERS, 32, 2)
     np.testing.assert_array_equal(np.asarray(got["blocks"]["w2"]), params["blocks"]["w2"])
+
+
+# ----------------------------------------------------------------------------- ZeRO, scanned
+
+
+@pytest.mark.parametrize(
+  "strategy,axes", [("optim", "explicit"), ("optim", "auto"), ("optim_grads", "explicit")]
+)
+def test_zero_scans_tensor_parallel_layers(strategy, axes):
+  """ZeRO-1/2 with `DDPConfig(stacked=)` takes a stacked tensor-parallel leaf into the scan:
+  sharded over "data" on a dim of a layer that "model" leaves whole (as FSDP shards it), each
+  layer gathered in the forward loop and reduce-scattered in the backward loop, each
+  collective on the device's own "model" slice; and it trains like the single-device
+  program."""
+  params, loss_fn, batch = stacked_problem()
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=AXES[axes])
+  on = lambda tree, specs: jax.tree.map(
+    lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs
+  )
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, stacked=["blocks"])
+  state = jaxdp.init_state(on(params, STACKED_SPECS), TX, mesh, config)
+  step = jaxdp.make_train_step(loss_fn, TX, mesh, config)
+  # w1 (8, 64) on its rows, w2 (64, 8) on its columns, b1 (64,) on its one dim, over both
+  # axes (it has no dim "model" leaves whole): never on the layer axis.
+  master = state.master["blocks"]
+  assert full_spec(master["w1"].sharding.spec, 3) == (None, "data", "model")
+  assert full_spec(master["w2"].sharding.spec, 3) == (None, "model", "data")
+  assert full_spec(master["b1"].sharding.spec, 2) == (None, ("data", "model"))
+  if strategy == "optim" and axes == "explicit":
+    # In the loops (one iteration per layer): a weight's all-gather returns its layer's
+    # "model" half, 8 x 64 / 2 floats, and its reduce-scatter reads it; never the whole
+    # layer, and no weight's gradient is reduced after the loop.
+    ops = jaxdp.inspect.schedule(step.lower(state, batch).compile()).collectives
+    data = ((0, 2, 4, 6), (1, 3, 5, 7))
+    half, whole = 4 * 8 * 64 // 2, 4 * 8 * 64
+    loop = lambda kind: [c for c in ops if c.kind == kind and c.trip_count == LAYERS]
+    gathers = [(c.result_bytes, c.replica_groups) for c in loop("all-gather")]
+    scatters = [(c.operand_bytes, c.replica_groups) for c in loop("reduce-scatter")]
+    assert gathers.count((half, data)) == 2 and scatters.count((half, data)) == 2, ops
+    assert not any(n >= whole for n, _ in gathers + scatters), ops
+    after = [c.operand_bytes for c in ops if c.kind == "reduce-scatter" and c.trip_count == 1]
+    assert not any(n >= half for n in after), ops
+  for _ in range(STEPS):
+    state, _ = step(state, batch)
+  assert step._cache_size() == 1
+  # The loss averages 16 x 8 squared errors (tests/tolerances.py has the argument).
+  bound = AdamBound(1e-2, 16 * 8, params, clip=1.0)
+  want = reference(params, loss_fn, batch, bound)
+  got = jaxdp.get_params(state)
+  bound.check(got, want)
+  for x, s in zip(jax.tree.leaves(got), jax.tree.leaves(STACKED_SPECS)):
+    assert full_spec(x.sharding.spec, x.ndim) == full_spec(s, x.ndim)
 
 
 # ----------------------------------------------------------------------------- errors

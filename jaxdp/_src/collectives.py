@@ -40,6 +40,19 @@ def make_varying(tree, axes: Sequence[str]):
   return jax.tree.map(one, tree)
 
 
+def manual_over(spec, f: Callable) -> Callable:
+  """`f` manual over the mesh axes `spec` (a PartitionSpec) names too, on this device's
+  block of each of them; `f` itself for None. Inside the step's `shard_map` the compiler
+  first gathers an operand whole over the automatic axes before a collective over a manual
+  one: a tensor-parallel leaf's gather over `DATA` would start with one over "model". Its
+  collectives run so instead (`own` in this module: leaf -> its caller's spec), each on the
+  device's own slice."""
+  if spec is None:
+    return f
+  names = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
+  return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=names)
+
+
 def sum_over(x, axes: Sequence[str]):
   """Sum of a per-device scalar over `axes` (for metrics and norms)."""
   return jax.lax.psum(x, tuple(axes))
@@ -113,12 +126,24 @@ def all_gather_bucket(
   return bucket_unravel(full, bucket, dp)
 
 
+def per_param(bucket: Bucket, own: Collection[int]) -> bool:
+  """Is `bucket` gathered and reduced one collective per param, no ravel: a stack's
+  (`Bucket.stack`: no copy of the stacked layers), or one that holds an `own` leaf (a
+  tensor-parallel leaf, whose ravel into the bucket would gather it whole over its other
+  axes first)?"""
+  return bucket.stack is not None or any(p.index in own for p in bucket.params)
+
+
 def all_gather_params(
-  masters: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
+  masters: Sequence[Any],
+  layout: Layout,
+  out: Sequence[Any],
+  stacks: bool = True,
+  own: Mapping[int, Any] | None = None,
 ) -> list[Any]:
   """All-gathers every bucket of `layout` from each device's rows: one collective per bucket
-  (Megatron's `start_param_sync`; per param in a stack's bucket, `Bucket.stack`: no ravel,
-  no copy of the stacked layers), the params replicated ("invarying").
+  (Megatron's `start_param_sync`; per param in a `per_param` bucket), the params replicated
+  ("invarying").
 
   Args:
     masters: per leaf in tree order, this device's rows of each trainable param (any float
@@ -127,35 +152,43 @@ def all_gather_params(
     out: per leaf, what to return for the leaves no bucket holds.
     stacks: False leaves the params of the stacks' buckets (`Bucket.stack`) as `out` has
       them (a step that gathers them layer by layer inside the scan).
+    own: leaf -> its caller's spec over other mesh axes, for tensor-parallel leaves whose
+      shard dim those axes leave whole: each gathers its own slice (`manual_over`).
 
   Returns:
     `out` with every bucket's params in their full shapes, in their param dtype.
   """
+  own = own or {}
   shards = [
-    [masters[p.index] for p in b.params]  # a stack's: gathered per param, never ravelled
-    if b.stack is not None
+    [masters[p.index] for p in b.params]  # gathered per param, never ravelled
+    if per_param(b, own)
     else shard_ravel([masters[p.index] for p in b.params], b, buf.param_dtype)
     for buf in layout.buffers
     for b in buf.buckets
   ]
-  return all_gather_shards(shards, layout, out, stacks)
+  return all_gather_shards(shards, layout, out, stacks, own)
 
 
 def all_gather_shards(
-  shards: Sequence[Any], layout: Layout, out: Sequence[Any], stacks: bool = True
+  shards: Sequence[Any],
+  layout: Layout,
+  out: Sequence[Any],
+  stacks: bool = True,
+  own: Mapping[int, Any] | None = None,
 ) -> list[Any]:
   """`all_gather_params` from each device's shard of every bucket (buffer and bucket order,
-  any float dtype), as a fused state keeps its master; a stack's bucket's shard may also be
-  given as its params' blocks (`ParamSpec.local_shape`), each gathered on its own."""
+  any float dtype), as a fused state keeps its master; a `per_param` bucket's shard may also
+  be given as its params' blocks (`ParamSpec.local_shape`), each gathered on its own."""
+  own = own or {}
   out = list(out)
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
   for (buf, b), shard in zip(buckets, shards):
     if b.stack is not None and not stacks:
       continue
-    if b.stack is not None:
+    if per_param(b, own):
       blocks = shard if isinstance(shard, list) else shard_unravel(shard, b, layout.dp)
       for p, x in zip(b.params, blocks):
-        out[p.index] = all_gather_rows(x, p, buf.param_dtype, "invarying")
+        out[p.index] = all_gather_rows(x, p, buf.param_dtype, "invarying", own.get(p.index))
       continue
     full = jax.lax.all_gather(shard.astype(buf.param_dtype), DATA, tiled=True, to="invarying")
     for p, x in zip(b.params, bucket_unravel(full, b, layout.dp)):
@@ -163,22 +196,65 @@ def all_gather_shards(
   return out
 
 
-def all_gather_rows(block: jax.Array, spec: ParamSpec, dtype, to: str = "varying") -> jax.Array:
-  """One param whole from every device's block (`spec.local_shape`): one all-gather on its
-  shard dim (`spec.axis`) in `dtype`, no ravel; its padding rows cut off."""
-  full = jax.lax.all_gather(block.astype(dtype), DATA, axis=spec.axis, tiled=True, to=to)
-  return unpad_rows(full, spec)
+def all_gather_rows(
+  block: jax.Array, spec: ParamSpec, dtype, to: str = "varying", own=None
+) -> jax.Array:
+  """One param whole over `DATA` from every device's block (`spec.local_shape`): one
+  all-gather on its shard dim (`spec.axis`) in `dtype`, no ravel; its padding rows cut off.
+  `own`: the param's spec over other mesh axes (`manual_over`): the device's own slice."""
+  gather = lambda x: jax.lax.all_gather(x, DATA, axis=spec.axis, tiled=True, to=to)
+  return unpad_rows(manual_over(own, gather)(block.astype(dtype)), spec)
 
 
-def reduce_scatter_layer(cts, bucket: Bucket, grad_dtype, **reduce_kwargs):
+def _scatter_rows(ct: jax.Array, axis: int, own=None, **reduce_kwargs) -> jax.Array:
+  """A padded cotangent reduce-scattered on its dim `axis` (`reduce_bucket(scatter=True)`,
+  which scatters dim 0; its `dp`, `axes`, `average` in `reduce_kwargs`), manual over the
+  axes of `own` too (`manual_over`)."""
+
+  def reduce(ct):
+    if axis:
+      ct = jnp.moveaxis(ct, axis, 0)
+    g = reduce_bucket(ct, scatter=True, **reduce_kwargs)
+    return jnp.moveaxis(g, 0, axis) if axis else g
+
+  return manual_over(own, reduce)(ct)
+
+
+def reduce_rows(ct: jax.Array, spec: ParamSpec, grad_dtype, own=None, **reduce_kwargs):
+  """One param's whole cotangent reduced on its own, no ravel, in `grad_dtype`: with
+  `scatter` (in `reduce_kwargs`, with `dp`, `axes`, `average`) reduce-scattered on its shard
+  dim, this device's block (`spec.local_shape`); else all-reduced whole. `own`: its spec
+  over other mesh axes, each device reducing its own slice (`manual_over`)."""
+  ct = ct.astype(grad_dtype)
+  if reduce_kwargs.pop("scatter"):
+    return _scatter_rows(pad_rows(ct, spec), spec.axis, own, **reduce_kwargs)
+  return manual_over(own, lambda x: reduce_bucket(x, scatter=False, **reduce_kwargs))(ct)
+
+
+def reduce_scatter_layer(cts, bucket: Bucket, grad_dtype, own=None, **reduce_kwargs):
   """One layer of a stack's bucket (`Bucket.stack`) reduced inside the scan's backward: the
   whole cotangents of the layer's params (`cts`, leaf index -> cotangent; a missing one
   counts as zeros) raveled into one buffer in `grad_dtype` and reduce-scattered
   (`_scatter_bucket`; its `dp`, `axes`, `average` in `reduce_kwargs`): one collective per
-  layer. Returns this device's block of each param's layer (`layer_bucket`'s
-  `local_shape`), in `bucket.params` order."""
+  layer; where the bucket holds an `own` leaf (leaf -> its spec of one layer over other
+  mesh axes: tensor parallel) one per param, each on the device's own slice (`reduce_rows`).
+  Returns this device's block of each param's layer (`layer_bucket`'s `local_shape`), in
+  `bucket.params` order."""
+  own = own or {}
   shards = jax.lax.axis_size(DATA)
   layer = layer_bucket(bucket, shards)
+  if any(p.index in own for p in layer.params):
+    return [
+      reduce_rows(
+        _whole_ct(cts, p, grad_dtype),
+        p,
+        grad_dtype,
+        own.get(p.index),
+        scatter=True,
+        **reduce_kwargs,
+      )
+      for p in layer.params
+    ]
   return shard_unravel(_scatter_bucket(cts, layer, grad_dtype, **reduce_kwargs), layer, shards)
 
 
@@ -242,16 +318,67 @@ def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
   return hook
 
 
-def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] = ()) -> jax.Array:
-  """The zero input whose cotangent receives the bucket's reduced grads.
+def grad_ready_hook_each(bucket: Bucket, *, grad_dtype, own: Mapping[int, Any], **reduce_kwargs):
+  """`grad_ready_hook` of a `per_param` bucket that holds an `own` leaf (leaf -> its caller's
+  spec over other mesh axes, tensor parallel): each param's grads reduced on their own
+  (`reduce_rows`), no ravel, a tensor-parallel one on this device's own slice. Its sink and
+  `acc` are tuples (`sink_for(own=)`, `acc_for`): per param its reduced grad (its block with
+  `scatter`, else whole), and its whole local grad accumulated in `grad_dtype`."""
+
+  @jax.custom_vjp
+  def hook(leaves, sink, acc):
+    del sink, acc
+    return leaves
+
+  def fwd(leaves, sink, acc):
+    del sink
+    return leaves, acc
+
+  def bwd(acc, cts):
+    reduced = tuple(
+      reduce_rows(ct.astype(grad_dtype) + a, p, grad_dtype, own.get(p.index), **reduce_kwargs)
+      for p, ct, a in zip(bucket.params, cts, acc)
+    )
+    return jax.tree.map(jnp.zeros_like, cts), reduced, jax.tree.map(jnp.zeros_like, acc)
+
+  hook.defvjp(fwd, bwd)
+  return hook
+
+
+def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] = (), own=()) -> Any:
+  """The zero input whose cotangent receives the bucket's reduced grads: one flat array, or
+  for a bucket that holds an `own` leaf (`grad_ready_hook_each`) a tuple, per param its
+  block (`scatter`) or its whole shape.
 
   `varying`: the data axes the bucket is not reduced over (an expert bucket differs across
   "expert"); with `scatter` the shard also differs across `DATA`.
   """
   shards = jax.lax.axis_size(DATA)
   axes = (*varying, DATA) if scatter else tuple(varying)
-  sink = jnp.zeros((bucket.shard_size * (1 if scatter else shards),), grad_dtype)
-  return jax.lax.pcast(sink, axes, to="varying") if axes else sink
+  vary = lambda x: jax.lax.pcast(x, axes, to="varying") if axes else x
+  if any(p.index in own for p in bucket.params):
+    return tuple(
+      vary(jnp.zeros(p.local_shape(shards) if scatter else p.shape, grad_dtype))
+      for p in bucket.params
+    )
+  return vary(jnp.zeros((bucket.shard_size * (1 if scatter else shards),), grad_dtype))
+
+
+def acc_for(bucket: Bucket, grad_dtype, own=()) -> Any:
+  """The zero local grads of a bucket that a step accumulates over micro-batches (a
+  `no_sync` accumulator): the raveled bucket, or per param its whole grad for a bucket that
+  holds an `own` leaf (`grad_ready_hook_each`); varying over every data axis."""
+  if any(p.index in own for p in bucket.params):
+    return tuple(jnp.zeros(p.shape, grad_dtype) for p in bucket.params)
+  return jnp.zeros((bucket.shard_size * jax.lax.axis_size(DATA),), grad_dtype)
+
+
+def ravel_local(grads: Sequence[jax.Array], bucket: Bucket, grad_dtype, own=()) -> Any:
+  """A micro-batch's local grads of a bucket (`bucket.params` order, whole) in the form of
+  `acc_for`: raveled, or cast one by one."""
+  if any(p.index in own for p in bucket.params):
+    return tuple(g.astype(grad_dtype) for g in grads)
+  return bucket_ravel(grads, bucket, jax.lax.axis_size(DATA), grad_dtype)
 
 
 def _whole_ct(cts, p: ParamSpec, grad_dtype) -> jax.Array:
@@ -365,34 +492,22 @@ def unit_collectives(
   experts = frozenset(experts)
   group = lambda i: tuple(a for a in reduce_axes if a != EXPERT) if i in experts else reduce_axes
 
-  def manual_over(i, f):
-    """`f` on leaf `i`'s values, manual over the axes its caller split it over (`own`)."""
-    if i not in own:
-      return f
-    spec = own[i]
-    names = {a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e)}
-    return jax.shard_map(f, in_specs=spec, out_specs=spec, axis_names=names)
-
   dtypes = {p.index: dtype for b, dtype in gather_buckets for p in b.params}
   grad_dtypes = {p.index: dtype for b, dtype in grad_buckets for p in b.params}
   specs = {p.index: p for b, _ in gather_buckets for p in b.params}
 
   def gather_rows(i, rows, dtype=None):
     x = manual_over(
-      i, lambda r: jax.lax.all_gather(r, DATA, axis=specs[i].axis, tiled=True, to="varying")
+      own.get(i),
+      lambda r: jax.lax.all_gather(r, DATA, axis=specs[i].axis, tiled=True, to="varying"),
     )(rows.astype(dtype or dtypes[i]))
     return make_varying(x, other) if other else x
 
   def scatter_rows(i, ct):
-    p = specs[i]
-
-    def reduce(ct):
-      if p.axis:  # reduce_bucket scatters dim 0
-        ct = jnp.moveaxis(ct, p.axis, 0)
-      g = reduce_bucket(ct, dp=dp, scatter=True, axes=group(i), average=average)
-      return jnp.moveaxis(g, 0, p.axis) if p.axis else g
-
-    return manual_over(i, reduce)(ct.astype(grad_dtypes[i])).astype(cotangent_dtypes[i])
+    g = _scatter_rows(
+      ct.astype(grad_dtypes[i]), specs[i].axis, own.get(i), dp=dp, axes=group(i), average=average
+    )
+    return g.astype(cotangent_dtypes[i])
 
   def gathered_each(local, buckets):  # one all-gather per param of `buckets`, no ravel
     return {

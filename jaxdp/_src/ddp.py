@@ -45,7 +45,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
-from jaxdp._src.buffer import bucket_ravel, bucket_unravel, shard_unravel
+from jaxdp._src.buffer import bucket_unravel, shard_unravel
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.distributed_optimizer import (
@@ -57,7 +57,9 @@ from jaxdp._src.distributed_optimizer import (
   gather_master,
   gather_params,
   grad_blocks,
+  layer_spec,
   master_blocks,
+  own_specs,
   pad_leaf,
   per_leaf_state,
   unpad_view,
@@ -66,12 +68,14 @@ from jaxdp._src.distributed_optimizer import (
 )
 from jaxdp._src.layout import (
   Frozen,
+  alone_size,
   Layout,
   default_bucket_size,
   float_elements,
   layer_bucket,
   make_layout,
   master_dtype,
+  model_shard_dims,
 )
 from jaxdp._src.mesh import (
   DATA,
@@ -131,17 +135,38 @@ def layout_for(
   """The layout a train step uses for `params` on `mesh` under `config`.
 
   `model_specs`: the caller's own sharding of each leaf (`model_specs_of`): expert params
-  (sharded over "expert") get buffers of their own, and a leaf sharded over any other axis
-  (tensor parallel) is sharded over "data" on its leading dim.
+  (sharded over "expert") get buffers of their own, sharded over "data" on their leading
+  dim, and a leaf sharded over any other axis (tensor parallel) is sharded over "data" on a
+  dim those axes leave whole where it has one (`model_shard_dims`, as FSDP does), so that
+  its gathers and reduce-scatters move each device's own slice (`own_specs`); one that
+  `DDPConfig(stacked=)` names, on a dim of a layer, reduced per layer inside the scan.
   """
   treedef = jax.tree.structure(params)
   experts = leading = None
+  shard_dims: dict[str, int] = {}
   if model_specs:
-    experts = jax.tree.unflatten(treedef, experts_of(model_specs))
-    leading = jax.tree.unflatten(treedef, [any(dims) for dims in model_specs])
+    is_expert = experts_of(model_specs)
+    experts = jax.tree.unflatten(treedef, is_expert)
+    keyed = jax.tree_util.tree_flatten_with_path(params)[0]
+    paths = [jax.tree_util.keystr(keys) for keys, _ in keyed]
+    shapes = [tuple(x.shape) for _, x in keyed]
+    tp = [tuple(() if e else axes for axes in dims) for dims, e in zip(model_specs, is_expert)]
+    # a leaf split over another axis on its layer axis is not scanned layer by layer
+    layered = {
+      path
+      for path, shape, dims in zip(paths, shapes, tp)
+      if config.stack_of(path) is not None and len(shape) >= 2 and not dims[0]
+    }
+    found = model_shard_dims(paths, shapes, tp, mesh.shape[DATA], layered.__contains__)
+    shard_dims = {path: dim + (path in layered) for path, dim in found.items()}
+    leading = jax.tree.unflatten(
+      treedef,
+      [e or (path in shard_dims and path not in layered) for path, e in zip(paths, is_expert)],
+    )
+  strategy = config.data_parallel_sharding_strategy
   if config.overlap_grad_reduce:
     bucket_size = config.bucket_size or default_bucket_size(
-      dp_size(mesh), config.data_parallel_sharding_strategy, float_elements(params)
+      dp_size(mesh), strategy, float_elements(params)
     )
   else:
     bucket_size = sys.maxsize  # one bucket per buffer, reduced after backward
@@ -155,6 +180,8 @@ def layout_for(
     leading=leading,
     expert_parallel=mesh.shape.get(EXPERT, 1),
     scanned=config.stack_of if config.stacked else None,
+    shard_dims=shard_dims,
+    alone_over=alone_size(strategy, bucket_size, config.bucket_size),
   )
   if not layout.buffers:
     raise ValueError(
@@ -302,6 +329,13 @@ class _Plan:
   params runs as one `custom_vjp` (`scanned_units`) whose backward reduce-scatters every
   layer in its iteration; with `gather_in_step` its forward gathers every layer in its
   iteration too."""
+  own: tuple[tuple[int, Any], ...] = ()
+  """`(leaf, its caller's spec)` of the tensor-parallel leaves whose gathers and reductions
+  move this device's own slice (`own_specs`)."""
+
+  @property
+  def own_of(self) -> dict[int, Any]:
+    return dict(self.own)
 
   def reduce_axes(self, buf) -> tuple[str, ...]:
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
@@ -314,7 +348,7 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
   full = leaves_of(params)
   if plan.gather_in_step:
-    full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan)
+    full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan, own=plan.own_of)
   return [
     collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
     for i, (t, x) in enumerate(zip(layout.trainable, full))
@@ -323,22 +357,28 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
 
 def register_grad_ready_hooks(layout: Layout, plan: _Plan):
   """`(buckets, hooks, sinks)`: per bucket, its grad-ready hook and the zero sink whose
-  cotangent receives its reduced grads."""
+  cotangent receives its reduced grads (a tuple of per-param ones for a bucket that holds a
+  tensor-parallel leaf of `plan.own`, reduced per param: `collectives.grad_ready_hook_each`)."""
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
-  hooks = [
-    collectives.grad_ready_hook(
-      b,
-      grad_dtype=buf.grad_dtype,
-      dp=plan.dp,
-      scatter=plan.sharded,
-      axes=plan.reduce_axes(buf),
-      average=plan.average,
+  own = plan.own_of
+  hooks = []
+  for buf, b in buckets:
+    kwargs = dict(
+      dp=plan.dp, scatter=plan.sharded, axes=plan.reduce_axes(buf), average=plan.average
     )
-    for buf, b in buckets
-  ]
+    if any(p.index in own for p in b.params):
+      hooks.append(
+        collectives.grad_ready_hook_each(b, grad_dtype=buf.grad_dtype, own=own, **kwargs)
+      )
+    else:
+      hooks.append(collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, **kwargs))
   sinks = [
     collectives.sink_for(
-      b, buf.grad_dtype, plan.sharded, [a for a in plan.axes if a not in plan.reduce_axes(buf)]
+      b,
+      buf.grad_dtype,
+      plan.sharded,
+      [a for a in plan.axes if a not in plan.reduce_axes(buf)],
+      own,
     )
     for buf, b in buckets
   ]
@@ -392,7 +432,8 @@ def forward_backward(
     leaves, scanned = list(full), {}
     for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
       if plan.in_scan and b.stack is not None:  # (master block or whole param, sink block)
-        for p, block in zip(b.params, shard_unravel(sink, b, layout.dp)):
+        sunk = sink if isinstance(sink, tuple) else shard_unravel(sink, b, layout.dp)
+        for p, block in zip(b.params, sunk):
           scanned[p.index] = (blocks[p.index] if plan.gather_in_step else leaves[p.index], block)
         continue
       out = hook([leaves[p.index] for p in b.params], sink, acc)
@@ -417,15 +458,15 @@ def forward_backward(
       loss,
       extra,
       [
-        bucket_ravel([g[p.index] for p in b.params], b, layout.dp, buf.grad_dtype)
+        collectives.ravel_local([g[p.index] for p in b.params], b, buf.grad_dtype, plan.own_of)
         for buf, b in buckets
       ],
     )
 
   micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-  zeros = [jnp.zeros_like(s) for s in sinks]
-  acc_zero = [jnp.zeros((b.shard_size * layout.dp,), buf.grad_dtype) for buf, b in buckets]
-  acc_zero = [collectives.make_varying(a, plan.axes) for a in acc_zero]
+  zeros = jax.tree.map(jnp.zeros_like, sinks)
+  acc_zero = [collectives.acc_for(b, buf.grad_dtype, plan.own_of) for buf, b in buckets]
+  acc_zero = collectives.make_varying(acc_zero, plan.axes)
   last = jax.tree.map(lambda x: x[-1], micro)
   loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), plan.axes)  # a scan carry
   if plan.scatter_each_microbatch:
@@ -436,7 +477,7 @@ def forward_backward(
       (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
         sinks, acc_zero, mb, j, ms
       )
-      return (loss_sum + loss, [a + r for a, r in zip(red_sum, red)], sync(ms)), aux
+      return (loss_sum + loss, jax.tree.map(jnp.add, red_sum, red), sync(ms)), aux
 
     init = (loss_zero, zeros, model_state)
     if k > 1:  # the aux of every micro-batch, stacked
@@ -451,7 +492,7 @@ def forward_backward(
       loss_sum, acc, ms = carry
       mb, j = xs
       mb_loss, (aux, ms), g = local_accum(mb, j, ms)
-      return (loss_sum + mb_loss, [a + x for a, x in zip(acc, g)], sync(ms)), aux
+      return (loss_sum + mb_loss, jax.tree.map(jnp.add, acc, g), sync(ms)), aux
 
     first = jax.tree.map(lambda x: x[:-1], micro)
     (loss, accs, model_state), first_aux = jax.lax.scan(
@@ -478,6 +519,7 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
   """
   units = []
   other = [a for a in plan.axes if a != DATA]
+  own = {i: layer_spec(spec) for i, spec in plan.own}  # a layer's, as the loops see it
   for buf in layout.buffers:
     for b in buf.buckets:
       if b.stack is None:
@@ -489,7 +531,7 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
           return {p.index: t[p.index][0] for p in layer.params}
         return {
           p.index: collectives.make_varying(
-            collectives.all_gather_rows(t[p.index][0], p, dtype), other
+            collectives.all_gather_rows(t[p.index][0], p, dtype, own=own.get(p.index)), other
           )
           for p in layer.params
         }
@@ -499,6 +541,7 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
           cts,
           b,
           buf.grad_dtype,
+          own,
           dp=plan.dp,
           axes=plan.reduce_axes(buf),
           average=plan.average,
@@ -528,7 +571,12 @@ def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
     return {name: red for (name, _, _), red in zip(bucket_names(layout), reduced)}
   grads: list[Any] = [None] * len(layout.trainable)
   for (_, b), red in zip(buckets, reduced):
-    parts = shard_unravel(red, b, layout.dp) if plan.sharded else bucket_unravel(red, b, layout.dp)
+    if isinstance(red, tuple):  # reduced per param (`grad_ready_hook_each`)
+      parts = red
+    elif plan.sharded:
+      parts = shard_unravel(red, b, layout.dp)
+    else:
+      parts = bucket_unravel(red, b, layout.dp)
     for p, g in zip(b.params, parts):
       grads[p.index] = g
   return tree_of(layout, grads)
@@ -547,8 +595,9 @@ def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
     return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (layout.dp if plan.sharded else 1)
 
   sq = sum(
-    jnp.sum(jnp.square(r.astype(jnp.float32))) / copies(buf)
+    jnp.sum(jnp.square(x.astype(jnp.float32))) / copies(buf)
     for (buf, _), r in zip(buckets, reduced)
+    for x in jax.tree.leaves(r)
   )
   if plan.sharded or any(buf.expert for buf in layout.buffers):
     loss, sq = collectives.sum_over(jnp.stack([loss, sq]), plan.axes)
@@ -639,7 +688,8 @@ def make_train_step(
     in_scan = (grad_accum_steps == 1 or plan.scatter_each_microbatch) and any(
       b.stack is not None for buf in layout.buffers for b in buf.buckets
     )
-    plan_ = dataclasses.replace(plan, fused=state.fused, in_scan=in_scan)
+    own = own_specs(layout, state.model_specs)
+    plan_ = dataclasses.replace(plan, fused=state.fused, in_scan=in_scan, own=tuple(own.items()))
     checks.check_state(state, mesh, config)
     checks.check_batch(batch, dp * grad_accum_steps)
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)

@@ -726,15 +726,38 @@ def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
   return {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
 
 
-def gather_master(master, layout: Layout, out, fused: bool, stacks: bool = True) -> list[Any]:
-  """Inside `shard_map`: `out` (tree order) with every trainable param all-gathered whole,
-  one collective per bucket (per param in a stack's bucket), from `master`: the per-leaf row
-  shards (a param tree or its leaves), or a fused state's flat buckets (`fused`);
-  `stacks=False` leaves the params of the stacks' buckets out."""
+def own_specs(layout: Layout, model_specs) -> dict[int, P]:
+  """{leaf: its caller's spec} of every leaf split over mesh axes other than the data axes
+  on dims other than its shard dim (a tensor-parallel leaf that `model_shard_dims` gave a
+  dim of its own): each of its gathers and reductions runs on its own, manual over those
+  axes too (`collectives.manual_over`), so that it moves this device's slice of the leaf.
+  The spec is of the whole leaf; `layer_spec` drops a stacked leaf's layer axis."""
+  out = {}
+  for i, dims in enumerate(model_specs or ()):
+    if any(EXPERT in axes for axes in dims):
+      continue  # expert params: sharded over a data axis, in buffers of their own
+    if any(dims) and not dims[layout.shard_axes[i]]:
+      out[i] = pspec(dims)
+  return out
+
+
+def layer_spec(spec: P) -> P:
+  """A stacked leaf's spec (`own_specs`) of one layer: the leading layer axis dropped."""
+  return P(*tuple(spec)[1:])
+
+
+def gather_master(
+  master, layout: Layout, out, fused: bool, stacks: bool = True, own=None
+) -> list[Any]:
+  """Inside `shard_map`: `out` (tree order) with every trainable param all-gathered whole
+  over the data axes, one collective per bucket (per param in a `collectives.per_param`
+  bucket), from `master`: the per-leaf row shards (a param tree or its leaves), or a fused
+  state's flat buckets (`fused`); `stacks=False` leaves the params of the stacks' buckets
+  out. `own`: `own_specs`, whose leaves each gather their own slice."""
   if fused:
     shards = [master[name] for name, _, _ in bucket_names(layout)]
     return collectives.all_gather_shards(shards, layout, out, stacks)
-  return collectives.all_gather_params(leaves_of(master), layout, out, stacks)
+  return collectives.all_gather_params(leaves_of(master), layout, out, stacks, own)
 
 
 def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
@@ -832,8 +855,10 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
   """All-gathers the updated params per bucket right after the update; `master` as
   `gather_master` takes it (a fused state's flat buckets when `state.fused`)."""
 
+  own = own_specs(layout, state.model_specs)
+
   def gather(master):
-    return gather_master(master, layout, [None] * len(layout.shapes), state.fused)
+    return gather_master(master, layout, [None] * len(layout.shapes), state.fused, own=own)
 
   axes = data_axes(mesh)
   if state.fused:

@@ -108,8 +108,8 @@ from jaxdp._src.layout import (
   ParamSpec,
   make_layout,
   master_dtype,
+  model_shard_dims,
   outer_bucket,
-  shard_axis,
 )
 from jaxdp._src.mesh import (
   DATA,
@@ -172,7 +172,6 @@ def layout_for(
   other than the expert dim the same way (see the module docstring)."""
   units, stacked = assign_units(params, fsdp)
   keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
-  shard_dims = {}
   for (keys, x), dims in zip(keyed, model_specs):
     path = jax.tree_util.keystr(keys)
     if path in stacked and any(EXPERT in axes for axes in dims):
@@ -181,10 +180,13 @@ def layout_for(
         "whose leaves lead with their layer axis, while an expert param leads with its "
         "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
       )
-    if any(dims):
-      lead = 1 if path in stacked else 0  # a stacked leaf's dims of one layer
-      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
-      shard_dims[path] = shard_axis(tuple(x.shape[lead:]), mesh.shape[DATA], taken)
+  shard_dims = model_shard_dims(
+    [jax.tree_util.keystr(keys) for keys, _ in keyed],
+    [tuple(x.shape) for _, x in keyed],
+    model_specs,
+    mesh.shape[DATA],
+    stacked.__contains__,  # a stacked leaf's dims of one layer
+  )
   layout = make_layout(
     params,
     dp=mesh.shape[DATA],

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Collection, Mapping
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,26 @@ def default_bucket_size(dp: int, strategy: str = "optim", elements: int | None =
   if elements is None or elements > DDP_BUCKET_SIZE:
     return DDP_BUCKET_SIZE
   return max(DDP_SMALLEST_BUCKET, -(-elements // DDP_MIN_BUCKETS))
+
+
+def alone_size(strategy: str, bucket_size: int, configured: int | None = None) -> int | None:
+  """`make_layout`'s `alone_over` under `strategy`: with `no_shard`'s default buckets of
+  `DDP_BUCKET_SIZE` (no `configured` `DDPConfig.bucket_size`), a param larger than a bucket
+  is reduced in a bucket of its own. It would overflow the bucket anyway; in one with other
+  params it is copied into their concatenation, a copy as large as the param alive beside
+  its grad (a large embedding's, docs/design.md "Default bucket sizes"), alone its ravel is
+  a bitcast. None elsewhere: a small model's 16 buckets and the sharded strategies' keep
+  their params together.
+
+  Examples:
+    >>> alone_size("no_shard", DDP_BUCKET_SIZE), alone_size("no_shard", 52_144)
+    (6553600, None)
+    >>> alone_size("optim", 16_000_000), alone_size("no_shard", DDP_BUCKET_SIZE, 2**20)
+    (None, None)
+  """
+  if strategy == "no_shard" and configured is None and bucket_size == DDP_BUCKET_SIZE:
+    return bucket_size
+  return None
 
 
 def float_elements(params) -> int:
@@ -164,6 +184,44 @@ def shard_axis(shape: tuple[int, ...], dp: int, taken: Collection[int] = ()) -> 
   padded = [round_up(n, dp) / n if n else math.inf for n in shape]
   free = [k for k in range(len(shape)) if k not in taken] or list(range(len(shape)))
   return min(free, key=lambda k: (padded[k], k)) if shape else 0
+
+
+def model_shard_dims(
+  paths: Sequence[str],
+  shapes: Sequence[tuple[int, ...]],
+  model_dims: Sequence[tuple[tuple[str, ...], ...]],
+  dp: int,
+  layered: Callable[[str], bool] = lambda path: False,
+) -> dict[str, int]:
+  """The shard dim of every leaf its caller split over other mesh axes (tensor parallel):
+  one those axes leave whole where the leaf has one (`shard_axis(taken=)`), so that each
+  device's block over "data" is a slice of its own block over the other axes, and a gather
+  or a reduce-scatter over "data" alone moves that slice and nothing of the rest.
+
+  Args:
+    paths, shapes: each leaf's `jax.tree_util.keystr` and shape, in tree order.
+    model_dims: per leaf, per dim, the mesh axes other than the data axes it is split over.
+    dp: the data axis size.
+    layered: the leaves whose leading dim is a layer axis: their dim is one of a layer
+      (the layer axis dropped), as `make_layout(stacked=)` takes it.
+
+  Returns:
+    `{path: dim}` of every leaf split over some axis, `make_layout`'s `shard_dims`.
+
+  Examples:
+    >>> model_shard_dims(["['w1']", "['w2']", "['b']"], [(8, 64), (64, 8), (64,)],
+    ...                  [((), ("model",)), (("model",), ()), (("model",),)], 4)
+    {"['w1']": 0, "['w2']": 1, "['b']": 0}
+    >>> model_shard_dims(["['w']"], [(2, 64, 8)], [((), ("model",), ())], 4, lambda p: True)
+    {"['w']": 1}
+  """
+  out = {}
+  for path, shape, dims in zip(paths, shapes, model_dims):
+    if any(dims):
+      lead = 1 if layered(path) else 0
+      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
+      out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,6 +587,7 @@ def make_layout(
   scanned: Callable[[str], str | None] | None = None,
   shard_dims: Mapping[str, int] | None = None,
   outer: int = 1,
+  alone_over: int | None = None,
 ) -> Layout:
   """Computes the buffers and buckets of a param tree, from shapes and dtypes alone.
 
@@ -574,6 +633,9 @@ def make_layout(
     outer: rows are padded to a multiple of `dp * outer`, so that each device's block
       splits `outer` ways again (`outer_bucket`: FSDP's optimizer sharded across the
       "replica" axis as well, `outer_dp_sharding_strategy="optim"`).
+    alone_over: size-bucket layouts: a param of more elements than this gets a bucket of
+      its own, the params before it closing theirs short of `bucket_size` (a bucket of one
+      param is raveled without a copy; `no_shard`'s default buckets, `alone_size`).
 
   Returns:
     A static `Layout`.
@@ -658,11 +720,13 @@ def make_layout(
     else:
       group, count = [], 0
       for i in leaves:
-        if group and stack_of[i] != stack_of[group[0]]:
+        n = math.prod(local_shapes[i])
+        alone = alone_over is not None and n > alone_over and stack_of[i] is None
+        if group and (stack_of[i] != stack_of[group[0]] or alone):
           groups.append(group)
           group, count = [], 0
         group.append(i)
-        count += math.prod(local_shapes[i])
+        count += n
         if count >= bucket_size and stack_of[i] is None:
           groups.append(group)
           group, count = [], 0

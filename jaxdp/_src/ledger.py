@@ -42,6 +42,7 @@ from jaxdp._src.inspect import memory_stats
 from jaxdp._src.layout import (
   Frozen,
   Layout,
+  alone_size,
   default_bucket_size,
   float_elements,
   make_layout,
@@ -198,6 +199,7 @@ def memory_ledger(
     grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
     scanned=config.stack_of if config.stacked else None,
     outer=outer,
+    alone_over=alone_size(strategy, size, config.bucket_size),
   )
   sharded = strategy != "no_shard"
   fsdp_step = strategy == "optim_grads_params"
