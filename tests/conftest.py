@@ -12,6 +12,7 @@ os.environ["XLA_FLAGS"] = (
 
 import jaxdp  # noqa: F401  # first: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
+from jax._src import compilation_cache
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -27,3 +28,13 @@ atexit.register(shutil.rmtree, _xla_cache, ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", _xla_cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# CPU executables only: a program compiled for the GPU target without a GPU (jaxdp.aot)
+# cannot be read back (no client to load it), so writing it would only cost time.
+_is_cache_used = compilation_cache.is_cache_used
+
+
+def _is_cache_used_on_cpu(backend) -> bool:
+  return backend.platform == "cpu" and _is_cache_used(backend)
+
+
+compilation_cache.is_cache_used = _is_cache_used_on_cpu
