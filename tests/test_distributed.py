@@ -618,7 +618,7 @@ def test_launcher_drops_its_workers_probe_lines_and_keeps_the_rest():
 # --- stress: scripts/train.py under the launcher on a busy machine -----------------------
 
 STRESS_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-STRESS_RUN_TIMEOUT_S = 240  # One run took 40-100 s with the machine at load 8-16.
+STRESS_RUN_TIMEOUT_S = 240  # The 4 jobs at once took about 2 min with the machine at load 10-20.
 BUSY_LOOP = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end:\n  pass"
 
 
