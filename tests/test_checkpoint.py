@@ -599,6 +599,7 @@ def _assert_bitwise(out, uninterrupted):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("uninterrupted")  # one worker: the fixture's run happens once
 def test_sigkill_mid_run_then_resume_is_bitwise(tmp_path, uninterrupted):
   ckpt = tmp_path / "ckpt"
 
@@ -614,6 +615,7 @@ def test_sigkill_mid_run_then_resume_is_bitwise(tmp_path, uninterrupted):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("uninterrupted")  # one worker: the fixture's run happens once
 def test_sigkill_mid_save_then_resume_is_bitwise(tmp_path, uninterrupted):
   ckpt = tmp_path / "ckpt"
   lines = _worker(

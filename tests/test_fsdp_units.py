@@ -67,24 +67,32 @@ def batch(d=16, n=16):
 
 
 def reference(params, loss_fn, b, tx, steps, bound=None):
-  """Plain jax.grad + optax on one device; `bound` (a tolerances.AdamBound) sees its grads."""
-  opt, grad_fn = tx.init(params), jax.jit(jax.value_and_grad(loss_fn))
+  """Plain jax.grad + optax on one device; `bound` (a tolerances.AdamBound) sees its grads.
+  Returns the params, the last loss and the first step's grads (at `params`)."""
+  opt, grad_fn, first = tx.init(params), jax.jit(jax.value_and_grad(loss_fn)), None
   for _ in range(steps):
     loss, g = grad_fn(params, b)
+    first = g if first is None else first
     if bound is not None:
       bound.add(g)
     u, opt = tx.update(g, opt, params)
     params = optax.apply_updates(params, u)
-  return params, float(loss)
+  return params, float(loss), first
 
 
-def train(params, loss_fn, b, tx, steps, fsdp, config=FSDP, **kw):
+def run(params, loss_fn, b, tx, steps, fsdp, config=FSDP, **kw):
+  """`steps` jaxdp steps from `params`: the state after them and the step."""
   mesh = jax.make_mesh((DP,), ("data",))
   state = jaxdp.init_state(params, tx, mesh, config, fsdp=fsdp)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config, fsdp=fsdp, **kw)
   for _ in range(steps):
     state, metrics = step(state, b)
-  return jaxdp.get_params(state), float(metrics["loss"])
+  return state, step, float(metrics["loss"])
+
+
+def train(params, loss_fn, b, tx, steps, fsdp, config=FSDP, **kw):
+  state, _, loss = run(params, loss_fn, b, tx, steps, fsdp, config, **kw)
+  return jaxdp.get_params(state), loss
 
 
 def test_scanned_step_built_twice_and_next_to_ddp():
@@ -94,7 +102,7 @@ def test_scanned_step_built_twice_and_next_to_ddp():
 
   def check(params, got, loss):
     loss_rtol, _, bound = tolerances.step_tolerances(params, n_terms, 3 * 40, lr)
-    ref, ref_loss = reference(params, make_loss(), b, tx, 2, bound)
+    ref, ref_loss, _ = reference(params, make_loss(), b, tx, 2, bound)
     bound.check(got, ref)
     np.testing.assert_allclose(loss, ref_loss, rtol=loss_rtol)
 
@@ -107,11 +115,14 @@ def test_scanned_step_built_twice_and_next_to_ddp():
 def one_sgd_step(params, loss_fn, b, fsdp, **kw):
   """One SGD(lr=1) step under jaxdp and on one device: params - grad, so the params agree
   to the derived bound on two float32 programs' gradients (tests/tolerances.py: the batch's
-  examples summed in another order), plus the rounding of params - grad."""
+  examples summed in another order), plus the rounding of params - grad.
+
+  Returns the step and the state after it, for a test to read the program that ran (its
+  lowering is cached: no second trace)."""
   tx = optax.sgd(1.0)
-  ref, _ = reference(params, loss_fn, b, tx, 1)
-  got, _ = train(params, loss_fn, b, tx, 1, fsdp, **kw)
-  grads = jax.grad(loss_fn)(params, b)
+  ref, _, grads = reference(params, loss_fn, b, tx, 1)  # grads: the scale of the bound
+  state, step, _ = run(params, loss_fn, b, tx, 1, fsdp, **kw)
+  got = jaxdp.get_params(state)
   n_terms = jax.tree.leaves(b)[0].shape[0]
   for (path, x), y, g, p, atol in zip(
     jax.tree_util.tree_leaves_with_path(got),
@@ -124,6 +135,7 @@ def one_sgd_step(params, loss_fn, b, fsdp, **kw):
     np.testing.assert_allclose(
       np.asarray(x), np.asarray(y), rtol=0, atol=bound, err_msg=jax.tree_util.keystr(path)
     )
+  return step, state
 
 
 @pytest.mark.parametrize(
@@ -176,14 +188,11 @@ def test_nnx_scan_model_with_nnx_remat():
     return jnp.mean((model(b["x"]) - b["y"]) ** 2)
 
   params, loss_fn = jaxdp.nnx_split(Model(16, 3, nnx.Rngs(0)), model_loss)
-  one_sgd_step(params, loss_fn, batch(), FSDPConfig(stacked=["blocks"]))
+  step, state = one_sgd_step(params, loss_fn, batch(), FSDPConfig(stacked=["blocks"]))
   # The blocks are gathered one layer per iteration inside the loops (forward: a gather per
   # param; backward: the same and a reduce-scatter per param), never whole outside them.
   from tests.test_fsdp import collectives_by_scope
 
-  mesh, fsdp = jax.make_mesh((DP,), ("data",)), FSDPConfig(stacked=["blocks"])
-  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
-  step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
   outside, loops = collectives_by_scope(step.lower(state, batch()).as_text(dialect="hlo"))
   layer = {("all-gather", "f32[16,16]"): 1, ("all-gather", "f32[16]"): 1}  # kernel, bias
   # (each reduce-scatter's shard: 16 rows over 8 devices)
@@ -263,12 +272,7 @@ def test_grad_accumulation_keeps_units_gathered(scanned):
 
   params, d = mlp_params(3, d=12, scanned=scanned), 12
   fsdp = FSDPConfig(stacked=["blocks"] if scanned else [], reshard_after_backward=False)
-  one_sgd_step(params, make_loss(scanned), batch(d), fsdp, grad_accum_steps=2)
-  mesh = jax.make_mesh((DP,), ("data",))
-  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
-  step = jaxdp.make_train_step(
-    make_loss(scanned), optax.sgd(1.0), mesh, FSDP, fsdp=fsdp, grad_accum_steps=2
-  )
+  step, state = one_sgd_step(params, make_loss(scanned), batch(d), fsdp, grad_accum_steps=2)
   hlo = step.lower(state, batch(d)).as_text(dialect="hlo")
   units = 2 if scanned else 4  # blocks (stacked: one unit) + head
   assert len(re.findall(r" all-gather\(", hlo)) == units
@@ -300,11 +304,7 @@ def test_chunked_tied_embedding(scanned):
     "y": jax.random.randint(k2, (16, 8), 0, vocab),
   }
   fsdp = FSDPConfig(chunks={"wte": 4}, stacked=["blocks"] if scanned else [])
-  one_sgd_step(params, loss_fn, b, fsdp)
-
-  mesh = jax.make_mesh((DP,), ("data",))
-  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
-  step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  step, state = one_sgd_step(params, loss_fn, b, fsdp)
   hlo = step.lower(state, b).as_text(dialect="hlo")
   count = lambda kind, shape: len(re.findall(rf"= f32\[{shape}\]\S* {kind}\(", hlo))
   for rows in (9, 10):  # two blocks of each size
@@ -409,11 +409,7 @@ def test_chunked_lookup_modes(mode):
 
   if mode == "clip":  # ids past either end read (and train) the first and last rows
     ids = ids.at[0, 0].set(70).at[1, 1].set(-3)
-  one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(chunks={"wte": 3}))
-  if mode == "fill":
-    mesh = jax.make_mesh((DP,), ("data",))
-    fsdp = FSDPConfig(chunks={"wte": 3})
-    state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
-    step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  step, state = one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(chunks={"wte": 3}))
+  if mode == "fill":  # an id past the end: the loss is NaN, whatever the params
     _, metrics = step(state, {"ids": ids.at[0, 0].set(60)})
     assert np.isnan(float(metrics["loss"]))
