@@ -297,15 +297,6 @@ def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
     **reduce_kwargs: `dp`, `scatter`, `axes`, `average` of `reduce_bucket`.
   """
 
-  @jax.custom_vjp
-  def hook(leaves, sink, acc):
-    del sink, acc
-    return leaves
-
-  def fwd(leaves, sink, acc):
-    del sink
-    return leaves, acc
-
   def bwd(acc, cts):
     flat = bucket_ravel(cts, bucket, jax.lax.axis_size(DATA), grad_dtype) + acc
     return (
@@ -314,8 +305,7 @@ def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
       jnp.zeros_like(acc),
     )
 
-  hook.defvjp(fwd, bwd)
-  return hook
+  return _sink_hook(bwd)
 
 
 def grad_ready_hook_each(bucket: Bucket, *, grad_dtype, own: Mapping[int, Any], **reduce_kwargs):
@@ -325,6 +315,21 @@ def grad_ready_hook_each(bucket: Bucket, *, grad_dtype, own: Mapping[int, Any], 
   `acc` are tuples (`sink_for(own=)`, `acc_for`): per param its reduced grad (its block with
   `scatter`, else whole), and its whole local grad accumulated in `grad_dtype`."""
 
+  def bwd(acc, cts):
+    reduced = tuple(
+      reduce_rows(ct.astype(grad_dtype) + a, p, grad_dtype, own.get(p.index), **reduce_kwargs)
+      for p, ct, a in zip(bucket.params, cts, acc)
+    )
+    return jax.tree.map(jnp.zeros_like, cts), reduced, jax.tree.map(jnp.zeros_like, acc)
+
+  return _sink_hook(bwd)
+
+
+def _sink_hook(bwd):
+  """`hook(leaves, sink, acc) -> leaves`, the identity on `leaves`, whose backward is
+  `bwd(acc, cts) -> (leaves' cotangents, sink's, acc's)`: the grad-ready hooks' shape, the
+  reduced grads leaving through the cotangent of `sink`."""
+
   @jax.custom_vjp
   def hook(leaves, sink, acc):
     del sink, acc
@@ -333,13 +338,6 @@ def grad_ready_hook_each(bucket: Bucket, *, grad_dtype, own: Mapping[int, Any], 
   def fwd(leaves, sink, acc):
     del sink
     return leaves, acc
-
-  def bwd(acc, cts):
-    reduced = tuple(
-      reduce_rows(ct.astype(grad_dtype) + a, p, grad_dtype, own.get(p.index), **reduce_kwargs)
-      for p, ct, a in zip(bucket.params, cts, acc)
-    )
-    return jax.tree.map(jnp.zeros_like, cts), reduced, jax.tree.map(jnp.zeros_like, acc)
 
   hook.defvjp(fwd, bwd)
   return hook
