@@ -126,12 +126,16 @@ def all_gather_bucket(
   return bucket_unravel(full, bucket, dp)
 
 
+def holds_own(bucket: Bucket, own: Collection[int]) -> bool:
+  """Does `bucket` hold an `own` leaf (a tensor-parallel leaf, whose ravel into the bucket
+  would gather it whole over its other axes first), so that it is reduced per param?"""
+  return any(p.index in own for p in bucket.params)
+
+
 def per_param(bucket: Bucket, own: Collection[int]) -> bool:
   """Is `bucket` gathered and reduced one collective per param, no ravel: a stack's
-  (`Bucket.stack`: no copy of the stacked layers), or one that holds an `own` leaf (a
-  tensor-parallel leaf, whose ravel into the bucket would gather it whole over its other
-  axes first)?"""
-  return bucket.stack is not None or any(p.index in own for p in bucket.params)
+  (`Bucket.stack`: no copy of the stacked layers), or one that `holds_own`?"""
+  return bucket.stack is not None or holds_own(bucket, own)
 
 
 def all_gather_params(
@@ -243,7 +247,7 @@ def reduce_scatter_layer(cts, bucket: Bucket, grad_dtype, own=None, **reduce_kwa
   own = own or {}
   shards = jax.lax.axis_size(DATA)
   layer = layer_bucket(bucket, shards)
-  if any(p.index in own for p in layer.params):
+  if holds_own(layer, own):
     return [
       reduce_rows(
         _whole_ct(cts, p, grad_dtype),
@@ -354,7 +358,7 @@ def sink_for(bucket: Bucket, grad_dtype, scatter: bool, varying: Sequence[str] =
   shards = jax.lax.axis_size(DATA)
   axes = (*varying, DATA) if scatter else tuple(varying)
   vary = lambda x: jax.lax.pcast(x, axes, to="varying") if axes else x
-  if any(p.index in own for p in bucket.params):
+  if holds_own(bucket, own):
     return tuple(
       vary(jnp.zeros(p.local_shape(shards) if scatter else p.shape, grad_dtype))
       for p in bucket.params
@@ -366,7 +370,7 @@ def acc_for(bucket: Bucket, grad_dtype, own=()) -> Any:
   """The zero local grads of a bucket that a step accumulates over micro-batches (a
   `no_sync` accumulator): the raveled bucket, or per param its whole grad for a bucket that
   holds an `own` leaf (`grad_ready_hook_each`); varying over every data axis."""
-  if any(p.index in own for p in bucket.params):
+  if holds_own(bucket, own):
     return tuple(jnp.zeros(p.shape, grad_dtype) for p in bucket.params)
   return jnp.zeros((bucket.shard_size * jax.lax.axis_size(DATA),), grad_dtype)
 
@@ -374,7 +378,7 @@ def acc_for(bucket: Bucket, grad_dtype, own=()) -> Any:
 def ravel_local(grads: Sequence[jax.Array], bucket: Bucket, grad_dtype, own=()) -> Any:
   """A micro-batch's local grads of a bucket (`bucket.params` order, whole) in the form of
   `acc_for`: raveled, or cast one by one."""
-  if any(p.index in own for p in bucket.params):
+  if holds_own(bucket, own):
     return tuple(g.astype(grad_dtype) for g in grads)
   return bucket_ravel(grads, bucket, jax.lax.axis_size(DATA), grad_dtype)
 

@@ -366,7 +366,7 @@ def register_grad_ready_hooks(layout: Layout, plan: _Plan):
     kwargs = dict(
       dp=plan.dp, scatter=plan.sharded, axes=plan.reduce_axes(buf), average=plan.average
     )
-    if any(p.index in own for p in b.params):
+    if collectives.holds_own(b, own):
       hooks.append(
         collectives.grad_ready_hook_each(b, grad_dtype=buf.grad_dtype, own=own, **kwargs)
       )
