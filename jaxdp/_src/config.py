@@ -158,6 +158,22 @@ class DDPConfig:
     """Megatron's flag: True for every strategy that shards the optimizer state."""
     return self.data_parallel_sharding_strategy != "no_shard"
 
+  @property
+  def outer_shards(self) -> int:
+    """How many ways the master params and optimizer state are split across "replica" as
+    well as "data": `num_distributed_optimizer_instances` under HFSDP
+    (`outer_dp_sharding_strategy="optim"`), else 1 (each replica holds a whole copy).
+
+    Examples:
+      >>> DDPConfig(data_parallel_sharding_strategy="optim_grads_params",
+      ...           num_distributed_optimizer_instances=2,
+      ...           outer_dp_sharding_strategy="optim").outer_shards
+      2
+    """
+    if self.outer_dp_sharding_strategy == "optim":
+      return self.num_distributed_optimizer_instances
+    return 1
+
 
 @dataclasses.dataclass(frozen=True)
 class FSDPConfig:

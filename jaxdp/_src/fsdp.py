@@ -195,9 +195,7 @@ def layout_for(
     units=units,
     stacked=stacked,
     shard_dims=shard_dims,
-    outer=config.num_distributed_optimizer_instances
-    if config.outer_dp_sharding_strategy == "optim"
-    else 1,
+    outer=config.outer_shards,
     experts=jax.tree.unflatten(treedef, experts_of(model_specs)) if model_specs else None,
     expert_parallel=mesh.shape.get(EXPERT, 1),
   )

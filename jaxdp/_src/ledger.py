@@ -185,11 +185,7 @@ def memory_ledger(
   # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
   leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
   # HFSDP: rows padded to replicas * dp; master and optimizer state 1/(replicas * dp)
-  outer = (
-    config.num_distributed_optimizer_instances
-    if config.outer_dp_sharding_strategy == "optim"
-    else 1
-  )
+  outer = config.outer_shards
   layout = make_layout(
     params,
     dp=dp,
