@@ -34,6 +34,15 @@ class DDPConfig:
   """What is sharded: nothing (DDP), optimizer state (ZeRO-1), + grads (ZeRO-2), + params (FSDP)."""
   grad_reduce_in_fp32: bool = True
   """Accumulate and reduce gradients in fp32 even when params are bf16/fp16 (fp32 main grads)."""
+  grad_reduce_dtype: Any = None
+  """Not a Megatron field: the dtype the grad buckets are accumulated, reduced and held in
+  until the update, which receives each grad cast back to its master's dtype (fp32), e.g.
+  `jnp.bfloat16` for fp32 params the loss casts to bf16 (PyTorch DDP's `bf16_compress_hook`,
+  torch FSDP2's `MixedPrecisionPolicy(reduce_dtype=)`): half the bytes on the wire and in
+  the grad buffers, the sums rounded to bf16. It is what `jax.jit` of such a loss does
+  without being asked (the compiler reduces each matmul's grad in the matmul's output
+  dtype). None: fp32 with `grad_reduce_in_fp32`, else each param's dtype; when set it
+  decides, whatever `grad_reduce_in_fp32` says."""
   overlap_grad_reduce: bool = True
   """Reduce each bucket as soon as its grads are ready; False: one bucket per buffer, after backward."""
   overlap_param_gather: bool = True
@@ -122,6 +131,18 @@ class DDPConfig:
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+    if self.grad_reduce_dtype is not None:
+      try:
+        dtype = np.dtype(self.grad_reduce_dtype)
+      except TypeError:
+        dtype = None
+      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+          f"grad_reduce_dtype={self.grad_reduce_dtype!r}: must be a floating-point dtype "
+          "(e.g. jnp.bfloat16), the dtype gradients are reduced in; None reduces in fp32 "
+          "(grad_reduce_in_fp32=True) or in each param's dtype"
+        )
+      object.__setattr__(self, "grad_reduce_dtype", dtype)
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
     if isinstance(self.stacked, (str, bytes)):
@@ -152,6 +173,21 @@ class DDPConfig:
       ("['blocks']", None)
     """
     return next((s for s in self.stacked if _prefix_under(path, s)), None)
+
+  @property
+  def grad_dtype(self) -> np.dtype | None:
+    """The dtype of the grad buckets: `grad_reduce_dtype`, else fp32 with
+    `grad_reduce_in_fp32`, else None (each param's own dtype).
+
+    Examples:
+      >>> DDPConfig().grad_dtype, DDPConfig(grad_reduce_in_fp32=False).grad_dtype
+      (dtype('float32'), None)
+      >>> DDPConfig(grad_reduce_dtype="bfloat16").grad_dtype
+      dtype(bfloat16)
+    """
+    if self.grad_reduce_dtype is not None:
+      return self.grad_reduce_dtype
+    return np.dtype(np.float32) if self.grad_reduce_in_fp32 else None
 
   @property
   def use_distributed_optimizer(self) -> bool:

@@ -174,7 +174,7 @@ def layout_for(
     params,
     dp=mesh.shape[DATA],
     bucket_size=bucket_size,
-    grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+    grad_dtype=config.grad_dtype,
     frozen=frozen,
     experts=experts,
     leading=leading,

@@ -190,7 +190,7 @@ def layout_for(
   layout = make_layout(
     params,
     dp=mesh.shape[DATA],
-    grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+    grad_dtype=config.grad_dtype,
     frozen=frozen,
     units=units,
     stacked=stacked,
@@ -505,7 +505,7 @@ def unit_collectives(
   (`model_specs`) on dims other than its shard dim is gathered and reduce-scattered one
   collective per param, manual over those axes too (`collectives.unit_collectives(own=)`)."""
   fsdp = fsdp or FSDPConfig()
-  units = units_of(layout, fsdp.param_dtype, config.grad_reduce_in_fp32)
+  units = units_of(layout, fsdp.param_dtype, config.grad_dtype is not None)
   if fused:
     keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
     out = []

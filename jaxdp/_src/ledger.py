@@ -11,7 +11,8 @@ What each device sends per step, by strategy:
 | `optim`, `optim_grads` | reduce-scatter `(N-1)/N · G` + all-gather `(N-1)/N · P` |
 | `optim_grads_params` | all-gather `(N-1)/N · P`, twice with `reshard_after_forward`, + reduce-scatter `(N-1)/N · G` |
 
-`G` is the bytes of the grad buffers (fp32 with `grad_reduce_in_fp32`), `P` of the param
+`G` is the bytes of the grad buffers (in `DDPConfig.grad_dtype`: fp32 with
+`grad_reduce_in_fp32`, or `grad_reduce_dtype`), `P` of the param
 buffers in the params' dtype (FSDP: in `FSDPConfig.param_dtype` when set, the dtype its
 all-gathers move), `N` the size of the "data" axis. With fp32 params `P = G`, so
 ZeRO-1/2 move what DDP moves and FSDP 1.5× that. `ring_formula` gives these numbers
@@ -192,7 +193,7 @@ def memory_ledger(
     bucket_size=size,
     frozen=frozen,
     leading=leading,
-    grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+    grad_dtype=config.grad_dtype,
     scanned=config.stack_of if config.stacked else None,
     outer=outer,
     alone_over=alone_size(strategy, size, config.bucket_size),
@@ -239,7 +240,7 @@ def memory_ledger(
       frozen=frozen,
       units=units,
       stacked=unit_stacks,
-      grad_dtype=jnp.float32 if config.grad_reduce_in_fp32 else None,
+      grad_dtype=config.grad_dtype,
       outer=outer,
     )
     chunked = bool(chunked_leaves(flat_layout, fsdp))
@@ -385,7 +386,7 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   if strategy in ("optim", "optim_grads"):
     return {"reduce-scatter": k * share * grad, "all-gather": share * param}
   fsdp = fsdp or FSDPConfig()
-  units = units_of(layout, fsdp.param_dtype, config.grad_reduce_in_fp32)
+  units = units_of(layout, fsdp.param_dtype, config.grad_dtype is not None)
   gathered = sum(_bucket_bytes(layout, b, dtype) for u in units for b, dtype in u.gather)
   grad = sum(_bucket_bytes(layout, b, dtype) for u in units for b, dtype in u.grad)
   gathers = 2 if fsdp.reshard_after_forward else 1

@@ -220,7 +220,18 @@ def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   therefore runs with those axes Automatic (`jax.sharding.auto_axes`), the compiler
   choosing the collectives, exactly as on a mesh with Auto axes; its outputs come back
   sharded like its inputs (updates like the grads, the state like the old state).
+
+  Each grad reaches `tx` in the dtype of the param it updates (the fp32 master; Megatron's
+  optimizer casts its main grads to fp32 too): grads reduced in bf16
+  (`DDPConfig(grad_reduce_dtype=)`) are cast back here, where the compiler fuses the cast
+  into the update.
   """
+  grads = jax.tree.map(
+    lambda g, p: g if g is None or p is None else g.astype(p.dtype),
+    grads,
+    opt_params,
+    is_leaf=lambda x: x is None,
+  )
   explicit = tuple(
     a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
   )

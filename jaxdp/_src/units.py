@@ -131,14 +131,15 @@ def compute_dtype(dtype, param_dtype=None) -> np.dtype:
 
 @functools.cache
 def units_of(
-  layout: Layout, param_dtype=None, grad_reduce_in_fp32: bool = True
+  layout: Layout, param_dtype=None, keep_grad_dtype: bool = True
 ) -> tuple[Unit, ...]:
   """The units of an FSDP layout, in backprop order.
 
   With `param_dtype` (`FSDPConfig.param_dtype`) every gather bucket is in it (each shard is
-  cast before its all-gather), and so is every grad bucket unless `grad_reduce_in_fp32`
-  (whose fp32 the layout's grad buffers hold already): torch FSDP2's `reduce_dtype=None`,
-  Megatron's grads in the param dtype.
+  cast before its all-gather), and so is every grad bucket unless `keep_grad_dtype`
+  (`DDPConfig.grad_dtype` is set: fp32 or `grad_reduce_dtype`, which the layout's grad
+  buffers hold already): torch FSDP2's `reduce_dtype=None`, Megatron's grads in the param
+  dtype.
   """
   specs = {}
   gathers: dict[str, list] = {}
@@ -148,7 +149,7 @@ def units_of(
       gathers.setdefault(b.unit, []).append((b, compute_dtype(buf.param_dtype, param_dtype)))
       specs.update({p.index: p for p in b.params})
   for buf in layout.buffers:
-    grad = buf.grad_dtype if grad_reduce_in_fp32 else compute_dtype(buf.grad_dtype, param_dtype)
+    grad = buf.grad_dtype if keep_grad_dtype else compute_dtype(buf.grad_dtype, param_dtype)
     for b in buf.buckets:
       grads.setdefault(b.unit, []).append((b, grad))
   trainable = layout.trainable

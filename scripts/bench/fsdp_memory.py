@@ -230,12 +230,13 @@ def compile_program(
   prefetch=1,
   bucket_size=None,
   wte_chunks=0,
+  grad_reduce_dtype=None,
   **kw,
 ):
   """One program compiled for 8 x H100 (`kw`: the model's sizes; `bucket_size`: the
   `DDPConfig(bucket_size=)` of jaxdp's `no_shard` / `optim` rows, None: the strategy's
   default; `wte_chunks`: the GPT's jaxdp FSDP gathers `wte` in that many row blocks, 0:
-  whole)."""
+  whole; `grad_reduce_dtype`: jaxdp's `DDPConfig(grad_reduce_dtype=)`)."""
   params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
   tx = optax.adam(1e-4)
   mesh = aot.gpu_mesh((DP,), ("data",))
@@ -244,7 +245,10 @@ def compile_program(
   strategy = JAXDP[program]
   stacked = ["blocks"] if scanned and strategy in ("optim", "optim_grads") else []
   config = jaxdp.DDPConfig(
-    data_parallel_sharding_strategy=strategy, bucket_size=bucket_size, stacked=stacked
+    data_parallel_sharding_strategy=strategy,
+    bucket_size=bucket_size,
+    stacked=stacked,
+    grad_reduce_dtype=grad_reduce_dtype,
   )
   if strategy == "optim_grads_params":
     tables = {"gpt": ["wte"], "llama": ["embed", "out"]}.get(model, [])
@@ -327,6 +331,12 @@ def main():
     help="DDPConfig(bucket_size=) in elements for the jaxdp no_shard / optim rows "
     "(default: the strategy's, no_shard 25 MiB of fp32, optim max(16M, 1M * dp))",
   )
+  parser.add_argument(
+    "--grad-reduce-dtype",
+    default=None,
+    help="DDPConfig(grad_reduce_dtype=) of the jaxdp rows, e.g. bfloat16: grads reduced "
+    "and held in it (default: fp32, Megatron's grad_reduce_in_fp32)",
+  )
   args = parser.parse_args()
   reason = aot.gpu_compile_unavailable()
   if reason:
@@ -339,6 +349,7 @@ def main():
       kw["prefetch"] = args.prefetch
       kw["bucket_size"] = args.bucket_size
       kw["wte_chunks"] = args.wte_chunks
+      kw["grad_reduce_dtype"] = args.grad_reduce_dtype
       stats = measure(
         args.model,
         args.layers,
@@ -354,6 +365,7 @@ def main():
         f"{'scanned' if scanned else 'unrolled'}, "
         f"{'each block under jax.checkpoint' if remat else 'no remat'}: peak MiB per "
         "device, 8 x H100, Adam, fp32"
+        + (f", jaxdp's grads reduced in {args.grad_reduce_dtype}" if args.grad_reduce_dtype else "")
       )
       print(table(stats, args.layers, args.programs, title), flush=True)
 

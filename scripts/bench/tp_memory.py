@@ -18,7 +18,9 @@ Rows, each against the GSPMD program of the same placement compiled in the same 
   another dim (the first one, past the layer axis, that "model" leaves whole and "data"
   divides); its jaxdp twins are `optim` (`DDPConfig(stacked=["blocks"])`: the params kept
   sharded between steps and gathered in the next forward, `overlap_param_gather=True`) and
-  `optim` with `overlap_param_gather=False` (the params gathered at the end of the step).
+  `optim` with `overlap_param_gather=False` (the params gathered at the end of the step),
+  and `optim` with `grad_reduce_dtype=jnp.bfloat16` (the GSPMD program's numerics: it
+  reduces each matmul's grad in the matmul's bf16, jaxdp by default in fp32).
 * GSPMD FSDP: params and Adam's moments both so; its twin is `optim_grads_params`
   (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone).
 
@@ -64,7 +66,7 @@ SPECS = {"embed": P("model", None), "blocks": LAYER_SPECS, "norm": P(), "out": P
 MESHES = {"4x2": ((4, 2), 1), "8x8": ((8, 8), 8)}  # (data, model), hosts
 # Each GSPMD program, then jaxdp's programs that hold the same memory at rest.
 PAIRS = (
-  ("GSPMD ZeRO-1", "jaxdp optim", "jaxdp optim, no overlap"),
+  ("GSPMD ZeRO-1", "jaxdp optim", "jaxdp optim, no overlap", "jaxdp optim, bf16 grads"),
   ("GSPMD FSDP", "jaxdp FSDP"),
 )
 
@@ -138,6 +140,7 @@ def jaxdp_step(program, params, loss_fn, batch, mesh):
       data_parallel_sharding_strategy="optim",
       stacked=["blocks"],
       overlap_param_gather=not program.endswith("no overlap"),
+      grad_reduce_dtype=jnp.bfloat16 if program.endswith("bf16 grads") else None,
     )
     return inspect.compile_train_step(loss_fn, TX, mesh, config, placed, batch)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
