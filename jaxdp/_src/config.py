@@ -132,17 +132,16 @@ class DDPConfig:
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
     if self.grad_reduce_dtype is not None:
-      try:
-        dtype = np.dtype(self.grad_reduce_dtype)
-      except TypeError:
-        dtype = None
-      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-          f"grad_reduce_dtype={self.grad_reduce_dtype!r}: must be a floating-point dtype "
-          "(e.g. jnp.bfloat16), the dtype gradients are reduced in; None reduces in fp32 "
-          "(grad_reduce_in_fp32=True) or in each param's dtype"
-        )
-      object.__setattr__(self, "grad_reduce_dtype", dtype)
+      object.__setattr__(
+        self,
+        "grad_reduce_dtype",
+        _float_dtype(
+          f"grad_reduce_dtype={self.grad_reduce_dtype!r}",
+          self.grad_reduce_dtype,
+          "the dtype gradients are reduced in; None reduces in fp32 "
+          "(grad_reduce_in_fp32=True) or in each param's dtype",
+        ),
+      )
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")
     if isinstance(self.stacked, (str, bytes)):
@@ -327,22 +326,31 @@ class FSDPConfig:
         "params (an embedding, an output projection)"
       )
     if self.param_dtype is not None:
-      try:
-        dtype = np.dtype(self.param_dtype)
-      except TypeError:
-        dtype = None
-      if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(
-          f"FSDPConfig: param_dtype={self.param_dtype!r}: must be a floating-point dtype "
-          "(e.g. jnp.bfloat16), the dtype the params are gathered and computed in; None "
-          "keeps each param's own dtype"
-        )
-      object.__setattr__(self, "param_dtype", dtype)
+      object.__setattr__(
+        self,
+        "param_dtype",
+        _float_dtype(
+          f"FSDPConfig: param_dtype={self.param_dtype!r}",
+          self.param_dtype,
+          "the dtype the params are gathered and computed in; None keeps each param's own dtype",
+        ),
+      )
     if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
       raise ValueError(
         f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "
         "many units ahead an all-gather may start; 1 is the default)"
       )
+
+
+def _float_dtype(what: str, value, meaning: str) -> np.dtype:
+  """`value` as a floating-point dtype, or a ValueError that starts with `what`."""
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"{what}: must be a floating-point dtype (e.g. jnp.bfloat16), {meaning}")
+  return dtype
 
 
 def _prefix_under(path: str, prefix: str) -> bool:
