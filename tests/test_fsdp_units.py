@@ -286,7 +286,8 @@ def test_chunked_tied_embedding(scanned):
   contracted) and the logits (h @ wte.T: rows free): the same update as one device, and wte
   is never gathered whole. Per block, the embedding's forward, the logits' forward and the
   logits' backward gather it (the embedding's gradient needs no value of wte), and the two
-  backwards reduce-scatter it: 3 all-gathers and 2 reduce-scatters per block, of 1/4 of wte."""
+  backwards reduce-scatter it: 3 all-gathers and 2 reduce-scatters per block, of 1/4 of wte
+  (one per use: summing the uses' gradients first would hold wte's whole gradient)."""
   import re
 
   from flax import nnx

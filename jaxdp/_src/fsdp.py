@@ -506,6 +506,7 @@ def unit_collectives(
   collective per param, manual over those axes too (`collectives.unit_collectives(own=)`)."""
   fsdp = fsdp or FSDPConfig()
   units = units_of(layout, fsdp.param_dtype, config.grad_dtype is not None)
+  grad_dtypes = lambda u: {p.index: jnp.dtype(dtype) for b, dtype in u.grad for p in b.params}
   if fused:
     keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
     out = []
@@ -527,6 +528,7 @@ def unit_collectives(
             average=config.average_in_collective,
           ),
           shards=tuple(k for *_, k in grad),
+          grad_dtypes=grad_dtypes(u),
         )
       )
     return out
@@ -559,6 +561,7 @@ def unit_collectives(
         experts=[i for i, e in enumerate(experts_of(model_specs)) if e],
       ),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
+      grad_dtypes=grad_dtypes(u),
     )
     for u in units
   ]

@@ -17,8 +17,9 @@ traced program (its jaxpr) in pieces:
   there. Which activations are saved is therefore the user's decision: a `jax.checkpoint`
   (or `nnx.remat`) in the model saves its inputs only, exactly as under `jax.grad`; without
   one, the segment saves what `jax.grad` saves, less the gathered params and what the
-  integers give. A unit that two segments use (a tied embedding) is gathered and
-  reduce-scattered in each.
+  integers give. A unit that two segments use (a tied embedding) is gathered in each and
+  reduce-scattered once, by the first: the later one hands its whole-size gradient back to
+  it, which adds it to its own (`_Ties`).
 * A *scanned unit*: a `lax.scan` whose `xs` are the leaves of a stacked unit
   (`FSDPConfig(stacked=...)`), whatever made it (`jax.lax.scan`, `nnx.scan`, with or without
   `jaxdp.scan_unit`, with the user's remat inside its body or around it). It runs as one
@@ -61,7 +62,8 @@ ones included, are cut into units as they are.
   (`w[ids]`) runs as `_chunked_take`: each block gathered once in the forward, nothing in
   the backward. Casts and transposes of it on the way (`w.astype(jnp.bfloat16).T`) are
   recomputed on the blocks. The param and its gradient are never whole (GPT-2's 147 MiB
-  tied `wte`, a Llama's 2 GiB `embed` and `out`).
+  tied `wte`, a Llama's 2 GiB `embed` and `out`). A tied chunked param is so reduce-scattered
+  once per use, block by block: summing its uses first would hold its whole gradient.
 
 What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
 anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
@@ -101,6 +103,9 @@ class UnitIO:
   """Keys of the unit's trainable shards in `run_loss`'s `values`, which `gather` takes and
   `scatter` returns: None = `trainable` (one block per leaf); a fused state's flat bucket
   shards (`fsdp.unit_collectives`; a fused state has no chunks)."""
+  grad_dtypes: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+  """Trainable leaf -> the dtype `scatter` reduces its gradient in, where a tied unit's
+  uses are summed (`_Ties`; missing: the cotangent's own dtype)."""
 
   @property
   def leaves(self) -> tuple[int, ...]:
@@ -533,6 +538,7 @@ def _execute(
     for op in ops
   ]
   tokens = [_whole_stand_in(_TOKEN, axes) for _ in range(prefetch + 1)]
+  ties = _Ties(_tied_units(ops, units))
   for n, op in enumerate(ops):
     acts = [env[v] for v in op.acts]
     ahead = n + prefetch
@@ -540,12 +546,12 @@ def _execute(
       acts, op_shards[ahead] = _together(acts, op_shards[ahead])
     if op.scan_xs is not None:
       outs, tokens = _run_scan(
-        program, op, acts, op_shards[n], tokens, by_name, axes, reshard=reshard
+        program, op, acts, op_shards[n], tokens, by_name, axes, ties, reshard=reshard
       )
     elif op.units:
       op_units = [by_name[u] for u in op.units]
       fn = _SegmentFn(program, op, rules)
-      outs, tokens = _unit_call(fn, op_units, acts, op_shards[n], tokens, reshard=reshard)
+      outs, tokens = _unit_call(fn, op_units, acts, op_shards[n], tokens, ties, reshard=reshard)
     else:  # a segment that reads no unit
       local = dict(zip(op.acts, acts))
       _eval(op.lazy + op.eqns, local)
@@ -572,7 +578,9 @@ class _SegmentFn:
     return [local[v] for v in self.op.outs]
 
 
-def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, *, reshard):
+def _run_scan(
+  program: _Program, op: _Op, acts, shards, tokens, by_name, axes, ties: _Ties, *, reshard
+):
   """A scanned unit's op: the units it reads as consts gathered whole, once; its lazy vars;
   then the scan as one `_scan_unit`. Returns `(outs, tokens)`."""
   (eqn,) = op.eqns
@@ -587,6 +595,7 @@ def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, *
       [],
       shards,
       token,
+      ties,
       reshard=False,
     )[0]
     it = iter(full)
@@ -611,15 +620,74 @@ def _run_scan(program: _Program, op: _Op, acts, shards, tokens, by_name, axes, *
   return [defined[v] for v in op.outs], tokens
 
 
+# ----------------------------------------------------------------------------- a tied unit
+
+
+def _summed_leaves(unit: UnitIO) -> tuple[int, ...]:
+  """The leaves of `unit` whose gradients a tied unit sums over its uses before its one
+  reduce-scatter: its trainable leaves but the chunked ones (each row block of those is
+  reduce-scattered where it is used, so that the leaf's gradient is never whole)."""
+  return tuple(i for i in unit.trainable if i not in unit.chunks)
+
+
+def _tied_units(ops: Sequence[_Op], units: _Units) -> frozenset[str]:
+  """The units more than one op gathers (GPT-2's tied `wte`: the embedding at the start,
+  the logits at the end) that have gradients to sum."""
+  uses = [n for op in ops for n in (op.units if op.scan_xs is None else op.scan_consts)]
+  return frozenset(n for n in set(uses) if uses.count(n) > 1 and _summed_leaves(units.by_name[n]))
+
+
+class _Ties:
+  """Each tied unit's gradient, reduce-scattered once per step: the sum over its uses, as
+  torch FSDP2 and Megatron-FSDP reduce a param's gradient once (one reduce-scatter of the
+  summed cotangent, not one per use), summed in the dtype the unit's bucket reduces in (fp32 with `grad_reduce_in_fp32`, as Megatron accumulates a param's
+  gradient in its fp32 `main_grad`).
+
+  The first call that gathers a tied unit (`_unit_call`, first in the forward, so last in
+  the backward) outputs a *link* per summed leaf: a zero stand-in of the whole param's type,
+  which each later call of the unit takes as an input and never computes with (dead code in
+  the forward). The cotangent of the link is what the later calls hand back for it, each its
+  whole-size gradient of the unit, summed by autodiff; the first call's backward adds it to
+  its own gradient and reduce-scatters the sum. The later calls reduce-scatter nothing of
+  the unit (the chunked leaves aside): one whole-size gradient of the unit stays alive from
+  the last use's backward to the first's."""
+
+  def __init__(self, tied: frozenset[str]):
+    self.tied = tied
+    self.links: dict[str, dict] = {}  # a tied unit -> {leaf: link}, from its first call
+
+  def first(self, units: Sequence[UnitIO]) -> tuple[int, ...]:
+    """The summed leaves of the tied `units` this call is the first to gather."""
+    new = [u for u in units if u.name in self.tied and u.name not in self.links]
+    return tuple(i for u in new for i in _summed_leaves(u))
+
+  def later(self, units: Sequence[UnitIO]) -> dict:
+    """{leaf: link} of the tied `units` an earlier call gathered (and reduce-scatters)."""
+    return {i: x for u in units for i, x in self.links.get(u.name, {}).items()}
+
+  def add(self, units: Sequence[UnitIO], links: dict):
+    """Records the `links` of the summed leaves `first(units)` named."""
+    for u in units:
+      if u.name in self.tied and u.name not in self.links:
+        self.links[u.name] = {i: links[i] for i in _summed_leaves(u)}
+
+
 # ----------------------------------------------------------------------------- a segment
 
 
 def _unit_call(
-  fn, units: Sequence[UnitIO], acts: list, shards: dict, tokens: list, *, reshard: bool
+  fn,
+  units: Sequence[UnitIO],
+  acts: list,
+  shards: dict,
+  tokens: list,
+  ties: _Ties,
+  *,
+  reshard: bool,
 ):
   """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
-  module docstring). `tokens` (k + 1 zeros) carry the backward prefetch order; returns
-  `(outs, tokens for the next segment)`."""
+  module docstring). `tokens` (k + 1 zeros) carry the backward prefetch order; `ties` links
+  the calls of a tied unit (`_Ties`). Returns `(outs, tokens for the next segment)`."""
   trainable = {i: shards[i] for u in units for i in u.shard_keys}
   frozen = {i: shards[i] for u in units for i in u.frozen}
   token_avals = _avals(tokens)
@@ -649,6 +717,13 @@ def _unit_call(
     if not any(i and not k for i, k in zip(of_ints, keep)):
       ints = [False] * len(ints)  # nothing to recompute from them
 
+  links_out, links_in = ties.first(units), ties.later(units)
+  link_avals = {  # a tied leaf's whole gradient, in the dtype its bucket reduces in
+    i: full_avals[i].update(dtype=u.grad_dtypes.get(i, full_avals[i].dtype))
+    for u in units
+    for i in u.trainable
+    if i in links_out or i in links_in
+  }
   unit = _UnitCall(
     fn=fn,
     units=tuple(units),
@@ -659,10 +734,15 @@ def _unit_call(
     ints=ints,
     keep=keep,
     of_params=of_params,
+    links_out=links_out,
+    links_in=tuple(links_in),
+    link_avals=link_avals,
   )
   call = jax.custom_vjp(unit.call)
   call.defvjp(unit.fwd, unit.bwd)
-  return call(acts, trainable, frozen, tokens)
+  outs, tokens, links_out = call(acts, trainable, frozen, tokens, links_in)
+  ties.add(units, links_out)
+  return outs, tokens
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -679,6 +759,9 @@ class _UnitCall:
   ints: list[bool]  # the integer inputs the backward recomputes residuals from
   keep: list[bool] | None  # the residuals the forward saves (None: all)
   of_params: list[bool] | None  # the residuals the params feed
+  links_out: tuple[int, ...] = ()  # tied leaves whose gradients this call sums and scatters
+  links_in: tuple[int, ...] = ()  # tied leaves whose gradients it hands back (`_Ties`)
+  link_avals: Mapping[int, Any] = dataclasses.field(default_factory=dict)  # their links' types
 
   @property
   def k(self) -> int:  # the prefetch depth
@@ -687,10 +770,17 @@ class _UnitCall:
   def full_of(self, t, f):
     return _gather(self.units, {**t, **f}, layer_axis=True)
 
-  def call(self, acts, t, f, tokens):
-    return self.fn(acts, self.full_of(t, f)), _stand_ins(self.token_avals)
+  def links(self):
+    return {i: _stand_in(self.link_avals[i]) for i in self.links_out}
 
-  def fwd(self, acts, t, f, tokens):
+  def link_ct(self, i, ct):
+    """Tied leaf `i`'s cotangent as its link's type: summed over uses in the reduce dtype."""
+    return _ct_or_none(self.link_avals[i], ct.astype(self.link_avals[i].dtype))
+
+  def call(self, acts, t, f, tokens, links):
+    return self.fn(acts, self.full_of(t, f)), _stand_ins(self.token_avals), self.links()
+
+  def fwd(self, acts, t, f, tokens, links):
     # The gathered params through a barrier (with the inputs, which the forward waits for
     # anyway): the backward reads the saved residuals, never the gathered bucket. Else XLA
     # moves a cheap residual's computation (`x @ w + b`) into the backward's fusions, which
@@ -701,11 +791,11 @@ class _UnitCall:
     saved = [x for x, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
     zeros = _stand_ins(self.token_avals)
     int_acts = [a for a, i in zip(acts, self.ints) if i]
-    return (outs, zeros), (saved, int_acts, t, f, None if self.reshard else full)
+    return (outs, zeros, self.links()), (saved, int_acts, t, f, None if self.reshard else full)
 
   def bwd(self, res, cts):
     saved, int_acts, t, f, full = res
-    ct_outs, ct_tokens = cts
+    ct_outs, ct_tokens, ct_links = cts
     k, keep, token_aval = self.k, self.keep, self.token_avals[0]
     acts0 = _stand_ins(self.act_avals)
     if int_acts:
@@ -731,12 +821,23 @@ class _UnitCall:
       full, ct_outs = _together(self.full_of(t, f), ct_outs)
     _, vjp = jax.vjp(self.fn, acts0, full)
     d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
+    # A tied unit's gradient: handed back to its first call, or summed with what its later
+    # calls handed back, then reduce-scattered once (`_Ties`).
+    d_links = {i: self.link_ct(i, d_full[i]) for i in self.links_in}
+    d_full = {**d_full, **{i: self.link_ct(i, d_full[i]) + ct_links[i] for i in self.links_out}}
+    handed = {u.name for u in self.units if set(_summed_leaves(u)) & set(self.links_in)}
+    scattered = [u for u in self.units if u.name not in handed]
     # These gradients go into their buckets once the segment after this one has reduce-scattered
     # its own (the token it handed on): one unit's full-size gradient bucket alive at a time
     # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
     # that reduce-scatter still overlaps this segment's backward matmuls).
-    d_full = _bucket_after(self.units, d_full, ct_tokens[k])
-    d_t = _scatter(self.units, d_full, layer_axis=True)
+    d_full = _bucket_after(scattered, d_full, ct_tokens[k])
+    d_t = _scatter(scattered, d_full, layer_axis=True)
+    # A handed-back unit's chunked leaves: reduce-scattered by row blocks already.
+    d_t.update(
+      (i, d_full[i]) for u in self.units if u.name in handed for i in u.trainable if i in u.chunks
+    )
+    d_t = {key: d_t.get(key) for key in t}  # None: a zero cotangent
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
     # cotangents it hands on (else XLA leaves every weight-gradient matmul and reduce-scatter
@@ -747,7 +848,7 @@ class _UnitCall:
     d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
     d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
     d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
-    return d_acts, d_t, None, d_tokens
+    return d_acts, d_t, None, d_tokens, d_links
 
 
 def _tie(a, zero):
