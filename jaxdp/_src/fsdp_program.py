@@ -640,8 +640,9 @@ def _tied_units(ops: Sequence[_Op], units: _Units) -> frozenset[str]:
 class _Ties:
   """Each tied unit's gradient, reduce-scattered once per step: the sum over its uses, as
   torch FSDP2 and Megatron-FSDP reduce a param's gradient once (one reduce-scatter of the
-  summed cotangent, not one per use), summed in the dtype the unit's bucket reduces in (fp32 with `grad_reduce_in_fp32`, as Megatron accumulates a param's
-  gradient in its fp32 `main_grad`).
+  summed cotangent, not one per use), summed in the dtype the unit's bucket reduces in
+  (fp32 with `grad_reduce_in_fp32`, as Megatron accumulates a param's gradient in its fp32
+  `main_grad`).
 
   The first call that gathers a tied unit (`_unit_call`, first in the forward, so last in
   the backward) outputs a *link* per summed leaf: a zero stand-in of the whole param's type,
