@@ -20,11 +20,11 @@ from tests.tolerances import AdamBound, rtol_sum
 STEPS = 3
 E, D, H, N = 8, 8, 16, 16  # experts, model width, expert width, tokens
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-# Megatron's expert MLP split over "model": w_in on its output columns, w_out on its rows
 MESHES = {
   "expert": ((4, 2), ("data", "expert")),
   "expert+model": ((2, 2, 2), ("data", "expert", "model")),
 }
+# Megatron's expert MLP split over "model": w_in on its output columns, w_out on its rows
 SPECS = {
   "expert": {"dense": P(), "w_in": P("expert"), "w_out": P("expert")},
   "expert+model": {
