@@ -102,6 +102,41 @@ def forward(p, b):
   return jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
 
 
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_opt_state_views_keep_tensor_parallel_placements(strategy):
+  """`get_opt_state` places each of Adam's moments as `get_params` places its param: over
+  "model" as the caller split it and, with `sharded=True`, over "data" on the dim "model"
+  leaves whole, so each device holds 1 / (4 x 2) of a weight's moment, not 1 / 4. The values
+  are the whole view's bit for bit."""
+  params, loss_fn, batch = problem()
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(placed(params, mesh), TX, mesh, config)
+  state, _ = jaxdp.make_train_step(loss_fn, TX, mesh, config)(state, batch)
+  views = {
+    sharded: (jaxdp.get_params(state, sharded=sharded), jaxdp.get_opt_state(state, sharded=sharded))
+    for sharded in (False, True)
+  }
+  # the placements, written out: w1 (8, 64) on its rows over "data", w2 (64, 8) on its
+  # columns; b1 (64,) has no dim "model" leaves whole and stays over "model" alone
+  want = {
+    False: {"w1": (None, "model"), "b1": ("model",), "w2": ("model", None), "b2": (None,)},
+    True: {"w1": ("data", "model"), "b1": ("model",), "w2": ("model", "data"), "b2": ("data",)},
+  }
+  whole = views[False][1][1][0]
+  for sharded, (params_view, opt_view) in views.items():
+    adam = opt_view[1][0]
+    for k in params:
+      assert full_spec(params_view[k].sharding.spec, params_view[k].ndim) == want[sharded][k]
+      for name in ("mu", "nu"):
+        x = getattr(adam, name)[k]
+        assert full_spec(x.sharding.spec, x.ndim) == want[sharded][k], (sharded, name, k)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(getattr(whole, name)[k]))
+  for k in ("w1", "w2"):  # a weight's moment: 1 / (data x model) of it per device
+    for x in (views[True][1][1][0].mu[k], views[True][1][1][0].nu[k]):
+      assert x.addressable_shards[0].data.size == x.size // (4 * 2), (k, x.sharding.spec)
+
+
 def full_spec(spec, ndim):
   """A spec as one entry per dim (`P("model")` of a 2-D leaf is `("model", None)`)."""
   return tuple(spec) + (None,) * (ndim - len(spec))

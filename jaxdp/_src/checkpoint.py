@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -67,6 +67,7 @@ from jaxdp._src.state import (
   bucket_names,
   leaves_of,
   match_opt_leaf,
+  model_spec,
   tree_of,
 )
 
@@ -101,26 +102,43 @@ def _stored_masters(state: TrainState) -> list[int]:
   ]
 
 
-def _opt_forms(state: TrainState) -> list[tuple[tuple[int, ...], int]]:
-  """`(full shape, padded axis)` of every optax state leaf, in `jax.tree.leaves` order.
+class _OptForm(NamedTuple):
+  """How one optax state leaf is read back in its logical form (`_opt_forms`)."""
 
-  Under a sharded strategy a per-param leaf has the param's padded shape (`sharded_shape`).
-  It is matched to its param by `match_opt_leaf` (its key path ends with the param's path,
-  `[0].mu['w']` for `['w']`, and it has the param's padded shape). A leaf that matches no
-  param is stored as it is (a dp change then shows up as a shape mismatch, never as a wrong
-  value).
+  shape: tuple[int, ...]
+  """Its full shape: a per-param leaf's is its param's."""
+  axis: int
+  """A per-param leaf's shard dim (`Layout.shard_axes`: where a sharded strategy pads it,
+  and the dim its sharded view prefers); 0 for any other leaf."""
+  param: int | None
+  """The param whose per-param state it is (`match_opt_leaf`), or None."""
+
+
+def _opt_forms(state: TrainState) -> list[_OptForm]:
+  """The `_OptForm` of every optax state leaf, in `jax.tree.leaves` order.
+
+  Under a sharded strategy a per-param leaf has the param's padded shape (`sharded_shape`);
+  under `no_shard` its very shape. It is matched to its param by `match_opt_leaf` (its key
+  path ends with the param's path, `[0].mu['w']` for `['w']`, and it has that shape). A leaf
+  that matches no param is stored as it is (a dp change then shows up as a shape mismatch,
+  never as a wrong value).
   """
   keyed = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
   shapes = [tuple(int(d) for d in np.shape(x)) for _, x in keyed]
-  if not _sharded(state):
-    return [(shape, 0) for shape in shapes]
   layout = state.layout
-  padded = {i: sharded_shape(layout, i) for i, t in enumerate(layout.trainable) if t}
-  seen = {i: pad for i, (pad, _) in padded.items()}
+  sharded = _sharded(state)
+  seen = {
+    i: sharded_shape(layout, i)[0] if sharded else tuple(layout.shapes[i])
+    for i, t in enumerate(layout.trainable)
+    if t
+  }
   out = []
   for (path, _), shape in zip(keyed, shapes):
     i = match_opt_leaf(path, shape, layout.paths, seen).param
-    out.append((shape, 0) if i is None else (layout.shapes[i], padded[i][1]))
+    if i is None:
+      out.append(_OptForm(shape, 0, None))
+    else:
+      out.append(_OptForm(tuple(layout.shapes[i]), layout.shard_axes[i], i))
   return out
 
 
@@ -142,7 +160,7 @@ def _describe(state: TrainState) -> dict[str, Any]:
     "master": _stored_masters(state),
     "opt_state": [
       [jax.tree_util.keystr(path), list(shape), np.dtype(x.dtype).name]
-      for (path, x), (shape, _) in zip(keyed, _opt_forms(state))
+      for (path, x), (shape, *_) in zip(keyed, _opt_forms(state))
     ],
     "opt_state_structure": str(jax.tree.structure(state.opt_state)),
     "model_state": [
@@ -324,7 +342,8 @@ def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...]) -> jax.Array:
 
 def get_opt_state(state: TrainState, *, sharded: bool = False) -> PyTree:
   """The optax state of `state` as one device would hold it: per-param leaves in their
-  param's shape (the sharded strategies' padding rows dropped), the rest as they are.
+  param's shape (the sharded strategies' padding rows dropped) and placed as
+  `get_params(state, sharded=sharded)` places their param, the rest as they are.
 
   What optax helpers that read the state need, on every strategy: `schedule_free`'s
   `optax.contrib.schedule_free_eval_params(jaxdp.get_opt_state(state),
@@ -333,8 +352,11 @@ def get_opt_state(state: TrainState, *, sharded: bool = False) -> PyTree:
 
   Args:
     state: a `TrainState` of any strategy.
-    sharded: False: every leaf whole on every device. True: each per-param leaf sharded over
-      "data" as `get_params(state, sharded=True)` shards its param (for a big model).
+    sharded: False: every leaf whole over the data axes (a tensor- or expert-parallel
+      param's moments keep its own split, `P(None, "model")`, `P("expert")`). True: each
+      per-param leaf also sharded over "data" as `get_params(state, sharded=True)` shards
+      its param, so a device holds `1 / (dp x tp)` of a tensor-parallel weight's moment
+      (for a big model).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -345,22 +367,30 @@ def get_opt_state(state: TrainState, *, sharded: bool = False) -> PyTree:
     {'float32/bucket0': (128,)}
     >>> jax.tree.map(jnp.shape, jaxdp.get_opt_state(state)[0].mu)
     {'w': (30,)}
+    >>> tp = jax.make_mesh((4, 2), ("data", "model"))  # w split over "model" by its caller
+    >>> w = jax.device_put(jnp.ones((8, 64)), jax.NamedSharding(tp, jax.P(None, "model")))
+    >>> state = jaxdp.init_state({"w": w}, optax.adam(1e-3), tp, config)
+    >>> jaxdp.get_opt_state(state, sharded=True)[0].mu["w"].sharding.spec
+    P('data', 'model')
   """
   return _opt_state_program(state, state.step.sharding.mesh, bool(sharded))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
 def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
-  """One program for the whole tree (never eager per-leaf ops: see `get_params`)."""
+  """One program for the whole tree (never eager per-leaf ops: see `get_params`). A
+  per-param leaf is placed as `get_params` places its param: over the param's own axes and,
+  if `sharded`, over "data" on the dim `view_dims` picks (`unpad_view`)."""
   state = per_leaf_state(state, mesh)
+  outer = state.layout.outer > 1  # HFSDP: over ("data", "replica")
   leaves, treedef = jax.tree.flatten(state.opt_state)
   out = []
-  for x, (shape, axis) in zip(leaves, _opt_forms(state)):
-    if tuple(x.shape) == tuple(shape) and not sharded:
-      out.append(jnp.copy(x))
-    else:
-      outer = state.layout.outer > 1  # HFSDP: over ("data", "replica")
-      out.append(jnp.copy(unpad_view(x, shape, axis, mesh, (), sharded, outer)))
+  for x, form in zip(leaves, _opt_forms(state)):
+    if form.param is None and tuple(x.shape) == form.shape and not sharded:
+      out.append(jnp.copy(x))  # a step count, a factored moment: as the state holds it
+      continue
+    dims = () if form.param is None else model_spec(state, form.param, len(form.shape))
+    out.append(jnp.copy(unpad_view(x, form.shape, form.axis, mesh, dims, sharded, outer)))
   return jax.tree.unflatten(treedef, out)
 
 

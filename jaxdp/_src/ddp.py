@@ -58,8 +58,8 @@ from jaxdp._src.distributed_optimizer import (
   gather_params,
   grad_blocks,
   layer_spec,
+  layout_own_specs,
   master_blocks,
-  own_specs,
   pad_leaf,
   per_leaf_state,
   unpad_view,
@@ -688,7 +688,7 @@ def make_train_step(
     in_scan = (grad_accum_steps == 1 or plan.scatter_each_microbatch) and any(
       b.stack is not None for buf in layout.buffers for b in buf.buckets
     )
-    own = own_specs(layout, state.model_specs)
+    own = layout_own_specs(layout, state.model_specs, mesh)
     plan_ = dataclasses.replace(plan, fused=state.fused, in_scan=in_scan, own=tuple(own.items()))
     checks.check_state(state, mesh, config)
     checks.check_batch(batch, dp * grad_accum_steps)

@@ -52,6 +52,7 @@ import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -726,19 +727,45 @@ def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
   return {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
 
 
-def own_specs(layout: Layout, model_specs) -> dict[int, P]:
-  """{leaf: its caller's spec} of every leaf split over mesh axes other than the data axes
-  on dims other than its shard dim (a tensor-parallel leaf that `model_shard_dims` gave a
-  dim of its own): each of its gathers and reductions runs on its own, manual over those
-  axes too (`collectives.manual_over`), so that it moves this device's slice of the leaf.
-  The spec is of the whole leaf; `layer_spec` drops a stacked leaf's layer axis."""
+def own_specs(model_specs, shard_axes: Mapping[int, int], manual: Sequence[str]) -> dict[int, P]:
+  """The leaves whose collectives run one per param, on this device's slice of the leaf.
+
+  A leaf its caller split over automatic mesh axes ("model": the axes other than the step's
+  manual data axes) on dims other than the one it is sharded over "data" on: a
+  tensor-parallel leaf that `model_shard_dims` gave a dim of its own, or an expert leaf
+  split over "model" too (`P("expert", None, "model")`; "expert" is a manual axis). Inside
+  the step's `shard_map` a collective over a manual axis first gathers its operand whole
+  over the automatic ones, so each of such a leaf's gathers and reductions runs on its own,
+  manual over those axes too (`collectives.manual_over`), and moves this device's slice.
+
+  The one rule for every strategy: ZeRO passes whole leaves and their shard dims
+  (`layout_own_specs`; `layer_spec` drops a stacked leaf's layer axis), FSDP each unit's
+  leaves of one layer (`fsdp.unit_collectives`).
+
+  Args:
+    model_specs: every leaf's caller spec (`model_specs_of`; `()` when no leaf is split).
+    shard_axes: leaf -> the dim it is sharded over "data" on, for the leaves to consider.
+    manual: the step's manual axes (`data_axes`: "expert" among them).
+
+  Returns:
+    {leaf: its spec over the automatic axes alone}.
+
+  Examples:
+    >>> own_specs([((), ("model",)), (("expert",), (), ("model",)), (("model",),)],
+    ...           {0: 0, 1: 0, 2: 0}, ("expert", "data"))
+    {0: P(None, 'model'), 1: P(None, None, 'model')}
+  """
   out = {}
-  for i, dims in enumerate(model_specs or ()):
-    if any(EXPERT in axes for axes in dims):
-      continue  # expert params: sharded over a data axis, in buffers of their own
-    if any(dims) and not dims[layout.shard_axes[i]]:
-      out[i] = pspec(dims)
+  for i, axis in shard_axes.items() if model_specs else ():
+    auto = tuple(tuple(a for a in axes if a not in manual) for axes in model_specs[i])
+    if any(auto) and not auto[axis]:
+      out[i] = pspec(auto)
   return out
+
+
+def layout_own_specs(layout: Layout, model_specs, mesh) -> dict[int, P]:
+  """`own_specs` of a ZeRO (`no_shard`, `optim*`) layout: whole leaves on their shard dims."""
+  return own_specs(model_specs, dict(enumerate(layout.shard_axes)), data_axes(mesh))
 
 
 def layer_spec(spec: P) -> P:
@@ -855,7 +882,7 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
   """All-gathers the updated params per bucket right after the update; `master` as
   `gather_master` takes it (a fused state's flat buckets when `state.fused`)."""
 
-  own = own_specs(layout, state.model_specs)
+  own = layout_own_specs(layout, state.model_specs, mesh)
 
   def gather(master):
     return gather_master(master, layout, [None] * len(layout.shapes), state.fused, own=own)

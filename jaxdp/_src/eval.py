@@ -11,7 +11,11 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, fsdp as fsdp_lib
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.distributed_optimizer import flat_master_specs, gather_master, own_specs
+from jaxdp._src.distributed_optimizer import (
+  flat_master_specs,
+  gather_master,
+  layout_own_specs,
+)
 from jaxdp._src.mesh import (
   constrain,
   data_axes,
@@ -120,7 +124,8 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       )
     full = leaves_of(params)
     if gather_in_step:
-      full = gather_master(master, layout, full, fused, own=own_specs(layout, model_specs))
+      own = layout_own_specs(layout, model_specs, mesh)
+      full = gather_master(master, layout, full, fused, own=own)
     return finish(call(tree_of(layout, full), batch, model_state))
 
   def step(state, batch):

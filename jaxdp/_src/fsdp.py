@@ -98,6 +98,7 @@ from jaxdp._src.distributed_optimizer import (
   check_model_rows,
   fused_master,
   grad_blocks,
+  own_specs,
   per_leaf_state,
   unpad_view,
   use_fused,
@@ -534,13 +535,11 @@ def unit_collectives(
     return out
   chunks = chunked_leaves(layout, fsdp) if chunks else {}
   # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its
-  # automatic axes (an expert param's "expert" is one of the step's manual axes already).
-  own, specs, manual = {}, param_specs(layout), data_axes(mesh)
-  for i, dims in enumerate(model_specs):
-    layer = dims[1:] if layout.layers[i] else dims  # a stacked unit's collectives: a layer's
-    auto = tuple(tuple(a for a in axes if a not in manual) for axes in layer)
-    if any(auto) and i in specs and not layer[specs[i].axis]:
-      own[i] = pspec(auto)
+  # automatic axes (an expert param's "expert" is one of the step's manual axes already);
+  # a stacked unit's collectives see one layer
+  specs = param_specs(layout)
+  layers = [dims[1:] if layout.layers[i] else dims for i, dims in enumerate(model_specs)]
+  own = own_specs(layers, {i: s.axis for i, s in specs.items()}, data_axes(mesh))
   return [
     fsdp_program.UnitIO(
       name=u.name,
