@@ -214,6 +214,39 @@ def test_ring_formula_hsdp():
   assert_ring(params, loss_fn, batch, mesh, fsdp, fsdp=KEEP)
 
 
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_hsdp_with_tensor_parallel(strategy):
+  """HSDP of the tensor-parallel MLP on (replica=2, data=2, model=2): the ledger is device
+  0's bytes; the formula is the compiled step's, each shard all-reduced across "replica"
+  on its "model" slice (b1's too, split over "model" on its shard dim), except that under
+  FSDP XLA splits the shard of b1's unit (one bias raveled alone) over "model" as well,
+  which the formula counts whole (`ring_formula`): it moves half of it."""
+  params, loss_fn, batch = tp_problem()
+  params["emb"] = params["emb"].astype(jnp.float32)  # XLA:CPU gathers bf16 in f32
+  mesh = jax.make_mesh((2, 2, 2), ("replica", "data", "model"))
+  config = config_of(strategy, num_distributed_optimizer_instances=2)
+  fsdp = KEEP if strategy == "optim_grads_params" else None
+  kw = {"fsdp": fsdp} if fsdp is not None else {}
+  state = jaxdp.init_state(placed(params, mesh), TX, mesh, config, **kw)
+  assert memory_ledger(placed(params, mesh), TX, 2, config, **kw).state == device0_bytes(state)
+  ids = np.vectorize(lambda d: d.id)(mesh.devices)
+  model = frozenset(frozenset(int(i) for i in ids[r, d]) for r in range(2) for d in range(2))
+  step = jaxdp.make_train_step(loss_fn, TX, mesh, config, **kw)
+  volume, s = data_volume(step, state, batch, {model})
+  expected = ring_formula(state, **kw)
+  assert volume.keys() == expected.keys(), report(s, expected=expected)
+  if fsdp is not None:
+    (b1,) = [
+      4 * b.shard_size  # bytes of the unit's shard, all-reduced across 2: 2 (2-1)/2 x
+      for buf in state.layout.buffers
+      for b in buf.buckets
+      if [p.path for p in b.params] == ["['b1']"]
+    ]
+    expected = {**expected, "all-reduce": expected["all-reduce"] - b1 / 2}
+  for kind, value in expected.items():
+    assert volume[kind] == pytest.approx(value, rel=1e-9), report(s, expected=expected)
+
+
 @pytest.mark.parametrize("model", ["unrolled", "stacked"])
 def test_ring_formula_hfsdp(model):
   """HFSDP: the units' reduce-scatters and all-gathers over "data", then one reduce-scatter

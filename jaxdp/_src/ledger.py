@@ -127,7 +127,9 @@ def _nbytes(shape, dtype) -> int:
   return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _bucket_elements(bucket, dp: int, own, tp_ways, padded: bool = True, stacks=False) -> int:
+def _bucket_elements(
+  bucket, dp: int, own, tp_ways, padded: bool = True, stacks: bool = False, sliced: bool = False
+) -> int:
   """Elements of `bucket` one device reduces or gathers over the data axes, padding
   included: all its shards. A bucket that holds a tensor-parallel leaf of `own`
   (`collectives.holds_own`), and with `stacks` a bucket of stacked layers (`Bucket.stack`,
@@ -136,14 +138,17 @@ def _bucket_elements(bucket, dp: int, own, tp_ways, padded: bool = True, stacks=
   its rows padded to a multiple of dp); any other param moves its padded rows whole (a
   leaf split over "model" on its shard dim, a column-parallel bias, is gathered over
   "model" first), except that with `padded=False` (`no_shard`'s all-reduce, elementwise:
-  no padding, no gather) each param of an `own` bucket moves 1/`tp_ways` of its size."""
+  no padding, no gather) each param of an `own` bucket moves 1/`tp_ways` of its size, and
+  with `sliced` (the all-reduce of a reduce-scattered shard across "replica" or "expert",
+  elementwise: the shard keeps its split over "model") 1/`tp_ways` of its padded rows."""
   if holds_own(bucket, own) and not padded:
     return sum(p.size // tp_ways[p.index] for p in bucket.params)
   layered = bucket.stack is not None or any(p.layers for p in bucket.params)
   if not (holds_own(bucket, own) or (stacks and layered)):
     return bucket.shard_size * dp
   return sum(
-    p.shard_size(dp) * dp // (tp_ways[p.index] if p.index in own else 1) for p in bucket.params
+    p.shard_size(dp) * dp // (tp_ways[p.index] if sliced or p.index in own else 1)
+    for p in bucket.params
   )
 
 
@@ -437,12 +442,14 @@ def measured_bytes(state, device=None) -> dict[str, int]:
 # ----------------------------------------------------------------------------- communication
 
 
-def _bucket_bytes(layout, bucket, dtype, own=(), tp_ways=None, padded: bool = True) -> int:
+def _bucket_bytes(
+  layout, bucket, dtype, own=(), tp_ways=None, padded: bool = True, sliced: bool = False
+) -> int:
   """Bytes of one bucket in `dtype` as its collectives move them on one device, padding
   and stacked layers included (`_bucket_elements`: a tensor-parallel bucket's own slices,
   a stack's per param)."""
   layers = max((p.layers for p in bucket.params), default=0) or 1
-  elements = _bucket_elements(bucket, layout.dp, own, tp_ways, padded, stacks=True)
+  elements = _bucket_elements(bucket, layout.dp, own, tp_ways, padded, True, sliced)
   return elements * layers * np.dtype(dtype).itemsize
 
 
@@ -469,7 +476,12 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     of its shard; under `no_shard` one all-reduce over every data axis of the bucket's);
   - tensor parallel: a bucket that holds a leaf the caller split over other axes on dims
     other than its shard dim (`collectives.holds_own`) is reduced and gathered per param,
-    each device moving its own slice (1/tp of the param, no bucket-end padding).
+    each device moving its own slice (1/tp of the param, no bucket-end padding); a leaf
+    split over "model" on its shard dim (a column-parallel bias) is reduce-scattered and
+    gathered whole over "data", its shard all-reduced across "replica" or "expert" on its
+    1/tp slice. A bucket of several params raveled together counts whole; XLA may split
+    one that holds only such a bias over "model" for that all-reduce (FSDP's unit of one
+    bias), which the formula then over-counts.
 
   Small collectives of the step's metrics (the loss, norms) are not counted.
 
@@ -532,9 +544,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   k = grad_accum_steps if strategy in _SHARDED_GRADS_PER_MICROBATCH else 1
   if strategy in ("optim", "optim_grads"):
     for buf, b in buckets:
-      grad = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways)
-      add("reduce-scatter", grad, n, k)
-      add("all-reduce", grad / n, other(buf), k)
+      add("reduce-scatter", _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways), n, k)
+      shard = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, sliced=True) / n
+      add("all-reduce", shard, other(buf), k)
     for buf, b in buckets:
       add("all-gather", _bucket_bytes(layout, b, buf.param_dtype, own, tp_ways), n)
     return out
@@ -545,9 +557,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     for b, dtype in u.gather:
       add("all-gather", _bucket_bytes(layout, b, dtype, own, tp_ways), n, k * gathers)
     for b, dtype in u.grad:
-      grad = _bucket_bytes(layout, b, dtype, own, tp_ways)
-      add("reduce-scatter", grad, n, k)
-      add("all-reduce", grad / n, hsdp * (1 if b.params[0].index in experts else ep), k)
+      add("reduce-scatter", _bucket_bytes(layout, b, dtype, own, tp_ways), n, k)
+      shard = _bucket_bytes(layout, b, dtype, own, tp_ways, sliced=True) / n
+      add("all-reduce", shard, hsdp * (1 if b.params[0].index in experts else ep), k)
   if layout.outer > 1:  # HFSDP: once per step, after the backward and after the update
     for buf, b in buckets:
       add("reduce-scatter", _outer_bytes(layout, b, buf.grad_dtype), replicas)
