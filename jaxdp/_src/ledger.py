@@ -17,7 +17,15 @@ buffers in the params' dtype (FSDP: in `FSDPConfig.param_dtype` when set, the dt
 all-gathers move), `N` the size of the "data" axis. With fp32 params `P = G`, so
 ZeRO-1/2 move what DDP moves and FSDP 1.5× that. `ring_formula` gives these numbers
 for a `TrainState`, to hold against `jaxdp.inspect.Schedule.comm_bytes` of the
-compiled step (`jaxdp.inspect.report(..., expected=ring_formula(state))` prints both).
+compiled step (`jaxdp.inspect.report(..., expected=ring_formula(state))` prints both),
+with the other axes of its mesh: the "replica" axis (HSDP's all-reduce of each shard,
+HFSDP's reduce-scatter and all-gather across it), "expert" (expert buckets are reduced
+over the data axes but "expert") and tensor parallelism (a leaf split over "model" moves
+each device's own slice).
+
+Both follow the caller's placements: `memory_ledger` of params placed on a mesh (arrays
+or `jax.ShapeDtypeStruct`s with a `NamedSharding`) counts 1/tp of a tensor-parallel leaf
+and 1/ep of an expert one per device, as `init_state` on that mesh places them.
 
 `memory_report` puts the memory ledger (`memory_ledger`, predicted), the bytes a
 built `TrainState` holds (`measured_bytes`, from `addressable_shards`) and the compiled GPU
@@ -29,17 +37,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
-from jaxdp._src import aot, train
+from jaxdp._src import aot, ddp, fsdp as fsdp_lib, train
+from jaxdp._src.collectives import holds_own
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.distributed_optimizer import trainable_leaves, use_fused
-from jaxdp._src.inspect import memory_stats
+from jaxdp._src.distributed_optimizer import own_specs, trainable_leaves, use_fused
+from jaxdp._src.inspect import memory_stats, ring_bytes
 from jaxdp._src.layout import (
   Frozen,
   Layout,
@@ -48,9 +58,9 @@ from jaxdp._src.layout import (
   float_elements,
   make_layout,
   master_dtype,
-  round_up,
+  sharded_shape,
 )
-from jaxdp._src.mesh import DATA, REPLICA
+from jaxdp._src.mesh import DATA, EXPERT, REPLICA, ModelSpec, model_specs_of
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
 from jaxdp._src.units import assign_units, chunked_leaves, units_of
 
@@ -117,21 +127,81 @@ def _nbytes(shape, dtype) -> int:
   return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _is_sharded_state(path, x, layout: Layout) -> bool:
-  """Does a sharded strategy shard this optax state leaf over "data" (as `init_state` does)?
-
-  A per-param leaf (Adam's `mu['w']`, `match_opt_leaf`) is; one under a param's path with
-  another shape (factored moments) is replicated; a leaf under no param's path is sharded
-  when it has a padded param shape.
-  """
-  match = match_opt_leaf(
-    path, x.shape, layout.paths, {p.index: p.seen for p in trainable_leaves(layout)}
+def _bucket_elements(
+  bucket, dp: int, own, tp_ways, padded: bool = True, stacks: bool = False, sliced: bool = False
+) -> int:
+  """Elements of `bucket` one device reduces or gathers over the data axes, padding
+  included: all its shards. A bucket that holds a tensor-parallel leaf of `own`
+  (`collectives.holds_own`), and with `stacks` a bucket of stacked layers (`Bucket.stack`,
+  a stacked FSDP unit's: one layer at a time, inside the scan), is reduced and gathered
+  per param, no end padding: an `own` leaf moves the device's own slice (1/`tp_ways` of
+  its rows padded to a multiple of dp); any other param moves its padded rows whole (a
+  leaf split over "model" on its shard dim, a column-parallel bias, is gathered over
+  "model" first), except that with `padded=False` (`no_shard`'s all-reduce, elementwise:
+  no padding, no gather) each param of an `own` bucket moves 1/`tp_ways` of its size, and
+  with `sliced` (the all-reduce of a reduce-scattered shard across "replica" or "expert",
+  elementwise: the shard keeps its split over "model") 1/`tp_ways` of its padded rows."""
+  if holds_own(bucket, own) and not padded:
+    return sum(p.size // tp_ways[p.index] for p in bucket.params)
+  layered = bucket.stack is not None or any(p.layers for p in bucket.params)
+  if not (holds_own(bucket, own) or (stacks and layered)):
+    return bucket.shard_size * dp
+  return sum(
+    p.shard_size(dp) * dp // (tp_ways[p.index] if sliced or p.index in own else 1)
+    for p in bucket.params
   )
+
+
+def _state_split(path, x, layout: Layout, sharded: bool, shards: int, specs, ways) -> int:
+  """How many ways an optax state leaf is split across devices, as `init_state` places it
+  (`opt_state_specs`): a per-param leaf (Adam's `mu['w']`, `match_opt_leaf`) like its
+  param, over `shards` data shards under a sharded strategy and over the axes its caller
+  split the param over (`ways`); one under a param's path with another shape (factored
+  moments) is replicated; a leaf under no param's path is split like the params of its
+  shape where they are all split alike (the data shards: where it has a padded param
+  shape), else replicated.
+  """
+  seen = {p.index: (p.seen if sharded else p.shape) for p in trainable_leaves(layout)}
+  match = match_opt_leaf(path, x.shape, layout.paths, seen)
   if match.param is not None:
-    return True
-  if match.under_param:
-    return False
-  return bool(match.same_shape)
+    return (shards if sharded else 1) * ways[match.param]
+  if match.under_param or not match.same_shape:
+    return 1
+  placements = {specs[i] for i in match.same_shape} if specs else {()}
+  alike = len(placements) == 1
+  return (shards if sharded else 1) * (ways[match.same_shape[0]] if alike else 1)
+
+
+def _placed_mesh(params: PyTree, dp: int):
+  """The mesh the caller split some leaf of `params` over (a `NamedSharding` on an array or
+  a `jax.ShapeDtypeStruct` over an axis), or None where every leaf is whole on each device.
+
+  Raises:
+    ValueError: that mesh's "data" axis is not of size `dp`.
+  """
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and any(e is not None for e in sharding.spec):
+      mesh = sharding.mesh
+      if mesh.shape.get(DATA) != dp:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} is placed {sharding.spec} on a mesh "
+          f"{dict(mesh.shape)}, whose {DATA!r} axis is not dp={dp}; pass "
+          f"dp={mesh.shape.get(DATA)}, or params placed on a mesh with {DATA!r} of size {dp}"
+        )
+      return mesh
+  return None
+
+
+def split_ways(
+  model_specs: tuple[ModelSpec, ...], sizes: Mapping[str, int], skip: tuple[str, ...] = ()
+) -> list[int]:
+  """Per leaf: how many ways the mesh axes its caller split it over (tensor parallel
+  "model", "expert"; `sizes`: the mesh's axis sizes) divide it, leaving out the axes in
+  `skip`; 1 for a whole leaf."""
+  return [
+    math.prod(sizes[a] for axes in dims for a in axes if a not in skip) for dims in model_specs
+  ]
 
 
 def memory_ledger(
@@ -147,15 +217,23 @@ def memory_ledger(
 
   The numbers follow the layout `init_state` builds (leading dims padded to a multiple
   of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
-  off the state, byte for byte.
+  off the state, byte for byte. Params placed on a mesh with other axes than the data
+  axes carry their split: a leaf placed `P(None, "model")` on a `("data", "model")` mesh
+  counts 1/tp per device (and 1/(tp * dp) of its master and optimizer state under the
+  sharded strategies), an expert leaf placed `P("expert", ...)` 1/ep, with the layout
+  `init_state` builds on that mesh (each leaf's shard dim one the other axes leave whole,
+  padded there).
 
   Args:
-    params: the model params (arrays or `jax.ShapeDtypeStruct`s).
+    params: the model params (arrays or `jax.ShapeDtypeStruct`s); those placed with a
+      `NamedSharding` on a mesh (a placed array, a `ShapeDtypeStruct(sharding=...)`) over
+      axes other than the data axes ("model", "expert") are counted as split over them.
     tx: the optax transformation; None: Adam (two moments in the master dtype).
     dp: size of the mesh's "data" axis (the shards; a "replica" axis holds copies, except
       under HFSDP, `outer_dp_sharding_strategy="optim"`, where the master and the
       optimizer state are sharded over it too: 1/(replicas * dp) each): the mesh the
-      ledger predicts for need not exist.
+      ledger predicts for need not exist; that of placed `params` must have a "data"
+      axis of this size.
     config: the `DDPConfig` (its strategy, `grad_reduce_in_fp32`, buckets,
       `overlap_param_gather`, `fused_update`: a fused state holds its buckets' end padding
       too, `stacked`: those stacks' leaves are sharded on a dim of a layer).
@@ -166,6 +244,11 @@ def memory_ledger(
   Returns:
     A `MemoryLedger`.
 
+  Raises:
+    TypeError: `config` is not a `DDPConfig`.
+    ValueError: `params` are placed on a mesh whose "data" axis is not of size `dp`, or
+      in a way `init_state` refuses (`model_specs_of`).
+
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdp
     >>> from jaxdp.inspect import memory_ledger
@@ -174,6 +257,17 @@ def memory_ledger(
     ...            for s in ("no_shard", "optim", "optim_grads")]
     >>> [round(memory_ledger(params, None, 8, c).total / 2**20, 3) for c in configs]
     [18.0, 7.5, 4.0]
+
+    Tensor parallel: the same weight placed column-parallel on a (data=4, model=2) mesh
+    is half on each device, its fp32 master and Adam's moments 1/8:
+
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((4, 2), ("data", "model"))
+    >>> w = jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16,
+    ...                          sharding=NamedSharding(mesh, P(None, "model")))
+    >>> ledger = memory_ledger({"w": w}, None, 4, configs[1])
+    >>> ledger.params // 2**20, ledger.master // 2**19, ledger.opt_state // 2**20
+    (1, 1, 1)
   """
   if not isinstance(config, DDPConfig):
     raise TypeError(
@@ -181,40 +275,62 @@ def memory_ledger(
       "memory_ledger(params, tx, 8, jaxdp.DDPConfig(data_parallel_sharding_strategy='optim'))"
     )
   strategy = config.data_parallel_sharding_strategy
-  size = config.bucket_size or default_bucket_size(dp, strategy, float_elements(params))
-  size = size if config.overlap_grad_reduce else sys.maxsize
-  # FSDP shards every param on its leading dim (its units' layout); the others pick theirs.
-  leading = (lambda path, leaf: True) if strategy == "optim_grads_params" else None
-  # HFSDP: rows padded to replicas * dp; master and optimizer state 1/(replicas * dp)
-  outer = config.outer_shards
-  layout = make_layout(
-    params,
-    dp=dp,
-    bucket_size=size,
-    frozen=frozen,
-    leading=leading,
-    grad_dtype=config.grad_dtype,
-    scanned=config.stack_of if config.stacked else None,
-    outer=outer,
-    alone_over=alone_size(strategy, size, config.bucket_size),
-  )
   sharded = strategy != "no_shard"
   fsdp_step = strategy == "optim_grads_params"
+  if fsdp_step:
+    fsdp = fsdp or FSDPConfig()
+  # HFSDP: rows padded to replicas * dp; master and optimizer state 1/(replicas * dp)
+  outer = config.outer_shards
+  mesh = _placed_mesh(params, dp)
+  if mesh is not None:
+    # the caller split leaves over other axes: the layout `init_state` builds on that mesh
+    specs = model_specs_of(params, mesh)
+    if fsdp_step:
+      layout = fsdp_lib.layout_for(params, mesh, config, fsdp, frozen, specs)
+    else:
+      layout = ddp.layout_for(params, mesh, config, frozen, specs)
+    # each device holds 1/ways of a leaf (expert params' buffers are one rank's already)
+    sizes = dict(mesh.shape)
+    ways, tp_ways = split_ways(specs, sizes), split_ways(specs, sizes, (EXPERT,))
+    own = own_specs(layout, specs)
+  else:
+    specs, own = (), {}
+    ways = tp_ways = [1] * len(jax.tree.leaves(params))
+    size = config.bucket_size or default_bucket_size(dp, strategy, float_elements(params))
+    size = size if config.overlap_grad_reduce else sys.maxsize
+    layout = make_layout(
+      params,
+      dp=dp,
+      bucket_size=size,
+      frozen=frozen,
+      # FSDP shards every param on its leading dim (its units' layout); the others pick theirs
+      leading=(lambda path, leaf: True) if fsdp_step else None,
+      grad_dtype=config.grad_dtype,
+      scanned=config.stack_of if config.stacked else None,
+      outer=outer,
+      alone_over=alone_size(strategy, size, config.bucket_size),
+    )
   leaves_ = trainable_leaves(layout)
 
-  model = sum(_nbytes(s, d) for s, d in zip(layout.shapes, layout.dtypes))
-  trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) for x in leaves_)
+  model = sum(_nbytes(s, d) // w for s, d, w in zip(layout.shapes, layout.dtypes, ways))
+  trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) // ways[x.index] for x in leaves_)
   if fsdp_step:  # trainable params live only in `master`; frozen float params are sharded too
     model = 0
     for i in layout.static:
       shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
       if jnp.issubdtype(dtype, jnp.floating):
         # this device's rows, padding included
-        shape = (round_up(shape[0], dp * outer) // dp, *shape[1:])
-      model += _nbytes(shape, dtype)
+        shape = sharded_shape(layout, i)[0]
+        model += _nbytes(shape, dtype) // (dp * ways[i])
+      else:
+        model += _nbytes(shape, dtype) // ways[i]
     if outer > 1:  # HFSDP: the trainable params' compute rows too, in their own dtype
-      model += sum(_nbytes(x.seen, layout.dtypes[x.index]) // dp for x in leaves_)
-  grads = sum(buf.size * buf.grad_dtype.itemsize for buf in layout.buffers)
+      model += sum(_nbytes(x.seen, layout.dtypes[x.index]) // (dp * ways[x.index]) for x in leaves_)
+  grads = sum(
+    _bucket_elements(b, dp, own, tp_ways, padded=sharded) * buf.grad_dtype.itemsize
+    for buf in layout.buffers
+    for b in buf.buckets
+  )
   if strategy in ("optim_grads", "optim_grads_params"):
     grads //= dp
 
@@ -225,30 +341,30 @@ def memory_ledger(
     shape = x.seen if sharded else x.shape
     opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
     if sharded:
-      master += _nbytes(shape, dtype) // (dp * outer)
+      master += _nbytes(shape, dtype) // (dp * outer * ways[i])
     elif dtype != layout.dtypes[i]:
-      master += _nbytes(shape, dtype)
+      master += _nbytes(shape, dtype) // ways[i]
   if tx is None:
     tx = optax.scale_by_adam()
   flat_layout, chunked, gathered_unit = layout, False, 0
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
-    fsdp = fsdp or FSDPConfig()
     units, unit_stacks = assign_units(params, fsdp)
-    flat_layout = make_layout(
-      params,
-      dp=dp,
-      frozen=frozen,
-      units=units,
-      stacked=unit_stacks,
-      grad_dtype=config.grad_dtype,
-      outer=outer,
-    )
+    if mesh is None:
+      flat_layout = make_layout(
+        params,
+        dp=dp,
+        frozen=frozen,
+        units=units,
+        stacked=unit_stacks,
+        grad_dtype=config.grad_dtype,
+        outer=outer,
+      )
     chunked = bool(chunked_leaves(flat_layout, fsdp))
     gathered_unit = max(
-      sum(b.shard_size * dp * dtype.itemsize for b, dtype in u.gather)
+      sum(_bucket_elements(b, dp, own, tp_ways) * dtype.itemsize for b, dtype in u.gather)
       for u in units_of(flat_layout, fsdp.param_dtype)
     )
-  if use_fused(tx, flat_layout, config, chunked=chunked):  # flat buckets, end padding included
+  if use_fused(tx, flat_layout, config, specs, chunked=chunked):  # flat buckets, end padding
     flat = {
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
       for name, buf, b in bucket_names(flat_layout)
@@ -257,14 +373,13 @@ def memory_ledger(
       master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
     state = jax.eval_shape(tx.init, flat)
     sizes = {name: x.shape for name, x in flat.items()}
-    is_sharded = lambda path, x: sharded and is_flat_leaf(path, x, sizes)
+    split = lambda path, x: dp if sharded and is_flat_leaf(path, x, sizes) else 1
   else:
     state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
-    is_sharded = lambda path, x: sharded and _is_sharded_state(path, x, layout)
+    split = lambda path, x: _state_split(path, x, layout, sharded, dp * outer, specs, ways)
   opt = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state):
-    n = _nbytes(x.shape, x.dtype)
-    opt += n // (dp * outer) if is_sharded(path, x) else n
+    opt += _nbytes(x.shape, x.dtype) // split(path, x)
 
   gathered = trainable_model if sharded and not fsdp_step and config.overlap_param_gather else 0
   return MemoryLedger(
@@ -327,30 +442,48 @@ def measured_bytes(state, device=None) -> dict[str, int]:
 # ----------------------------------------------------------------------------- communication
 
 
-def _bucket_bytes(layout, bucket, dtype) -> int:
-  """Bytes of one bucket in `dtype`, padding and stacked layers included."""
+def _bucket_bytes(
+  layout, bucket, dtype, own=(), tp_ways=None, padded: bool = True, sliced: bool = False
+) -> int:
+  """Bytes of one bucket in `dtype` as its collectives move them on one device, padding
+  and stacked layers included (`_bucket_elements`: a tensor-parallel bucket's own slices,
+  a stack's per param)."""
   layers = max((p.layers for p in bucket.params), default=0) or 1
-  return bucket.shard_size * layout.dp * layers * np.dtype(dtype).itemsize
+  elements = _bucket_elements(bucket, layout.dp, own, tp_ways, padded, True, sliced)
+  return elements * layers * np.dtype(dtype).itemsize
 
 
-def _buffer_bytes(layout) -> tuple[int, int]:
-  """(grad bytes, param bytes) of a layout's buffers, padding and stacked layers included."""
-  grad = param = 0
-  for buf in layout.buffers:
-    for b in buf.buckets:
-      grad += _bucket_bytes(layout, b, buf.grad_dtype)
-      param += _bucket_bytes(layout, b, buf.param_dtype)
-  return grad, param
+def _outer_bytes(layout, bucket, dtype) -> int:
+  """Bytes of HFSDP's reduce-scatter (and all-gather) of one bucket across "replica": each
+  device's block of every param (`layout.outer_bucket`), no end padding."""
+  layers = max((p.layers for p in bucket.params), default=0) or 1
+  return sum(p.shard_size(layout.dp) for p in bucket.params) * layers * np.dtype(dtype).itemsize
 
 
 def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, float]:
   """Bytes each device should send per step, by collective kind (the table above).
 
-  Computed from the state's layout (padding included), for the data axis; a "replica"
-  axis (`num_distributed_optimizer_instances > 1`) adds an all-reduce of the shards (under
-  HFSDP, `outer_dp_sharding_strategy="optim"`: a reduce-scatter of them and an all-gather
-  of the updated params) that is not counted here. Small collectives of the step's metrics (the loss, norms) are not
-  counted either.
+  Computed from the state's layout (padding included) and its mesh:
+
+  - "data": the table above, `N` the size of "data";
+  - "replica" (`num_distributed_optimizer_instances` R > 1, HSDP): the sharded strategies
+    all-reduce each reduce-scattered shard across "replica" (`2(R-1)/R · G/N`); under HFSDP
+    (`outer_dp_sharding_strategy="optim"`) a reduce-scatter of each device's block of every
+    unit across "replica" after the backward (`(R-1)/R · G/N`) and an all-gather of the
+    updated params across it (`(R-1)/R · P/N`) instead;
+  - "expert": an expert bucket (`BufferLayout.expert`, one expert-parallel rank's slice) is
+    reduced over the data axes but "expert"; a dense one over "expert" too (an all-reduce
+    of its shard; under `no_shard` one all-reduce over every data axis of the bucket's);
+  - tensor parallel: a bucket that holds a leaf the caller split over other axes on dims
+    other than its shard dim (`collectives.holds_own`) is reduced and gathered per param,
+    each device moving its own slice (1/tp of the param, no bucket-end padding); a leaf
+    split over "model" on its shard dim (a column-parallel bias) is reduce-scattered and
+    gathered whole over "data", its shard all-reduced across "replica" or "expert" on its
+    1/tp slice. A bucket of several params raveled together counts whole; XLA may split
+    one that holds only such a bias over "model" for that all-reduce (FSDP's unit of one
+    bias), which the formula then over-counts.
+
+  Small collectives of the step's metrics (the loss, norms) are not counted.
 
   Args:
     state: a `TrainState` from `jaxdp.init_state` (or its `jax.eval_shape`).
@@ -374,23 +507,64 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     ...   print(strategy, {k: v / 2**20 for k, v in ring_formula(state).items()})
     no_shard {'all-reduce': 1.75}
     optim {'reduce-scatter': 0.875, 'all-gather': 0.875}
+
+    HSDP, two replicas of a ZeRO-1 state over 4 devices each: each 1/4 shard of the reduced
+    grads is all-reduced across "replica" as well.
+
+    >>> mesh = jax.make_mesh((2, 4), ("replica", "data"))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim",
+    ...                          num_distributed_optimizer_instances=2)
+    >>> state = jaxdp.init_state(params, optax.sgd(0.1), mesh, config)
+    >>> {k: v / 2**20 for k, v in ring_formula(state).items()}
+    {'reduce-scatter': 0.75, 'all-reduce': 0.25, 'all-gather': 0.75}
   """
   layout, config = state.layout, state.config
   strategy = config.data_parallel_sharding_strategy
-  n = layout.dp
-  share = (n - 1) / n
-  grad, param = _buffer_bytes(layout)
-  if strategy == "no_shard":
-    return {"all-reduce": 2 * share * grad}
+  shape = dict(state.mesh_shape)
+  n, replicas, ep = layout.dp, shape.get(REPLICA, 1), shape.get(EXPERT, 1)
+  specs = state.model_specs
+  own = own_specs(layout, specs)
+  tp_ways = split_ways(specs, shape, (EXPERT,)) if specs else None
+  # the data axes a bucket is reduced over besides "data": "replica" (unless HFSDP sums
+  # across it after the backward), "expert" for a dense bucket
+  hsdp = replicas if layout.outer == 1 else 1
+  other = lambda buf: hsdp * (1 if buf.expert else ep)
+  out: dict[str, float] = {}
+
+  def add(kind, nbytes, group, times=1):
+    if group > 1 and nbytes:
+      out[kind] = out.get(kind, 0.0) + times * ring_bytes(kind, nbytes, group)
+
+  buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
+  if strategy == "no_shard":  # one all-reduce over every data axis the bucket is reduced over
+    for buf, b in buckets:
+      grad = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, padded=False)
+      add("all-reduce", grad, n * other(buf))
+    return out
   k = grad_accum_steps if strategy in _SHARDED_GRADS_PER_MICROBATCH else 1
   if strategy in ("optim", "optim_grads"):
-    return {"reduce-scatter": k * share * grad, "all-gather": share * param}
+    for buf, b in buckets:
+      add("reduce-scatter", _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways), n, k)
+      shard = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, sliced=True) / n
+      add("all-reduce", shard, other(buf), k)
+    for buf, b in buckets:
+      add("all-gather", _bucket_bytes(layout, b, buf.param_dtype, own, tp_ways), n)
+    return out
   fsdp = fsdp or FSDPConfig()
-  units = units_of(layout, fsdp.param_dtype, config.grad_dtype is not None)
-  gathered = sum(_bucket_bytes(layout, b, dtype) for u in units for b, dtype in u.gather)
-  grad = sum(_bucket_bytes(layout, b, dtype) for u in units for b, dtype in u.grad)
   gathers = 2 if fsdp.reshard_after_forward else 1
-  return {"all-gather": k * gathers * share * gathered, "reduce-scatter": k * share * grad}
+  experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
+  for u in units_of(layout, fsdp.param_dtype, config.grad_dtype is not None):
+    for b, dtype in u.gather:
+      add("all-gather", _bucket_bytes(layout, b, dtype, own, tp_ways), n, k * gathers)
+    for b, dtype in u.grad:
+      add("reduce-scatter", _bucket_bytes(layout, b, dtype, own, tp_ways), n, k)
+      shard = _bucket_bytes(layout, b, dtype, own, tp_ways, sliced=True) / n
+      add("all-reduce", shard, hsdp * (1 if b.params[0].index in experts else ep), k)
+  if layout.outer > 1:  # HFSDP: once per step, after the backward and after the update
+    for buf, b in buckets:
+      add("reduce-scatter", _outer_bytes(layout, b, buf.grad_dtype), replicas)
+      add("all-gather", _outer_bytes(layout, b, buf.param_dtype), replicas)
+  return out
 
 
 def _batch_bytes_per_device(batch: PyTree, dp: int) -> int:
