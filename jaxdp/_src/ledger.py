@@ -48,7 +48,12 @@ from jax.sharding import NamedSharding
 from jaxdp._src import aot, ddp, fsdp as fsdp_lib, train
 from jaxdp._src.collectives import holds_own
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.distributed_optimizer import own_specs, trainable_leaves, use_fused
+from jaxdp._src.distributed_optimizer import (
+  layout_own_specs,
+  own_specs,
+  trainable_leaves,
+  use_fused,
+)
 from jaxdp._src.inspect import memory_stats, ring_bytes
 from jaxdp._src.layout import (
   Frozen,
@@ -60,7 +65,7 @@ from jaxdp._src.layout import (
   master_dtype,
   sharded_shape,
 )
-from jaxdp._src.mesh import DATA, EXPERT, REPLICA, ModelSpec, model_specs_of
+from jaxdp._src.mesh import DATA, EXPERT, REPLICA, ModelSpec, data_axes_in, model_specs_of
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
 from jaxdp._src.units import assign_units, chunked_leaves, units_of
 
@@ -292,7 +297,7 @@ def memory_ledger(
     # each device holds 1/ways of a leaf (expert params' buffers are one rank's already)
     sizes = dict(mesh.shape)
     ways, tp_ways = split_ways(specs, sizes), split_ways(specs, sizes, (EXPERT,))
-    own = own_specs(layout, specs)
+    own = layout_own_specs(layout, specs, mesh)
   else:
     specs, own = (), {}
     ways = tp_ways = [1] * len(jax.tree.leaves(params))
@@ -523,7 +528,7 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   shape = dict(state.mesh_shape)
   n, replicas, ep = layout.dp, shape.get(REPLICA, 1), shape.get(EXPERT, 1)
   specs = state.model_specs
-  own = own_specs(layout, specs)
+  own = own_specs(specs, dict(enumerate(layout.shard_axes)), data_axes_in(shape))
   tp_ways = split_ways(specs, shape, (EXPERT,)) if specs else None
   # the data axes a bucket is reduced over besides "data": "replica" (unless HFSDP sums
   # across it after the backward), "expert" for a dense bucket
