@@ -27,7 +27,10 @@ def problem():
   k = jax.random.split(jax.random.key(0), 2 * LAYERS + 3)
   params = {
     "blocks": [
-      {"w": jax.random.normal(k[i], (D, D)) / np.sqrt(D), "b": 0.1 * jax.random.normal(k[LAYERS + i], (D,))}
+      {
+        "w": jax.random.normal(k[i], (D, D)) / np.sqrt(D),
+        "b": 0.1 * jax.random.normal(k[LAYERS + i], (D,)),
+      }
       for i in range(LAYERS)
     ],
     "head": jax.random.normal(k[-3], (D, 4)) / np.sqrt(D),

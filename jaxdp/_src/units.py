@@ -130,9 +130,7 @@ def compute_dtype(dtype, param_dtype=None) -> np.dtype:
 
 
 @functools.cache
-def units_of(
-  layout: Layout, param_dtype=None, keep_grad_dtype: bool = True
-) -> tuple[Unit, ...]:
+def units_of(layout: Layout, param_dtype=None, keep_grad_dtype: bool = True) -> tuple[Unit, ...]:
   """The units of an FSDP layout, in backprop order.
 
   With `param_dtype` (`FSDPConfig.param_dtype`) every gather bucket is in it (each shard is
