@@ -7,6 +7,7 @@ for a cluster), and otherwise have their scripts, flags, extras and markers chec
 (docs/bench.md and docs/memory.md: the command beside each table).
 """
 
+import functools
 import glob
 import inspect
 import os
@@ -71,7 +72,8 @@ def run(args, cwd, env, timeout=300):
   )
 
 
-def help_flags(script: str) -> set[str]:
+@functools.cache  # one `--help` per script: a doc names each script many times
+def help_flags(script: str) -> frozenset[str]:
   proc = subprocess.run(
     [sys.executable, str(ROOT / script), "--help"],
     cwd=ROOT,
@@ -80,7 +82,7 @@ def help_flags(script: str) -> set[str]:
     timeout=120,
   )
   assert proc.returncode == 0, proc.stderr
-  return set(re.findall(r"--[\w-]+", proc.stdout))
+  return frozenset(re.findall(r"--[\w-]+", proc.stdout))
 
 
 # ----------------------------------------------------------------------------- README
