@@ -504,14 +504,17 @@ def test_train_step_touches_the_heartbeat_file(tmp_path, monkeypatch):
 
 def test_launcher_names_the_collective_a_hung_jax_job_waits_in(tmp_path):
   """A real 2-process hang: process 1 never reaches a collective that process 0 waits in.
-  The launcher's default guard (here 8 s) ends it and names both places."""
+  The launcher's default guard (here 20 s) ends it and names both places. The guard counts
+  from the last output, so it must outlast the workers' silent start (importing jaxdp and
+  orbax, `jax.distributed.initialize`), which has taken over 8 s on a loaded 2-core machine
+  beside the other test worker."""
   with launcher_process(
     "-n",
     "2",
     "-d",
     "4",
     "--hang-timeout",
-    "8",
+    "20",
     "--grace-period",
     "2",
     "--",
