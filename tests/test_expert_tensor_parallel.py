@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
+from tests.test_meshes import reference
 from tests.tolerances import AdamBound, rtol_sum
 
 STEPS = 3
@@ -71,17 +72,6 @@ def make_loss(expert_axis):
   return loss_fn
 
 
-def reference(params, batch, bound):
-  """Plain jax.grad + optax on one device; each step's gradients go to `bound`."""
-  loss_fn, opt_state = make_loss(None), TX.init(params)
-  for _ in range(STEPS):
-    grads = jax.grad(loss_fn)(params, batch)
-    bound.add(grads)
-    updates, opt_state = TX.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-  return params
-
-
 def full_spec(spec, ndim):
   """A spec as one entry per dim, a 1-tuple entry as its one axis name."""
   entries = tuple(spec) + (None,) * (ndim - len(spec))
@@ -114,7 +104,7 @@ def test_expert_params_split_over_model_train_like_one_device(strategy, mesh_nam
   assert step._cache_size() == 1  # the state a step returns is placed like init_state's
   # The loss averages 16 x 8 squared errors (tests/tolerances.py has the argument).
   bound = AdamBound(1e-2, N * D, params, clip=1.0)
-  want = reference(params, batch, bound)
+  want = reference(params, make_loss(None), batch, TX, bound, steps=STEPS)
   got = jaxdp.get_params(state)
   bound.check(got, want)
   for k in params:  # every leaf keeps the caller's placement
