@@ -28,11 +28,12 @@ cast to bf16 where used; sequences of 2048 tokens), `gpt` (models/gpt.py at GPT-
 width: d 768, 12 heads, tied 50304-token wte, f32; sequences of 1024) and `mlp` (the residual
 MLP, d 1024, ffn 4096, f32; sequences of 256). AdamW; `--seqs-per-gpu` sequences per GPU.
 
-Usage (times on 2 cores, one compile at a time):
-    python scripts/bench/fsdp_overlap.py --model llama --layers 4 8          # 8 H100s, ~25 min
-    python scripts/bench/fsdp_overlap.py --model llama --layers 8 --gpus 64  # 8 hosts, ~20 min
+Usage (times on 2 cores shared with other jobs; one compile at a time, 25 to 70 s each, the
+process under 1 GiB of host memory at any depth, the blocks being scanned):
+    python scripts/bench/fsdp_overlap.py --model llama --layers 4 8 32       # 8 H100s, 11 min
+    python scripts/bench/fsdp_overlap.py --model llama --layers 8 --gpus 64  # 8 hosts, 3 min
     python scripts/bench/fsdp_overlap.py --model gpt --layers 12 --rows maxtext jaxdp
-    python scripts/bench/fsdp_overlap.py --quick     # a 2-layer d 64 Llama, under a minute
+    python scripts/bench/fsdp_overlap.py --quick        # a 2-layer d 64 Llama, 2 to 3 min
 """
 
 import argparse

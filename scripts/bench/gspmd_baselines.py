@@ -244,11 +244,9 @@ def placement(program: Program, problem: Problem, tx, mesh) -> Placement:
 
 def constrain_batch(mesh) -> Callable:
   """`h -> h` constrained batch-sharded over "data" (`P("data")`): MaxText's
-  `activation_batch` rule, for the model's `constrain` hook. As MaxText's
-  `maybe_shard_with_name`: `with_sharding_constraint` on Auto axes, `reshard` on Explicit."""
+  `activation_batch` rule, for the model's `constrain` hook. `mesh` has Auto axes (MaxText's
+  default `shard_mode`): the programs leave the rest of the placement to GSPMD."""
   sharding = NamedSharding(mesh, P(DATA))
-  if mesh.axis_types[mesh.axis_names.index(DATA)] == jax.sharding.AxisType.Explicit:
-    return lambda h: jax.sharding.reshard(h, sharding)
   return lambda h: jax.lax.with_sharding_constraint(h, sharding)
 
 

@@ -13,15 +13,16 @@ The model is residual MLP blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096: 32 M
 block), AdamW.
 
 The GSPMD way is what a MaxText user writes instead: `jax.jit` of the init function and of
-the step of scripts/bench/gspmd_baselines.py's GSPMD FSDP (params and optimizer state sharded
-over "data" on each weight's d_model dim, the activations constrained batch-sharded over
-"data" at every block's input and output), and orbax's `StandardCheckpointer` (restored into
-`jax.ShapeDtypeStruct` targets with those shardings). jaxdp's variants: `optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp`
-(`optim_grads_params`), each with `init_state(init_fn)`, `init_state(host arrays)`,
-`CheckpointManager.save` and `restore(abstract_state(init_fn))`; `--save-concurrent-gb`
-passes jaxdp's `CheckpointManager(save_concurrent_gb=)`, the bound on bytes being written at
-once (the GSPMD way keeps orbax's default). The host arrays are NumPy's
-own memory, as a loader reads them. "ratio" is a phase's growth over the GSPMD way's, in
+the step of scripts/bench/gspmd_baselines.py's GSPMD FSDP (params and optimizer state
+sharded over "data" on each weight's d_model dim, the activations constrained batch-sharded
+over "data" at every block's input and output), and orbax's `StandardCheckpointer`
+(restored into `jax.ShapeDtypeStruct` targets with those shardings). jaxdp's variants:
+`optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp` (`optim_grads_params`), each with
+`init_state(init_fn)`, `init_state(host arrays)`, `CheckpointManager.save` and
+`restore(abstract_state(init_fn))`; `--save-concurrent-gb` passes jaxdp's
+`CheckpointManager(save_concurrent_gb=)`, the bound on bytes being written at once (the
+GSPMD way keeps orbax's default). The host arrays are NumPy's own memory, as a loader reads
+them. "ratio" is a phase's growth over the GSPMD way's, in
 the same run.
 """
 
@@ -120,6 +121,9 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
   host = jax.tree.map(np.array, jax.jit(init_fn)())
   out = {}
   if variant == "gspmd":
+    # Auto axes, MaxText's default shard_mode: GSPMD places what the shardings leave open
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     abstract = jax.eval_shape(init_fn)
     problem = Problem(abstract, batch, make_loss, D)
     step, place = jit_step(PROGRAMS["gspmd_fsdp"], problem, tx, mesh)

@@ -157,8 +157,7 @@ def main():
   results = {}
   lines = [
     "Command: `python scripts/bench/predict_scaling.py"
-    + (" --quick" if args.quick else "")
-    + (f" --out {args.out}" if args.out != "out/predict_scaling" else "")
+    + "".join(f" {a}" for a in sys.argv[1:])
     + "`",
     "",
     f"XLA's estimate (jax {jax.__version__}), N x H100 compiled without a GPU, 8 per host; "

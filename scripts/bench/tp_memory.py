@@ -18,18 +18,20 @@ and whole over "model", at the embedding output and every block's input and outp
 
 * GSPMD ZeRO-1: params at their TP placement, Adam's moments also sharded over "data" on
   another dim (the first one that "model" leaves whole and "data" divides, MaxText's
-  `shard_optimizer_over_data`); its jaxdp twins are `optim` (`DDPConfig(stacked=["blocks"])`: the params kept
-  sharded between steps and gathered in the next forward, `overlap_param_gather=True`) and
-  `optim` with `overlap_param_gather=False` (the params gathered at the end of the step),
+  `shard_optimizer_over_data`); its jaxdp twins are `optim` (`DDPConfig(stacked=["blocks"])`:
+  the params kept sharded between steps and gathered in the next forward,
+  `overlap_param_gather=True`) and `optim` with `overlap_param_gather=False` (the params
+  gathered at the end of the step),
   and `optim` with `grad_reduce_dtype=jnp.bfloat16` (the GSPMD program's numerics: it
   reduces each matmul's grad in the matmul's bf16, jaxdp by default in fp32).
 * GSPMD FSDP: params and Adam's moments at their TP placement plus "data" on each weight's
   embed (d_model) dim, MaxText's `embed -> fsdp`; its twin is `optim_grads_params`
   (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone). Below
-  it, labelled, the same GSPMD FSDP without the activation constraints.
+  it, labelled, a GSPMD FSDP without MaxText's rules: "data" on the first dim past the layer
+  axis that "model" leaves whole, the activations unconstrained.
 
 Usage:
-    python scripts/bench/tp_memory.py                       # both meshes, ~3 min on 2 cores
+    python scripts/bench/tp_memory.py                       # both meshes, ~15 min on 2 cores
     python scripts/bench/tp_memory.py --meshes 4x2 --layers 4
     python scripts/bench/tp_memory.py --small               # d 256: seconds per program
 """
