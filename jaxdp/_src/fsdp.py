@@ -231,13 +231,13 @@ def leaf_dims(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec
   sharded = lambda i, outer=False: with_data(own[i], manual, layout.shard_axes[i], outer)
   params = [
     None if x is None else sharded(i) if i in specs else own[i]
-    for i, x in enumerate(leaves_of(state.params))
+    for i, x in enumerate(leaves_of(state.params, layout))
   ]
   if state.fused:
     return params, [None] * len(layout.shapes)
   outer = layout.outer > 1
   return params, [
-    None if m is None else sharded(i, outer) for i, m in enumerate(leaves_of(state.master))
+    None if m is None else sharded(i, outer) for i, m in enumerate(leaves_of(state.master, layout))
   ]
 
 
@@ -316,7 +316,7 @@ def init_state(
     return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), layout.shard_axes[i])))
 
   def build(params):
-    leaves = leaves_of(params)
+    leaves = leaves_of(params, layout)
     if fused:  # one flat array per unit bucket
       master = fused_master(leaves, layout)
     else:
@@ -425,7 +425,9 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
     layout,
     [
       whole(i, x, m)
-      for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))
+      for i, (x, m) in enumerate(
+        zip(leaves_of(state.params, layout), leaves_of(state.master, layout))
+      )
     ],
   )
 
@@ -479,12 +481,12 @@ def unit_values(master, layout: Layout, fused: bool, params=None) -> dict:
   trainable leaves' compute rows in `params` (a tree like the state's), which the units
   gather (the master holds 1/replicas of them)."""
   if layout.outer > 1:
-    stored = leaves_of(params)
+    stored = leaves_of(params, layout)
     return {i: stored[i] for i, t in enumerate(layout.trainable) if t}
   if fused:
     keys = flat_keys(layout)
     return {keys[name]: m for name, m in master.items()}
-  return {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
+  return {i: m for i, m in enumerate(leaves_of(master, layout)) if m is not None}
 
 
 def unit_collectives(
@@ -594,7 +596,7 @@ def make_grad_fn(
     """Per device: this device's rows of every trainable param's grad (a fused state: its
     flat shard of every unit bucket), the loss, the aux and the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
-    stored, trainable = leaves_of(params), layout.trainable
+    stored, trainable = leaves_of(params, layout), layout.trainable
     # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
     units = unit_collectives(
       layout,
@@ -755,7 +757,7 @@ def gather_outer(state: TrainState, mesh) -> PyTree:
   params_spec, master_spec = manual_specs(state)
 
   def local(master, params):
-    blocks, out = leaves_of(master), leaves_of(params)
+    blocks, out = leaves_of(master, layout), leaves_of(params, layout)
     for buf in layout.buffers:
       for b in buf.buckets:
         shards = [blocks[p.index] for p in b.params]

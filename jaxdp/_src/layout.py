@@ -478,13 +478,40 @@ def _is_float(dtype) -> bool:
   return jax.numpy.issubdtype(dtype, jax.numpy.floating)  # bf16 is no np.floating
 
 
+_ONE_LEAF = jax.tree.structure(0)
+
+
+def is_function(x) -> bool:
+  """Is `x` a function rather than a pytree? What `init_state`'s `params` (an init
+  function or the params) and a mask (`frozen=`: a function of `(path, leaf)` or a
+  boolean pytree) may each be.
+
+  A function is a `functools.partial` (`jax.tree_util.Partial` too), or a callable that
+  JAX sees as a single leaf: a `def` or `lambda`, a bound method, a jitted function, an
+  object of a class that is not a registered pytree node. A pytree node never is,
+  callable or not: an `eqx.Module` (whose `__call__` is the model's forward), a dict, a
+  Flax `struct` dataclass. So jaxdp never calls a params tree, as `jax.grad` and optax
+  never do.
+
+  Examples:
+    >>> import functools, jax.numpy as jnp
+    >>> is_function(lambda: {"w": jnp.ones(2)}), is_function(functools.partial(max, 1))
+    (True, True)
+    >>> is_function({"w": jnp.ones(2)}), is_function(jnp.ones(2))
+    (False, False)
+  """
+  if isinstance(x, functools.partial):
+    return True
+  return callable(x) and jax.tree.structure(x) == _ONE_LEAF
+
+
 def _frozen_mask(
   params: PyTree, frozen: Frozen, paths: list[str], name: str = "frozen"
 ) -> list[bool]:
   leaves = jax.tree.leaves(params)
   if frozen is None:
     return [False] * len(leaves)
-  if callable(frozen):
+  if is_function(frozen):  # a boolean pytree may be callable (an eqx.Module): never called
     return [bool(frozen(path, leaf)) for path, leaf in zip(paths, leaves)]
   try:
     mask = jax.tree.leaves(jax.tree.broadcast(frozen, params))

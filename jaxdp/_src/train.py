@@ -16,7 +16,7 @@ import optax
 
 from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.layout import Frozen
+from jaxdp._src.layout import Frozen, is_function
 from jaxdp._src.state import TrainState
 
 PyTree = Any
@@ -138,7 +138,7 @@ def abstract_state(
     >>> type(flat).__name__, flat.shape, flat.sharding.spec
     ('ShapeDtypeStruct', (128,), P('data',))
   """
-  if callable(params):
+  if is_function(params):
     state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
   else:  # traced, so only shapes, dtypes and placements (a tensor-parallel split) are read
     state = jax.eval_shape(lambda p: init_state(p, tx, mesh, config, **kwargs), params)
