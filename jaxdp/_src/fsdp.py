@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -109,8 +109,8 @@ from jaxdp._src.layout import (
   ParamSpec,
   make_layout,
   master_dtype,
-  model_shard_dims,
   outer_bucket,
+  unit_shard_dims,
 )
 from jaxdp._src.mesh import (
   DATA,
@@ -147,6 +147,7 @@ from jaxdp._src.state import (
 from jaxdp._src.units import (
   assign_units,
   chunked_leaves,
+  chunked_paths,
   compute_dtype,
   param_specs,
   units_of,
@@ -158,19 +159,23 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 def layout_for(
   params: PyTree,
-  mesh,
+  mesh_shape: Mapping[str, int],
   config: DDPConfig,
   fsdp: FSDPConfig,
   frozen: Frozen = None,
   model_specs: tuple[ModelSpec, ...] = (),
 ) -> Layout:
-  """The FSDP layout: one bucket per (unit, buffer) over the trainable params. A leaf the
-  caller sharded over other mesh axes (`model_specs`: tensor parallel) is sharded over
-  "data" on a dim those axes do not split where it has one (`shard_axis(taken=)`), so that
-  each device's block keeps the caller's split and its all-gather over "data" needs
-  nothing of the other axes. Expert params (sharded over "expert") get buffers of their
-  own, each `ParamSpec` one expert-parallel rank's slice, sharded over "data" on a dim
-  other than the expert dim the same way (see the module docstring)."""
+  """The FSDP layout on a mesh of `mesh_shape` (`mesh.shape`: axis name -> size): one
+  bucket per (unit, buffer) over the trainable params. Each float leaf is sharded over
+  "data" on the dim that pads least (`layout.unit_shard_dims`, ZeRO's rule: a Gemma
+  `(2, d, ffn)` weight on `d`), per layer for a stacked leaf, on its leading dim where
+  `FSDPConfig(chunks=)` gathers it by row blocks. A leaf the caller sharded over other
+  mesh axes (`model_specs`: tensor parallel) takes a dim those axes do not split where it
+  has one (`shard_axis(taken=)`), so that each device's block keeps the caller's split and
+  its all-gather over "data" needs nothing of the other axes. Expert params (sharded over
+  "expert") get buffers of their own, each `ParamSpec` one expert-parallel rank's slice,
+  sharded over "data" on a dim other than the expert dim the same way (see the module
+  docstring)."""
   units, stacked = assign_units(params, fsdp)
   keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
   for (keys, x), dims in zip(keyed, model_specs):
@@ -181,16 +186,20 @@ def layout_for(
         "whose leaves lead with their layer axis, while an expert param leads with its "
         "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
       )
-  shard_dims = model_shard_dims(
-    [jax.tree_util.keystr(keys) for keys, _ in keyed],
-    [tuple(x.shape) for _, x in keyed],
-    model_specs,
-    mesh.shape[DATA],
+  floats = [(jax.tree_util.keystr(keys), x) for keys, x in keyed]
+  floats = [(path, x) for path, x in floats if jnp.issubdtype(x.dtype, jnp.floating)]
+  paths = [path for path, _ in floats]
+  shard_dims = unit_shard_dims(
+    paths,
+    [tuple(x.shape) for _, x in floats],
+    [dims for (_, x), dims in zip(keyed, model_specs) if jnp.issubdtype(x.dtype, jnp.floating)],
+    mesh_shape[DATA] * config.outer_shards,  # HFSDP pads to replicas x dp
     stacked.__contains__,  # a stacked leaf's dims of one layer
+    chunked_paths(paths, fsdp),
   )
   layout = make_layout(
     params,
-    dp=mesh.shape[DATA],
+    dp=mesh_shape[DATA],
     grad_dtype=config.grad_dtype,
     frozen=frozen,
     units=units,
@@ -198,7 +207,7 @@ def layout_for(
     shard_dims=shard_dims,
     outer=config.outer_shards,
     experts=jax.tree.unflatten(treedef, experts_of(model_specs)) if model_specs else None,
-    expert_parallel=mesh.shape.get(EXPERT, 1),
+    expert_parallel=mesh_shape.get(EXPERT, 1),
   )
   if not layout.buffers:
     raise ValueError(
@@ -296,7 +305,7 @@ def init_state(
   source = init_source(params)
   params = source.abstract
   model_specs = model_specs_of(params, mesh)
-  layout = layout_for(params, mesh, config, fsdp, frozen, model_specs)
+  layout = layout_for(params, mesh.shape, config, fsdp, frozen, model_specs)
   specs, trainable = param_specs(layout), layout.trainable
   _check_model_specs(layout, model_specs, fsdp)
   _check_outer(layout, model_specs, fsdp)

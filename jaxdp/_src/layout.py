@@ -215,12 +215,51 @@ def model_shard_dims(
     >>> model_shard_dims(["['w']"], [(2, 64, 8)], [((), ("model",), ())], 4, lambda p: True)
     {"['w']": 1}
   """
+  every = unit_shard_dims(paths, shapes, model_dims, dp, layered)
+  return {path: every[path] for path, dims in zip(paths, model_dims) if any(dims)}
+
+
+def unit_shard_dims(
+  paths: Sequence[str],
+  shapes: Sequence[tuple[int, ...]],
+  model_dims: Sequence[tuple[tuple[str, ...], ...]],
+  dp: int,
+  layered: Callable[[str], bool] = lambda path: False,
+  leading: Collection[str] = (),
+) -> dict[str, int]:
+  """The shard dim of every leaf of an FSDP layout (`make_layout(units=, shard_dims=)`):
+  the dim ZeRO picks (`shard_axis`: the one that pads least, the leading one on ties) of
+  those the caller's other mesh axes leave whole (`model_shard_dims`), so that a device
+  holds at most one row of padding per leaf, on that dim. A Gemma `(2, d, ffn)` gating
+  weight on 8 devices is sharded on `d`, not padded 2 -> 8 on its leading dim (4 x its
+  size). Per layer for `layered` leaves (their layer axis dropped); the leading dim,
+  whatever its padding, for the `leading` paths (a param FSDP gathers by row blocks,
+  `FSDPConfig(chunks=)`: a block is rows of its leading dim).
+
+  Args:
+    paths, shapes, model_dims, dp, layered: as `model_shard_dims` takes them; `model_dims`
+      may be `()` (no leaf split over another axis).
+    leading: paths pinned to their leading dim (of a layer).
+
+  Returns:
+    `{path: dim}` of every leaf.
+
+  Examples:
+    >>> unit_shard_dims(["['gate']", "['embed']", "['norm']"], [(2, 64, 256), (50, 16), (64,)],
+    ...                 (), 8)
+    {"['gate']": 1, "['embed']": 1, "['norm']": 0}
+    >>> unit_shard_dims(["['embed']"], [(50, 16)], (), 8, leading={"['embed']"})
+    {"['embed']": 0}
+  """
+  model_dims = model_dims or [()] * len(paths)
   out = {}
   for path, shape, dims in zip(paths, shapes, model_dims):
-    if any(dims):
-      lead = 1 if layered(path) else 0
-      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
-      out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
+    lead = 1 if layered(path) else 0
+    if path in leading:
+      out[path] = 0
+      continue
+    taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
+    out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
   return out
 
 
