@@ -5,8 +5,9 @@ params gathered by one collective. Its params are laid out like a bucket (`make_
 `units=`: shard-major, per dtype), so that device `d` holds rows `[d r, (d+1) r)` of every
 param of the unit, at rest, in three places of the `TrainState`:
 
-* `master`: the optimizer's fp32 copy of each trainable param's rows, `(rows, ...)` sharded
-  over "data" on dim 0 (`(layers, rows, ...)` on dim 1 for a stacked param);
+* `master`: the optimizer's fp32 copy of each trainable param's rows, padded and sharded
+  over "data" on its shard dim (`layout_for`: the dim that pads least, as ZeRO's; of a
+  layer for a stacked param, `(layers, ...)`);
 * `opt_state`: built on `master`, sharded like it;
 * `params`: frozen params' rows in their own dtype, sharded the same way; trainable leaves
   are None; integer leaves stay whole and replicated.

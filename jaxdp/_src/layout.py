@@ -453,8 +453,8 @@ class Layout:
 def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
 
-  The leaf's shard dim (`layout.shard_axes[i]`: its leading dim, or one that needs less
-  padding; for a stacked FSDP leaf `(layers, n, *rest)` the dim after the layers) is padded
+  The leaf's shard dim (`layout.shard_axes[i]`: the dim that needs the least padding, the
+  leading one on ties; for a stacked leaf, whose layers lead, a dim of a layer) is padded
   up to a multiple of dp; a scalar is stored `(rows,)`.
   """
   shape = layout.shapes[i] or (1,)
@@ -685,7 +685,8 @@ def make_layout(
       `frozen` (jaxdp passes the weights a caller sharded for tensor parallelism). Every
       other param of a size-bucket layout is sharded on the dim `shard_axis` picks; with
       `units`, and for expert and stacked params, the shard dim is the leading one (of a
-      layer).
+      layer) unless `shard_dims` gives one (FSDP gives every leaf its own:
+      `unit_shard_dims`).
     scanned: size-bucket layouts only: `fn(path) -> stack name or None`, the stack of
       params whose leading dim is a layer axis that one scan iterates over (the bucketed
       strategies' `DDPConfig(stacked=...)`; params of fewer than two dims, expert and

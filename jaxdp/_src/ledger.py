@@ -220,8 +220,9 @@ def memory_ledger(
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
-  The numbers follow the layout `init_state` builds (leading dims padded to a multiple
-  of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
+  The numbers follow the layout `init_state` builds (each leaf's shard dim, the one that
+  pads least, padded to a multiple of dp; buckets padded to `lcm(dp, 128)`; FSDP's unit
+  buckets), so they equal what `measured_bytes` reads
   off the state, byte for byte. Params placed on a mesh with other axes than the data
   axes carry their split: a leaf placed `P(None, "model")` on a `("data", "model")` mesh
   counts 1/tp per device (and 1/(tp * dp) of its master and optimizer state under the

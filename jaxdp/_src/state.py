@@ -392,11 +392,10 @@ def _refuse_ambiguous(params) -> None:
   leaves = jax.tree.leaves(params)
   if any(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
     return
-  name = type(params).__name__
   raise TypeError(
-    f"init_state(params=...): got a {name}, a callable pytree without array leaves: it "
-    "could be an init function or a params tree, and jaxdp takes a pytree for params "
-    f"and never calls one. For an init function pass `lambda: {name.lower()}()` (or "
-    "functools.partial); for params pass the arrays (e.g. eqx.partition(model, "
-    "eqx.is_inexact_array)[0])"
+    f"init_state(params=...): got {type(params).__name__}, a callable pytree without array "
+    "leaves: it could be an init function or a params tree, and jaxdp takes a pytree for "
+    "params and never calls one. For an init function pass a function that calls it "
+    "(`lambda: init()`, or functools.partial); for params pass the arrays (e.g. "
+    "eqx.partition(model, eqx.is_inexact_array)[0])"
   )
