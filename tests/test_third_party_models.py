@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import jaxdp
+from jaxdp._src import fsdp as fsdp_lib
 from jaxdp.inspect import memory_ledger
 from tests.tolerances import rtol_sum, step_tolerances
 
@@ -372,3 +373,64 @@ def test_gemma_shapes_train_and_move_between_strategies(tmp_path):
   assert_same(optim_state)
   back = save(optim_state, "optim")  # 4 devices' padding, another shard dim per leaf
   assert_same(back.restore(jaxdp.init_state(params, tx, mesh_of(), fsdp_config)))
+
+
+def test_fsdp_shard_dims_are_zeros_but_row_blocks_layers_and_replicas():
+  """FSDP's layout takes ZeRO's dim for each leaf (the one that pads least), except that a
+  leaf gathered by row blocks keeps its leading dim, a stacked leaf picks a dim of a layer,
+  and HFSDP counts replicas x dp; an integer leaf stays whole."""
+  sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  params = {
+    "wte": sds(50, 16),
+    "gate": sds(2, 12, 8),
+    "blocks": {"w": sds(4, 2, 16)},
+    "count": jax.ShapeDtypeStruct((3,), jnp.int32),
+  }
+  fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
+  dims = lambda layout: dict(zip(layout.paths, layout.shard_axes))
+  fsdp_config = config_of("optim_grads_params")
+  got = dims(fsdp_lib.layout_for(params, {"data": 8}, fsdp_config, fsdp))
+  zero = dims(jaxdp.layout.make_layout({k: params[k] for k in ("wte", "gate")}, dp=8))
+  assert got["['wte']"] == zero["['wte']"] == 1  # 16 columns, not 50 -> 56 rows
+  assert got["['gate']"] == zero["['gate']"] == 2  # 8, not 2 -> 8 or 12 -> 16
+  assert got["['blocks']['w']"] == 2  # a layer's (2, 16): its 16
+  chunked = jaxdp.FSDPConfig(stacked=["blocks"], chunks={"wte": 4})
+  assert dims(fsdp_lib.layout_for(params, {"data": 8}, fsdp_config, chunked))["['wte']"] == 0
+  hfsdp = config_of(
+    "optim_grads_params", num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="optim"
+  )
+  assert dims(fsdp_lib.layout_for(params, {"data": 4}, fsdp_config, fsdp))["['gate']"] == 1
+  assert dims(fsdp_lib.layout_for(params, {"data": 4}, hfsdp, fsdp))["['gate']"] == 2
+
+
+def test_gemma_shapes_under_hfsdp_equal_single_device():
+  """HFSDP (master and Adam sharded over "replica" too) on a leaf it shards on its last dim:
+  the outer reduce-scatter and all-gather split each device's block on that dim; 1/(R x D)
+  of the master per device, and the single-device program's params."""
+  rng = np.random.default_rng(3)
+  f32 = lambda *shape: jnp.asarray(0.3 * rng.standard_normal(shape), jnp.float32)
+  params = {"gating": f32(2, 12, 8), "linear": f32(8, 12)}
+  batch = {"x": f32(16, 12), "y": f32(16, 12)}
+
+  def loss_fn(p, b):
+    gate, up = jnp.einsum("bd,cdf->cbf", b["x"], p["gating"])
+    return jnp.mean(((nn.gelu(gate) * up) @ p["linear"] - b["y"]) ** 2)
+
+  config = config_of(
+    "optim_grads_params", num_distributed_optimizer_instances=2, outer_dp_sharding_strategy="optim"
+  )
+  mesh, tx = jax.make_mesh((2, 4), ("replica", "data")), adamw_clip()
+  state = jaxdp.init_state(params, tx, mesh, config)
+  assert dict(zip(state.layout.paths, state.layout.shard_axes))["['gating']"] == 2
+  # fp32 master: 1/8 of each leaf, no padding (8 and 8 divide by 2 x 4)
+  assert device0_bytes(state.master) == 4 * sum(x.size for x in jax.tree.leaves(params)) // 8
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  # a mean of 16 x 12 squared errors, each through 2 matmuls of 12 and 8 products
+  loss_rtol, _, bound = step_tolerances(params, 16 * 12, 12 + 8, LR, clip=0.5)
+  ref, ref_losses, _ = reference(params, loss_fn, batch, tx, bound)
+  losses = []
+  for _ in range(STEPS):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=loss_rtol)
+  bound.check(jaxdp.get_params(state), ref)
