@@ -187,13 +187,12 @@ def layout_for(
         "whose leaves lead with their layer axis, while an expert param leads with its "
         "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
       )
-  floats = [(jax.tree_util.keystr(keys), x) for keys, x in keyed]
-  floats = [(path, x) for path, x in floats if jnp.issubdtype(x.dtype, jnp.floating)]
-  paths = [path for path, _ in floats]
+  floating = [jnp.issubdtype(x.dtype, jnp.floating) for _, x in keyed]  # the sharded leaves
+  paths = [jax.tree_util.keystr(keys) for (keys, _), f in zip(keyed, floating) if f]
   shard_dims = unit_shard_dims(
     paths,
-    [tuple(x.shape) for _, x in floats],
-    [dims for (_, x), dims in zip(keyed, model_specs) if jnp.issubdtype(x.dtype, jnp.floating)],
+    [tuple(x.shape) for (_, x), f in zip(keyed, floating) if f],
+    [dims for dims, f in zip(model_specs, floating) if f],
     mesh_shape[DATA] * config.outer_shards,  # HFSDP pads to replicas x dp
     stacked.__contains__,  # a stacked leaf's dims of one layer
     chunked_paths(paths, fsdp),

@@ -299,12 +299,13 @@ def memory_ledger(
     sizes = dict(mesh.shape)
     ways, tp_ways = split_ways(specs, sizes), split_ways(specs, sizes, (EXPERT,))
     own = layout_own_specs(layout, specs, mesh)
+  elif fsdp_step:  # the units' layout, each leaf on the dim that pads least
+    specs, own = (), {}
+    ways = tp_ways = [1] * len(jax.tree.leaves(params))
+    layout = fsdp_lib.layout_for(params, {DATA: dp}, config, fsdp, frozen)
   else:
     specs, own = (), {}
     ways = tp_ways = [1] * len(jax.tree.leaves(params))
-  if mesh is None and fsdp_step:  # the units' layout, each leaf on the dim that pads least
-    layout = fsdp_lib.layout_for(params, {DATA: dp}, config, fsdp, frozen)
-  elif mesh is None:
     size = config.bucket_size or default_bucket_size(dp, strategy, float_elements(params))
     size = size if config.overlap_grad_reduce else sys.maxsize
     layout = make_layout(
