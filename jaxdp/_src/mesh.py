@@ -229,8 +229,9 @@ class EagerProgram:
 
   On a mesh whose axes are all Explicit, the outputs' specs are read once per state
   structure (`jax.eval_shape`) and the program is jitted with `out_shardings` on the Auto
-  mesh; on a mesh of mixed axis types, whose Auto axes types do not carry, each output is
-  re-wrapped after the call (`on_auto_mesh`); on an Auto mesh the program runs as it is.
+  mesh; on a mesh of mixed axis types, whose Auto axes are not in the arrays' types, each
+  output is re-wrapped after the call (`on_auto_mesh`); on an Auto mesh the program runs
+  as it is.
   """
 
   _MAX_PROGRAMS = 64
