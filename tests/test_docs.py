@@ -254,6 +254,14 @@ def test_multi_host_rehearsal_runs_under_the_launcher(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "[p0] devices: 8 x cpu" in proc.stdout and "[p1] devices: 8 x cpu" in proc.stdout
   assert (tmp_path / "out" / "metrics.jsonl").exists()
+  # Each process says it joined; process 0 alone says the rest, once. Gloo's connection
+  # lines are left out by the launcher.
+  assert "[p1] devices: 8 x cpu | process 1 of 2, 4 local\n" in proc.stdout
+  assert "[p0] devices: 8 x cpu | process 0 of 2, 4 local | strategy: " in proc.stdout
+  for line in ("done: 4 steps in ", "step 2: loss ", "buffer float32", "learning rate: "):
+    assert ("[p1] " + line) not in proc.stdout, line
+  assert proc.stdout.count("done: 4 steps in ") == 1 and "[p0] done: 4 steps in " in proc.stdout
+  assert "[Gloo]" not in proc.stdout + proc.stderr
 
 
 def test_multi_host_cluster_commands_use_real_flags_and_arguments():
