@@ -26,7 +26,9 @@ tokens_per_s, time_s; plus one {"step", "val_loss"} object per evaluation) and
 `loss.png` (the loss curves). Prints the gradient-buffer layout (buffers, buckets,
 padding) at start. With `--save-every N`, `checkpoints/` holds a checkpoint every N steps
 (and at the end); `--resume` continues from the latest one, on any device count and
-strategy, exactly where the data left off (step k's batch depends on seed and k alone).
+strategy, exactly where the data left off (step k's batch depends on seed and k alone) and
+with the run's own learning-rate schedule (a larger `--steps` trains on at its final rate).
+A bad flag is refused at once, before JAX is imported.
 """
 
 import argparse
@@ -80,7 +82,6 @@ def at_least(low: int):
       raise argparse.ArgumentTypeError(f"{value}: must be at least {low}")
     return value
 
-  integer.__name__ = f"integer >= {low}"
   return integer
 
 
