@@ -799,7 +799,8 @@ class CheckpointManager:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config, tx = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim"), optax.adam(1e-3)
     >>> state = jaxdp.init_state({"w": jnp.ones((5, 3))}, tx, mesh, config)
-    >>> mgr = jaxdp.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+    >>> folder = tempfile.TemporaryDirectory()  # removed by folder.cleanup() below
+    >>> mgr = jaxdp.CheckpointManager(folder.name, max_to_keep=2)
     >>> mgr.save(0, state, data_position=0)
     True
     >>> mgr.wait_until_finished()
@@ -809,6 +810,7 @@ class CheckpointManager:
     Array(15., dtype=float32)
     >>> mgr.data_position()
     0
+    >>> mgr.close(); folder.cleanup()
   """
 
   def __init__(

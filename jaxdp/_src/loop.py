@@ -209,7 +209,7 @@ def with_extras(state, mesh, rng, model_state):
         raise ValueError(
           f"model_state{jax.tree_util.keystr(path)}: {type(x).__name__} is "
           "not an array; pass a pytree of arrays (e.g. Linen's "
-          "variables['batch_stats'], or jaxdp.nnx_model_state(model))"
+          "{'batch_stats': variables['batch_stats']}, or jaxdp.nnx_model_state(model))"
         )
       if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         raise ValueError(

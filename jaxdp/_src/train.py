@@ -83,8 +83,9 @@ def init_state(
       derives its keys from it, the step counter and the device's data shard, and
       `loss_fn` gets them as `rng=` (dropout; see `make_train_step`). None: no key.
     model_state: mutable non-trainable model state (BatchNorm running statistics: Linen's
-      `variables["batch_stats"]`, `jaxdp.nnx_model_state(model)`), a pytree of arrays kept
-      replicated: `loss_fn` gets it as `model_state=` and returns the updated one.
+      `{"batch_stats": variables["batch_stats"]}`, `jaxdp.nnx_model_state(model)`), a pytree
+      of arrays kept replicated: `loss_fn` gets it as `model_state=` and returns the updated
+      one.
 
   Returns:
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
