@@ -501,4 +501,8 @@ def test_train_script_runs_under_the_launcher(tmp_path):
     ["step", "val_loss"],
   ]
   with jaxdp.CheckpointManager(tmp_path / "checkpoints") as mgr:
-    assert mgr.latest_step() == 2 and mgr.data_position() == {"next_step": 3}
+    # The position carries the run's learning-rate schedule, so a resumed run keeps it.
+    assert mgr.latest_step() == 2 and mgr.data_position() == {
+      "next_step": 3,
+      "schedule": {"peak_lr": 0.003, "warmup_steps": 1, "decay_steps": 2},
+    }

@@ -67,7 +67,7 @@ from jaxdp._src.layout import (
 )
 from jaxdp._src.mesh import DATA, EXPERT, REPLICA, ModelSpec, data_axes_in, model_specs_of
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
-from jaxdp._src.units import assign_units, chunked_leaves, units_of
+from jaxdp._src.units import chunked_leaves, units_of
 
 PyTree = Any
 
@@ -81,12 +81,14 @@ _SHARDED_GRADS_PER_MICROBATCH = ("optim_grads", "optim_grads_params")
 class MemoryLedger:
   """Bytes one device holds, by kind, with the layout's padding.
 
-  `params` are the model params in their own dtypes as a step uses them (all of them for
-  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the frozen params'
-  shards and integer leaves: its trainable params live only in `master`, and the gathered
-  units are not counted). Of those, `gathered_in_step` bytes are not kept between steps
-  (`overlap_param_gather`: the trainable params are gathered from `master` at the start of
-  each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
+  `params` are the model params in their own dtypes as a step uses them (all of them,
+  whole on every device, for `no_shard`, `optim`, `optim_grads`: ZeRO-1/2 keep the params
+  whole; for `optim_grads_params` only the frozen params' shards and integer leaves: its
+  trainable params live only in `master`, and the gathered units are not counted). Of
+  those, `gathered_in_step` bytes are not kept between steps (`overlap_param_gather`: the
+  trainable params are gathered whole from `master` at the start of each step), so
+  `TrainState.params` holds `params - gathered_in_step`: `state["params"]` is 0 under
+  `optim` while each step still holds `params` whole. `str(ledger)` says both. `grads` are the
   reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
   live only inside the step. `master` and `opt_state` are what `TrainState` holds.
   `gathered_unit` (`optim_grads_params`) is the largest unit gathered whole inside the step
@@ -102,8 +104,10 @@ class MemoryLedger:
     >>> ledger = memory_ledger(params, None, 8, config)  # bf16 params, fp32 grads and Adam
     >>> ledger.params // 2**20, ledger.grads // 2**20, ledger.master // 2**19
     (2, 4, 1)
-    >>> ledger.state["params"]  # gathered from master inside each step
+    >>> ledger.state["params"]  # between steps: gathered whole from master in each step
     0
+    >>> print(ledger)
+    7.50 MiB per device in the step: params 2.00 MiB (whole, gathered from master in each step; 0 B kept between steps), grads 4.00 MiB (reduced, in the step only), master 512.00 KiB, opt_state 1.00 MiB
   """
 
   params: int
@@ -118,14 +122,45 @@ class MemoryLedger:
     """params + grads + master + opt_state."""
     return self.params + self.grads + self.master + self.opt_state
 
+  def __str__(self) -> str:
+    kept = self.params - self.gathered_in_step
+    if self.gathered_in_step:
+      params = f"whole, gathered from master in each step; {_size(kept)} kept between steps"
+    elif self.gathered_unit:
+      params = (
+        "frozen and integer leaves; the trainable ones live in master, gathered a unit at "
+        f"a time in the step: the largest {_size(self.gathered_unit)}, not in the total"
+      )
+    else:
+      params = "whole, kept"
+    return (
+      f"{_size(self.total)} per device in the step: params {_size(self.params)} ({params}), "
+      f"grads {_size(self.grads)} (reduced, in the step only), master {_size(self.master)}, "
+      f"opt_state {_size(self.opt_state)}"
+    )
+
   @property
   def state(self) -> dict[str, int]:
-    """What `measured_bytes` should find in the `TrainState` (all but the step counter)."""
+    """What the `TrainState` holds between steps, what `measured_bytes` finds in it (all
+    but the step counter): `params` less `gathered_in_step` (0 under `optim` and
+    `optim_grads` with `overlap_param_gather`, whose steps gather the params whole), and
+    no grads (they live only inside the step)."""
     return {
       "params": self.params - self.gathered_in_step,
       "master": self.master,
       "opt_state": self.opt_state,
     }
+
+
+def _size(n: int) -> str:
+  """Bytes as a reader says them: "0 B", "512 B", "2.00 MiB"."""
+  if n < 1024:
+    return f"{n} B"
+  if n < 2**20:
+    return f"{n / 1024:.2f} KiB"
+  if n < 2**30:
+    return f"{n / 2**20:.2f} MiB"
+  return f"{n / 2**30:.2f} GiB"
 
 
 def _nbytes(shape, dtype) -> int:
@@ -220,8 +255,9 @@ def memory_ledger(
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
-  The numbers follow the layout `init_state` builds (leading dims padded to a multiple
-  of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
+  The numbers follow the layout `init_state` builds (each leaf's shard dim, the one that
+  pads least, padded to a multiple of dp; buckets padded to `lcm(dp, 128)`; FSDP's unit
+  buckets), so they equal what `measured_bytes` reads
   off the state, byte for byte. Params placed on a mesh with other axes than the data
   axes carry their split: a leaf placed `P(None, "model")` on a `("data", "model")` mesh
   counts 1/tp per device (and 1/(tp * dp) of its master and optimizer state under the
@@ -291,13 +327,17 @@ def memory_ledger(
     # the caller split leaves over other axes: the layout `init_state` builds on that mesh
     specs = model_specs_of(params, mesh)
     if fsdp_step:
-      layout = fsdp_lib.layout_for(params, mesh, config, fsdp, frozen, specs)
+      layout = fsdp_lib.layout_for(params, mesh.shape, config, fsdp, frozen, specs)
     else:
       layout = ddp.layout_for(params, mesh, config, frozen, specs)
     # each device holds 1/ways of a leaf (expert params' buffers are one rank's already)
     sizes = dict(mesh.shape)
     ways, tp_ways = split_ways(specs, sizes), split_ways(specs, sizes, (EXPERT,))
     own = layout_own_specs(layout, specs, mesh)
+  elif fsdp_step:  # the units' layout, each leaf on the dim that pads least
+    specs, own = (), {}
+    ways = tp_ways = [1] * len(jax.tree.leaves(params))
+    layout = fsdp_lib.layout_for(params, {DATA: dp}, config, fsdp, frozen)
   else:
     specs, own = (), {}
     ways = tp_ways = [1] * len(jax.tree.leaves(params))
@@ -308,8 +348,6 @@ def memory_ledger(
       dp=dp,
       bucket_size=size,
       frozen=frozen,
-      # FSDP shards every param on its leading dim (its units' layout); the others pick theirs
-      leading=(lambda path, leaf: True) if fsdp_step else None,
       grad_dtype=config.grad_dtype,
       scanned=config.stack_of if config.stacked else None,
       outer=outer,
@@ -351,28 +389,17 @@ def memory_ledger(
       master += _nbytes(shape, dtype) // ways[i]
   if tx is None:
     tx = optax.scale_by_adam()
-  flat_layout, chunked, gathered_unit = layout, False, 0
+  chunked, gathered_unit = False, 0
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
-    units, unit_stacks = assign_units(params, fsdp)
-    if mesh is None:
-      flat_layout = make_layout(
-        params,
-        dp=dp,
-        frozen=frozen,
-        units=units,
-        stacked=unit_stacks,
-        grad_dtype=config.grad_dtype,
-        outer=outer,
-      )
-    chunked = bool(chunked_leaves(flat_layout, fsdp))
+    chunked = bool(chunked_leaves(layout, fsdp))
     gathered_unit = max(
       sum(_bucket_elements(b, dp, own, tp_ways) * dtype.itemsize for b, dtype in u.gather)
-      for u in units_of(flat_layout, fsdp.param_dtype)
+      for u in units_of(layout, fsdp.param_dtype)
     )
-  if use_fused(tx, flat_layout, config, specs, chunked=chunked):  # flat buckets, end padding
+  if use_fused(tx, layout, config, specs, chunked=chunked):  # flat buckets, end padding
     flat = {
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
-      for name, buf, b in bucket_names(flat_layout)
+      for name, buf, b in bucket_names(layout)
     }
     if sharded:  # no_shard fuses only params that need no master
       master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
