@@ -15,6 +15,10 @@ Options:
   Unrolled, the blocks are an `nnx.List` and their params read
   `params['blocks'][3]['attn'][...]`. The same seed gives the same weights in both forms;
   `stack_blocks` / `unstack_blocks` convert params.
+* `gpt_loss(model, batch, constrain=f)` / `model(idx, constrain=f)`: `f` is applied to the
+  residual stream at the embedding output and at every block's input and output, where a
+  GSPMD program pins the activations' sharding (`jax.lax.with_sharding_constraint`, as
+  MaxText's model does); identity by default.
 * `lora_rank > 0`: every projection (`c_attn`, `c_proj`, `c_fc`) gets a rank-r
   LoRA adapter `y += (x @ lora_a) @ lora_b * lora_alpha / lora_rank` with `lora_b`
   initialised to zero, so at init the model computes exactly the base model.
@@ -31,6 +35,10 @@ Examples:
     >>> loss = gpt_loss(model, {"x": x, "y": x + 1})
     >>> bool(abs(loss - jnp.log(256)) < 0.1)  # near-uniform predictions at init
     True
+    >>> seen = []
+    >>> _ = gpt_loss(model, {"x": x, "y": x + 1}, constrain=lambda h: seen.append(h.shape) or h)
+    >>> len(seen)  # the embedding output, then each of the 2 blocks' input and output
+    5
 """
 
 import dataclasses
@@ -199,16 +207,18 @@ class GPT(nnx.Module):
     if config.dropout:  # last: the params draw the same values with and without it
       self.drop = nnx.Dropout(config.dropout, rngs=rngs)
 
-  def __call__(self, idx: jax.Array) -> jax.Array:
+  def __call__(self, idx: jax.Array, constrain=None) -> jax.Array:
     B, T = idx.shape
     if T > self.config.block_size:
       raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
+    keep = constrain or (lambda x: x)  # the residual stream's hook (module docstring)
     # Token embedding as a one-hot matmul (cheap at vocab 256): unlike a gather it needs
     # no out_sharding when the batch is explicitly sharded over a mesh.
     tok = jax.nn.one_hot(idx, self.config.vocab_size, dtype=self.wte.dtype) @ self.wte[...]
     x = tok + self.wpe[...][:T]
     if self.config.dropout:
       x = self.drop(x)
+    x = keep(x)
     if self.config.scan_layers:
       graphdef, stacked = nnx.split(self.blocks)
 
@@ -216,7 +226,7 @@ class GPT(nnx.Module):
       # FSDPConfig(stacked=["blocks"]) jaxdp runs this scan over the layer shards and
       # gathers each layer in its iteration; the model needs no marker for it.
       def layer(x, layer_state):
-        return nnx.merge(graphdef, layer_state)(x), None
+        return keep(nnx.merge(graphdef, layer_state)(keep(x))), None
 
       if self.config.remat:
         layer = jax.checkpoint(layer)
@@ -225,17 +235,18 @@ class GPT(nnx.Module):
       for block in self.blocks:
         if self.config.remat:
           graphdef, state = nnx.split(block)
-          x = jax.checkpoint(lambda s, x: nnx.merge(graphdef, s)(x))(state, x)
+          x = jax.checkpoint(lambda s, x: keep(nnx.merge(graphdef, s)(keep(x))))(state, x)
         else:
-          x = block(x)
+          x = keep(block(keep(x)))
     x = self.ln_f(x)
     # Tied output projection; logits in float32 whatever the param dtype.
     return jnp.einsum("btd,vd->btv", x, self.wte[...], preferred_element_type=jnp.float32)
 
 
-def gpt_loss(model: GPT, batch: dict) -> jax.Array:
-  """Mean next-token cross entropy; `batch = {"x": int32[B, T], "y": int32[B, T]}`."""
-  logits = model(batch["x"])
+def gpt_loss(model: GPT, batch: dict, constrain=None) -> jax.Array:
+  """Mean next-token cross entropy; `batch = {"x": int32[B, T], "y": int32[B, T]}`;
+  `constrain`: the residual stream's hook, passed to `model` (the module docstring)."""
+  logits = model(batch["x"], constrain=constrain)
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 

@@ -7,6 +7,9 @@ casts each to bfloat16 where it is used (a layer's inside its scan iteration, th
 embedding's rows after the lookup); the blocks' params are stacked on a leading layer axis
 and run with `jax.lax.scan` (or, `scan_layers=False`, a list run by a Python loop), each
 block under `jax.checkpoint`. Attention is plain `jnp` (no flash kernel): causal, softmax in float32.
+`llama_loss(config, constrain=...)` applies a function to the residual stream at the
+embedding output and at every block's input and output: where a GSPMD program pins the
+activations' sharding (`jax.lax.with_sharding_constraint`, as MaxText's model does).
 
 `LlamaConfig.llama3_8b()` is the 8.03B-param shape (32 layers, d 4096, 32 heads, 8 KV
 heads, ffn 14336, vocab 128256).
@@ -21,6 +24,10 @@ Examples:
     >>> loss = llama_loss(config)(params, {"x": ids, "y": ids})
     >>> bool(abs(loss - jnp.log(64)) < 0.2)  # near-uniform predictions at init
     True
+    >>> seen = []  # where `constrain` runs: the embedding output, a block's input and output
+    >>> _ = llama_loss(config, constrain=lambda h: seen.append(h.shape) or h)(params, {"x": ids, "y": ids})
+    >>> seen  # (the scan traces its one block once)
+    [(2, 8, 32), (2, 8, 32), (2, 8, 32)]
 """
 
 import dataclasses
@@ -137,15 +144,18 @@ def _block(config: LlamaConfig, h, w):
   return h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
 
 
-def llama_loss(config: LlamaConfig):
+def llama_loss(config: LlamaConfig, constrain=None):
   """`loss(params, batch) -> mean cross-entropy` of next tokens `batch["y"]` given
-  `batch["x"]` (int32 `(batch, seq)`), the params cast to `config.compute_dtype`."""
+  `batch["x"]` (int32 `(batch, seq)`), the params cast to `config.compute_dtype`.
+  `constrain(h)`, if given, is applied to the residual stream `h` `(batch, seq, d)` at the
+  embedding output and at every block's input and output (identity by default)."""
 
   cast = lambda tree: jax.tree.map(lambda x: x.astype(config.compute_dtype), tree)
+  keep = constrain or (lambda h: h)
 
   def loss(params, batch):
-    h = cast(params["embed"][batch["x"]])  # the rows read, then cast
-    block = lambda h, w: _block(config, h, cast(w))  # one layer at a time
+    h = keep(cast(params["embed"][batch["x"]]))  # the rows read, then cast
+    block = lambda h, w: keep(_block(config, keep(h), cast(w)))  # one layer at a time
     block = jax.checkpoint(block) if config.remat else block
     if config.scan_layers:
       h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])

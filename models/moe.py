@@ -141,14 +141,15 @@ class MoEGPT(nnx.Module):
     self.blocks = nnx.List([MoEBlock(config, rngs=rngs) for _ in range(config.n_layer)])
     self.ln_f = LayerNorm(config.d_model, config)
 
-  def __call__(self, idx: jax.Array) -> jax.Array:
+  def __call__(self, idx: jax.Array, constrain=None) -> jax.Array:
     T = idx.shape[1]
     if T > self.config.block_size:
       raise ValueError(f"sequence length {T} > block_size {self.config.block_size}")
+    keep = constrain or (lambda x: x)  # as GPT's: the residual stream's hook
     x = jax.nn.one_hot(idx, self.config.vocab_size, dtype=self.wte.dtype) @ self.wte[...]
-    x = x + self.wpe[...][:T]
+    x = keep(x + self.wpe[...][:T])
     for block in self.blocks:
-      x = block(x)
+      x = keep(block(keep(x)))
     x = self.ln_f(x)
     return jnp.einsum("btd,vd->btv", x, self.wte[...], preferred_element_type=jnp.float32)
 

@@ -10,7 +10,7 @@ import pytest
 from jaxdp import inspect
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GSPMD = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_gather"]
+GSPMD = ["gspmd", "gspmd_zero1", "gspmd_fsdp", "gspmd_fsdp_unconstrained"]
 VARIANTS = GSPMD + ["no_shard", "optim", "optim_grads_params"]
 BASELINES = GSPMD + ["gspmd", "gspmd_zero1", "gspmd_fsdp"]
 SIZES = ["tiny", "mlp32x2"]
@@ -70,14 +70,21 @@ def test_bench_writes_table_plot_and_samples(bench):
 
   report = json.loads((out / "bench.json").read_text())
   # Each GSPMD baseline was checked after its steps: every leaf sharded as asked, and
-  # device 0 holds the formula's bytes (bench.py raises otherwise). The GPT's and the
-  # MLP's leaves all have a dim that 8 divides; Adam's step count is the one scalar.
+  # device 0 holds the formula's bytes (bench.py raises otherwise). ZeRO-1 shards every
+  # optimizer state leaf but Adam's step count (each has a dim that 8 divides). FSDP
+  # (MaxText's rule) shards each weight on its dim of the model's width: all of the MLP's;
+  # of the GPT's 28, not the biases of c_attn (3 d) and c_fc (4 d), one each per layer.
+  # The unconstrained extra shards every leaf on its first dim that 8 divides.
   checks = report["gspmd_checks"]
   assert len(checks) == 8 and all("(= the formula)" in c for c in checks)
+  assert "tiny dp=8 gspmd_fsdp: params 24/28 leaves" in checks[2]
+  assert "opt state 48/57 leaves sharded" in checks[2]
+  assert "tiny dp=8 gspmd_fsdp_unconstrained: params 28/28 leaves" in checks[3]
+  assert "opt state 56/57 leaves sharded" in checks[3]
   assert "mlp32x2 dp=8 gspmd_zero1: params 0/4 leaves" in checks[5]
   assert "opt state 8/9 leaves sharded" in checks[5]
   assert "gspmd_fsdp: params 4/4 leaves" in checks[6]
-  assert "gspmd_fsdp_gather: params 4/4 leaves" in checks[7]
+  assert "gspmd_fsdp_unconstrained: params 4/4 leaves" in checks[7]
   for size in SIZES:
     results = {r["variant"]: r for r in report["results"] if r["size"] == size}
     assert list(results) == VARIANTS
@@ -97,14 +104,17 @@ def test_bench_writes_table_plot_and_samples(bench):
     assert results["optim"]["comm_bytes"] == pytest.approx(ring, rel=0.05)
     # State per device: replicated = params + Adam's two moments (+ the step count);
     # ZeRO-1 programs keep the params and 1/8 of the moments, FSDP programs 1/8 of both
-    # (jaxdp pads rows to a multiple of 8, none here: every dim is one).
+    # but GSPMD FSDP's replicated biases, held whole (jaxdp pads rows to a multiple of 8,
+    # none here: every dim is one).
     params = 4 * results["gspmd"]["params"]
     full = results["gspmd"]["state_bytes"]
     assert full == pytest.approx(3 * params, abs=16)
     assert results["no_shard"]["state_bytes"] == pytest.approx(full, abs=16)
     assert results["gspmd_zero1"]["state_bytes"] == pytest.approx(params + 2 * params / 8, abs=16)
-    assert results["gspmd_fsdp"]["state_bytes"] == pytest.approx(full / 8, abs=16)
-    assert results["gspmd_fsdp_gather"]["state_bytes"] == results["gspmd_fsdp"]["state_bytes"]
+    whole = 3 * 4 * 2 * (3 + 4) * 32 if size == "tiny" else 0  # 2 layers' biases, d 32
+    assert results["gspmd_fsdp"]["state_bytes"] == pytest.approx(full / 8 + whole * 7 / 8, abs=16)
+    unconstrained = results["gspmd_fsdp_unconstrained"]["state_bytes"]
+    assert unconstrained == pytest.approx(full / 8, abs=16)
     for sharded in ("optim", "optim_grads_params"):
       assert results[sharded]["state_bytes"] == pytest.approx(full / 8, rel=0.25)
 
@@ -191,3 +201,74 @@ def test_predict_scaling_writes_its_table_and_predictions(tmp_path):
   predictions = json.loads((tmp_path / "predict_scaling.json").read_text())["prefetch"]
   (row,) = predictions.values()
   assert 0 <= row["exposed_us"]["total"] <= row["comm_us"]["total"] < row["step_us"] + 1e-6
+
+
+def fsdp_overlap(tmp_path, *args):
+  """Runs scripts/bench/fsdp_overlap.py: (its stdout, its json's results of the one depth)."""
+  if inspect.gpu_compile_unavailable():
+    pytest.skip(inspect.gpu_compile_unavailable())
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  script = os.path.join(ROOT, "scripts", "bench", "fsdp_overlap.py")
+  command = [sys.executable, script, "--quick", "--json", str(tmp_path / "o.json"), *args]
+  done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert done.returncode == 0, done.stderr[-4000:]
+  (results,) = json.loads((tmp_path / "o.json").read_text())["results"].values()
+  return done.stdout, results
+
+
+def overlap_rows(text):
+  """The program rows of fsdp_overlap.py's table: label, then (value, ratio) per column."""
+  rows = []
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    if len(cells) == 6 and cells[0] not in ("program", "---"):
+      rows.append((cells[0], [tuple(c[:-1].split(" (")) for c in cells[1:]]))
+  return rows
+
+
+@pytest.mark.slow
+def test_fsdp_overlap_table_is_against_the_maxtext_program(tmp_path):
+  """scripts/bench/fsdp_overlap.py --quick: one table, a row per program in the documented
+  order, each cell a number and its ratio to the MaxText-style program's in the same run
+  (1.00x in that program's own row); the numbers are XLA's prediction, as the header says."""
+  stdout, results = fsdp_overlap(tmp_path)
+  assert "XLA's cost model" in stdout and "8 x H100 over 1 host" in stdout
+  rows = overlap_rows(stdout)
+  assert [label for label, _ in rows] == [
+    "GSPMD FSDP, MaxText-style",
+    "GSPMD FSDP, no activation constraints",
+    'jaxdp FSDP `FSDPConfig(stacked=["blocks"])`',
+    "+ `param_dtype=bf16`",
+    "+ `grad_reduce_dtype=bf16`",
+    "+ `chunks={table: 16}`",
+  ]
+  assert list(results) == [
+    "maxtext",
+    "unconstrained",
+    "jaxdp",
+    "bf16_params",
+    "bf16_grads",
+    "chunks",
+  ]
+  assert all(ratio == "1.00x" for _, ratio in rows[0][1])
+  columns = ("peak GiB", "step ms", "compute ms", "comm ms", "exposed ms")
+  base = results["maxtext"]
+  for (label, cells), numbers in zip(rows, results.values()):
+    for (value, ratio), column in zip(cells, columns):
+      assert float(value) == pytest.approx(numbers[column], rel=0.05, abs=0.01), label
+      if base[column] > 0:
+        assert float(ratio[:-1]) == pytest.approx(numbers[column] / base[column], abs=0.006)
+    # predict_step's own identity: the step is the kernels plus the exposed communication
+    assert numbers["step ms"] == pytest.approx(numbers["compute ms"] + numbers["exposed ms"])
+    assert 0 <= numbers["exposed ms"] <= numbers["comm ms"] + 1e-9 and numbers["peak GiB"] > 0
+
+
+def test_fsdp_overlap_adds_the_baseline_and_skips_what_a_model_lacks(tmp_path):
+  """--rows without the baseline still compiles the MaxText-style program first; the MLP has
+  no vocabulary table, so no chunks row."""
+  stdout, results = fsdp_overlap(tmp_path, "--model", "mlp", "--rows", "jaxdp", "chunks")
+  assert list(results) == ["maxtext", "jaxdp"]
+  assert [label for label, _ in overlap_rows(stdout)] == [
+    "GSPMD FSDP, MaxText-style",
+    'jaxdp FSDP `FSDPConfig(stacked=["blocks"])`',
+  ]

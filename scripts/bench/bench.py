@@ -1,19 +1,22 @@
-"""Benchmark jaxdp's strategies against the GSPMD programs a JAX user writes for the same memory.
+"""Benchmark jaxdp's strategies against the GSPMD programs a MaxText user writes for the same memory.
 
 In one run, on the same model, global batch and optimizer (AdamW with global-norm
-clipping), for every model size and data-parallel size dp, side by side:
+clipping), for every model size and data-parallel size dp, side by side (the GSPMD programs
+are scripts/bench/gspmd_baselines.py's, every one but the last with the activations
+constrained batch-sharded over "data" at the model's input and every layer's input and
+output, as MaxText's model does):
 
     gspmd               `jax.jit`, params and optimizer state replicated, the batch
                         sharded P("data"); XLA inserts the gradient reduction
-    gspmd_zero1         the same jit with the optimizer state sharded P("data") on its
+    gspmd_zero1         the same jit with the optimizer state sharded over "data" on its
                         first dim that dp divides (MaxText's shard_optimizer_over_data;
                         params stay replicated, so XLA gathers the updated params)
-    gspmd_fsdp          the same jit with params *and* optimizer state sharded so (what
-                        a MaxText user writes for FSDP); XLA gathers the weights itself
-    gspmd_fsdp_gather   gspmd_fsdp whose loss constrains the params to replicated: XLA
-                        gathers every weight at the top of the step (the same memory at
-                        rest; during the step all params, as ZeRO-1). Without activation
-                        constraints GSPMD's own FSDP can be far slower than this one
+    gspmd_fsdp          the same jit with params *and* optimizer state sharded over "data"
+                        on each weight's embed (d_model) dim, MaxText's `embed -> fsdp`
+                        rule (what a MaxText user writes for FSDP); XLA gathers the weights
+    gspmd_fsdp_unconstrained
+                        gspmd_fsdp without the activation constraints (a labelled extra:
+                        GSPMD then reshards activations and weights as it likes)
     psum_leaf           `jax.grad` inside `shard_map`, then one `pmean` per leaf
     psum_flat           `jax.grad` inside `shard_map`, grads ravelled, one `pmean`
     no_shard            jaxdp DDP                                 (baseline: gspmd)
@@ -24,7 +27,8 @@ Every jaxdp strategy is reported against the GSPMD program that holds the same m
 (its "baseline"; the hand-written psum steps against gspmd, the GSPMD programs against
 themselves), and against replicated gspmd too. The GSPMD baselines are checked after
 their warmup steps: each leaf's sharding is the one asked for, and device 0 holds the
-bytes the formula says (a sharded leaf's bytes / dp, a replicated leaf's in full).
+bytes the formula says (a sharded leaf's bytes / dp, a replicated leaf's in full;
+`gspmd_baselines.check_placement`).
 
 Models: the GPT of models/gpt.py (`tiny` for --quick, `small`, `medium`; global batch
 --batch-size sequences of --block-size tokens) and an MLP (`mlpWxL`: L dense layers of
@@ -86,7 +90,7 @@ rounds = 8  # round-robin rounds (samples per variant = steps * rounds)
 warmup = 2  # untimed steps per variant after compiling
 lr = 3e-4
 grad_clip = 1.0
-variants = "gspmd,gspmd_zero1,gspmd_fsdp,gspmd_fsdp_gather,no_shard,optim,optim_grads_params"
+variants = "gspmd,gspmd_zero1,gspmd_fsdp,gspmd_fsdp_unconstrained,no_shard,optim,optim_grads_params"
 out = "out/bench"
 cpu_devices = 8
 seed = 0
@@ -146,36 +150,30 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import optax  # noqa: E402
 from jax.flatten_util import ravel_pytree  # noqa: E402
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bench_programs import (  # noqa: E402
-  GSPMD,
   JAXDP,
   SIZES,
-  data_spec,
   global_batch,
   gspmd_step,
   is_mlp,
   jaxdp_step,
   model,
+  psum_step,
   run,
 )
+from gspmd_baselines import PROGRAMS, TWIN, check_placement, device0_bytes, placement  # noqa: E402
 
 size_names = args.sizes.split(",")
 dp_list = [int(d) for d in args.dps.split(",")]
 EXTRAS = ("combine", "perleaf", "fused", "after")  # jaxdp variant suffixes, see the docstring
 BASELINE = {  # the GSPMD program that holds the same memory as the variant
-  "gspmd": "gspmd",
-  "gspmd_zero1": "gspmd_zero1",
-  "gspmd_fsdp": "gspmd_fsdp",
-  "gspmd_fsdp_gather": "gspmd_fsdp_gather",
+  **{name: name for name in PROGRAMS},
   "psum_leaf": "gspmd",
   "psum_flat": "gspmd",
-  "no_shard": "gspmd",
-  "optim": "gspmd_zero1",
-  "optim_grads": "gspmd_zero1",
-  "optim_grads_params": "gspmd_fsdp",
+  **TWIN,
 }
 for name in size_names:
   if name not in SIZES:
@@ -187,7 +185,7 @@ for v in variant_names:
       f"--variants: unknown variant {v!r}; use some of {list(BASELINE)} (+combine, +perleaf, +fused, +after)"
     )
 needed = {"gspmd"} | {BASELINE[v.partition("+")[0]] for v in variant_names}
-variant_names = [b for b in GSPMD if b in needed and b not in variant_names] + variant_names
+variant_names = [b for b in PROGRAMS if b in needed and b not in variant_names] + variant_names
 
 
 for dp in dp_list:
@@ -202,7 +200,7 @@ tx = optax.chain(optax.clip_by_global_norm(grad_clip), optax.adamw(lr))
 
 # ----------------------------------------------------------------------------- variants
 # Every variant is one of scripts/bench/bench_programs.py's steps (what scripts/bench/step_breakdown.py
-# profiles): `gspmd_step` with what it shards and how it reduces, or `jaxdp_step`.
+# profiles): `gspmd_step` (a GSPMD program), `psum_step` or `jaxdp_step`.
 
 
 def per_leaf(grads):
@@ -215,74 +213,25 @@ def flat(grads):
 
 
 COMBINE = {"xla_disable_hlo_passes": ""}  # XLA:CPU's all-reduce combiner back on
-HAND_WRITTEN = {  # variant: (reduce, what is sharded)
-  **{name: (None, shard) for name, shard in GSPMD.items()},
-  "psum_leaf": (per_leaf, ""),
-  "psum_flat": (flat, ""),
-}
+HAND_WRITTEN = {"psum_leaf": per_leaf, "psum_flat": flat}  # variant: how it reduces
 
 
-def build(variant, loss_fn, params, mesh, batch):
+def build(variant, problem, mesh):
   """(carry, batch, fn, compiler options) of a variant."""
   strategy, _, extra = variant.partition("+")
   if strategy in JAXDP:
-    return *jaxdp_step(loss_fn, params, mesh, batch, tx, variant), (
-      COMBINE if extra == "combine" else None
-    )
-  reduce, shard = HAND_WRITTEN[variant]
-  return *gspmd_step(loss_fn, params, mesh, batch, tx, shard, reduce), None
+    return *jaxdp_step(problem, mesh, tx, variant), (COMBINE if extra == "combine" else None)
+  if variant in HAND_WRITTEN:
+    return *psum_step(HAND_WRITTEN[variant], problem, mesh, tx), None
+  return *gspmd_step(variant, problem, mesh, tx), None
 
 
-def device0_bytes(tree) -> int:
-  """Bytes of the arrays of `tree` that device 0 holds."""
-  device = jax.devices()[0]
-  return sum(
-    s.data.nbytes
-    for x in jax.tree.leaves(tree)
-    if isinstance(x, jax.Array)
-    for s in x.addressable_shards
-    if s.device == device
-  )
-
-
-def state_bytes(carry) -> int:
-  """Bytes of the training state on device 0 (params, master, optimizer state)."""
-  return device0_bytes(carry)
-
-
-def check_gspmd(variant, carry, mesh):
-  """The GSPMD baseline after its steps holds what it says; returns a one-line summary.
-
-  Every leaf of params and optimizer state has the sharding `baseline` asked for (GSPMD
-  may not move them: the jit's out_shardings pin them), and device 0 holds exactly the
-  bytes of the memory formula: a leaf sharded P("data") 1/dp of its bytes, the rest in full.
-  """
-  dp = mesh.shape["data"]
-  shard = HAND_WRITTEN[variant][1]
-  summary = []
-  for name, tree, sharded in (
-    ("params", carry[0], "params" in shard),
-    ("opt state", carry[1], "opt" in shard),
-  ):
-    leaves = jax.tree.leaves(tree)
-    n_sharded, formula = 0, 0
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      spec = data_spec(x.shape, dp) if sharded else P()
-      want = NamedSharding(mesh, spec)
-      if not x.sharding.is_equivalent_to(want, x.ndim):
-        raise RuntimeError(
-          f"{variant}: {name}{jax.tree_util.keystr(path)} is {x.sharding}, not {want}"
-        )
-      on_data = spec != P() and dp > 1
-      n_sharded += on_data
-      formula += x.nbytes // dp if on_data else x.nbytes
-    held = device0_bytes(tree)
-    if held != formula:
-      raise RuntimeError(f"{variant}: device 0 holds {held} bytes of {name}, formula {formula}")
-    summary.append(
-      f"{name} {n_sharded}/{len(leaves)} leaves sharded over data, {mib(held)} MiB/dev"
-    )
-  return f"{variant}: " + "; ".join(summary) + " (= the formula)"
+def check_gspmd(variant, problem, carry, mesh):
+  """The GSPMD baseline after its steps holds what it says (its placement, the bytes of the
+  memory formula on device 0: `gspmd_baselines.check_placement`); a one-line summary."""
+  program = PROGRAMS[variant]
+  place = placement(program, problem, tx, mesh)
+  return check_placement(program, place, carry[0], carry[1], mesh)
 
 
 def mib(n):
@@ -299,14 +248,14 @@ total = len(size_names) * len(dp_list) * len(variant_names) * (1 + args.rounds)
 bar = tqdm(total=total, desc="bench", unit="op", dynamic_ncols=True)
 load_start = os.getloadavg()
 for size in size_names:
-  params, loss_fn, batch = model(size, args.block_size, args.batch_size, seed)
-  n_params = sum(x.size for x in jax.tree.leaves(params))
+  problem = model(size, args.block_size, args.batch_size, seed)
+  n_params = sum(x.size for x in jax.tree.leaves(problem.params))
   for dp in dp_list:
     mesh = jax.make_mesh((dp,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:dp])
     runs = {}
     for variant in variant_names:
       bar.set_description(f"{size} dp={dp} compile {variant}")
-      carry, placed, fn, options = build(variant, loss_fn, params, mesh, batch)
+      carry, placed, fn, options = build(variant, problem, mesh)
       t0 = time.perf_counter()
       compiled = fn.lower(*carry, placed).compile(compiler_options=options)
       compile_s = time.perf_counter() - t0
@@ -314,8 +263,8 @@ for size in size_names:
       comm = s.comm_bytes()["total"]
       for _ in range(max(args.warmup, 1)):
         carry = run(compiled, carry, placed)
-      if variant in GSPMD:
-        gspmd_checks.append(f"{size} dp={dp} " + check_gspmd(variant, carry, mesh))
+      if variant in PROGRAMS:
+        gspmd_checks.append(f"{size} dp={dp} " + check_gspmd(variant, problem, carry, mesh))
       runs[variant] = dict(
         compiled=compiled,
         carry=carry,
@@ -324,7 +273,7 @@ for size in size_names:
         compile_s=compile_s,
         collectives=int(comm["count"]),
         comm_bytes=float(comm["ring_bytes"]),
-        state_bytes=state_bytes(carry),
+        state_bytes=device0_bytes(carry),  # params, master, optimizer state
       )
       bar.update()
     for r in range(args.rounds):
@@ -462,8 +411,8 @@ for col, size in enumerate(size_names):
     rows = [r for r in results if r["size"] == size and r["variant"] == variant]
     xs = [r["dp"] for r in rows]
     style = "-" if variant in JAXDP else ":" if "+" in variant else "--"
-    label = variant if variant in GSPMD else f"{variant} / {rows[0]['baseline']}"
-    key = "ratio_gspmd" if variant in GSPMD else "ratio"
+    label = variant if variant in PROGRAMS else f"{variant} / {rows[0]['baseline']}"
+    key = "ratio_gspmd" if variant in PROGRAMS else "ratio"
     axes[0, col].plot(xs, [r[key] for r in rows], style, marker="o", label=label)
     axes[1, col].plot(xs, [r["step_ms"] for r in rows], style, marker="o", label=variant)
   axes[0, col].axhline(1.0, color="0.5", linewidth=0.8)

@@ -18,11 +18,15 @@ Models (`--model`):
 each unrolled (a Python loop over the blocks) or scanned (`lax.scan` over stacked blocks),
 with each block under the user's `jax.checkpoint` (`--remat`, the default) or not.
 
-Rows: GSPMD programs (`jax.jit` of `value_and_grad` + `tx.update`, `NamedSharding`s; what a
-MaxText-style user writes): DDP = everything replicated, ZeRO-1 = optimizer state sharded,
-FSDP = params and optimizer state sharded over "data" on their first non-layer dim that 8
-divides. Then jaxdp's `no_shard` (DDP), `optim` (ZeRO-1; `DDPConfig(stacked=["blocks"])` when
-scanned) and `optim_grads_params` (FSDP, `FSDPConfig(stacked=["blocks"])` when scanned). Last: each row's growth per added layer
+Rows: the GSPMD programs of scripts/bench/gspmd_baselines.py (`jax.jit` of `value_and_grad`
++ `tx.update`, `NamedSharding`s; what a MaxText user writes, the activations constrained
+batch-sharded over "data" at the embedding output and every block's input and output): DDP =
+everything replicated, ZeRO-1 = optimizer state sharded (MaxText's
+`shard_optimizer_over_data`), FSDP = params and optimizer state sharded over "data" on each
+weight's embed (d_model) dim (MaxText's `embed -> fsdp`); and, labelled, that FSDP without the
+activation constraints. Then jaxdp's `no_shard` (DDP), `optim` (ZeRO-1;
+`DDPConfig(stacked=["blocks"])` when scanned) and `optim_grads_params` (FSDP,
+`FSDPConfig(stacked=["blocks"])` when scanned). Last: each row's growth per added layer
 (least squares over the layer counts).
 
 Usage:
@@ -41,29 +45,25 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # gspmd_baselines, when imported
+
+import functools
 
 import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import aot
-from jaxdp._src import inspect as jinspect
 from jaxdp import FSDPConfig
+from jaxdp import inspect as jinspect
+from gspmd_baselines import PROGRAMS as BASELINES, Problem, compile_step
 from models.gpt import GPT, GPTConfig, gpt_loss
 from models.llama import LlamaConfig, abstract_params, llama_loss
 
-PROGRAMS = (
-  "GSPMD DDP",
-  "GSPMD ZeRO-1",
-  "GSPMD FSDP",
-  "jaxdp no_shard",
-  "jaxdp optim",
-  "jaxdp FSDP",
-)
+GSPMD = {p.label: p for p in BASELINES.values()}  # "GSPMD DDP", ..., by their table labels
 JAXDP = {"jaxdp no_shard": "no_shard", "jaxdp optim": "optim", "jaxdp FSDP": "optim_grads_params"}
+PROGRAMS = (*GSPMD, *JAXDP)
 MiB = 2**20
 DP = 8
 
@@ -76,7 +76,8 @@ def mlp_block(h, w):
 
 
 def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256, vocab=None):
-  """The residual MLP: abstract params, loss_fn, abstract global batch."""
+  """The residual MLP: abstract params, its loss (the activations' hook on the input and on
+  every block's input and output), abstract global batch."""
   f32 = jnp.float32
   if scanned:
     blocks = {
@@ -88,18 +89,25 @@ def mlp_problem(n_layer, *, scanned, remat, d=1024, ffn=4096, batch=64, seq=256,
       {"w1": jax.ShapeDtypeStruct((d, ffn), f32), "w2": jax.ShapeDtypeStruct((ffn, d), f32)}
       for _ in range(n_layer)
     ]
-  block = jax.checkpoint(mlp_block) if remat else mlp_block
 
-  def loss_fn(params, batch):
-    h = batch["x"]
-    if scanned:
-      h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])
-    else:
-      for w in params["blocks"]:
-        h = block(h, w)
-    return jnp.mean(h**2)
+  def make_loss(constrain=None):
+    keep = constrain or (lambda h: h)
+    block = lambda h, w: keep(mlp_block(keep(h), w))
+    block = jax.checkpoint(block) if remat else block
 
-  return {"blocks": blocks}, loss_fn, {"x": jax.ShapeDtypeStruct((batch, seq, d), f32)}
+    def loss_fn(params, batch):
+      h = keep(batch["x"])
+      if scanned:
+        h, _ = jax.lax.scan(lambda h, w: (block(h, w), None), h, params["blocks"])
+      else:
+        for w in params["blocks"]:
+          h = block(h, w)
+      return jnp.mean(h**2)
+
+    return loss_fn
+
+  batch = {"x": jax.ShapeDtypeStruct((batch, seq, d), f32)}
+  return Problem({"blocks": blocks}, batch, make_loss, d, ("blocks",) if scanned else ())
 
 
 def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=128, batch=8):
@@ -113,10 +121,14 @@ def gpt_problem(n_layer, *, scanned, remat, d=768, n_head=12, vocab=50304, seq=1
     remat=remat,
   )
   model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-  params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
+  params, _ = jaxdp.nnx_split(model, gpt_loss)
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  make_loss = lambda constrain=None: jaxdp.nnx_split(
+    model, functools.partial(gpt_loss, constrain=constrain)
+  )[1]
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return params, loss_fn, {"x": tokens, "y": tokens}
+  stacked = ("blocks",) if scanned else ()
+  return Problem(params, {"x": tokens, "y": tokens}, make_loss, d, stacked)
 
 
 def llama_problem(
@@ -142,9 +154,10 @@ def llama_problem(
     scan_layers=scanned,
     remat=remat,
   )
-  params = abstract_params(config)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return params, llama_loss(config), {"x": tokens, "y": tokens}
+  make_loss = functools.partial(llama_loss, config)
+  stacked = ("blocks",) if scanned else ()
+  return Problem(abstract_params(config), {"x": tokens, "y": tokens}, make_loss, d, stacked)
 
 
 SMALL = {
@@ -160,62 +173,6 @@ def problem(model, n_layer, *, scanned, remat, small=False, **kw):
 
 
 # ----------------------------------------------------------------------------- programs
-
-
-def _first_dim(x, stacked):
-  """P("data") on the first non-layer dim of `x` that DP divides; replicated if none."""
-  start = 1 if stacked else 0
-  for dim in range(start, x.ndim):
-    if x.shape[dim] % DP == 0:
-      return P(*[("data" if d == dim else None) for d in range(x.ndim)])
-  return P()
-
-
-def gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned):
-  """GSPMD DDP / ZeRO-1 / FSDP: one jitted step, shardings on its arguments."""
-
-  def spec(path, x):
-    stacked = scanned and "blocks" in jax.tree_util.keystr(path)
-    return _first_dim(x, stacked)
-
-  sharded = jax.tree_util.tree_map_with_path(spec, params)
-  replicated = jax.tree.map(lambda _: P(), params)
-  param_specs = sharded if program == "GSPMD FSDP" else replicated
-  opt_abstract = jax.eval_shape(tx.init, params)
-  opt_sharded = program != "GSPMD DDP"
-
-  def opt_spec(x):  # Adam's moments are shaped like the params; its count is a scalar
-    if not opt_sharded or x.ndim == 0:
-      return P()
-    for path, p in jax.tree_util.tree_leaves_with_path(params):
-      if p.shape == x.shape:
-        return spec(path, p)
-    return P()
-
-  opt_specs = jax.tree.map(opt_spec, opt_abstract)
-  named = lambda s: NamedSharding(mesh, s)
-
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  shard = lambda t, s: jax.tree.map(
-    lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(p)), t, s
-  )
-  args = (
-    shard(params, param_specs),
-    shard(opt_abstract, opt_specs),
-    jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(P("data"))), batch
-    ),
-  )
-  jitted = jax.jit(
-    step,
-    out_shardings=(jax.tree.map(named, param_specs), jax.tree.map(named, opt_specs), named(P())),
-    donate_argnums=(0, 1),
-  )
-  return jitted.lower(*args).compile()
 
 
 def compile_program(
@@ -237,11 +194,11 @@ def compile_program(
   `DDPConfig(bucket_size=)` of jaxdp's `no_shard` / `optim` rows, None: the strategy's
   default; `wte_chunks`: the GPT's jaxdp FSDP gathers `wte` in that many row blocks, 0:
   whole; `grad_reduce_dtype`: jaxdp's `DDPConfig(grad_reduce_dtype=)`)."""
-  params, loss_fn, batch = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
+  made = problem(model, n_layer, scanned=scanned, remat=remat, small=small, **kw)
   tx = optax.adam(1e-4)
-  mesh = aot.gpu_mesh((DP,), ("data",))
-  if program.startswith("GSPMD"):
-    return gspmd_step(program, params, loss_fn, batch, tx, mesh, scanned)
+  mesh = jinspect.gpu_mesh((DP,), ("data",))
+  if program in GSPMD:
+    return compile_step(GSPMD[program], made, tx, mesh)
   strategy = JAXDP[program]
   stacked = ["blocks"] if scanned and strategy in ("optim", "optim_grads") else []
   config = jaxdp.DDPConfig(
@@ -256,7 +213,9 @@ def compile_program(
     fsdp = fsdp or FSDPConfig(
       stacked=["blocks"] if scanned else [], prefetch=prefetch, chunks=chunks
     )
-  return aot.compile_train_step(loss_fn, tx, mesh, config, params, batch, fsdp=fsdp)
+  return jinspect.compile_train_step(
+    made.make_loss(), tx, mesh, config, made.params, made.batch, fsdp=fsdp
+  )
 
 
 def measure(model, layers, *, scanned, remat, programs=PROGRAMS, small=False, log=True, **kw):
@@ -338,7 +297,7 @@ def main():
     "and held in it (default: fp32, Megatron's grad_reduce_in_fp32)",
   )
   args = parser.parse_args()
-  reason = aot.gpu_compile_unavailable()
+  reason = jinspect.gpu_compile_unavailable()
   if reason:
     sys.exit(f"cannot compile for GPU here: {reason}")
   forms = [False, True] if args.both_forms else [args.scanned]

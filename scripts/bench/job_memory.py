@@ -12,15 +12,17 @@ the phase, less the resident memory at its start), in multiples of the model's f
 The model is residual MLP blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096: 32 MiB a
 block), AdamW.
 
-The GSPMD way is what a JAX user writes instead: `jax.jit` of the init function and of the
-step with params and optimizer state sharded `P("data")` on a dim that 8 divides, and
-orbax's `StandardCheckpointer` (restored into `jax.ShapeDtypeStruct` targets with those
-shardings). jaxdp's variants: `optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp`
-(`optim_grads_params`), each with `init_state(init_fn)`, `init_state(host arrays)`,
-`CheckpointManager.save` and `restore(abstract_state(init_fn))`; `--save-concurrent-gb`
-passes jaxdp's `CheckpointManager(save_concurrent_gb=)`, the bound on bytes being written at
-once (the GSPMD way keeps orbax's default). The host arrays are NumPy's
-own memory, as a loader reads them. "ratio" is a phase's growth over the GSPMD way's, in
+The GSPMD way is what a MaxText user writes instead: `jax.jit` of the init function and of
+the step of scripts/bench/gspmd_baselines.py's GSPMD FSDP (params and optimizer state
+sharded over "data" on each weight's d_model dim, the activations constrained batch-sharded
+over "data" at every block's input and output), and orbax's `StandardCheckpointer`
+(restored into `jax.ShapeDtypeStruct` targets with those shardings). jaxdp's variants:
+`optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp` (`optim_grads_params`), each with
+`init_state(init_fn)`, `init_state(host arrays)`, `CheckpointManager.save` and
+`restore(abstract_state(init_fn))`; `--save-concurrent-gb` passes jaxdp's
+`CheckpointManager(save_concurrent_gb=)`, the bound on bytes being written at once (the
+GSPMD way keeps orbax's default). The host arrays are NumPy's own memory, as a loader reads
+them. "ratio" is a phase's growth over the GSPMD way's, in
 the same run.
 """
 
@@ -82,6 +84,8 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
   import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding, PartitionSpec as P
 
+  from gspmd_baselines import PROGRAMS, Problem, jit_step
+
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax.adamw(1e-4, weight_decay=0.1)
 
@@ -97,11 +101,16 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
       ]
     }
 
-  def loss_fn(params, batch):
-    h = batch["x"]
-    for w in params["blocks"]:
-      h = h + jax.nn.gelu(h @ w["w1"]) @ w["w2"]
-    return jnp.mean(h**2)
+  def make_loss(constrain=None):
+    keep = constrain or (lambda h: h)
+
+    def loss_fn(params, batch):
+      h = keep(batch["x"])
+      for w in params["blocks"]:
+        h = keep(h + jax.nn.gelu(keep(h) @ w["w1"]) @ w["w2"])
+      return jnp.mean(h**2)
+
+    return loss_fn
 
   rng = np.random.default_rng(0)
   batch = jax.device_put(
@@ -112,19 +121,15 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
   host = jax.tree.map(np.array, jax.jit(init_fn)())
   out = {}
   if variant == "gspmd":
-    spec = lambda x: P(*["data" if d == 0 else None for d in range(x.ndim)]) if x.ndim else P()
-    shard = lambda tree: jax.tree.map(lambda x: NamedSharding(mesh, spec(x)), tree)
+    # Auto axes, MaxText's default shard_mode: GSPMD places what the shardings leave open
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     abstract = jax.eval_shape(init_fn)
-    p_sh = shard(abstract)
-    o_sh = shard(jax.eval_shape(tx.init, abstract))
+    problem = Problem(abstract, batch, make_loss, D)
+    step, place = jit_step(PROGRAMS["gspmd_fsdp"], problem, tx, mesh)
+    shard = lambda specs: jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    p_sh, o_sh = shard(place.params), shard(place.opt_state)
     opt_init = jax.jit(tx.init, out_shardings=o_sh)
-
-    def step(params, opt_state, batch):
-      loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
-
-    step = jax.jit(step, out_shardings=(p_sh, o_sh, None), donate_argnums=(0, 1))
     with Phase("init (function)", out):
       params = jax.jit(init_fn, out_shardings=p_sh)()
       opt_state = opt_init(params)
@@ -157,7 +162,7 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
 
   strategy = {"fsdp": "optim_grads_params"}.get(variant, variant)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
-  train_step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
+  train_step = jaxdp.make_train_step(make_loss(), tx, mesh, config)
   with Phase("init (function)", out):
     state = jaxdp.init_state(init_fn, tx, mesh, config)
     jax.block_until_ready(state)

@@ -12,8 +12,10 @@ Sweeps (each row against the GSPMD program of the same memory, compiled in the s
 
     scaling   N in --dps for jaxdp's no_shard (DDP), optim (ZeRO-1) and optim_grads_params
               (FSDP) and their GSPMD twins gspmd, gspmd_zero1, gspmd_fsdp (the `jax.jit`
-              step a JAX user writes, XLA's default options), --seqs-per-gpu sequences per
-              GPU (the global batch grows with N)
+              step a MaxText user writes, XLA's default options: scripts/bench/
+              gspmd_baselines.py), and, labelled, gspmd_fsdp_unconstrained (gspmd_fsdp
+              without its activation constraints); --seqs-per-gpu sequences per GPU (the
+              global batch grows with N)
     buckets   DDP and ZeRO-1 at the smallest N against `DDPConfig(bucket_size=)`
     prefetch  FSDP at the smallest N against `FSDPConfig(prefetch=)`
     models    the Llama-2-7B shape (models/llama.py: d 4096, 32 layers, 32 heads, ffn 11008,
@@ -54,20 +56,21 @@ args = parser.parse_args()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+import functools  # noqa: E402
+
 import jaxdp  # noqa: E402  (first: JAX without the CUDA plugin's driver-probe lines)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxdp import inspect  # noqa: E402
-from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from fsdp_memory import gpt_problem  # noqa: E402
+from gspmd_baselines import PROGRAMS, TWIN, Problem, compile_step  # noqa: E402
 from models.llama import LlamaConfig, abstract_params, llama_loss  # noqa: E402
 
-JAXDP = {"no_shard": "gspmd", "optim": "gspmd_zero1", "optim_grads_params": "gspmd_fsdp"}
-GSPMD = {"gspmd": "", "gspmd_zero1": "opt", "gspmd_fsdp": "params+opt"}  # what each shards
+JAXDP = {s: TWIN[s] for s in ("no_shard", "optim", "optim_grads_params")}  # strategy: baseline
+GSPMD = list(JAXDP.values()) + ["gspmd_fsdp_unconstrained"]  # the scaling sweep's programs
+BASELINE = {**JAXDP, "gspmd_fsdp_unconstrained": "gspmd_fsdp"}  # a row's ratio is to this
 GPTS = {  # the repository's GPTs: bench.py's medium, gpu_check.py's 350m, GPT-2 small
   "GPT 3.2M (bench medium)": (dict(n_layer=4, n_head=8, d_model=256, vocab_size=256), 256, 32),
   "GPT 352M (gpu_check 350m)": (dict(n_layer=28, n_head=16, d_model=1024, vocab_size=256), 512, 8),
@@ -83,67 +86,33 @@ def mesh_of(n):
   return inspect.gpu_mesh((n,), ("data",), num_hosts=max(1, n // 8))
 
 
-def gpt(shape, seq, batch):
-  """(abstract params, loss_fn, abstract global batch) of a GPT."""
-  config = GPTConfig(block_size=seq, **shape)
-  model = nnx.eval_shape(lambda: GPT(config, rngs=nnx.Rngs(0)))
-  params, loss_fn = jaxdp.nnx_split(model, gpt_loss)
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  return params, loss_fn, {"x": tokens, "y": tokens}
+def gpt(shape, seq, batch) -> Problem:
+  """A GPT's abstract params, loss and abstract global batch (unrolled blocks, no remat)."""
+  sizes = dict(d=shape["d_model"], n_head=shape["n_head"], vocab=shape["vocab_size"])
+  return gpt_problem(shape["n_layer"], scanned=False, remat=False, seq=seq, batch=batch, **sizes)
 
 
-def llama2_7b(n, n_layer=32):
+def llama2_7b(n, n_layer=32) -> Problem:
   config = LlamaConfig(
     vocab=32000, d=4096, n_layer=n_layer, n_head=32, n_kv_head=32, ffn=11008, rope_theta=1e4
   )
-  params = abstract_params(config)
   tokens = jax.ShapeDtypeStruct((2 * n, 4096), jnp.int32)
-  return params, llama_loss(config), {"x": tokens, "y": tokens}
+  make_loss = functools.partial(llama_loss, config)
+  batch = {"x": tokens, "y": tokens}
+  return Problem(abstract_params(config), batch, make_loss, config.d, stacked=("blocks",))
 
 
-def data_spec(shape, dp):
-  """P("data") on the first dim that dp divides, else replicated (as bench.py shards)."""
-  for i, d in enumerate(shape):
-    if d % dp == 0:
-      return P(*[None] * i, "data")
-  return P()
+def compile_gspmd(problem: Problem, mesh, name):
+  """The `jax.jit` step a MaxText user writes for that memory (gspmd_baselines.py)."""
+  return compile_step(PROGRAMS[name], problem, TX, mesh)
 
 
-def compile_gspmd(problem, mesh, shard):
-  """The `jax.jit` step a JAX user writes for that memory, compiled with XLA's defaults."""
-  params, loss_fn, batch = problem
-  dp = mesh.shape["data"]
-
-  def place(tree, sharded):
-    return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(mesh, data_spec(x.shape, dp) if sharded else P())
-      ),
-      tree,
-    )
-
-  p, o = place(params, "params" in shard), place(jax.eval_shape(TX.init, params), "opt" in shard)
-  b = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P("data"))),
-    batch,
-  )
-
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = TX.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  out = jax.tree.map(lambda x: x.sharding, (p, o)) + (NamedSharding(mesh, P()),)
-  fn = jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
-  return fn.lower(p, o, b).compile(compiler_options=inspect.COST_MODEL_OPTIONS)
-
-
-def compile_jaxdp(problem, mesh, strategy, bucket_size=None, fsdp=None):
-  params, loss_fn, batch = problem
+def compile_jaxdp(problem: Problem, mesh, strategy, bucket_size=None, fsdp=None):
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, bucket_size=bucket_size)
   extra = {"fsdp": fsdp} if strategy == "optim_grads_params" and fsdp else {}
-  return inspect.compile_train_step(loss_fn, TX, mesh, config, params, batch, **extra)
+  return inspect.compile_train_step(
+    problem.make_loss(), TX, mesh, config, problem.params, problem.batch, **extra
+  )
 
 
 def predict(name, compile_fn):
@@ -188,8 +157,7 @@ def main():
   results = {}
   lines = [
     "Command: `python scripts/bench/predict_scaling.py"
-    + (" --quick" if args.quick else "")
-    + (f" --out {args.out}" if args.out != "out/predict_scaling" else "")
+    + "".join(f" {a}" for a in sys.argv[1:])
     + "`",
     "",
     f"XLA's estimate (jax {jax.__version__}), N x H100 compiled without a GPU, 8 per host; "
@@ -208,13 +176,13 @@ def main():
     for n in dps:
       mesh, problem = mesh_of(n), gpt(shape, seq, args.seqs_per_gpu * n)
       print(f"N = {n}", file=sys.stderr)
-      row = {g: predict(g, lambda: compile_gspmd(problem, mesh, s)) for g, s in GSPMD.items()}
+      row = {g: predict(g, lambda: compile_gspmd(problem, mesh, g)) for g in GSPMD}
       for strategy in JAXDP:
         row[strategy] = predict(strategy, lambda: compile_jaxdp(problem, mesh, strategy))
       rows[n] = row
-      for name in list(JAXDP) + list(GSPMD):
-        base = row[JAXDP.get(name, name)]
-        lines.append(f"| {n} | {name} | {JAXDP.get(name, name)} | {cells(row[name], base)} |")
+      for name in list(JAXDP) + GSPMD:
+        base = BASELINE.get(name, name)
+        lines.append(f"| {n} | {name} | {base} | {cells(row[name], row[base])} |")
   n0 = dps[0]
   if "buckets" in sweeps:
     mesh, problem = mesh_of(n0), gpt(shape, seq, args.seqs_per_gpu * n0)
@@ -227,7 +195,7 @@ def main():
     ]
     rows = results["buckets"] = {}
     for strategy in ("no_shard", "optim"):
-      base = predict(JAXDP[strategy], lambda: compile_gspmd(problem, mesh, GSPMD[JAXDP[strategy]]))
+      base = predict(JAXDP[strategy], lambda: compile_gspmd(problem, mesh, JAXDP[strategy]))
       for size in [int(b) for b in args.buckets.split(",")]:
         row = predict(
           f"{strategy} {size}", lambda: compile_jaxdp(problem, mesh, strategy, size or None)
@@ -244,7 +212,7 @@ def main():
       f"|---|---:|{RULE}|",
     ]
     rows = results["prefetch"] = {}
-    base = predict("gspmd_fsdp", lambda: compile_gspmd(problem, mesh, GSPMD["gspmd_fsdp"]))
+    base = predict("gspmd_fsdp", lambda: compile_gspmd(problem, mesh, "gspmd_fsdp"))
     for depth in [int(d) for d in args.prefetch.split(",")]:
       fsdp = jaxdp.FSDPConfig(prefetch=depth)
       row = predict(
@@ -272,12 +240,12 @@ def main():
       models["GPT quick"] = (gpt(shape, seq, 8 * args.seqs_per_gpu), JAXDP)
     for name, (problem, programs) in models.items():
       print(name, file=sys.stderr)
-      count = sum(x.size for x in jax.tree.leaves(problem[0]))
+      count = sum(x.size for x in jax.tree.leaves(problem.params))
       stacked = ["blocks"] if name.startswith("Llama") else []
       fsdp = jaxdp.FSDPConfig(stacked=stacked)
       row = {}
       for strategy, twin in programs.items():
-        row[twin] = predict(twin, lambda: compile_gspmd(problem, mesh, GSPMD[twin]))
+        row[twin] = predict(twin, lambda: compile_gspmd(problem, mesh, twin))
         row[strategy] = predict(strategy, lambda: compile_jaxdp(problem, mesh, strategy, fsdp=fsdp))
       rows[name] = row
       for strategy, twin in programs.items():

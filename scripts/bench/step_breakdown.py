@@ -1,13 +1,13 @@
 """Where each millisecond of one training step goes, per strategy, from XLA:CPU's profile.
 
 For one model size at one data-parallel size (default: GPT small at dp = 8), builds the
-same steps as scripts/bench/bench.py (the GSPMD programs `gspmd`, `gspmd_zero1`, `gspmd_fsdp` and
-jaxdp's `no_shard`, `optim`, `optim_grads_params`), times them round-robin (median wall
-time per step), then profiles a few steps of each with `jax.profiler` and reads the
-per-instruction events XLA:CPU records (one per thunk per device per step). Each
-instruction of the compiled program is put in one phase by its opcode and by the Python
-call stack that XLA keeps in its metadata (jaxdp's functions, the model's, and those of
-this script's GSPMD step, `forward_backward` and `optimizer_update`), first rule that fits:
+same steps as scripts/bench/bench.py (scripts/bench/gspmd_baselines.py's GSPMD programs `gspmd`,
+`gspmd_zero1`, `gspmd_fsdp` and jaxdp's `no_shard`, `optim`, `optim_grads_params`), times them
+round-robin (median wall time per step), then profiles a few steps of each with
+`jax.profiler` and reads the per-instruction events XLA:CPU records (one per thunk per
+device per step). Each instruction of the compiled program is put in one phase by its opcode
+and by the Python call stack that XLA keeps in its metadata (jaxdp's functions, the model's,
+and the GSPMD step's `optimizer_update`), first rule that fits:
 
     param gathers       all-gather (jaxdp's, and the ones GSPMD inserts)
     grad reductions     all-reduce / reduce-scatter of more than 64 bytes (the gradients)
@@ -104,7 +104,6 @@ import optax  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 from bench_programs import (  # noqa: E402
-  GSPMD,
   JAXDP,
   SIZES,
   gspmd_step,
@@ -113,15 +112,18 @@ from bench_programs import (  # noqa: E402
   model,
   run,
 )
+from gspmd_baselines import PROGRAMS  # noqa: E402
 
 if args.size not in SIZES:
   sys.exit(f"--size: unknown size {args.size!r}; use one of {list(SIZES)}")
 variant_names = args.variants.split(",")
 for v in variant_names:
   strategy, _, extra = v.partition("+")
-  if v not in GSPMD and (strategy not in JAXDP or extra not in ("", "perleaf", "fused", "after")):
+  if v not in PROGRAMS and (
+    strategy not in JAXDP or extra not in ("", "perleaf", "fused", "after")
+  ):
     sys.exit(
-      f"--variants: unknown variant {v!r}; use some of {list(GSPMD) + list(JAXDP)} "
+      f"--variants: unknown variant {v!r}; use some of {list(PROGRAMS) + list(JAXDP)} "
       "(a jaxdp one with +perleaf, +fused or +after: DDPConfig(fused_update=False / True, "
       "overlap_param_gather=False))"
     )
@@ -236,18 +238,18 @@ def phase(name, opcode, nbytes, op_name, stack):
 
 # ----------------------------------------------------------------------------- run
 
-params, loss_fn, batch = model(args.size, args.block_size, args.batch_size, seed)
-n_params = sum(x.size for x in jax.tree.leaves(params))
+problem = model(args.size, args.block_size, args.batch_size, seed)
+n_params = sum(x.size for x in jax.tree.leaves(problem.params))
 mesh = jax.make_mesh(
   (args.dp,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[: args.dp]
 )
 runs = {}
 for variant in variant_names:
   print(f"compiling {variant}", flush=True)
-  if variant in GSPMD:
-    carry, placed, fn = gspmd_step(loss_fn, params, mesh, batch, tx, GSPMD[variant])
+  if variant in PROGRAMS:
+    carry, placed, fn = gspmd_step(variant, problem, mesh, tx)
   else:
-    carry, placed, fn = jaxdp_step(loss_fn, params, mesh, batch, tx, variant)
+    carry, placed, fn = jaxdp_step(problem, mesh, tx, variant)
   compiled = fn.lower(*carry, placed).compile()
   carry = run(compiled, carry, placed)
   runs[variant] = dict(compiled=compiled, carry=carry, batch=placed, times=[])

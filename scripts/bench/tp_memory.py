@@ -12,20 +12,26 @@ Meshes (`--meshes`): `4x2` (data 4 x model 2, 8 H100s on one host) and `8x8` (da
 model 8, 64 H100s over 8 hosts, "model" within a host).
 
 Rows, each against the GSPMD program of the same placement compiled in the same run (a
-`jax.jit` of `value_and_grad` + `tx.update`, what a MaxText-style user writes):
+`jax.jit` of `value_and_grad` + `tx.update`, what a MaxText user writes:
+scripts/bench/gspmd_baselines.py, the activations constrained `P("data")`, batch-sharded
+and whole over "model", at the embedding output and every block's input and output):
 
 * GSPMD ZeRO-1: params at their TP placement, Adam's moments also sharded over "data" on
-  another dim (the first one, past the layer axis, that "model" leaves whole and "data"
-  divides); its jaxdp twins are `optim` (`DDPConfig(stacked=["blocks"])`: the params kept
-  sharded between steps and gathered in the next forward, `overlap_param_gather=True`) and
-  `optim` with `overlap_param_gather=False` (the params gathered at the end of the step),
+  another dim (the first one that "model" leaves whole and "data" divides, MaxText's
+  `shard_optimizer_over_data`); its jaxdp twins are `optim` (`DDPConfig(stacked=["blocks"])`:
+  the params kept sharded between steps and gathered in the next forward,
+  `overlap_param_gather=True`) and `optim` with `overlap_param_gather=False` (the params
+  gathered at the end of the step),
   and `optim` with `grad_reduce_dtype=jnp.bfloat16` (the GSPMD program's numerics: it
   reduces each matmul's grad in the matmul's bf16, jaxdp by default in fp32).
-* GSPMD FSDP: params and Adam's moments both so; its twin is `optim_grads_params`
-  (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone).
+* GSPMD FSDP: params and Adam's moments at their TP placement plus "data" on each weight's
+  embed (d_model) dim, MaxText's `embed -> fsdp`; its twin is `optim_grads_params`
+  (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone). Below
+  it, labelled, a GSPMD FSDP without MaxText's rules: "data" on the first dim past the layer
+  axis that "model" leaves whole, the activations unconstrained.
 
 Usage:
-    python scripts/bench/tp_memory.py                       # both meshes, ~3 min on 2 cores
+    python scripts/bench/tp_memory.py                       # both meshes, ~15 min on 2 cores
     python scripts/bench/tp_memory.py --meshes 4x2 --layers 4
     python scripts/bench/tp_memory.py --small               # d 256: seconds per program
 """
@@ -38,6 +44,8 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
+import functools
+
 import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
 import jax
 import jax.numpy as jnp
@@ -45,6 +53,7 @@ import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxdp import inspect
+from gspmd_baselines import PROGRAMS, Problem, compile_step
 from models.llama import LlamaConfig, abstract_params, llama_loss
 
 MiB = 2**20
@@ -67,12 +76,13 @@ MESHES = {"4x2": ((4, 2), 1), "8x8": ((8, 8), 8)}  # (data, model), hosts
 # Each GSPMD program, then jaxdp's programs that hold the same memory at rest.
 PAIRS = (
   ("GSPMD ZeRO-1", "jaxdp optim", "jaxdp optim, no overlap", "jaxdp optim, bf16 grads"),
-  ("GSPMD FSDP", "jaxdp FSDP"),
+  ("GSPMD FSDP", "jaxdp FSDP", "GSPMD FSDP, no activation constraints"),
 )
+GSPMD = {p.label: p for p in PROGRAMS.values()}
 
 
 def problem(n_layer, small):
-  """(LlamaConfig, abstract params without placement, loss_fn, abstract batch per data rank)."""
+  """(LlamaConfig, abstract params without placement, loss_fn, sequence length)."""
   if small:
     sizes = dict(vocab=512, d=256, n_head=4, n_kv_head=2, ffn=512)
     seq = 128
@@ -82,51 +92,6 @@ def problem(n_layer, small):
   config = LlamaConfig(n_layer=n_layer, scan_layers=True, remat=True, **sizes)
   params = abstract_params(config)
   return config, params, llama_loss(config), seq
-
-
-def with_data(spec, shape, dp, stacked):
-  """`spec` plus "data" on the first dim past the layer axis that it leaves whole and dp divides."""
-  full = tuple(spec) + (None,) * (len(shape) - len(spec))
-  for dim in range(1 if stacked else 0, len(shape)):
-    if full[dim] is None and shape[dim] % dp == 0:
-      return P(*full[:dim], "data", *full[dim + 1 :])
-  return P(*full)
-
-
-def gspmd_step(program, params, loss_fn, batch, mesh):
-  """The `jax.jit` step of the same placement: TP everywhere, "data" added as `program` says."""
-  dp = mesh.shape["data"]
-  named = lambda s: NamedSharding(mesh, s)
-  tp = jax.tree.map(lambda _, s: s, params, SPECS)
-  both = jax.tree_util.tree_map_with_path(
-    lambda path, x, s: with_data(s, x.shape, dp, "blocks" in jax.tree_util.keystr(path)),
-    params,
-    tp,
-  )
-  param_specs = both if program == "GSPMD FSDP" else tp
-  opt = jax.eval_shape(TX.init, params)
-  # Adam's moments are shaped like the params (the same tree under mu and nu); count is P()
-  opt_specs = jax.tree.map(lambda _: P(), opt)
-  opt_specs = opt_specs[0]._replace(mu=both, nu=both), *opt_specs[1:]
-
-  def step(params, opt_state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = TX.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  shard = lambda t, s: jax.tree.map(
-    lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(p)), t, s
-  )
-  args = (
-    shard(params, param_specs),
-    shard(opt, opt_specs),
-    jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(P("data"))), batch
-    ),
-  )
-  out = (jax.tree.map(named, param_specs), jax.tree.map(named, opt_specs), named(P()))
-  jitted = jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
-  return jitted.lower(*args).compile()
 
 
 def jaxdp_step(program, params, loss_fn, batch, mesh):
@@ -156,15 +121,18 @@ def measure(mesh_name, n_layer, small, seqs):
     (dp, tp), ("data", "model"), num_hosts=hosts, axis_types=(AxisType.Explicit,) * 2
   )
   auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * 2)
-  _, params, loss_fn, seq = problem(n_layer, small)
+  config, params, loss_fn, seq = problem(n_layer, small)
   tokens = jax.ShapeDtypeStruct((seqs * dp, seq), jnp.int32)
   batch = {"x": tokens, "y": tokens}
+  specs = jax.tree.map(lambda _, s: s, params, SPECS)
+  make_loss = functools.partial(llama_loss, config)
+  placed = Problem(params, batch, make_loss, config.d, stacked=("blocks",), model_specs=specs)
   out = {}
   for pair in PAIRS:
     for program in pair:
       t = time.time()
-      if program.startswith("GSPMD"):
-        compiled = gspmd_step(program, params, loss_fn, batch, auto)
+      if program in GSPMD:
+        compiled = compile_step(GSPMD[program], placed, TX, auto)
       else:
         compiled = jaxdp_step(program, params, loss_fn, batch, mesh)
       out[program] = inspect.memory_stats(compiled).peak_bytes
@@ -205,11 +173,14 @@ def main():
       cells = []
       for m in args.meshes:
         cell = f"{stats[m][program] / MiB:.0f}"
-        if program != gspmd:
+        if program not in GSPMD:
           cell += f" ({stats[m][program] / stats[m][gspmd]:.2f}x)"
         cells.append(cell)
       print(f"| {program} | " + " | ".join(cells) + " |")
-  print("\n(ratio: jaxdp's peak / the GSPMD program's of the same placement, above it)")
+  print(
+    "\n(ratio: jaxdp's peak / the GSPMD program's of the same placement, above it; the GSPMD "
+    "FSDP without activation constraints is an extra row, shown without a ratio)"
+  )
 
 
 if __name__ == "__main__":
