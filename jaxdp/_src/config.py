@@ -269,6 +269,15 @@ class FSDPConfig:
   `jnp.take(w, ids, axis=0)`: each block gathered once, nothing in the backward), possibly
   after a cast (`w.astype(jnp.bfloat16)`: the blocks then move in that dtype); stored as
   sorted `(prefix, C)` pairs."""
+  vocab_parallel: bool = True
+  """Compute a param that the loss only reads by rows (a vocabulary table: row lookups
+  `w[ids]`, matmuls that keep its rows in the product, `h @ w.T`) on each device's own rows,
+  moving the activations instead of gathering the param (Megatron's vocab-parallel
+  embedding and output layer, over "data"), wherever that moves fewer bytes than gathering
+  it and reduce-scattering its gradient: the param and its gradient are then never whole.
+  Decided per param from the shapes when the step is traced; a param in `chunks` keeps its
+  row blocks. On meshes with tensor- or expert-parallel params, "replica" or a fused
+  state, params are gathered as usual. False: always gathered."""
   param_dtype: Any = None
   """The dtype every float param is gathered in and the loss receives (torch FSDP2's
   `MixedPrecisionPolicy(param_dtype=)`, e.g. `jnp.bfloat16`): the fp32 master stays sharded,
@@ -324,6 +333,10 @@ class FSDPConfig:
         f"FSDPConfig: chunks={dict(self.chunks)} names params under stacked={self.stacked}; "
         "a stacked layer is gathered whole inside its scan iteration: chunk only unstacked "
         "params (an embedding, an output projection)"
+      )
+    if not isinstance(self.vocab_parallel, bool):
+      raise ValueError(
+        f"FSDPConfig: vocab_parallel={self.vocab_parallel!r}: must be True or False"
       )
     if self.param_dtype is not None:
       object.__setattr__(

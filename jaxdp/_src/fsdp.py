@@ -464,6 +464,7 @@ def call_with_units(
     axes,
     reshard=fsdp.reshard_after_forward,
     prefetch=fsdp.prefetch,
+    tables=fsdp.vocab_parallel,
   )
 
 
@@ -533,6 +534,7 @@ def unit_collectives(
         )
       )
     return out
+  chunks_ok = chunks
   chunks = chunked_leaves(layout, fsdp) if chunks else {}
   # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its
   # automatic axes (an expert param's "expert" is one of the step's manual axes already);
@@ -540,6 +542,9 @@ def unit_collectives(
   specs = param_specs(layout)
   layers = [dims[1:] if layout.layers[i] else dims for i, dims in enumerate(model_specs)]
   own = own_specs(layers, {i: s.axis for i, s in specs.items()}, data_axes(mesh))
+  # A table computed by rows sums its gradient over "data" alone, from params the loss sees
+  # whole over the other axes (`FSDPConfig.vocab_parallel`).
+  tables = data_axes(mesh) == (DATA,) and not any(map(any, model_specs)) and layout.outer == 1
   return [
     fsdp_program.UnitIO(
       name=u.name,
@@ -553,12 +558,11 @@ def unit_collectives(
         dp=dp_size(mesh),
         axes=data_axes(mesh),
         average=config.average_in_collective,
-        chunked=[i for i in u.leaves if i in chunks],
         own=own,
         # HFSDP: summed over "replica" once per step, after the backward (`scatter_outer`)
         reduce_axes=(DATA,) if layout.outer > 1 else None,
         experts=[i for i, e in enumerate(experts_of(model_specs)) if e],
-      ),
+      )._replace(**({} if tables and chunks_ok else {"table_rows": None})),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
       grad_dtypes=grad_dtypes(u),
     )
