@@ -335,9 +335,7 @@ class FSDPConfig:
         "params (an embedding, an output projection)"
       )
     if not isinstance(self.vocab_parallel, bool):
-      raise ValueError(
-        f"FSDPConfig: vocab_parallel={self.vocab_parallel!r}: must be True or False"
-      )
+      raise ValueError(f"FSDPConfig: vocab_parallel={self.vocab_parallel!r}: must be True or False")
     if self.param_dtype is not None:
       object.__setattr__(
         self,

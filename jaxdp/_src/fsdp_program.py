@@ -424,6 +424,7 @@ class _RowUse:
   perm: tuple[int, ...] | None  # the operand is the leaf transposed so (`w.T`)
   cast: Any  # the operand's dtype where the loss casts the leaf first, else None
   x_grad: bool  # the other operand gets a cotangent (it depends on a float input)
+  out_cast: Any = None  # a lookup: the dtype every use of its rows casts them to, or None
 
   @property
   def rows_free(self) -> bool:
@@ -483,6 +484,12 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> tuple[dict, set, set]:
       )
       lookup = pos == 0 and perm is None and _is_row_lookup(eqn)
       x_var = eqn.invars[1 - pos] if len(eqn.invars) == 2 else None
+      out_casts = _use_casts(jaxpr, eqn.outvars[0]) if lookup else None
+      out_cast = None
+      if out_casts is not None and len(out_casts) == 1:
+        (dtype,) = out_casts
+        narrower = jnp.finfo(dtype).bits < jnp.finfo(eqn.outvars[0].aval.dtype).bits
+        out_cast = dtype if narrower else None
       uses[of_var[v]].append(
         _RowUse(
           eqn=eqn,
@@ -493,6 +500,7 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> tuple[dict, set, set]:
           perm=perm,
           cast=v.aval.dtype if v not in program.param_var else None,
           x_grad=isinstance(x_var, jcore.Var) and x_var in floats,
+          out_cast=out_cast,
         )
       )
   returned = {of_var[v] for v in jaxpr.outvars if isinstance(v, jcore.Var) and v in of_var}
@@ -575,7 +583,9 @@ def _activation_bytes(use: _RowUse, dp: int, trainable: bool) -> float:
   into their devices and their cotangents gathered."""
   nbytes = lambda aval: aval.size * np.dtype(aval.dtype).itemsize
   if use.kind == "lookup":
-    return (dp - 1) * nbytes(use.eqn.outvars[0].aval) * (1 + trainable)
+    out = use.eqn.outvars[0].aval
+    moved = out if use.out_cast is None else out.update(dtype=use.out_cast)
+    return (dp - 1) * nbytes(moved) * (1 + trainable)
   x = use.eqn.invars[1 - use.pos].aval
   gathers = 1 + (trainable or use.x_grad) + use.x_grad
   return (dp - 1) * nbytes(x) * gathers + 2 * (dp - 1) / dp * nbytes(use.eqn.outvars[0].aval)
@@ -897,7 +907,9 @@ def _unit_call(
 
   # The gathered params' types (varying axes included), to trace the backward with when it
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
-  full_avals = _traced_avals(lambda t, f: _gather(units, {**t, **f}, layer_axis=True), trainable, frozen)
+  full_avals = _traced_avals(
+    lambda t, f: _gather(units, {**t, **f}, layer_axis=True), trainable, frozen
+  )
   # What the forward saves (the residuals that depend on the activations; None: all) and
   # which residuals the params feed: one trace of the segment's vjp, for both passes.
   # Residuals computed from integer inputs alone (a one-hot of the token ids) are recomputed
@@ -1126,7 +1138,10 @@ class _ScanLayer:
     backward's second half, with little of it left to hide their reduce-scatters under."""
     order = _first_uses(self.body.jaxpr)
     start = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
-    trainable = {i for u in self.units for i in u.trainable if i not in u.apart}
+    # (a unit that reduce-scatters a layer as one bucket, ZeRO's stack, keeps it whole)
+    trainable = {
+      i for u in self.units if u.collectives.scatter_each for i in u.trainable if i not in u.apart
+    }
     return frozenset(
       i for j, i in self.shard_pos.items() if i in trainable and order.get(start[j], 1.0) < 0.5
     )
@@ -1254,9 +1269,7 @@ class _ScanUnit:
 # The outputs of each layer are written into buffers stacked over the layers, in place.
 
 
-def _layer_loop(
-  length: int, reverse: bool, gather: Callable, step: Callable, carry, finish=None
-):
+def _layer_loop(length: int, reverse: bool, gather: Callable, step: Callable, carry, finish=None):
   """`step(carry, pos, full) -> (carry, out)` for each layer position `pos` in run order
   (`0 .. length - 1`, or reversed), `full` being `gather(pos)` started one iteration
   ahead (None without `gather`); with `finish`, each `out` is handed on and `finish(out)`
@@ -1622,23 +1635,32 @@ class _TableRule:
     x, rows = invals[1 - use.pos], env[use.var]
     dp = jax.lax.axis_size(DATA)
     if use.kind == "lookup":
-      moved = use.eqn.outvars[0].aval.dtype
-      take = _TableTake(use.eqn, self.unit, self.leaf, self.size, dp, rows.shape[0], use.cast)
+      take = _TableTake(
+        use.eqn, self.unit, self.leaf, self.size, dp, rows.shape[0], use.cast, use.out_cast
+      )
       lookup = jax.custom_vjp(take.take)
       lookup.defvjp(take.fwd, take.bwd)
-      return [lookup(x, rows).astype(moved)]
+      return [lookup(x, rows)]
     contract, batch = use.read.params["dimension_numbers"]
     w_pos = use.pos
-    free = lambda ndim, j: [
-      d for d in range(ndim) if d not in contract[j] and d not in batch[j]
-    ]
+    free = lambda ndim, j: [d for d in range(ndim) if d not in contract[j] and d not in batch[j]]
     x_free, w_free = free(x.ndim, 1 - w_pos), free(rows.ndim, w_pos)
     n_batch = len(batch[0])
     y_x = n_batch + (0 if w_pos else len(w_free))  # the product's dim over `x_free[0]`
     y_w = n_batch + (len(x_free) if w_pos else 0) + w_free.index(0)  # ... over the rows
     dot = _TableDot(
-      use.read, w_pos, self.unit, self.leaf, self.size, use.x_grad, use.cast, dp,
-      rows.shape[0], x_free[0], y_x, y_w,
+      use.read,
+      w_pos,
+      self.unit,
+      self.leaf,
+      self.size,
+      use.x_grad,
+      use.cast,
+      dp,
+      rows.shape[0],
+      x_free[0],
+      y_x,
+      y_w,
     )
     matmul = jax.custom_vjp(dot.dot)
     matmul.defvjp(dot.fwd, dot.bwd)
@@ -1718,6 +1740,7 @@ class _TableTake:
   dp: int
   r: int  # the table's rows per device (padded)
   cast: Any  # the dtype the loss casts the table to before the lookup, or None
+  moved: Any = None  # the dtype every use of the rows read casts them to, or None
 
   def where(self, ids):
     """Every device's ids: the row of this device's block each reads, whether it is
@@ -1734,7 +1757,9 @@ class _TableTake:
     rows = block.astype(self.cast) if self.cast is not None else block
     got = jnp.take(rows, local, axis=0)
     got = jnp.where(_expand(here, got.ndim), got, jnp.zeros((), got.dtype))
-    out = collectives.scatter_batch(got, 0)
+    # Summed in the dtype the loss casts the rows to (each sum is one row and zeros: the
+    # row's cast, exactly), handed on in their own dtype, which the loss's cast undoes.
+    out = collectives.scatter_batch(got.astype(self.moved or got.dtype), 0).astype(got.dtype)
     _, outside = _lookup_ids(self.eqn, self.size, ids)  # this device's ids
     return out if outside is None else _fill(self.eqn, out, outside)
 
@@ -1744,7 +1769,8 @@ class _TableTake:
   def bwd(self, res, d_out):
     ids, block = res
     local, here, _ = self.where(ids)
-    every = collectives.gather_batch(d_out, 0)
+    # The cotangent of rows cast by every use is the cast's (the loss's dtype), exactly.
+    every = collectives.gather_batch(d_out.astype(self.moved or d_out.dtype), 0)
     every = jnp.where(_expand(here, every.ndim), every, 0).astype(block.dtype)
     grad = jnp.zeros_like(block).at[local].add(every)
     if self.leaf in self.unit.trainable:
@@ -1858,9 +1884,7 @@ _barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
 def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
   shards cannot start before `token` exists."""
-  return {
-    i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x for i, x in shards.items()
-  }
+  return jax.tree.map(lambda x: x + token.astype(x.dtype) if _is_float(x) else x, shards)
 
 
 # ----------------------------------------------------------------------------- jaxpr helpers
