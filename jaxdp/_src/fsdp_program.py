@@ -1180,7 +1180,7 @@ class _ScanUnit:
     return self.layer.gather(_at(t, pos), _at(f_, pos))
 
   def call(self, consts, init, other, t, f_, tokens):
-    def step(carry, pos, full):
+    def step(carry, pos, full, landed):
       return self.layer(consts, carry, _at(other, pos), full)
 
     gather = functools.partial(self.gather_at, t, f_)
@@ -1188,7 +1188,7 @@ class _ScanUnit:
     return (carry, ys), _stand_ins(self.token_avals)
 
   def fwd(self, consts, init, other, t, f_, tokens):
-    def step(carry, pos, full):
+    def step(carry, pos, full, landed):
       (carry, ys), vjp = jax.vjp(self.layer, consts, carry, _at(other, pos), full)
       leaves = jax.tree.leaves(vjp)
       saved = [r for r, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
@@ -1204,20 +1204,29 @@ class _ScanUnit:
     (d_carry, d_ys), ct_tokens = cts
     d_carry = [_ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
     d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
-    # The first layer the backward gathers (the forward's last): once the backward of the
-    # op k later has started (its token), or with k = 0 once this scan's cotangents exist.
+    # The first layer the backward gathers (the forward's last) is gathered once the
+    # backward of the op k later has started (its token), or with k = 0 once this scan's
+    # cotangents exist; its shards alone are tied so (a tie on the stacked shards would copy
+    # them all).
+    first = 0 if self.reverse else self.length - 1
+    shards = (_at(t, first), _at(f_, first))
     if self.k:
-      t, f_ = _after(t, ct_tokens[self.k - 1]), _after(f_, ct_tokens[self.k - 1])
+      shards = _after(shards, ct_tokens[self.k - 1])
     else:
-      (t, f_), d_carry = _together((t, f_), d_carry)
+      shards, d_carry = _together(shards, d_carry)
 
-    def step(acc, pos, full):
+    def gather(pos):
+      if isinstance(pos, int) and pos == first:
+        return self.layer.gather(*shards)
+      return self.gather_at(t, f_, pos)
+
+    def step(acc, pos, full, landed):
       if full is None:  # every residual saved: the params' values are not read
         full = _stand_ins(_traced_avals(self.gather_at, t, f_, 0))
-      return self.bwd_layer(consts, acc, full, _at(saved, pos), _at(d_ys, pos))
+      return self.bwd_layer(consts, acc, full, _at(saved, pos), _at(d_ys, pos), landed)
 
     # Without resharding the forward saved every residual, the gathered params included.
-    gather = functools.partial(self.gather_at, t, f_) if self.keep is not None else None
+    gather = gather if self.keep is not None else None
     (d_init, d_consts), (d_other, d_t) = _layer_loop(
       self.length, not self.reverse, gather, step, (d_carry, d_consts0), finish=self.scatter
     )
@@ -1225,7 +1234,7 @@ class _ScanUnit:
     fresh, d_init = _together(_stand_in(self.token_avals[0]), d_init)
     return d_consts, d_init, d_other, d_t, None, [fresh] * (self.k + 1)
 
-  def bwd_layer(self, consts, acc, full, saved_i, d_ys_i):
+  def bwd_layer(self, consts, acc, full, saved_i, d_ys_i, landed=None):
     """The backward of one layer: its vjp on the layer gathered again (`full`); the
     gradients it computes early are reduce-scattered here, the `late` ones by `scatter` in
     the next iteration (see [Note: a layer gathered one iteration ahead])."""
@@ -1239,6 +1248,8 @@ class _ScanUnit:
     d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
     units, late = self.layer.units, self.layer.late
     early = [i for u in units for i in u.trainable if i not in late]
+    if landed is not None:  # reduce-scattered once the next layer's gather has landed
+      d_full = {**d_full, **_after({i: d_full[i] for i in early if i in d_full}, landed)}
     d_t = _scatter(units, d_full, layer_axis=False, each=True, only=early)
     # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
     # layer's whole-size grads (the backward's peak). The barrier with the carry's
@@ -1269,38 +1280,51 @@ class _ScanUnit:
 # The outputs of each layer are written into buffers stacked over the layers, in place.
 
 
-def _layer_loop(length: int, reverse: bool, gather: Callable, step: Callable, carry, finish=None):
-  """`step(carry, pos, full) -> (carry, out)` for each layer position `pos` in run order
-  (`0 .. length - 1`, or reversed), `full` being `gather(pos)` started one iteration
+def _layer_loop(
+  length: int, reverse: bool, gather: Callable | None, step: Callable, carry, finish=None
+):
+  """`step(carry, pos, full, landed) -> (carry, out)` for each layer position `pos` in run
+  order (`0 .. length - 1`, or reversed), `full` being `gather(pos)` started one iteration
   ahead (None without `gather`); with `finish`, each `out` is handed on and `finish(out)`
-  runs in the next
-  iteration (see [Note: a layer gathered one iteration ahead]). Returns the last carry and
-  the (finished) outputs stacked by position (`(length, ...)` per leaf, position-indexed
-  whatever the order)."""
+  runs in the next iteration, once the gather started in it has landed, and `landed` is a
+  zero that exists then (a token for `step`'s own collectives; else None). See [Note: a
+  layer gathered one iteration ahead]. Returns the last carry and the (finished) outputs
+  stacked by position (`(length, ...)` per leaf, position-indexed whatever the order)."""
   at = lambda k: length - 1 - k if reverse else k
   done = finish or (lambda out: out)
   gather = gather or (lambda pos: None)  # None: the layers need no params (`step` is told)
-  out0 = _stand_ins(_traced_avals(lambda c, f: step(c, at(0), f)[1], carry, gather(at(0))))
+  trace = lambda c, f: step(c, at(0), f, None)[1]
+  out0 = _stand_ins(_traced_avals(trace, carry, gather(at(0))))
   stacked = jax.tree.map(lambda a: a.update(shape=(length, *a.shape)), _traced_avals(done, out0))
   outs = _stand_ins(stacked)
 
   def put(outs, out, pos):
     return jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, pos, 0), outs, out)
 
+  def ahead_of(k):
+    """Layer k + 1's gather, and with `finish` a zero that exists once it has landed."""
+    ahead = gather(at(k + 1))
+    if finish is None or ahead is None:
+      return ahead, None
+    leaf = jax.typeof(jax.tree.leaves(ahead)[0])  # a zero varying as the gathered params
+    landed, ahead = _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), ahead)
+    return ahead, landed
+
   def body(k, state):  # layer k, layer k + 1 gathered, layer k - 1 finished
     carry, full, pending, outs = state
-    ahead = gather(at(k + 1))
+    ahead, landed = ahead_of(k)
     if finish is not None:
+      pending = pending if landed is None else _after(pending, landed)
       outs = put(outs, finish(pending), at(k - 1))
-    carry, out = step(carry, at(k), full)
+    carry, out = step(carry, at(k), full, landed)
     if finish is None:
       return carry, ahead, None, put(outs, out, at(k))
     return carry, ahead, out, outs
 
   full, pending, first = gather(at(0)), None, 0
   if finish is not None and length > 1:  # the first layer has none to finish
-    ahead = gather(at(1))
-    carry, pending = step(carry, at(0), full)
+    ahead, landed = ahead_of(0)
+    carry, pending = step(carry, at(0), full, landed)
     full, first = ahead, 1
   if length - 1 > first:
     carry, full, pending, outs = jax.lax.fori_loop(
@@ -1308,7 +1332,7 @@ def _layer_loop(length: int, reverse: bool, gather: Callable, step: Callable, ca
     )
   if pending is not None:
     outs = put(outs, done(pending), at(length - 2))
-  carry, out = step(carry, at(length - 1), full)
+  carry, out = step(carry, at(length - 1), full, None)
   return carry, put(outs, done(out), at(length - 1))
 
 
