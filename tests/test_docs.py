@@ -1,8 +1,10 @@
 """The commands of README.md and docs/, run as a reader runs them.
 
-Python blocks (README, docs/guide.md, docs/multi-host.md) run from an empty folder with only
-the `jaxdp` package importable (what `pip install -e .` packages: not `models/`, not
-`scripts/`); bash blocks run where they can run on one machine (the local launcher stands in
+Python blocks (README, docs/guide.md, docs/sharded-job.md, docs/bring-your-model.md,
+docs/multi-host.md) run from an empty folder with only the `jaxdp` package importable (what
+`pip install -e .` packages: not `models/`, not `scripts/`), and the installed packages; a
+block whose first line names a package no extra installs (`# requires: transformers<5`)
+runs where that package is installed and is skipped elsewhere; bash blocks run where they can run on one machine (the local launcher stands in
 for a cluster), and otherwise have their scripts, flags, extras and markers checked to exist
 (docs/bench.md and docs/memory.md: the command beside each table).
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import jax
 import pytest
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -133,14 +136,28 @@ def test_readme_links_exist():
 
 DOC_BLOCKS = [
   (name, code)
-  for name in ("guide.md", "sharded-job.md")
+  for name in ("guide.md", "sharded-job.md", "bring-your-model.md")
   for code in blocks((ROOT / "docs" / name).read_text(), "python")
 ]
+
+
+def skip_unless_installed(name: str, code: str) -> None:
+  """Skips a block whose first line names a package no extra installs,
+  `# requires: transformers<5` (docs/bring-your-model.md says why), where that package
+  (below that version) is not installed; it runs where it is."""
+  m = re.match(r"# requires: ([\w-]+)(?:<([\d.]+))?", code)
+  if m is None:
+    return
+  why = f"docs/{name}: {code.splitlines()[0]}"
+  module = pytest.importorskip(m.group(1), reason=why)
+  if m.group(2) and Version(module.__version__) >= Version(m.group(2)):
+    pytest.skip(f"{why}; {m.group(1)} {module.__version__} is installed")
 
 
 @pytest.mark.parametrize("i", range(len(DOC_BLOCKS)))
 def test_guide_python_block_runs_from_any_folder(tmp_path, i):
   name, code = DOC_BLOCKS[i]
+  skip_unless_installed(name, code)
   (tmp_path / "snippet.py").write_text(code)
   proc = run(["python", "snippet.py"], tmp_path, reader_env(tmp_path))
   assert proc.returncode == 0, f"docs/{name} python block {i}:\n{code}\n{proc.stderr[-3000:]}"

@@ -153,14 +153,15 @@ def test_sharded_views_hold_a_dp_th_of_each_leaf_and_equal_the_whole_ones(strate
 
 
 def test_sharded_get_params_of_a_padded_leaf_moves_it_without_gathering():
-  """A stacked FSDP leaf is sharded on the dim after its layers, padded there (33 rows at
-  dp 8): its view is sharded on the layers instead, reached by an all-to-all."""
+  """A stacked FSDP leaf is sharded on a dim of a layer, padded there (each dim pads: 33
+  rows to 40, 15 columns to 16, the least, at dp 8): its view is sharded on the layers
+  instead, reached by an all-to-all."""
   mesh = _mesh()
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
   fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
-  params = {"blocks": {"w": jnp.ones((8, 33, 16))}, "head": jnp.ones((16, 4))}
+  params = {"blocks": {"w": jnp.ones((8, 33, 15))}, "head": jnp.ones((16, 4))}
   state = jaxdp.init_state(params, optax.sgd(0.1), mesh, config, fsdp=fsdp)
-  assert state.master["blocks"]["w"].shape == (8, 40, 16)
+  assert state.master["blocks"]["w"].shape == (8, 33, 16)
   program = jax.jit(train.whole_params, static_argnums=(1, 2))
   text = program.lower(state, mesh, True).compile().as_text()
   assert "all-to-all" in text and "all-gather" not in text

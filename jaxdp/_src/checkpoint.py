@@ -236,7 +236,7 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
   if state.fused:
     state = _per_leaf_program(state, state.step.sharding.mesh)
   layout = state.layout
-  params, masters = leaves_of(state.params), leaves_of(state.master)
+  params, masters = leaves_of(state.params, layout), leaves_of(state.master, layout)
   out = {}
   for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
     if not t:
@@ -276,7 +276,7 @@ def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any
 
   for n, name in enumerate(names):
     out[f"flat_master_{n}"] = state.master[name]
-  params = leaves_of(state.params)
+  params = leaves_of(state.params, layout)
   for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
     if not t:
       out[f"params_{i}"] = params[i]
@@ -439,7 +439,9 @@ def _same_flat_layout(meta: dict[str, Any], like: TrainState) -> bool:
     and like.config.use_distributed_optimizer
     and flat["dp"] == like.layout.dp
     and flat["layout"] == like.layout.summary()
-    and all(x is None for t, x in zip(like.layout.trainable, leaves_of(like.params)) if t)
+    and all(
+      x is None for t, x in zip(like.layout.trainable, leaves_of(like.params, like.layout)) if t
+    )
   )
 
 
@@ -493,10 +495,14 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
     for n, name in enumerate(names):
       out.append(target("flat", (None, name), f"flat_master_{n}", like.master[name], FLAT_SPEC))
   else:
-    for i, (x, spec) in enumerate(zip(leaves_of(per_leaf.master), leaves_of(specs.master))):
+    for i, (x, spec) in enumerate(
+      zip(leaves_of(per_leaf.master, layout), leaves_of(specs.master, layout))
+    ):
       if x is not None:
         out.append(target("master", i, value(i), x, spec))
-  for i, (x, spec) in enumerate(zip(leaves_of(per_leaf.params), leaves_of(specs.params))):
+  for i, (x, spec) in enumerate(
+    zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
+  ):
     if x is not None:
       out.append(target("params", i, value(i) if layout.trainable[i] else f"params_{i}", x, spec))
   if same_flat:
@@ -635,8 +641,8 @@ class _LikeLeaves:
     items, self.opt_def = _flat_items(like) if same_flat else jax.tree.flatten(like.opt_state)
     self.items = [dict(x) if _is_flat(x, like.layout) else x for x in items]
     self.values = {
-      "params": leaves_of(like.params),
-      "master": None if same_flat else leaves_of(like.master),
+      "params": leaves_of(like.params, like.layout),
+      "master": None if same_flat else leaves_of(like.master, like.layout),
       "model_state": jax.tree.leaves(like.model_state),
       "rng": [like.rng],
     }

@@ -25,7 +25,7 @@ import numpy as np
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.layout import sharded_shape
 from jaxdp._src.mesh import DATA, REPLICA, constrain
-from jaxdp._src.state import TrainState, bucket_names, flat_master, leaves_of
+from jaxdp._src.state import TrainState, bucket_names, flat_master, leaves_of, tree_of
 
 PyTree = Any
 
@@ -112,10 +112,14 @@ def check_state_structure(state) -> None:
         f"state.master holds the flat buckets {got}, but init_state made {want}: the state "
         "changed after init_state; build it again with init_state"
       )
+  # None as a leaf on both sides: a field holds None where a leaf is missing, and the
+  # params' own Nones (empty subtrees) are None in both
+  none_leaf = lambda x: x is None
+  want = jax.tree.structure(tree_of(layout, [0] * len(layout.shapes)), is_leaf=none_leaf)
   for field in ("params",) if flat else ("params", "master"):
     tree = getattr(state, field)
-    treedef = jax.tree.structure(tree, is_leaf=lambda x: x is None)
-    if treedef != layout.treedef:
+    treedef = jax.tree.structure(tree, is_leaf=none_leaf)
+    if treedef != want:
       raise ValueError(
         f"state.{field} has the structure {treedef}, but the state's layout (from "
         f"init_state) has {layout.treedef}: the params changed structure after init_state; "
@@ -128,8 +132,8 @@ def check_state_structure(state) -> None:
       layout.paths,
       layout.shapes,
       layout.dtypes,
-      leaves_of(state.params),
-      [None] * len(layout.shapes) if flat else leaves_of(state.master),
+      leaves_of(state.params, layout),
+      [None] * len(layout.shapes) if flat else leaves_of(state.master, layout),
     )
   ):
     if x is not None and (

@@ -216,7 +216,8 @@ class FSDPConfig:
 
   Pass the same config to `init_state(..., fsdp=)` and `make_train_step(..., fsdp=)`; the
   other strategies take none. Prefixes are key tuples (`("blocks", 3)`), a single top-level
-  key (`"wte"`), or `jax.tree_util.keystr` strings (`"['blocks'][3]"`).
+  key (`"wte"`), or `jax.tree_util.keystr` strings (`"['blocks'][3]"`; an attribute path
+  of an `eqx.Module`'s fields is `".blocks"`).
 
   Examples:
     >>> FSDPConfig(units=["blocks", ("head", 0)]).units

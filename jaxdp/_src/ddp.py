@@ -227,7 +227,7 @@ def init_state(
   gather_in_step = sharded and config.overlap_param_gather
 
   def build(params):
-    leaves = leaves_of(params)
+    leaves = leaves_of(params, layout)
     master = [
       (pad_leaf(x, layout, i) if sharded else x).astype(master_dtype(x.dtype))
       if t and _keeps_master(config, x.dtype)
@@ -250,7 +250,7 @@ def init_state(
 
   def opt_params(state):  # the tree `tx` sees
     if fused:  # no_shard keeps every param in `params`, and fuses them for the optimizer
-      return state.master if sharded else fused_master(leaves_of(state.params), layout)
+      return state.master if sharded else fused_master(leaves_of(state.params, layout), layout)
     return opt_params_of(layout, state.params, state.master)
 
   # each leaf enters sharded over "data" where dp divides a dim (the params stay whole only
@@ -282,7 +282,9 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
     layout,
     [
       whole(i, x, m)
-      for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))
+      for i, (x, m) in enumerate(
+        zip(leaves_of(state.params, layout), leaves_of(state.master, layout))
+      )
     ],
   )
 
@@ -346,7 +348,7 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   """The params the forward sees (tree order): gathered from the master rows when the step
   gathers them, each trainable one varying over the data axes it is not itself sharded
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
-  full = leaves_of(params)
+  full = leaves_of(params, layout)
   if plan.gather_in_step:
     full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan, own=plan.own_of)
   return [
@@ -646,8 +648,8 @@ def _update_leaves(tx, grads, state: TrainState, mesh, sharded: bool):
   layout = state.layout
   opt_params = opt_params_of(layout, state.params, state.master)
   updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
-  new = leaves_of(optax.apply_updates(opt_params, updates))
-  params, master = leaves_of(state.params), leaves_of(state.master)
+  new = leaves_of(optax.apply_updates(opt_params, updates), layout)
+  params, master = leaves_of(state.params, layout), leaves_of(state.master, layout)
   for i, t in enumerate(layout.trainable):
     if not t:
       continue
@@ -732,7 +734,7 @@ def make_train_step(
     )(state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state)
 
     if state.fused:  # one update per bucket (see `distributed_optimizer`)
-      params = leaves_of(state.params)
+      params = leaves_of(state.params, layout)
       flat = state.master if sharded else fused_master(params, layout)
       updates, opt_state = loop.tx_update(tx, grads, state.opt_state, flat, mesh)
       if sharded:

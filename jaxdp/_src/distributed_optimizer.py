@@ -161,7 +161,6 @@ def _run_both(tx, runs, treedefs):
 
   All runs are one program, compiled once.
   """
-  flat = lambda tree: jax.tree.flatten(tree, is_leaf=lambda x: x is None)[0]
 
   def run(treedef, tree, grads):
     unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
@@ -169,7 +168,7 @@ def _run_both(tx, runs, treedefs):
     def step(carry, g):
       params, state = carry
       updates, state = loop.call_update(tx, unflat(g), state, params)
-      return (optax.apply_updates(params, updates), state), flat(updates)
+      return (optax.apply_updates(params, updates), state), treedef.flatten_up_to(updates)
 
     params = unflat(tree)
     return jax.lax.scan(step, (params, tx.init(params)), grads)[1]
@@ -690,7 +689,7 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
 
   def collect(x, pad=None):
     if is_tree(x):
-      trees.append(jax.tree.flatten(x, is_leaf=lambda v: v is None)[0])
+      trees.append(layout.treedef.flatten_up_to(x))
       likes.append(pad)
     return x
 
@@ -784,14 +783,15 @@ def gather_master(
   if fused:
     shards = [master[name] for name, _, _ in bucket_names(layout)]
     return collectives.all_gather_shards(shards, layout, out, stacks)
-  return collectives.all_gather_params(leaves_of(master), layout, out, stacks, own)
+  masters = master if isinstance(master, list) else leaves_of(master, layout)
+  return collectives.all_gather_params(masters, layout, out, stacks, own)
 
 
 def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
   """Inside `shard_map`: {leaf: this device's block of its master} of every param of a
   stack's bucket; `master` as `gather_master` takes it."""
   out = {}
-  leaves = None if fused else leaves_of(master)
+  leaves = None if fused else master if isinstance(master, list) else leaves_of(master, layout)
   for name, _, b in bucket_names(layout):
     if b.stack is None:
       continue

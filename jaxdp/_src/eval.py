@@ -113,7 +113,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
         fsdp_lib.call_with_units(
           call,
           layout,
-          leaves_of(params),
+          leaves_of(params, layout),
           fsdp_lib.unit_values(master, layout, fused, params),
           fsdp_lib.unit_collectives(layout, mesh, config, fsdp, fused, model_specs=model_specs),
           fsdp,
@@ -122,7 +122,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
           model_state,
         )
       )
-    full = leaves_of(params)
+    full = leaves_of(params, layout)
     if gather_in_step:
       own = layout_own_specs(layout, model_specs, mesh)
       full = gather_master(master, layout, full, fused, own=own)

@@ -5,8 +5,9 @@ params gathered by one collective. Its params are laid out like a bucket (`make_
 `units=`: shard-major, per dtype), so that device `d` holds rows `[d r, (d+1) r)` of every
 param of the unit, at rest, in three places of the `TrainState`:
 
-* `master`: the optimizer's fp32 copy of each trainable param's rows, `(rows, ...)` sharded
-  over "data" on dim 0 (`(layers, rows, ...)` on dim 1 for a stacked param);
+* `master`: the optimizer's fp32 copy of each trainable param's rows, padded and sharded
+  over "data" on its shard dim (`layout_for`: the dim that pads least, as ZeRO's; of a
+  layer for a stacked param, `(layers, ...)`);
 * `opt_state`: built on `master`, sharded like it;
 * `params`: frozen params' rows in their own dtype, sharded the same way; trainable leaves
   are None; integer leaves stay whole and replicated.
@@ -81,7 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -109,8 +110,8 @@ from jaxdp._src.layout import (
   ParamSpec,
   make_layout,
   master_dtype,
-  model_shard_dims,
   outer_bucket,
+  unit_shard_dims,
 )
 from jaxdp._src.mesh import (
   DATA,
@@ -147,6 +148,7 @@ from jaxdp._src.state import (
 from jaxdp._src.units import (
   assign_units,
   chunked_leaves,
+  chunked_paths,
   compute_dtype,
   param_specs,
   units_of,
@@ -158,19 +160,23 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 def layout_for(
   params: PyTree,
-  mesh,
+  mesh_shape: Mapping[str, int],
   config: DDPConfig,
   fsdp: FSDPConfig,
   frozen: Frozen = None,
   model_specs: tuple[ModelSpec, ...] = (),
 ) -> Layout:
-  """The FSDP layout: one bucket per (unit, buffer) over the trainable params. A leaf the
-  caller sharded over other mesh axes (`model_specs`: tensor parallel) is sharded over
-  "data" on a dim those axes do not split where it has one (`shard_axis(taken=)`), so that
-  each device's block keeps the caller's split and its all-gather over "data" needs
-  nothing of the other axes. Expert params (sharded over "expert") get buffers of their
-  own, each `ParamSpec` one expert-parallel rank's slice, sharded over "data" on a dim
-  other than the expert dim the same way (see the module docstring)."""
+  """The FSDP layout on a mesh of `mesh_shape` (`mesh.shape`: axis name -> size): one
+  bucket per (unit, buffer) over the trainable params. Each float leaf is sharded over
+  "data" on the dim that pads least (`layout.unit_shard_dims`, ZeRO's rule: a Gemma
+  `(2, d, ffn)` weight on `d`), per layer for a stacked leaf, on its leading dim where
+  `FSDPConfig(chunks=)` gathers it by row blocks. A leaf the caller sharded over other
+  mesh axes (`model_specs`: tensor parallel) takes a dim those axes do not split where it
+  has one (`shard_axis(taken=)`), so that each device's block keeps the caller's split and
+  its all-gather over "data" needs nothing of the other axes. Expert params (sharded over
+  "expert") get buffers of their own, each `ParamSpec` one expert-parallel rank's slice,
+  sharded over "data" on a dim other than the expert dim the same way (see the module
+  docstring)."""
   units, stacked = assign_units(params, fsdp)
   keyed, treedef = jax.tree_util.tree_flatten_with_path(params)
   for (keys, x), dims in zip(keyed, model_specs):
@@ -181,16 +187,19 @@ def layout_for(
         "whose leaves lead with their layer axis, while an expert param leads with its "
         "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
       )
-  shard_dims = model_shard_dims(
-    [jax.tree_util.keystr(keys) for keys, _ in keyed],
-    [tuple(x.shape) for _, x in keyed],
-    model_specs,
-    mesh.shape[DATA],
+  floating = [jnp.issubdtype(x.dtype, jnp.floating) for _, x in keyed]  # the sharded leaves
+  paths = [jax.tree_util.keystr(keys) for (keys, _), f in zip(keyed, floating) if f]
+  shard_dims = unit_shard_dims(
+    paths,
+    [tuple(x.shape) for (_, x), f in zip(keyed, floating) if f],
+    [dims for dims, f in zip(model_specs, floating) if f],
+    mesh_shape[DATA] * config.outer_shards,  # HFSDP pads to replicas x dp
     stacked.__contains__,  # a stacked leaf's dims of one layer
+    chunked_paths(paths, fsdp),
   )
   layout = make_layout(
     params,
-    dp=mesh.shape[DATA],
+    dp=mesh_shape[DATA],
     grad_dtype=config.grad_dtype,
     frozen=frozen,
     units=units,
@@ -198,7 +207,7 @@ def layout_for(
     shard_dims=shard_dims,
     outer=config.outer_shards,
     experts=jax.tree.unflatten(treedef, experts_of(model_specs)) if model_specs else None,
-    expert_parallel=mesh.shape.get(EXPERT, 1),
+    expert_parallel=mesh_shape.get(EXPERT, 1),
   )
   if not layout.buffers:
     raise ValueError(
@@ -231,13 +240,13 @@ def leaf_dims(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec
   sharded = lambda i, outer=False: with_data(own[i], manual, layout.shard_axes[i], outer)
   params = [
     None if x is None else sharded(i) if i in specs else own[i]
-    for i, x in enumerate(leaves_of(state.params))
+    for i, x in enumerate(leaves_of(state.params, layout))
   ]
   if state.fused:
     return params, [None] * len(layout.shapes)
   outer = layout.outer > 1
   return params, [
-    None if m is None else sharded(i, outer) for i, m in enumerate(leaves_of(state.master))
+    None if m is None else sharded(i, outer) for i, m in enumerate(leaves_of(state.master, layout))
   ]
 
 
@@ -296,7 +305,7 @@ def init_state(
   source = init_source(params)
   params = source.abstract
   model_specs = model_specs_of(params, mesh)
-  layout = layout_for(params, mesh, config, fsdp, frozen, model_specs)
+  layout = layout_for(params, mesh.shape, config, fsdp, frozen, model_specs)
   specs, trainable = param_specs(layout), layout.trainable
   _check_model_specs(layout, model_specs, fsdp)
   _check_outer(layout, model_specs, fsdp)
@@ -316,7 +325,7 @@ def init_state(
     return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), layout.shard_axes[i])))
 
   def build(params):
-    leaves = leaves_of(params)
+    leaves = leaves_of(params, layout)
     if fused:  # one flat array per unit bucket
       master = fused_master(leaves, layout)
     else:
@@ -425,7 +434,9 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
     layout,
     [
       whole(i, x, m)
-      for i, (x, m) in enumerate(zip(leaves_of(state.params), leaves_of(state.master)))
+      for i, (x, m) in enumerate(
+        zip(leaves_of(state.params, layout), leaves_of(state.master, layout))
+      )
     ],
   )
 
@@ -480,12 +491,12 @@ def unit_values(master, layout: Layout, fused: bool, params=None) -> dict:
   trainable leaves' compute rows in `params` (a tree like the state's), which the units
   gather (the master holds 1/replicas of them)."""
   if layout.outer > 1:
-    stored = leaves_of(params)
+    stored = leaves_of(params, layout)
     return {i: stored[i] for i, t in enumerate(layout.trainable) if t}
   if fused:
     keys = flat_keys(layout)
     return {keys[name]: m for name, m in master.items()}
-  return {i: m for i, m in enumerate(leaves_of(master)) if m is not None}
+  return {i: m for i, m in enumerate(leaves_of(master, layout)) if m is not None}
 
 
 def unit_collectives(
@@ -598,7 +609,7 @@ def make_grad_fn(
     """Per device: this device's rows of every trainable param's grad (a fused state: its
     flat shard of every unit bucket), the loss, the aux and the new model state."""
     key = loop.device_key(key, collectives.data_index(axes))
-    stored, trainable = leaves_of(params), layout.trainable
+    stored, trainable = leaves_of(params, layout), layout.trainable
     # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
     units = unit_collectives(
       layout,
@@ -759,7 +770,7 @@ def gather_outer(state: TrainState, mesh) -> PyTree:
   params_spec, master_spec = manual_specs(state)
 
   def local(master, params):
-    blocks, out = leaves_of(master), leaves_of(params)
+    blocks, out = leaves_of(master, layout), leaves_of(params, layout)
     for buf in layout.buffers:
       for b in buf.buckets:
         shards = [blocks[p.index] for p in b.params]

@@ -215,12 +215,51 @@ def model_shard_dims(
     >>> model_shard_dims(["['w']"], [(2, 64, 8)], [((), ("model",), ())], 4, lambda p: True)
     {"['w']": 1}
   """
+  every = unit_shard_dims(paths, shapes, model_dims, dp, layered)
+  return {path: every[path] for path, dims in zip(paths, model_dims) if any(dims)}
+
+
+def unit_shard_dims(
+  paths: Sequence[str],
+  shapes: Sequence[tuple[int, ...]],
+  model_dims: Sequence[tuple[tuple[str, ...], ...]],
+  dp: int,
+  layered: Callable[[str], bool] = lambda path: False,
+  leading: Collection[str] = (),
+) -> dict[str, int]:
+  """The shard dim of every leaf of an FSDP layout (`make_layout(units=, shard_dims=)`):
+  the dim ZeRO picks (`shard_axis`: the one that pads least, the leading one on ties) of
+  those the caller's other mesh axes leave whole (`model_shard_dims`), so that a device
+  holds at most one row of padding per leaf, on that dim. A Gemma `(2, d, ffn)` gating
+  weight on 8 devices is sharded on `d`, not padded 2 -> 8 on its leading dim (4 x its
+  size). Per layer for `layered` leaves (their layer axis dropped); the leading dim,
+  whatever its padding, for the `leading` paths (a param FSDP gathers by row blocks,
+  `FSDPConfig(chunks=)`: a block is rows of its leading dim).
+
+  Args:
+    paths, shapes, model_dims, dp, layered: as `model_shard_dims` takes them; `model_dims`
+      may be `()` (no leaf split over another axis).
+    leading: paths pinned to their leading dim (of a layer).
+
+  Returns:
+    `{path: dim}` of every leaf.
+
+  Examples:
+    >>> unit_shard_dims(["['gate']", "['embed']", "['norm']"], [(2, 64, 256), (50, 16), (64,)],
+    ...                 (), 8)
+    {"['gate']": 1, "['embed']": 1, "['norm']": 0}
+    >>> unit_shard_dims(["['embed']"], [(50, 16)], (), 8, leading={"['embed']"})
+    {"['embed']": 0}
+  """
+  model_dims = model_dims or [()] * len(paths)
   out = {}
   for path, shape, dims in zip(paths, shapes, model_dims):
-    if any(dims):
-      lead = 1 if layered(path) else 0
-      taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
-      out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
+    lead = 1 if layered(path) else 0
+    if path in leading:
+      out[path] = 0
+      continue
+    taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
+    out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
   return out
 
 
@@ -414,8 +453,8 @@ class Layout:
 def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
 
-  The leaf's shard dim (`layout.shard_axes[i]`: its leading dim, or one that needs less
-  padding; for a stacked FSDP leaf `(layers, n, *rest)` the dim after the layers) is padded
+  The leaf's shard dim (`layout.shard_axes[i]`: the dim that needs the least padding, the
+  leading one on ties; for a stacked leaf, whose layers lead, a dim of a layer) is padded
   up to a multiple of dp; a scalar is stored `(rows,)`.
   """
   shape = layout.shapes[i] or (1,)
@@ -478,13 +517,40 @@ def _is_float(dtype) -> bool:
   return jax.numpy.issubdtype(dtype, jax.numpy.floating)  # bf16 is no np.floating
 
 
+_ONE_LEAF = jax.tree.structure(0)
+
+
+def is_function(x) -> bool:
+  """Is `x` a function rather than a pytree? What `init_state`'s `params` (an init
+  function or the params) and a mask (`frozen=`: a function of `(path, leaf)` or a
+  boolean pytree) may each be.
+
+  A function is a `functools.partial` (`jax.tree_util.Partial` too), or a callable that
+  JAX sees as a single leaf: a `def` or `lambda`, a bound method, a jitted function, an
+  object of a class that is not a registered pytree node. A pytree node never is,
+  callable or not: an `eqx.Module` (whose `__call__` is the model's forward), a dict, a
+  Flax `struct` dataclass. So jaxdp never calls a params tree, as `jax.grad` and optax
+  never do.
+
+  Examples:
+    >>> import functools, jax.numpy as jnp
+    >>> is_function(lambda: {"w": jnp.ones(2)}), is_function(functools.partial(max, 1))
+    (True, True)
+    >>> is_function({"w": jnp.ones(2)}), is_function(jnp.ones(2))
+    (False, False)
+  """
+  if isinstance(x, functools.partial):
+    return True
+  return callable(x) and jax.tree.structure(x) == _ONE_LEAF
+
+
 def _frozen_mask(
   params: PyTree, frozen: Frozen, paths: list[str], name: str = "frozen"
 ) -> list[bool]:
   leaves = jax.tree.leaves(params)
   if frozen is None:
     return [False] * len(leaves)
-  if callable(frozen):
+  if is_function(frozen):  # a boolean pytree may be callable (an eqx.Module): never called
     return [bool(frozen(path, leaf)) for path, leaf in zip(paths, leaves)]
   try:
     mask = jax.tree.leaves(jax.tree.broadcast(frozen, params))
@@ -619,7 +685,8 @@ def make_layout(
       `frozen` (jaxdp passes the weights a caller sharded for tensor parallelism). Every
       other param of a size-bucket layout is sharded on the dim `shard_axis` picks; with
       `units`, and for expert and stacked params, the shard dim is the leading one (of a
-      layer).
+      layer) unless `shard_dims` gives one (FSDP gives every leaf its own:
+      `unit_shard_dims`).
     scanned: size-bucket layouts only: `fn(path) -> stack name or None`, the stack of
       params whose leading dim is a layer axis that one scan iterates over (the bucketed
       strategies' `DDPConfig(stacked=...)`; params of fewer than two dims, expert and

@@ -67,7 +67,7 @@ from jaxdp._src.layout import (
 )
 from jaxdp._src.mesh import DATA, EXPERT, REPLICA, ModelSpec, data_axes_in, model_specs_of
 from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
-from jaxdp._src.units import assign_units, chunked_leaves, units_of
+from jaxdp._src.units import chunked_leaves, units_of
 
 PyTree = Any
 
@@ -220,8 +220,9 @@ def memory_ledger(
 ) -> MemoryLedger:
   """Predicts the bytes per device of params, grads, master params and optimizer state.
 
-  The numbers follow the layout `init_state` builds (leading dims padded to a multiple
-  of dp, buckets padded to `lcm(dp, 128)`), so they equal what `measured_bytes` reads
+  The numbers follow the layout `init_state` builds (each leaf's shard dim, the one that
+  pads least, padded to a multiple of dp; buckets padded to `lcm(dp, 128)`; FSDP's unit
+  buckets), so they equal what `measured_bytes` reads
   off the state, byte for byte. Params placed on a mesh with other axes than the data
   axes carry their split: a leaf placed `P(None, "model")` on a `("data", "model")` mesh
   counts 1/tp per device (and 1/(tp * dp) of its master and optimizer state under the
@@ -291,13 +292,17 @@ def memory_ledger(
     # the caller split leaves over other axes: the layout `init_state` builds on that mesh
     specs = model_specs_of(params, mesh)
     if fsdp_step:
-      layout = fsdp_lib.layout_for(params, mesh, config, fsdp, frozen, specs)
+      layout = fsdp_lib.layout_for(params, mesh.shape, config, fsdp, frozen, specs)
     else:
       layout = ddp.layout_for(params, mesh, config, frozen, specs)
     # each device holds 1/ways of a leaf (expert params' buffers are one rank's already)
     sizes = dict(mesh.shape)
     ways, tp_ways = split_ways(specs, sizes), split_ways(specs, sizes, (EXPERT,))
     own = layout_own_specs(layout, specs, mesh)
+  elif fsdp_step:  # the units' layout, each leaf on the dim that pads least
+    specs, own = (), {}
+    ways = tp_ways = [1] * len(jax.tree.leaves(params))
+    layout = fsdp_lib.layout_for(params, {DATA: dp}, config, fsdp, frozen)
   else:
     specs, own = (), {}
     ways = tp_ways = [1] * len(jax.tree.leaves(params))
@@ -308,8 +313,6 @@ def memory_ledger(
       dp=dp,
       bucket_size=size,
       frozen=frozen,
-      # FSDP shards every param on its leading dim (its units' layout); the others pick theirs
-      leading=(lambda path, leaf: True) if fsdp_step else None,
       grad_dtype=config.grad_dtype,
       scanned=config.stack_of if config.stacked else None,
       outer=outer,
@@ -351,28 +354,17 @@ def memory_ledger(
       master += _nbytes(shape, dtype) // ways[i]
   if tx is None:
     tx = optax.scale_by_adam()
-  flat_layout, chunked, gathered_unit = layout, False, 0
+  chunked, gathered_unit = False, 0
   if fsdp_step:  # a fused FSDP state's buckets are its units' (`fsdp.layout_for`)
-    units, unit_stacks = assign_units(params, fsdp)
-    if mesh is None:
-      flat_layout = make_layout(
-        params,
-        dp=dp,
-        frozen=frozen,
-        units=units,
-        stacked=unit_stacks,
-        grad_dtype=config.grad_dtype,
-        outer=outer,
-      )
-    chunked = bool(chunked_leaves(flat_layout, fsdp))
+    chunked = bool(chunked_leaves(layout, fsdp))
     gathered_unit = max(
       sum(_bucket_elements(b, dp, own, tp_ways) * dtype.itemsize for b, dtype in u.gather)
-      for u in units_of(flat_layout, fsdp.param_dtype)
+      for u in units_of(layout, fsdp.param_dtype)
     )
-  if use_fused(tx, flat_layout, config, specs, chunked=chunked):  # flat buckets, end padding
+  if use_fused(tx, layout, config, specs, chunked=chunked):  # flat buckets, end padding
     flat = {
       name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
-      for name, buf, b in bucket_names(flat_layout)
+      for name, buf, b in bucket_names(layout)
     }
     if sharded:  # no_shard fuses only params that need no master
       master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())

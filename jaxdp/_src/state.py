@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src.config import DDPConfig
-from jaxdp._src.layout import Layout
+from jaxdp._src.layout import Layout, is_function
 from jaxdp._src.mesh import (
   DATA,
   ModelSpec,
@@ -98,9 +98,12 @@ class TrainState:
   `distributed_optimizer.per_leaf_state` gives the per-leaf form every reader uses."""
 
 
-def leaves_of(tree) -> list[Any]:
-  """The leaves of `tree` in order, None included (a field's missing leaves are None)."""
-  return jax.tree.flatten(tree, is_leaf=lambda x: x is None)[0]
+def leaves_of(tree, layout: Layout) -> list[Any]:
+  """The leaves of `tree`, a tree of `layout`'s structure, in order, None included (a
+  field's missing leaves are None). Flattened up to the layout's tree, so that a None the
+  params themselves hold (an empty subtree: `eqx.partition`'s non-array fields) stays
+  structure and a None where the layout has a leaf is a missing leaf."""
+  return layout.treedef.flatten_up_to(tree)
 
 
 def tree_of(layout: Layout, leaves) -> PyTree:
@@ -115,7 +118,7 @@ def opt_params_of(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
     layout,
     [
       (m if m is not None else p) if t else None
-      for t, p, m in zip(trainable, leaves_of(params), leaves_of(master))
+      for t, p, m in zip(trainable, leaves_of(params, layout), leaves_of(master, layout))
     ],
   )
 
@@ -196,7 +199,7 @@ def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpe
   sharded = state.config.use_distributed_optimizer
   params = [
     None if x is None else model_spec(state, i, x.ndim)
-    for i, x in enumerate(leaves_of(state.params))
+    for i, x in enumerate(leaves_of(state.params, state.layout))
   ]
   if flat_master(state):
     return params, [None] * len(state.layout.shapes)
@@ -208,7 +211,7 @@ def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpe
     )
     if sharded
     else model_spec(state, i, m.ndim)
-    for i, m in enumerate(leaves_of(state.master))
+    for i, m in enumerate(leaves_of(state.master, state.layout))
   ]
   return params, master
 
@@ -224,7 +227,7 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
   layout = state.layout
   views = {}  # trainable leaf -> (the shape the optimizer sees, its spec)
   for i, (t, x, m) in enumerate(
-    zip(layout.trainable, leaves_of(state.params), leaves_of(state.master))
+    zip(layout.trainable, leaves_of(state.params, layout), leaves_of(state.master, layout))
   ):
     if t:
       views[i] = (
@@ -351,11 +354,18 @@ def init_source(params) -> InitSource:
   """`init_state`'s `params` argument: a pytree of arrays, or a function of no arguments
   returning one (traced once here, by `jax.eval_shape`, to read its shapes).
 
+  A function is what `layout.is_function` says: a `def`, `lambda`, bound method, jitted
+  function or `functools.partial`, never a pytree node. Any pytree node is params, callable
+  or not (an `eqx.Module`, whose `__call__` is its forward, is never called), so that
+  every pytree `jax.grad` and optax take is taken here too.
+
   Raises:
     TypeError: the function takes arguments, or returns something that is not a pytree of
-      arrays.
+      arrays; or `params` is a callable pytree node without array leaves, which could be
+      either (wrap an init object in a lambda, or pass the params).
   """
-  if not callable(params):
+  if not is_function(params):
+    _refuse_ambiguous(params)
     return InitSource(params)
   fix = (
     "init_state(params=...): a function must take no arguments and return the param pytree "
@@ -371,3 +381,21 @@ def init_source(params) -> InitSource:
         f"{fix}; it returned params{jax.tree_util.keystr(path)}, a {type(x).__name__}"
       )
   return InitSource(abstract, params)
+
+
+def _refuse_ambiguous(params) -> None:
+  """Raises for a callable pytree node none of whose leaves is an array: an init object
+  (an `eqx.Module` whose `__call__()` builds the params) or params without arrays (an
+  empty or all-None partition); jaxdp does not guess which."""
+  if not callable(params):
+    return
+  leaves = jax.tree.leaves(params)
+  if any(hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves):
+    return
+  raise TypeError(
+    f"init_state(params=...): got {type(params).__name__}, a callable pytree without array "
+    "leaves: it could be an init function or a params tree, and jaxdp takes a pytree for "
+    "params and never calls one. For an init function pass a function that calls it "
+    "(`lambda: init()`, or functools.partial); for params pass the arrays (e.g. "
+    "eqx.partition(model, eqx.is_inexact_array)[0])"
+  )

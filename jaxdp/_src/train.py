@@ -16,7 +16,7 @@ import optax
 
 from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.layout import Frozen
+from jaxdp._src.layout import Frozen, is_function
 from jaxdp._src.state import TrainState
 
 PyTree = Any
@@ -52,7 +52,14 @@ def init_state(
   The caller's arrays are copied, never donated.
 
   Args:
-    params: the model params (a pytree of arrays).
+    params: the model params: any pytree of arrays, as `jax.grad` and optax take it (a
+      Flax params dict, an `eqx.Module` from `eqx.partition(model, eqx.is_inexact_array)`,
+      None for an empty subtree); or the model's init as a function of no arguments that
+      returns them, run under `jit` so that each device computes only its shards. A
+      function is a `functools.partial` or a callable JAX sees as one leaf (a `def`,
+      `lambda`, bound method, jitted function); a pytree node is params even when callable
+      (an `eqx.Module` is never called), and a callable pytree node without array leaves
+      is refused as ambiguous.
     tx: any optax `GradientTransformation`. It sees the param tree with frozen and
       non-float leaves replaced by None (masks given as pytrees may keep any value there).
     mesh: a mesh with a "data" axis (and a "replica" axis for
@@ -83,6 +90,8 @@ def init_state(
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
 
   Raises:
+    TypeError: an init function that takes arguments or returns no pytree of arrays, or
+      a callable pytree node without array leaves (an init function or params?).
     ValueError: the mesh has no "data" axis, params have no trainable float leaf,
       `frozen` does not match params, a param is placed over a data axis, on another mesh
       or over axes that do not divide its dim, or (sharded strategies) an expert param's
@@ -138,7 +147,7 @@ def abstract_state(
     >>> type(flat).__name__, flat.shape, flat.sharding.spec
     ('ShapeDtypeStruct', (128,), P('data',))
   """
-  if callable(params):
+  if is_function(params):
     state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
   else:  # traced, so only shapes, dtypes and placements (a tensor-parallel split) are read
     state = jax.eval_shape(lambda p: init_state(p, tx, mesh, config, **kwargs), params)

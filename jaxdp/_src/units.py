@@ -185,10 +185,28 @@ def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
   specs = param_specs(layout)
   out = {}
   for i, path in enumerate(layout.paths):
-    under = [(len(p), n) for p, n in fsdp.chunks if _under(path, p)]
-    if under and i in specs and max(under)[1] > 1:
-      out[i] = min(max(under)[1], specs[i].rows // layout.dp)
+    n = _chunks_of(path, fsdp)
+    if n > 1 and i in specs:
+      out[i] = min(n, specs[i].rows // layout.dp)
   return out
+
+
+def chunked_paths(paths, fsdp: FSDPConfig) -> frozenset[str]:
+  """The paths `FSDPConfig(chunks=...)` gathers by row blocks (where they are float): FSDP
+  keeps their leading dim as their shard dim (`layout.unit_shard_dims(leading=)`), since
+  a block is rows of it.
+
+  Examples:
+    >>> sorted(chunked_paths(["['wte']", "['b']"], FSDPConfig(chunks={"wte": 4})))
+    ["['wte']"]
+  """
+  return frozenset(path for path in paths if _chunks_of(path, fsdp) > 1)
+
+
+def _chunks_of(path: str, fsdp: FSDPConfig) -> int:
+  """The row blocks `fsdp.chunks` asks for `path` (its longest prefix decides); 0: none."""
+  under = [(len(p), n) for p, n in fsdp.chunks if _under(path, p)]
+  return max(under)[1] if under else 0
 
 
 def param_specs(layout: Layout) -> dict[int, ParamSpec]:
