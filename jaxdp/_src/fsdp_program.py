@@ -113,6 +113,8 @@ class UnitIO:
   tables: frozenset[int] = frozenset()
   """Leaves never gathered: each use computes with this device's rows and moves the
   activations instead (`run_loss` picks them, see [Note: a table computed by rows])."""
+  shard_dims: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  """Leaf -> the dim its shards split (a table must be split by its rows, dim 0)."""
 
   @property
   def apart(self) -> frozenset[int]:
@@ -545,7 +547,8 @@ def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict
 
 def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping) -> frozenset:
   """The leaves to compute by rows (see [Note: a table computed by rows]): float leaves of
-  units that are not stacked, not chunked, whose collectives can reduce a table's rows,
+  units that are not stacked, not chunked, split by their rows, whose collectives can
+  reduce a table's rows,
   each of whose uses is a row lookup or a matmul that keeps the leaf's rows in its product,
   and for which that moves fewer bytes than gathering the leaf (twice where the backward
   needs its value) and reduce-scattering its gradient."""
@@ -555,6 +558,7 @@ def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping)
     for v, i in program.param_var.items()
     if not units.of_leaf[i].stacked
     and i not in units.of_leaf[i].apart
+    and units.of_leaf[i].shard_dims.get(i) == 0
     and units.of_leaf[i].collectives.table_rows is not None
     and _is_float(v.aval)
     and v.aval.ndim >= 2
