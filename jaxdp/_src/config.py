@@ -255,10 +255,9 @@ class FSDPConfig:
   `set_modules_to_forward_prefetch` depth, Megatron-FSDP's double buffer): with 1, unit i+1's
   gather may run while unit i computes, in the forward and (reversed) in the backward, and no
   earlier, so at most prefetch + 1 unrolled units are gathered at once. Enforced by data
-  dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned layer's
-  params are gathered one by one inside its iteration (each gather overlaps the compute of
-  the params before it); with 2 or more, XLA's collective pipeliner also starts the next
-  layer's gathers one iteration ahead (one more layer gathered at the peak)."""
+  dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned unit's
+  loops always gather the next layer while one layer computes (docs/design.md, "Scanned
+  layers one iteration ahead")."""
   chunks: Mapping[Prefix, int] = dataclasses.field(default_factory=dict)
   """`{prefix: C}`: params gathered and reduce-scattered C row blocks at a time, for a large
   embedding or output projection (`{"wte": 8}`): each matmul that uses such a param runs as C
@@ -284,7 +283,9 @@ class FSDPConfig:
   `MixedPrecisionPolicy(param_dtype=)`, e.g. `jnp.bfloat16`): the fp32 master stays sharded,
   each unit's shard is cast before its all-gather (which moves, and gathers, half the bytes
   of fp32), and gradients are reduce-scattered in fp32 with `DDPConfig(grad_reduce_in_fp32=
-  True)` (the default), else in this dtype. None: each param's own dtype."""
+  True)` (the default), else in this dtype. None: each param's own dtype, or the narrower
+  one every use of it in the loss casts it to (a float32 param the loss always casts to
+  bfloat16 is gathered in bfloat16; the loss computes on the same values)."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):

@@ -846,10 +846,7 @@ def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str,
   fsdp = fsdp or FSDPConfig()
   options = base_compiler_options(platform)
   if platform in GPU_PLATFORMS:
-    options.update(
-      xla_gpu_enable_pipelined_all_gather=fsdp.prefetch > 1,
-      xla_gpu_enable_pipelined_reduce_scatter=True,
-    )
+    options["xla_gpu_enable_pipelined_reduce_scatter"] = True
     if fsdp.stacked:
       options["xla_gpu_all_gather_combine_threshold_bytes"] = LAYER_GATHER_COMBINE_BYTES
   return options

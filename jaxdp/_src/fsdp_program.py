@@ -24,12 +24,12 @@ traced program (its jaxpr) in pieces:
   (`FSDPConfig(stacked=...)`), whatever made it (`jax.lax.scan`, `nnx.scan`, with or without
   `jaxdp.scan_unit`, with the user's remat inside its body or around it). It runs as one
   `custom_vjp` (`_scan_unit`) over the layer shards `(layers, rows / dp, ...)`: the forward
-  loop gathers one layer per iteration and stacks that iteration's residuals (chosen as
+  loop runs one layer per iteration and stacks that iteration's residuals (chosen as
   above); the backward loop gathers each layer again, runs its vjp and reduce-scatters its
-  gradients in its own iteration. The consts and the shards are saved once, not per layer.
-  Inside the loops a layer is gathered one all-gather per param, so each param's gather
-  overlaps the compute of those before it (as GSPMD's scanned FSDP does); the reduce-scatter
-  is one per layer.
+  gradients. Both loops run one layer ahead ([Note: a layer gathered one iteration
+  ahead]): an iteration gathers the next layer while it computes its own, and the backward
+  reduce-scatters the gradients a layer computes last in the next iteration. The consts
+  and the shards are saved once, not per layer.
 * Live units are bounded by data dependencies, not left to the scheduler
   (`FSDPConfig(prefetch=k)`): before segment i runs, the shards of the op k places later go
   through one `optimization_barrier` with segment i's inputs, so their all-gather cannot start
@@ -40,8 +40,13 @@ traced program (its jaxpr) in pieces:
   reduce-scatter must finish before the segment two earlier gets its cotangents (a second
   token), so it overlaps the backward of the segment before and its full-size gradient dies
   there. Every tie uses all its barrier's results or is arithmetic (`x + zero token`): XLA
-  drops barrier operands whose results are unused. Inside a scan, `prefetch >= 2` lets XLA's
-  collective pipeliner gather the next layer one iteration ahead.
+  drops barrier operands whose results are unused.
+* What moves is what the loss reads: a param every use of which the loss casts to a
+  narrower dtype (`w.astype(jnp.bfloat16)`) is gathered cast ([Note: gathered in the dtype
+  the loss casts to]), and a vocabulary table the loss only reads by rows (`embed[ids]`,
+  `h @ out.T`) is not gathered at all where moving the activations costs fewer bytes
+  (`FSDPConfig(vocab_parallel=)`, [Note: a table computed by rows] in `collectives`): each
+  use runs on this device's rows (`_TableDot`, `_TableTake`).
 
 Why trace and replay, rather than the thread-local scope that `gather_unit` / `scan_unit`
 used to read at trace time: nothing JAX caches may depend on state outside the values it
@@ -575,7 +580,7 @@ def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping)
     grad = np.dtype(unit.grad_dtypes.get(i, aval.dtype)).itemsize if trainable else 0
     gathers = 1 + any(u.kind == "matmul" and u.x_grad for u in leaf_uses)
     param_bytes = (dp - 1) / dp * aval.size * (moved * gathers + grad)
-    if sum(_activation_bytes(u, dp, trainable) for u in leaf_uses) <= param_bytes:
+    if sum(_activation_bytes(u, dp, trainable) for u in leaf_uses) < param_bytes:
       picked.add(i)
   return frozenset(picked)
 
@@ -1179,9 +1184,13 @@ class _ScanUnit:
   def k(self) -> int:  # the prefetch depth
     return len(self.token_avals) - 1
 
-  def gather_at(self, t, f_, pos):
-    """Layer `pos`'s params, gathered from the stacked shards."""
-    return self.layer.gather(_at(t, pos), _at(f_, pos))
+  def gather_at(self, t, f_, pos, after=None):
+    """Layer `pos`'s params, gathered from the stacked shards once `after` exists (None:
+    whenever); returns them and `after` (its value through the barrier that orders them)."""
+    shards = (_at(t, pos), _at(f_, pos))
+    if after is not None:
+      shards, after = _together(shards, after)
+    return self.layer.gather(*shards), after
 
   def call(self, consts, init, other, t, f_, tokens):
     def step(carry, pos, full, landed):
@@ -1219,14 +1228,14 @@ class _ScanUnit:
     else:
       shards, d_carry = _together(shards, d_carry)
 
-    def gather(pos):
+    def gather(pos, after):
       if isinstance(pos, int) and pos == first:
-        return self.layer.gather(*shards)
-      return self.gather_at(t, f_, pos)
+        return self.layer.gather(*shards), after
+      return self.gather_at(t, f_, pos, after)
 
     def step(acc, pos, full, landed):
       if full is None:  # every residual saved: the params' values are not read
-        full = _stand_ins(_traced_avals(self.gather_at, t, f_, 0))
+        full = _stand_ins(_traced_avals(lambda t, f_: self.gather_at(t, f_, 0)[0], t, f_))
       return self.bwd_layer(consts, acc, full, _at(saved, pos), _at(d_ys, pos), landed)
 
     # Without resharding the forward saved every residual, the gathered params included.
@@ -1288,35 +1297,39 @@ def _layer_loop(
   length: int, reverse: bool, gather: Callable | None, step: Callable, carry, finish=None
 ):
   """`step(carry, pos, full, landed) -> (carry, out)` for each layer position `pos` in run
-  order (`0 .. length - 1`, or reversed), `full` being `gather(pos)` started one iteration
-  ahead (None without `gather`); with `finish`, each `out` is handed on and `finish(out)`
-  runs in the next iteration, once the gather started in it has landed, and `landed` is a
-  zero that exists then (a token for `step`'s own collectives; else None). See [Note: a
-  layer gathered one iteration ahead]. Returns the last carry and the (finished) outputs
-  stacked by position (`(length, ...)` per leaf, position-indexed whatever the order)."""
+  order (`0 .. length - 1`, or reversed), `full` being layer `pos`'s params gathered one
+  iteration ahead by `gather(pos, after) -> (full, after)`, once the layer before has landed
+  (`after`: None without `gather`); with `finish`, each `out` is handed on and
+  `finish(out)` runs in the next iteration, once the gather started in it has landed, and
+  `landed` is a zero that exists then (a token for `step`'s own collectives; else None).
+  See [Note: a layer gathered one iteration ahead]. Returns the last carry and the
+  (finished) outputs stacked by position (`(length, ...)` per leaf, position-indexed
+  whatever the order)."""
   at = lambda k: length - 1 - k if reverse else k
   done = finish or (lambda out: out)
-  gather = gather or (lambda pos: None)  # None: the layers need no params (`step` is told)
+  gather = gather or (lambda pos, after: (None, after))  # the layers need no params
   trace = lambda c, f: step(c, at(0), f, None)[1]
-  out0 = _stand_ins(_traced_avals(trace, carry, gather(at(0))))
+  out0 = _stand_ins(_traced_avals(trace, carry, gather(at(0), None)[0]))
   stacked = jax.tree.map(lambda a: a.update(shape=(length, *a.shape)), _traced_avals(done, out0))
   outs = _stand_ins(stacked)
 
   def put(outs, out, pos):
     return jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, pos, 0), outs, out)
 
-  def ahead_of(k):
-    """Layer k + 1's gather, and with `finish` a zero that exists once it has landed."""
-    ahead = gather(at(k + 1))
+  def ahead_of(k, full):
+    """Layer k + 1's gather, once layer k's has landed (chained: XLA's all-gather combiner
+    cannot merge two layers' gathers), and with `finish` a zero that exists once it has
+    landed."""
+    ahead, full = gather(at(k + 1), full)
     if finish is None or ahead is None:
-      return ahead, None
+      return ahead, full, None
     leaf = jax.typeof(jax.tree.leaves(ahead)[0])  # a zero varying as the gathered params
     landed, ahead = _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), ahead)
-    return ahead, landed
+    return ahead, full, landed
 
   def body(k, state):  # layer k, layer k + 1 gathered, layer k - 1 finished
     carry, full, pending, outs = state
-    ahead, landed = ahead_of(k)
+    ahead, full, landed = ahead_of(k, full)
     if finish is not None:
       pending = pending if landed is None else _after(pending, landed)
       outs = put(outs, finish(pending), at(k - 1))
@@ -1325,9 +1338,9 @@ def _layer_loop(
       return carry, ahead, None, put(outs, out, at(k))
     return carry, ahead, out, outs
 
-  full, pending, first = gather(at(0)), None, 0
+  full, pending, first = gather(at(0), None)[0], None, 0
   if finish is not None and length > 1:  # the first layer has none to finish
-    ahead, landed = ahead_of(0)
+    ahead, full, landed = ahead_of(0, full)
     carry, pending = step(carry, at(0), full, landed)
     full, first = ahead, 1
   if length - 1 > first:
