@@ -9,8 +9,10 @@ README.md and docs/guide.md.
 from jaxdp._src import cuda_probe as _cuda_probe
 
 # First, before any module below imports JAX: without the CUDA plugin's "Could not find
-# cuda drivers" lines on a machine without an NVIDIA driver (jaxdp/_src/cuda_probe.py).
+# cuda drivers" lines and "Unable to load CUDA" traceback on a machine without an NVIDIA
+# driver (jaxdp/_src/cuda_probe.py).
 _cuda_probe.import_jax()
+_cuda_probe.quiet_cuda_plugin()
 
 from jaxdp import inspect as inspect
 from jaxdp import layout as layout

@@ -26,20 +26,17 @@ tokens_per_s, time_s; plus one {"step", "val_loss"} object per evaluation) and
 `loss.png` (the loss curves). Prints the gradient-buffer layout (buffers, buckets,
 padding) at start. With `--save-every N`, `checkpoints/` holds a checkpoint every N steps
 (and at the end); `--resume` continues from the latest one, on any device count and
-strategy, exactly where the data left off (step k's batch depends on seed and k alone).
+strategy, exactly where the data left off (step k's batch depends on seed and k alone) and
+with the run's own learning-rate schedule (a larger `--steps` trains on at its final rate).
+A bad flag is refused at once, before JAX is imported.
 """
 
 import argparse
-import contextlib
-import glob
-import importlib.util
 import json
 import math
 import os
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 
 import numpy as np
@@ -72,13 +69,60 @@ cpu_devices = 8  # simulated devices when JAX has no accelerator
 save_every = 0  # steps between checkpoints (0: none)
 # -----------------------------------------------------------------------------
 
+
+def at_least(low: int):
+  """An argparse type: an integer >= `low`, refused at once otherwise (exit 2, no traceback)."""
+
+  def integer(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < low:
+      raise argparse.ArgumentTypeError(f"{value}: must be at least {low}")
+    return value
+
+  return integer
+
+
+def positive_float(text: str) -> float:
+  """An argparse type: a finite float > 0."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not math.isfinite(value) or value <= 0:
+    raise argparse.ArgumentTypeError(f"{value:g}: must be a finite number > 0")
+  return value
+
+
+def rate(text: str) -> float:
+  """An argparse type: a probability in [0, 1)."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not 0.0 <= value < 1.0:
+    raise argparse.ArgumentTypeError(f"{value:g}: use a rate in [0, 1)")
+  return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+  """Writes each flag's default after its help, unless the help says it (a computed one)."""
+
+  def _get_help_string(self, action):
+    if "(default:" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
 parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0],
   epilog="Writes to --out: metrics.jsonl (one JSON object per step: step, loss, grad_norm, "
   "lr, tokens_per_s, time_s; and {step, val_loss} per evaluation), loss.png (the "
   "loss curves) and, with --save-every, checkpoints/. Runs on every device present; "
   "without a GPU on --cpu-devices simulated CPU devices.",
-  formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  formatter_class=HelpFormatter,
 )
 parser.add_argument(
   "--strategy",
@@ -87,25 +131,32 @@ parser.add_argument(
   help="Megatron's data_parallel_sharding_strategy: no_shard (DDP), optim "
   "(ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (FSDP)",
 )
-parser.add_argument("--steps", type=int, default=steps, help="training steps")
+parser.add_argument(
+  "--steps",
+  type=at_least(1),
+  default=steps,
+  help="last training step; on --resume the run's learning-rate schedule is kept",
+)
 parser.add_argument(
   "--batch-size",
-  type=int,
+  type=at_least(1),
   default=batch_size,
   help="global batch in sequences per step; must divide by the device count",
 )
 parser.add_argument(
-  "--block-size", type=int, default=block_size, help="sequence length in bytes (tokens)"
+  "--block-size", type=at_least(1), default=block_size, help="sequence length in bytes (tokens)"
 )
-parser.add_argument("--n-layer", type=int, default=n_layer, help="transformer blocks")
+parser.add_argument("--n-layer", type=at_least(1), default=n_layer, help="transformer blocks")
 parser.add_argument(
   "--scan-layers",
   action=argparse.BooleanOptionalAction,
   default=scan_layers,
   help="stack the blocks and run them with lax.scan (FSDP: one unit per layer)",
 )
-parser.add_argument("--n-head", type=int, default=n_head, help="attention heads")
-parser.add_argument("--d-model", type=int, default=d_model, help="model width")
+parser.add_argument(
+  "--n-head", type=at_least(1), default=n_head, help="attention heads; must divide --d-model"
+)
+parser.add_argument("--d-model", type=at_least(1), default=d_model, help="model width")
 parser.add_argument(
   "--dtype",
   default=dtype,
@@ -114,19 +165,21 @@ parser.add_argument(
 )
 parser.add_argument(
   "--lr",
-  type=float,
-  default=lr,
-  help="peak learning rate (AdamW; linear warmup, cosine decay to lr/10)",
+  type=positive_float,
+  default=None,
+  help=f"peak learning rate (AdamW; linear warmup, cosine decay to lr/10) (default: {lr:g}; "
+  "on --resume, the run's own)",
 )
 parser.add_argument(
   "--warmup-steps",
-  type=int,
-  default=warmup_steps,
-  help="linear warmup steps (at most half of --steps)",
+  type=at_least(0),
+  default=None,
+  help=f"linear warmup steps, at most half of --steps (default: {warmup_steps}, or half of "
+  "--steps if that is less; on --resume, the run's own)",
 )
 parser.add_argument(
   "--bucket-size",
-  type=int,
+  type=at_least(1),
   default=bucket_size,
   help="gradient bucket size in elements (the defaults, 25 MiB of fp32 under no_shard and "
   "max(16M, 1M * dp) under the sharded strategies, would give this small model "
@@ -134,20 +187,20 @@ parser.add_argument(
 )
 parser.add_argument(
   "--eval-every",
-  type=int,
+  type=at_least(1),
   default=eval_every,
   help="steps between validation losses (also at step 0 and at the end)",
 )
 parser.add_argument(
   "--dropout",
-  type=float,
+  type=rate,
   default=dropout,
   help="embedding dropout rate; > 0 puts a key in the train state, from which "
   "each step and device draws its masks",
 )
 parser.add_argument(
   "--seed",
-  type=int,
+  type=at_least(0),
   default=seed,
   help="init and data seed (step k's batch depends on seed and k alone)",
 )
@@ -156,77 +209,68 @@ parser.add_argument(
 )
 parser.add_argument(
   "--cpu-devices",
-  type=int,
+  type=at_least(1),
   default=cpu_devices,
   help="simulated devices when JAX runs on the CPU (no effect on a GPU)",
 )
 parser.add_argument(
   "--save-every",
-  type=int,
+  type=at_least(0),
   default=save_every,
   help="steps between checkpoints in <out>/checkpoints (0: none)",
 )
 parser.add_argument(
   "--resume",
   action="store_true",
-  help="continue from the latest checkpoint in <out>/checkpoints, on any device count and strategy",
+  help="continue from the latest checkpoint in <out>/checkpoints, on any device count and "
+  "strategy, with the run's own learning-rate schedule (a larger --steps trains on at its "
+  "final rate)",
 )
 args = parser.parse_args()
-
-# JAX's CUDA plugin (the [aot] or [gpu] extra) on a machine without an NVIDIA GPU prints a
-# traceback ("Unable to load CUDA") when JAX picks a backend, and its C++ stub a "Could not
-# find cuda drivers" line: there, ask for the CPU (before jax is imported), and drop the
-# stub's lines. With a GPU, or JAX_PLATFORMS set, nothing changes.
-# Any sign of a GPU (a device file, WSL's /dev/dxg, nvidia-smi) or a TPU keeps JAX's choice.
-gpu_signs = glob.glob("/dev/nvidia[0-9]*") + glob.glob("/dev/dxg") + glob.glob("/dev/accel*")
-no_gpu = (
-  not gpu_signs
-  and shutil.which("nvidia-smi") is None
-  and importlib.util.find_spec("jax_cuda12_plugin") is not None
-)
-if no_gpu and "JAX_PLATFORMS" not in os.environ:
-  os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-@contextlib.contextmanager
-def without_cuda_stub_lines():
-  """Filters the CUDA stub's lines out of what C++ writes to stderr (fd 2) meanwhile."""
-  if not no_gpu:
-    yield
-    return
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as tmp:
-    os.dup2(tmp.fileno(), 2)
-    try:
-      yield
-    finally:
-      sys.stderr.flush()
-      os.dup2(saved, 2)
-      os.close(saved)
-      tmp.seek(0)
-      for line in tmp.read().decode(errors="replace").splitlines(keepends=True):
-        if "cudart_stub.cc" not in line and "absl::InitializeLog()" not in line:
-          sys.stderr.write(line)
-
+# What no single flag's type can say, refused here too: before JAX is imported, in a second.
+if args.d_model % args.n_head:
+  parser.error(
+    f"--n-head {args.n_head} does not divide --d-model {args.d_model}; "
+    f"use a --n-head that divides it, or a --d-model that is a multiple of {args.n_head}"
+  )
+if args.warmup_steps is not None and args.warmup_steps > args.steps // 2:
+  parser.error(
+    f"--warmup-steps {args.warmup_steps} is more than half of --steps {args.steps}; "
+    f"use at most {args.steps // 2}, or more --steps"
+  )
 
 # JAX reads the CPU device count when it initialises, so set it before importing jax.
 # Both settings only affect the CPU backend: on a GPU/TPU machine the accelerators are used.
 os.environ["XLA_FLAGS"] = (
   os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.cpu_devices}"
 )
-with without_cuda_stub_lines():
-  import jax
+# jaxdp first: it imports JAX without the CUDA plugin's "Could not find cuda drivers" lines
+# on a machine without an NVIDIA driver (the [aot] extra installs the plugin).
+import jaxdp  # noqa: E402
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-import jaxdp  # noqa: E402
 
 # Under `python -m jaxdp.launch` (or SLURM, Open MPI, ...) this joins the other processes and
 # takes the launcher's devices per process; alone it does nothing.
 jaxdp.initialize()
-with without_cuda_stub_lines():
-  jax.devices()  # starts the backend, after initialize (as jax.distributed requires)
-is_main = jax.process_index() == 0  # the process that writes metrics and the plot
+jax.devices()  # starts the backend, after initialize (as jax.distributed requires)
+is_main = jax.process_index() == 0  # the process that writes metrics, the plot and reports
+devices = jax.devices()
+n_dev = len(devices)
+if args.batch_size % n_dev:
+  parser.error(
+    f"--batch-size {args.batch_size} does not divide by the {n_dev} devices; "
+    f"use a multiple of {n_dev}"
+  )
+mesh = jax.make_mesh((n_dev,), ("data",))
+
+
+def say(*lines: str) -> None:
+  """Prints on process 0 only: every process of a multi-process job would repeat it."""
+  if is_main:
+    print(*lines, sep="\n", flush=True)
+
 
 import jax.numpy as jnp  # noqa: E402
 import matplotlib  # noqa: E402
@@ -277,15 +321,6 @@ def get_batch(split: np.ndarray, rng: np.random.Generator) -> dict:
 
 # ----------------------------------------------------------------------------- model, mesh
 
-devices = jax.devices()
-n_dev = len(devices)
-if args.batch_size % n_dev:
-  sys.exit(
-    f"--batch-size {args.batch_size} does not divide by the {n_dev} devices; "
-    f"use a multiple of {n_dev}"
-  )
-mesh = jax.make_mesh((n_dev,), ("data",))
-
 
 def to_mesh(batch: dict) -> dict:
   """The global batch as arrays split over "data"; each process puts only its own rows."""
@@ -310,12 +345,56 @@ model.eval()  # validation without dropout
 _, eval_fn = jaxdp.nnx_split(model, gpt_loss)
 n_params = sum(x.size for x in jax.tree.leaves(params))
 
+# Checkpoints: topology-free, so --resume works with another strategy or device count.
+mgr, resume_step = None, None
+if args.save_every or args.resume:
+  mgr = jaxdp.CheckpointManager(
+    os.path.join(args.out, "checkpoints"),
+    max_to_keep=3,
+    save_interval_steps=max(args.save_every, 1),
+  )
+  resume_step = mgr.latest_step() if args.resume else None
+  if args.resume and resume_step is None:
+    say(f"--resume: no checkpoint in {args.out}/checkpoints; starting from step 0")
+if resume_step is not None and resume_step >= args.steps:
+  say(
+    f"--resume: checkpoint {resume_step} is at --steps {args.steps} or past it: nothing to "
+    "train; give a larger --steps to train on"
+  )
+  sys.exit(0)
+
+# The learning-rate schedule: linear warmup, then cosine decay to lr / 10 at the last step.
+# Each checkpoint stores it beside the data position, and a resumed run keeps it: the run
+# goes on exactly as it started (a larger --steps trains on at the final rate, rather than
+# stretching the curve and raising the rate mid-run).
+run_schedule = {
+  "peak_lr": lr if args.lr is None else args.lr,
+  "warmup_steps": min(warmup_steps, args.steps // 2)
+  if args.warmup_steps is None
+  else args.warmup_steps,
+  "decay_steps": args.steps,
+}
+if resume_step is not None:
+  position = mgr.data_position()
+  saved = position.get("schedule") if isinstance(position, dict) else None
+  for flag, key, given in (
+    ("--lr", "peak_lr", args.lr),
+    ("--warmup-steps", "warmup_steps", args.warmup_steps),
+  ):
+    if saved is not None and given is not None and given != saved[key]:
+      parser.error(
+        f"{flag} {given:g}: the run in {args.out} was started with {flag} {saved[key]:g}, and "
+        f"a resumed run keeps its learning-rate schedule; resume with {flag} {saved[key]:g} "
+        f"(or without {flag}), or start a new run with another --out"
+      )
+  run_schedule = saved or run_schedule
+peak_lr, end_lr = run_schedule["peak_lr"], run_schedule["peak_lr"] / 10
 schedule = optax.warmup_cosine_decay_schedule(
   0.0,
-  args.lr,
-  warmup_steps=min(args.warmup_steps, args.steps // 2),
-  decay_steps=args.steps,
-  end_value=args.lr / 10,
+  peak_lr,
+  warmup_steps=run_schedule["warmup_steps"],
+  decay_steps=run_schedule["decay_steps"],
+  end_value=end_lr,
 )
 # Decay the matrices and embeddings, not the biases and LayerNorm params (as nanoGPT).
 decay_mask = jax.tree_util.tree_map_with_path(
@@ -351,27 +430,42 @@ def eval_all(params, batch):
 # fewer in flight is safer), run on the state where it lives (FSDP: unit by unit).
 eval_step = jaxdp.make_eval_step(eval_all, mesh, ddp_config, fsdp=fsdp)
 
-print(
-  f"devices: {n_dev} x {devices[0].platform} | strategy: {args.strategy} | "
-  f"params: {n_params:,} ({args.dtype}) | corpus: {len(train_data):,} train bytes, "
-  f"{len(val_data):,} val bytes"
-)
-print(state.layout.summary())
-
-# Checkpoints: topology-free, so --resume works with another strategy or device count.
-mgr, first_step = None, 1
-if args.save_every or args.resume:
-  mgr = jaxdp.CheckpointManager(
-    os.path.join(args.out, "checkpoints"),
-    max_to_keep=3,
-    save_interval_steps=max(args.save_every, 1),
+# Every process says it joined (a multi-process job names each); process 0 says the rest.
+banner = f"devices: {n_dev} x {devices[0].platform}"
+if jax.process_count() > 1:
+  banner += (
+    f" | process {jax.process_index()} of {jax.process_count()}, {jax.local_device_count()} local"
   )
-  if args.resume and mgr.latest_step() is not None:
-    state = mgr.restore(state)  # `state` from init_state says the target layout
-    first_step = int(state.step) + 1
-    print(f"resumed from checkpoint {mgr.latest_step()} (step {first_step - 1})")
-  elif args.resume:
-    print(f"--resume: no checkpoint in {args.out}/checkpoints; starting from step 0")
+if is_main:
+  banner += (
+    f" | strategy: {args.strategy} | params: {n_params:,} ({args.dtype}) | "
+    f"corpus: {len(train_data):,} train bytes, {len(val_data):,} val bytes"
+  )
+print(banner, flush=True)
+say(state.layout.summary())
+capped = args.warmup_steps is None and warmup_steps > args.steps // 2 and resume_step is None
+say(
+  f"learning rate: warmup to {peak_lr:g} over {run_schedule['warmup_steps']} steps"
+  + (f" (the default {warmup_steps}, capped at half of --steps)" if capped else "")
+  + f", cosine decay to {end_lr:g} at step {run_schedule['decay_steps']}"
+)
+
+first_step = 1
+if resume_step is not None:
+  state = mgr.restore(state)  # `state` from init_state says the target layout
+  first_step = int(state.step) + 1
+  say(f"resumed from checkpoint {resume_step} (step {first_step - 1})")
+  decay_steps = run_schedule["decay_steps"]
+  if args.steps > decay_steps:
+    say(
+      f"--steps {args.steps}: the run's schedule reaches {end_lr:g} at step {decay_steps}; "
+      f"steps {max(decay_steps + 1, first_step)}-{args.steps} train at {end_lr:g}"
+    )
+  elif args.steps < decay_steps:
+    say(
+      f"--steps {args.steps}: this run stops at step {args.steps} of a schedule that decays "
+      f"until step {decay_steps}"
+    )
 
 val_rng = np.random.default_rng([args.seed, 0])  # the same validation windows every time
 val_host = [get_batch(val_data, val_rng) for _ in range(eval_batches)]
@@ -441,15 +535,22 @@ for step in bar:
   )
   history["step"].append(step)
   history["loss"].append(loss)
-  bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+  # Throughput from the second step on: the first one's time is mostly compilation.
+  bar.set_postfix(loss=f"{loss:.3f}", **({"tok_s": f"{tok_s:,.0f}"} if tok_s else {}))
   if step % args.eval_every == 0 or step == args.steps:
     v = val_loss()
     history["val_step"].append(step)
     history["val_loss"].append(v)
     record(step=step, val_loss=v)
-    bar.write(f"step {step}: loss {loss:.3f} (this step), val loss {v:.3f}")
+    if is_main:
+      bar.write(f"step {step}: loss {loss:.3f} (this step), val loss {v:.3f}")
   if mgr is not None and args.save_every:  # async: the write overlaps the next steps
-    mgr.save(step, state, data_position={"next_step": step + 1}, force=step == args.steps)
+    mgr.save(
+      step,
+      state,
+      data_position={"next_step": step + 1, "schedule": run_schedule},
+      force=step == args.steps,
+    )
 bar.close()
 log.close()
 if mgr is not None:
@@ -473,15 +574,32 @@ fig.tight_layout()
 if is_main:
   fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
 
-first = np.mean(history["loss"][:10])
-last = np.mean(history["loss"][-10:])
-print(
-  f"done: {args.steps} steps in {elapsed:.1f}s (cpu {elapsed_cpu:.1f}s) | "
-  f"train loss, mean of 10 steps: {first:.3f} (first 10) -> {last:.3f} (last 10) | "
+# The run's train loss (a resumed run's from its first step on, as metrics.jsonl has it):
+# the mean of its first k and last k steps, k = 10, or half the steps of a short run.
+steps_run = args.steps - first_step + 1
+k = min(10, len(history["loss"]) // 2)
+if k:
+  train_loss = (
+    f"train loss, mean of {k} steps: {np.mean(history['loss'][:k]):.3f} (steps "
+    f"{history['step'][0]}-{history['step'][k - 1]}) -> {np.mean(history['loss'][-k:]):.3f} "
+    f"(steps {history['step'][-k]}-{history['step'][-1]})"
+  )
+else:
+  train_loss = f"train loss {history['loss'][-1]:.3f} (step {history['step'][-1]})"
+say(
+  (
+    f"done: steps {first_step}-{args.steps} ({steps_run} steps)"
+    if first_step > 1
+    else f"done: {steps_run} steps"
+  )
+  + f" in {elapsed:.1f}s (cpu {elapsed_cpu:.1f}s) | {train_loss} | "
   f"val loss {history['val_loss'][0]:.3f} -> {history['val_loss'][-1]:.3f} | "
-  f"{tok_s:,.0f} tokens/s | wrote {args.out}/"
-)
-print(
-  f"cpu seconds: first step (compile) {first_step_cpu:.1f}, "
-  f"then {(elapsed_cpu - first_step_cpu) / max(args.steps - first_step, 1):.3f} per step"
+  + (f"{tok_s:,.0f} tokens/s | " if tok_s else "")
+  + f"wrote {args.out}/",
+  f"cpu seconds: first step (compile) {first_step_cpu:.1f}"
+  + (
+    f", then {(elapsed_cpu - first_step_cpu) / (steps_run - 1):.3f} per step"
+    if steps_run > 1
+    else ""
+  ),
 )

@@ -1,5 +1,9 @@
 """The public namespaces: what `__all__` lists is exactly what each one exports."""
 
+import dataclasses
+import inspect
+import pydoc
+import re
 import types
 
 import pytest
@@ -34,3 +38,38 @@ def test_the_top_level_holds_the_training_api_only():
     assert hasattr(jaxdp.layout, name), name
   for name in ("gather_unit", "scan_unit"):
     assert not hasattr(jaxdp, name), name
+
+
+@pytest.mark.parametrize("config", [jaxdp.DDPConfig, jaxdp.FSDPConfig], ids=lambda c: c.__name__)
+def test_help_of_a_config_lists_every_field(config):
+  """`help(jaxdp.DDPConfig)` shows the class docstring, and attribute docstrings are not
+  in it: its `Attributes:` section names every field, in order, each once."""
+  doc = inspect.getdoc(config)
+  section = doc.split("Attributes:\n", 1)[1].split("\n\n", 1)[0]
+  listed = re.findall(r"^  (\w+): ", section, re.M)
+  assert listed == [f.name for f in dataclasses.fields(config)], listed
+  assert all(f"{name}:" in pydoc.render_doc(config) for name in listed)
+
+
+@pytest.mark.parametrize("module", NAMESPACES, ids=lambda m: m.__name__)
+def test_help_points_to_public_names_and_real_pages(module):
+  """What `help()` shows of a public name never sends a user into `jaxdp._src` (private,
+  may change), nor to a README section that is in docs/."""
+  for name in module.__all__:
+    obj = getattr(module, name)
+    if isinstance(obj, types.ModuleType):
+      continue
+    members = (
+      [obj]
+      + [
+        v
+        for k, v in vars(obj).items()
+        if not k.startswith("_") and (callable(v) or isinstance(v, property))
+      ]
+      if inspect.isclass(obj)
+      else [obj]
+    )
+    for member in members:
+      doc = inspect.getdoc(member) or ""
+      assert "jaxdp._src" not in doc, (name, [line for line in doc.splitlines() if "_src" in line])
+      assert "README" not in doc, (name, [line for line in doc.splitlines() if "README" in line])

@@ -411,9 +411,21 @@ def test_other_leaf_names_the_leaf(small):
   like = jaxdp.init_state(
     {"a": jnp.ones((3, 2)), "c": jnp.zeros((2,))}, optax.adam(1e-3), _mesh(8), _config("optim")
   )
-  assert "params['c']: `like` has this leaf where the checkpoint has params['b']" in _restore_error(
-    mgr, like
-  )
+  # Paired by path: the leaf only one side has is named, on each side.
+  assert (
+    "only the checkpoint has params['b'] and only `like` has params['c'] (2 params leaves in "
+    "the checkpoint, 2 in `like`)"
+  ) in _restore_error(mgr, like)
+
+
+def test_an_extra_leaf_is_named_not_paired_by_position(small):
+  """`like` has one leaf fewer than the checkpoint: the missing one is named, and no leaf
+  is compared with its neighbour's shape."""
+  mgr, _ = small
+  like = jaxdp.init_state({"a": jnp.ones((3, 2))}, optax.adam(1e-3), _mesh(8), _config("optim"))
+  msg = _restore_error(mgr, like)
+  assert "does not fit `like`: only the checkpoint has params['b'] (2 params leaves" in msg, msg
+  assert "only `like` has" not in msg and "shape" not in msg, msg
 
 
 def test_other_dtype_names_the_leaf(small):
@@ -434,16 +446,32 @@ def test_other_optimizer_names_the_leaf(small):
   like = jaxdp.init_state(params, optax.sgd(1e-3, momentum=0.9), _mesh(8), _config("optim"))
   msg = _restore_error(mgr, like)
   assert (
-    "opt_state[0].trace['a']: `like` has this leaf where the checkpoint has opt_state[0].count"
+    "only the checkpoint has opt_state[0].count, opt_state[0].mu['a'], opt_state[0].mu['b'], "
+    "opt_state[0].nu['a'] and 1 more and only `like` has opt_state[0].trace['a'], "
+    "opt_state[0].trace['b']"
     in msg
     and "another optimizer" in msg
-  )
+  ), msg
 
 
 def test_optimizer_with_same_leaves_other_structure(small):
   mgr, params = small
   like = jaxdp.init_state(params, optax.adamw(1e-3), _mesh(8), _config("optim"))
   assert "optimizer state has the structure" in _restore_error(mgr, like)
+
+
+def test_a_like_consumed_by_a_restore_is_refused(small):
+  """A restore into `init_state`'s state donates its arrays to the result: restoring into
+  the same `like` again (or saving it) is refused on the host, not a crash."""
+  mgr, params = small
+  like = jaxdp.init_state(params, optax.adam(1e-3), _mesh(8), _config("optim"))
+  restored = mgr.restore(like)
+  assert like.step.is_deleted()
+  with pytest.raises(
+    ValueError, match=r"CheckpointManager\.restore\(like\): this state was donated"
+  ):
+    mgr.restore(like)
+  assert int(restored.step) == 0 and not restored.step.is_deleted()
 
 
 def test_other_frozen_set(small):

@@ -342,6 +342,63 @@ def test_ctrl_c_stops_the_job():
       os.kill(pid, 0)  # Reaped by the launcher: gone.
 
 
+def test_launcher_relays_whole_lines_of_each_process_never_mixed():
+  """Each process writes its lines in pieces, all at once: every relayed line is one whole
+  line of one process, under its prefix."""
+  script = (
+    "import os, time\n"
+    f"p = {_PID}\n"
+    "for k in range(200):\n"
+    "  line = f'p{p} line {k} ' + 'x' * 200 + '\\n'\n"
+    "  for piece in (line[:50], line[50:120], line[120:]):\n"
+    "    os.write(1, piece.encode())\n"
+    "    time.sleep(0.0002)\n"
+  )
+  code, out, err = launch_quiet(["-c", script], 3)
+  assert code == 0, err
+  expected = {f"[p{p}] p{p} line {k} " + "x" * 200 for p in range(3) for k in range(200)}
+  lines = out.splitlines()
+  assert len(lines) == len(expected) and set(lines) == expected
+
+
+GLOO_OK = (
+  "[Gloo] Rank {} is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+)
+
+
+def test_launcher_leaves_out_gloo_connection_news_and_keeps_a_bar_last_state():
+  """Gloo's connection lines (whole, or spliced mid-line by its threads) are left out, one
+  that says a peer is missing is kept; a progress bar's redraws come as their last state."""
+  spliced = (
+    GLOO_OK.format(1).replace("Rank 1", "Rank 1[Gloo] Rank ", 1)
+    + "\n2"
+    + (GLOO_OK.format(2).split("Rank 2", 1)[1])
+  )
+  missing = GLOO_OK.format(3).replace("to 7", "to 5")
+  script = (
+    "import os\n"
+    f"for line in ({GLOO_OK.format(0)!r}, {spliced!r}, {missing!r}, '1', '\\r 10%\\r 90%\\r100%'):\n"
+    "  os.write(1, (line + '\\n').encode())\n"
+  )
+  code, out, err = launch_quiet(["-c", script], 1)
+  assert code == 0, err
+  assert out.splitlines() == [f"[p0] {missing}", "[p0] 1", "[p0] 100%"], out
+
+
+def test_launcher_usage_names_every_option(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--help"])
+  assert exit_info.value.code == 0
+  text = capsys.readouterr().out
+  usage = " ".join(text[: text.index("\n\n")].split())
+  assert usage.startswith("usage: python -m jaxdp.launch") and usage.endswith("-- SCRIPT [ARGS...]")
+  options = set(re.findall(r"^\s+(?:-\w(?: \w+)?, )?(--[\w-]+)", text, re.M))
+  assert {"--num-processes", "--grace-period", "--timeout", "--hang-timeout"} <= options
+  for option in options - {"--help", "--num-processes", "--devices-per-process"}:
+    assert option in usage, (option, usage)
+  assert "-n P" in usage and "[-d D]" in usage
+
+
 def test_launcher_requires_a_script(capsys):
   with pytest.raises(SystemExit) as exit_info:
     main(["-n", "2"])

@@ -601,6 +601,25 @@ def test_ledger_reproduces_the_design_table():
   assert ledger.total == 6 * psi // n + 12 * psi // (2 * n) + 4
 
 
+def test_ledger_says_what_each_device_holds_in_the_step_and_between_steps():
+  """`ledger.state["params"]` is 0 under ZeRO-1, whose step holds the params whole:
+  `str(ledger)` says both, in the same bytes as the fields (the design table's psi = 2^20
+  bf16 params, N = 8)."""
+  params = {"w": jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16)}
+  ddp = lambda strategy, **kw: jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, **kw)
+  zero1 = memory_ledger(params, None, DP, ddp("optim"))
+  assert zero1.state["params"] == 0 and zero1.params == 2 * 2**20
+  assert str(zero1).startswith("7.50 MiB per device in the step: params 2.00 MiB (whole, ")
+  assert "gathered from master in each step; 0 B kept between steps" in str(zero1)
+  after_update = memory_ledger(params, None, DP, ddp("optim", overlap_param_gather=False))
+  assert after_update.state["params"] == 2 * 2**20
+  assert "params 2.00 MiB (whole, kept)" in str(after_update)
+  assert "params 2.00 MiB (whole, kept)" in str(memory_ledger(params, None, DP, ddp("no_shard")))
+  fsdp = memory_ledger(params, None, DP, ddp("optim_grads_params"))
+  assert f"the largest {fsdp.gathered_unit / 2**20:.2f} MiB, not in the total" in str(fsdp)
+  assert str(fsdp).startswith(f"{fsdp.total / 2**20:.2f} MiB per device in the step: params 0 B")
+
+
 # ----------------------------------------------------------------------------- exactness
 
 

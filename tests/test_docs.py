@@ -20,9 +20,13 @@ import sys
 import tomllib
 from pathlib import Path
 
+import importlib.util
+
 import jax
 import pytest
 from packaging.version import Version
+
+from jaxdp._src import cuda_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -126,6 +130,46 @@ def test_readme_bash_blocks_name_what_exists():
   assert {"pip install", "python scripts/train.py"} <= seen
 
 
+def stderr_lines(proc: subprocess.CompletedProcess) -> list[str]:
+  """Its stderr's lines, absl's timestamp and thread id (`I0000 00:00:1796.5  123 `) blanked."""
+  return [
+    re.sub(r"^([IWE]\d{4}) [\d:.]+\s+\d+ ", r"\1 ", line) for line in proc.stderr.splitlines()
+  ]
+
+
+@pytest.mark.skipif(
+  cuda_probe.has_nvidia_driver() or importlib.util.find_spec("jax_cuda12_plugin") is None,
+  reason="JAX's CUDA plugin speaks only where it is installed and finds no NVIDIA driver",
+)
+def test_readme_example_prints_nothing_jaxdp_could_prevent(tmp_path):
+  """With the [aot] extra on a machine without a GPU, README's example (which imports jax
+  before jaxdp) writes to stderr only what `import jax` alone writes (the CUDA plugin's
+  driver probe, before jaxdp runs); imported first, jaxdp leaves that out too, with or
+  without `JAX_PLATFORMS=cpu` (what docs/first-hour.md says to set)."""
+  env = reader_env(tmp_path)
+  env.pop("JAX_PLATFORMS", None)  # a user who sets nothing
+  code = blocks(README, "python")[0]
+  assert code.startswith("import jax, jax.numpy as jnp, optax, jaxdp\n"), code[:100]
+  (tmp_path / "readme.py").write_text(code)
+  import_jax = run(["python", "-c", "import jax"], tmp_path, env)
+  readme = run(["python", "readme.py"], tmp_path, env)
+  assert readme.returncode == 0, readme.stderr[-3000:]
+  probe = [line for line in stderr_lines(import_jax) if "Could not find cuda drivers" in line]
+  assert len(probe) == 3 and len(stderr_lines(import_jax)) == 6, import_jax.stderr
+  assert stderr_lines(readme) == stderr_lines(import_jax), readme.stderr
+
+  jaxdp_first = code.replace(
+    "import jax, jax.numpy as jnp, optax, jaxdp\n",
+    "import jaxdp\nimport jax, jax.numpy as jnp, optax\n",
+  )
+  (tmp_path / "jaxdp_first.py").write_text(jaxdp_first)
+  for platforms in (None, "cpu"):
+    env_now = env if platforms is None else {**env, "JAX_PLATFORMS": platforms}
+    proc = run(["python", "jaxdp_first.py"], tmp_path, env_now)
+    assert proc.returncode == 0 and proc.stderr == "", (platforms, proc.stderr)
+    assert "loss " in proc.stdout
+
+
 def test_readme_links_exist():
   for link in re.findall(r"\]\(((?:docs|notebooks)/[^)#]*|[\w-]+\.md)\)", README):
     assert (ROOT / link).exists(), link
@@ -136,7 +180,7 @@ def test_readme_links_exist():
 
 DOC_BLOCKS = [
   (name, code)
-  for name in ("guide.md", "sharded-job.md", "bring-your-model.md")
+  for name in ("guide.md", "sharded-job.md", "bring-your-model.md", "first-hour.md")
   for code in blocks((ROOT / "docs" / name).read_text(), "python")
 ]
 
@@ -227,6 +271,14 @@ def test_multi_host_rehearsal_runs_under_the_launcher(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "[p0] devices: 8 x cpu" in proc.stdout and "[p1] devices: 8 x cpu" in proc.stdout
   assert (tmp_path / "out" / "metrics.jsonl").exists()
+  # Each process says it joined; process 0 alone says the rest, once. Gloo's connection
+  # lines are left out by the launcher.
+  assert "[p1] devices: 8 x cpu | process 1 of 2, 4 local\n" in proc.stdout
+  assert "[p0] devices: 8 x cpu | process 0 of 2, 4 local | strategy: " in proc.stdout
+  for line in ("done: 4 steps in ", "step 2: loss ", "buffer float32", "learning rate: "):
+    assert ("[p1] " + line) not in proc.stdout, line
+  assert proc.stdout.count("done: 4 steps in ") == 1 and "[p0] done: 4 steps in " in proc.stdout
+  assert "[Gloo]" not in proc.stdout + proc.stderr
 
 
 def test_multi_host_cluster_commands_use_real_flags_and_arguments():

@@ -8,8 +8,10 @@ file, and `test_run_elsewhere_still_runs_them` checks that it still does.
 import doctest
 import importlib
 import io
+import os
 import pathlib
 import pkgutil
+import subprocess
 import sys
 
 import pytest
@@ -81,3 +83,25 @@ def test_run_elsewhere_still_runs_them(name):
     f"{RUN_ELSEWHERE[name]} no longer runs the doctests of {name}: take it out of "
     "RUN_ELSEWHERE in tests/test_doctests.py"
   )
+
+
+def test_the_train_step_example_runs_on_the_devices_a_reader_has():
+  """`help(jaxdp.make_train_step)`'s example, pasted on a laptop (one CPU device, no flag
+  that simulates eight), runs as printed: it sizes its mesh and batch by
+  `jax.device_count()`."""
+  code = (
+    "import doctest, jax, jaxdp\n"
+    "assert jax.device_count() == 1, jax.devices()\n"
+    "finder = doctest.DocTestFinder()\n"
+    "runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)\n"
+    "for test in finder.find(jaxdp.make_train_step, 'make_train_step', globs={}):\n"
+    "  runner.run(test)\n"
+    "print(runner.summarize(verbose=False))\n"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  proc = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert "failed=0" in proc.stdout and "attempted=0" not in proc.stdout, proc.stdout

@@ -664,3 +664,64 @@ def test_nnx_train_step_keeps_one_step_per_optimizer_object(monkeypatch):
     moved = not np.array_equal(after["kernel"], before["kernel"])
     assert moved == (lr > 0), lr
     del model, optimizer
+
+
+# ----------------------------------------------------------------------------- eval after training
+
+
+class AttentionNet(nnx.Module):
+  """Causal self-attention, dropout, a head: the NNX transformer block a user evaluates."""
+
+  def __init__(self, rngs):
+    self.attn = nnx.MultiHeadAttention(
+      num_heads=2, in_features=8, qkv_features=8, decode=False, rngs=rngs
+    )
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.head = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):  # (B, T, 8) -> (B, 3)
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))  # (B, 1, T, T)
+    return self.head(self.drop(self.attn(x, mask=mask))).mean(axis=1)
+
+
+def attention_loss(model, batch):
+  logits = model(batch["x"])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_the_guides_eval_pattern_runs_eagerly_after_training(strategy):
+  """docs/guide.md, "Evaluate after training": after `nnx_train_step`, `model.eval();
+  model(x_test)` raised "Length of device assignment 1 is not equal to the size of the mesh
+  8" (the params written back lived on `jax.make_mesh`'s Explicit axes, where the causal
+  mask's broadcast fails outside `jax.set_mesh`), and so did `optax.tree.norm` of
+  `get_params`. The views come back on the same devices with Auto axes, and compute what
+  the same params compute as plain one-device arrays (the same eager ops on the same
+  values: equal). DDP's views are copies of the state's own params, FSDP's are gathered;
+  `tests/test_validation.py` checks every strategy's views on a small tree."""
+  k1, k2 = jax.random.split(jax.random.key(5))
+  batch = {"x": jax.random.normal(k1, (16, 4, 8)), "y": jax.random.randint(k2, (16,), 0, 3)}
+  model = AttentionNet(nnx.Rngs(0))
+  mesh = mesh8()
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  optimizer = jaxdp.NNXOptimizer(model, optax.adam(1e-2), mesh, config)
+  train_step = jaxdp.nnx_train_step(attention_loss)
+  for _ in range(2):
+    train_step(model, optimizer, batch)
+
+  model.eval()
+  x_test = batch["x"][:3]
+  logits = model(x_test)  # eager, outside any mesh context
+  params = jaxdp.get_params(optimizer.state)
+  norm = optax.tree.norm(params)
+
+  on_one_device = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)
+  reference = AttentionNet(nnx.Rngs(0))
+  jaxdp.nnx_merge(reference, on_one_device)
+  reference.eval()
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(reference(x_test)))
+  flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(on_one_device)])
+  np.testing.assert_allclose(float(norm), np.linalg.norm(flat), rtol=1e-6)
+  for x in jax.tree.leaves(params):
+    assert x.sharding.device_set == set(mesh.devices.flat)
+    assert x.sharding.mesh.axis_types == (AxisType.Auto,)

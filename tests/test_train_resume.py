@@ -1,5 +1,5 @@
 """scripts/train.py --save-every / --resume: a resumed run redoes exactly the lost steps (with
-dropout: the same masks)."""
+dropout: the same masks), and keeps the learning-rate schedule the run started with."""
 
 import json
 import os
@@ -33,10 +33,10 @@ TINY = [
 ]
 
 
-def _train(out, *args):
+def _run(out, *args):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # the script sets its own device count
-  proc = subprocess.run(
+  return subprocess.run(
     [sys.executable, str(ROOT / "scripts" / "train.py"), *TINY, "--out", str(out), *args],
     cwd=ROOT,
     env=env,
@@ -44,6 +44,10 @@ def _train(out, *args):
     text=True,
     timeout=900,
   )
+
+
+def _train(out, *args):
+  proc = _run(out, *args)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return proc.stdout
 
@@ -54,9 +58,17 @@ def _metrics(out):
 
 @pytest.mark.slow
 def test_resume_redoes_lost_steps_bitwise(tmp_path):
+  """Also, on the uninterrupted run's last checkpoint: a resume with a larger --steps goes on
+  with the run's own schedule (the steps past its end train at its final rate, lr / 10); a
+  changed --lr is refused, naming the run's; a checkpoint at --steps has nothing to train.
+  (One test: the runs are the slow part, and these reuse the first one.)"""
   full = tmp_path / "full"
-  _train(full, "--strategy", "optim")
+  first = _train(full, "--strategy", "optim")
   assert sorted(os.listdir(full / "checkpoints")) == ["3", "6", "8"]
+  # The default warmup of 30 steps is capped at half of --steps 8, and says so.
+  assert "learning rate: warmup to 0.003 over 4 steps (the default 30, capped at half of " in (
+    first
+  )
 
   # A crash right after checkpoint 3: later checkpoints and metrics never happened.
   crashed = tmp_path / "crashed"
@@ -72,3 +84,19 @@ def test_resume_redoes_lost_steps_bitwise(tmp_path):
     ]
 
   assert losses(_metrics(crashed)) == losses(_metrics(full))
+
+  before = {r["step"]: r["lr"] for r in _metrics(full) if "lr" in r}
+  proc = _run(full, "--strategy", "optim", "--resume", "--steps", "10", "--lr", "0.01")
+  assert proc.returncode == 2, proc.stderr[-3000:]
+  assert "--lr 0.01: the run in " in proc.stderr and "started with --lr 0.003" in proc.stderr
+  proc = _run(full, "--strategy", "optim", "--resume")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "checkpoint 8 is at --steps 8 or past it: nothing to train" in proc.stdout
+
+  resumed = _train(full, "--strategy", "optim", "--resume", "--steps", "10")
+  assert "resumed from checkpoint 8 (step 8)" in resumed
+  assert "steps 9-10 train at 0.0003" in resumed
+  assert "done: steps 9-10 (2 steps) in " in resumed
+  after = {r["step"]: r["lr"] for r in _metrics(full) if "lr" in r}
+  assert {k: after[k] for k in before} == before  # the first 8 steps as they were
+  assert after[9] == after[10] == pytest.approx(0.0003, rel=1e-6)

@@ -83,6 +83,16 @@ def test_train_script_end_to_end(tmp_path, strategy, extra):
   assert "dp=8," in proc.stdout and "bucket 1:" in proc.stdout
   if strategy == "no_shard":
     assert "bucket_size=4,000 elements" in proc.stdout
+  # The schedule is said; fewer than 20 steps: the summary's two means are of disjoint halves.
+  assert "learning rate: warmup to 0.01 over 2 steps, cosine decay to 0.001 at step 16" in (
+    proc.stdout
+  )
+  assert "done: 16 steps in" in proc.stdout
+  assert "train loss, mean of 8 steps: " in proc.stdout
+  assert "(steps 1-8) -> " in proc.stdout and "(steps 9-16) |" in proc.stdout
+  # The progress bar shows throughput once there is one: not after step 1 (compilation).
+  updates = [u for u in proc.stderr.replace("\r", "\n").splitlines() if "loss=" in u]
+  assert "tok_s" not in updates[0] and "tok_s=" in updates[-1], updates
 
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in records if "loss" in r]
@@ -99,6 +109,50 @@ def test_train_script_end_to_end(tmp_path, strategy, extra):
 
   png = (tmp_path / "loss.png").read_bytes()
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+# Each bad flag, and what argparse says about it (exit 2, a usage line, no traceback).
+BAD_FLAGS = [
+  (["--steps", "0"], "argument --steps: 0: must be at least 1"),
+  (["--eval-every", "0"], "argument --eval-every: 0: must be at least 1"),
+  (["--dropout", "1.5"], "argument --dropout: 1.5: use a rate in [0, 1)"),
+  (["--n-head", "3"], "--n-head 3 does not divide --d-model 128"),
+  (["--bucket-size", "0"], "argument --bucket-size: 0: must be at least 1"),
+  (["--warmup-steps", "100", "--steps", "4"], "--warmup-steps 100 is more than half of --steps 4"),
+  (["--lr", "0"], "argument --lr: 0: must be a finite number > 0"),
+  (["--lr", "inf"], "argument --lr: inf: must be a finite number > 0"),
+  (["--batch-size", "0"], "argument --batch-size: 0: must be at least 1"),
+  (["--seed", "-1"], "argument --seed: -1: must be at least 0"),
+  (["--save-every", "-1"], "argument --save-every: -1: must be at least 0"),
+  (["--cpu-devices", "0"], "argument --cpu-devices: 0: must be at least 1"),
+  (["--n-layer", "2.5"], "argument --n-layer: '2.5' is not an integer"),
+]
+
+
+@pytest.mark.parametrize(
+  "flags, message", BAD_FLAGS, ids=lambda x: " ".join(x) if isinstance(x, list) else ""
+)
+def test_bad_flags_are_refused_before_jax_is_imported(tmp_path, flags, message):
+  """argparse refuses each bad flag, and before anything heavy: a `jax` that cannot be
+  imported stands first on the path, so a refusal that came after `import jax` would show
+  its ImportError instead."""
+  (tmp_path / "jax").mkdir()
+  (tmp_path / "jax" / "__init__.py").write_text("raise ImportError('jax was imported')\n")
+  env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "scripts" / "train.py"), *flags, "--out", str(tmp_path / "out")],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert proc.returncode == 2, proc.stderr
+  assert proc.stderr.startswith("usage: train.py"), proc.stderr
+  assert f"train.py: error: {message}" in " ".join(proc.stderr.split()), proc.stderr
+  assert "Traceback" not in proc.stderr and "jax was imported" not in proc.stderr
+  assert not (tmp_path / "out").exists()
 
 
 def test_train_script_rejects_indivisible_batch(tmp_path):

@@ -234,3 +234,177 @@ def test_nan_check_off_keeps_donation_and_plain_outputs(ddp8):
   new, metrics = step(state, _batch())
   assert state.step.is_deleted() and set(metrics) == {"loss", "grad_norm"}
   assert step.lower(new, _batch()).compile() is not None
+
+
+# ----------------------------------------------------------------------------- a donated state
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+DONATED = "this state was donated to the previous step; use the state it returned"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_donated_state_is_refused_before_any_program_runs(strategy, tmp_path):
+  """`new, _ = step(state, b); step(state, b)` crashed the process (JAX segfaults when a
+  compiled program is handed a donated array of 8 devices): the step, the eval step, the
+  views and a save refuse the donated state on the host, before JAX touches its buffers.
+  Every program is compiled before the donation, the case that crashed."""
+  mesh = jax.make_mesh((8,), ("data",))
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  step = jaxdp.make_train_step(_loss, TX, mesh, config)
+  evaluate = jaxdp.make_eval_step(_loss, mesh, config)
+  state = _state(mesh, config)
+  jaxdp.get_params(state), jaxdp.get_opt_state(state), evaluate(state, _batch())
+  new, _ = step(state, _batch())
+  calls = {
+    r"train_step\(state, batch\)": lambda: step(state, _batch()),
+    r"eval_step\(state, batch\)": lambda: evaluate(state, _batch()),
+    r"jaxdp\.get_params\(state\)": lambda: jaxdp.get_params(state),
+    r"jaxdp\.get_opt_state\(state\)": lambda: jaxdp.get_opt_state(state),
+  }
+  for where, call in calls.items():
+    with pytest.raises(ValueError, match=rf"{where}: {DONATED}.*\(state\.step, "):
+      call()
+  with jaxdp.CheckpointManager(tmp_path) as manager:
+    with pytest.raises(ValueError, match=DONATED):
+      manager.save(1, state)
+  new, metrics = step(new, _batch())  # the state the step returned goes on
+  assert int(new.step) == 2 and np.isfinite(float(metrics["loss"]))
+
+
+def test_a_state_with_one_donated_field_names_it(ddp8):
+  """A state put together from a returned state and a donated one's optimizer state."""
+  mesh, config, step = ddp8
+  state = _state(mesh, config)
+  new, _ = step(state, _batch())
+  mixed = dataclasses.replace(new, opt_state=state.opt_state)
+  with pytest.raises(
+    ValueError, match=r"deleted \(state\.opt_state\[0\]\.count, .* of \d+ leaves\)"
+  ) as err:
+    step(mixed, _batch())
+  assert "state.params" not in str(err.value)
+  step(new, _batch())
+
+
+# ----------------------------------------------------------------------------- optimizer, fsdp
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(
+  "tx", [optax.sgd(0.1), optax.sgd(0.1, momentum=0.9)], ids=["sgd", "sgd_momentum"]
+)
+def test_a_step_with_another_optimizer_is_refused_before_compiling(strategy, tx):
+  """An Adam state stepped with plain SGD trained silently (SGD's state is empty), with
+  momentum SGD it failed inside optax ('ScaleByAdamState' object has no attribute 'trace'):
+  the step compares `tx.init`'s structure with the state's when it is traced."""
+  mesh, config = _mesh(8), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = _state(mesh, config)  # adam
+  step = jaxdp.make_train_step(_loss, tx, mesh, config)
+  with pytest.raises(
+    ValueError,
+    match=r"optimizer state \(ScaleByAdamState, EmptyState\) was built by another optax "
+    r"transformation than this step's, whose init gives \((Trace|Empty)State, EmptyState\)",
+  ):
+    step.lower(state, _batch())
+  assert not state.step.is_deleted()
+  jaxdp.make_train_step(_loss, optax.adam(1e-3), mesh, config)(state, _batch())  # adam, any lr
+
+
+def test_a_step_with_another_fsdp_config_is_refused():
+  """`fsdp=` given to init_state and not to the step (or another one) gathered and
+  computed otherwise than the state was built for, silently (here: fp32 instead of bf16)."""
+  mesh = _mesh(8)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+  bf16 = jaxdp.FSDPConfig(param_dtype=jnp.bfloat16)
+  state = jaxdp.init_state(_params(), TX, mesh, config, fsdp=bf16)
+  fix = "pass the same fsdp= to init_state and make_train_step"
+  with pytest.raises(
+    ValueError, match=rf"param_dtype=dtype\(bfloat16\) in the state, None in this step\); {fix}"
+  ):
+    jaxdp.make_train_step(_loss, TX, mesh, config).lower(state, _batch())
+  with pytest.raises(ValueError, match=rf"prefetch=1 in the state, 2 in this step.*{fix}"):
+    step = jaxdp.make_train_step(_loss, TX, mesh, config, fsdp=jaxdp.FSDPConfig(prefetch=2))
+    step.lower(_state(mesh, config), _batch())
+  with pytest.raises(ValueError, match=fix):
+    jaxdp.make_eval_step(_loss, mesh, config)(state, _batch())
+  jaxdp.make_train_step(_loss, TX, mesh, config, fsdp=bf16)(state, _batch())
+
+
+# ----------------------------------------------------------------------------- loss_fn
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_integer_loss_is_refused_naming_its_dtype(strategy):
+  """An int loss trained nothing (zero gradient, no error); jax.grad refuses it."""
+  mesh, config = _mesh(8), jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  step = jaxdp.make_train_step(lambda p, b: jnp.sum(b["x"] @ p["a"] > 0), TX, mesh, config)
+  with pytest.raises(TypeError, match=r"loss_fn returned an int32 loss: .*floating point"):
+    step.lower(_state(mesh, config), _batch())
+
+
+def test_has_aux_with_a_scalar_loss_says_what_was_returned(ddp8):
+  """It said `it returned LinearizeTracer`."""
+  mesh, config, _ = ddp8
+  step = jaxdp.make_train_step(_loss, TX, mesh, config, has_aux=True)
+  with pytest.raises(
+    TypeError,
+    match=r"loss_fn must return \(loss, aux\) with has_aux=True; it returned a scalar "
+    r"float32 array \(a loss alone\? then leave has_aux out\)",
+  ):
+    step.lower(_state(mesh, config), _batch())
+  three = jaxdp.make_train_step(lambda p, b: (_loss(p, b), 1, 2), TX, mesh, config, has_aux=True)
+  with pytest.raises(TypeError, match=r"it returned a tuple of length 3\n"):
+    three.lower(_state(mesh, config), _batch())
+
+
+# ----------------------------------------------------------------------------- views for eager use
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_views_are_for_eager_code_and_feed_back_into_init_state(strategy):
+  """`get_params` and `get_opt_state` of a state on `jax.make_mesh`'s Explicit axes give
+  arrays on the same devices with Auto axes: eager ops that refuse Explicit-typed arrays
+  outside `jax.set_mesh` (`.imag`, `.at[].set`, `optax.tree.norm`) run on them, and a state
+  built from them on the Explicit mesh trains. Same values: a zero-copy re-placement. The
+  loss of the step's metrics is the eval step's loss of the same params (the same sums in
+  the same order: float32 rounding at most)."""
+  mesh = jax.make_mesh((8,), ("data",))
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = _state(mesh, config)
+  params, opt_state = jaxdp.get_params(state), jaxdp.get_opt_state(state)
+  for x in jax.tree.leaves((params, opt_state)):
+    assert x.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,), x.sharding
+    assert x.sharding.device_set == set(mesh.devices.flat)
+  assert float(params["a"].imag.sum()) == 0.0
+  np.testing.assert_array_equal(params["b"].at[0].set(2.0), [2.0, 1.0])
+  want = np.linalg.norm(np.concatenate([np.ravel(x) for x in jax.tree.leaves(_params())]))
+  np.testing.assert_allclose(float(optax.tree.norm(params)), want, rtol=1e-6)
+  np.testing.assert_array_equal(opt_state[0].mu["a"], np.zeros((3, 2)))
+  again = jaxdp.init_state(params, TX, mesh, config)
+  step = jaxdp.make_train_step(_loss, TX, mesh, config)
+  evaluate = jaxdp.make_eval_step(lambda p, b: {"loss": _loss(p, b)}, mesh, config)
+  before = evaluate(again, _batch())["loss"]
+  again, metrics = step(again, _batch())
+  assert int(again.step) == 1
+  # The step's metrics and the eval step's outputs live with the views: they combine.
+  np.testing.assert_allclose(float(metrics["loss"] - before), 0.0, atol=1e-6)
+  assert float(metrics["loss"] + optax.tree.norm(params)) > 0
+
+
+@pytest.mark.parametrize(
+  "axis_types",
+  [
+    (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto),  # re-wrapped after the call
+    (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Auto),  # already for eager use
+  ],
+  ids=["mixed", "auto"],
+)
+def test_views_on_meshes_with_auto_axes(axis_types):
+  """A mesh of mixed axis types (its Auto axes are not in the arrays' types) and an Auto
+  mesh give views on the Auto mesh as well, with the same values."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=axis_types)
+  state = _state(mesh, jaxdp.DDPConfig())
+  params = jaxdp.get_params(state)
+  for x, want in zip(jax.tree.leaves(params), jax.tree.leaves(_params())):
+    assert x.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2, x.sharding
+    assert float(x.imag.sum()) == 0.0
+    np.testing.assert_array_equal(x, want)

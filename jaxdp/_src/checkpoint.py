@@ -53,14 +53,14 @@ from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import __version__
-from jaxdp._src import train
+from jaxdp._src import checks, train
 from jaxdp._src.distributed_optimizer import (
   fused_state,
   per_leaf_state,
   unpad_view,
 )
 from jaxdp._src.layout import master_dtype, sharded_shape
-from jaxdp._src.mesh import DATA, run_auto
+from jaxdp._src.mesh import DATA, eager_program, run_auto
 from jaxdp._src.state import (
   FLAT_SPEC,
   TrainState,
@@ -175,19 +175,33 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
   """A sentence naming the first leaf where a checkpoint and `like` disagree, or None."""
 
   def leaf(kind, got, exp):
-    for a, b in zip(got, exp):
-      if a[0] != b[0]:
-        return f"{kind}{b[0]}: `like` has this leaf where the checkpoint has {kind}{a[0]}"
+    # Paired by path: a leaf only one side has is named as such, not compared with
+    # whatever leaf sits at its position on the other side.
+    saved_paths, like_paths = [a[0] for a in got], [b[0] for b in exp]
+    extra = [p for p in saved_paths if p not in set(like_paths)]
+    missing = [p for p in like_paths if p not in set(saved_paths)]
+    if extra or missing:
+      named = lambda paths: (
+        ", ".join(f"{kind}{p}" for p in paths[:4])
+        + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+      )
+      parts = []
+      if extra:
+        parts.append(f"only the checkpoint has {named(extra)}")
+      if missing:
+        parts.append(f"only `like` has {named(missing)}")
+      return (
+        " and ".join(parts) + f" ({len(got)} {kind} leaves in the checkpoint, {len(exp)} in `like`)"
+      )
+    stored = {a[0]: a for a in got}
+    for b in exp:
+      a = stored[b[0]]
       for field, x, y in (("shape", a[1], b[1]), ("dtype", a[2], b[2])):
         if x != y:
           x, y = (tuple(x), tuple(y)) if field == "shape" else (x, y)
           return f"{kind}{a[0]}: {field} {x} in the checkpoint, {y} in `like`"
-    if len(got) != len(exp):
-      longer, where = (got, "the checkpoint") if len(got) > len(exp) else (exp, "`like`")
-      return (
-        f"{kind}{longer[min(len(got), len(exp))][0]}: only {where} has this leaf "
-        f"({len(got)} {kind} leaves in the checkpoint, {len(exp)} in `like`)"
-      )
+    if saved_paths != like_paths:
+      return f"the {kind} leaves are the same but in another order in the checkpoint"
     return None
 
   if msg := leaf("params", saved["params"], want["params"]):
@@ -348,7 +362,8 @@ def get_opt_state(state: TrainState, *, sharded: bool = False) -> PyTree:
   What optax helpers that read the state need, on every strategy: `schedule_free`'s
   `optax.contrib.schedule_free_eval_params(jaxdp.get_opt_state(state),
   jaxdp.get_params(state))`, `inject_hyperparams`' `.hyperparams`. Fresh copies (they
-  outlive the next donated step); the state itself is not changed.
+  outlive the next donated step), placed for eager use as `get_params` places the params;
+  the state itself is not changed.
 
   Args:
     state: a `TrainState` of any strategy.
@@ -373,10 +388,11 @@ def get_opt_state(state: TrainState, *, sharded: bool = False) -> PyTree:
     >>> jaxdp.get_opt_state(state, sharded=True)[0].mu["w"].sharding.spec
     P('data', 'model')
   """
+  checks.check_not_donated(state, "jaxdp.get_opt_state(state)")
   return _opt_state_program(state, state.step.sharding.mesh, bool(sharded))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@eager_program
 def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
   """One program for the whole tree (never eager per-leaf ops: see `get_params`). A
   per-param leaf is placed as `get_params` places its param: over the param's own axes and,
@@ -783,7 +799,8 @@ class CheckpointManager:
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config, tx = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim"), optax.adam(1e-3)
     >>> state = jaxdp.init_state({"w": jnp.ones((5, 3))}, tx, mesh, config)
-    >>> mgr = jaxdp.CheckpointManager(tempfile.mkdtemp(), max_to_keep=2)
+    >>> folder = tempfile.TemporaryDirectory()  # removed by folder.cleanup() below
+    >>> mgr = jaxdp.CheckpointManager(folder.name, max_to_keep=2)
     >>> mgr.save(0, state, data_position=0)
     True
     >>> mgr.wait_until_finished()
@@ -793,6 +810,7 @@ class CheckpointManager:
     Array(15., dtype=float32)
     >>> mgr.data_position()
     0
+    >>> mgr.close(); folder.cleanup()
   """
 
   def __init__(
@@ -863,8 +881,10 @@ class CheckpointManager:
 
     Raises:
       TypeError: `state` is not a `TrainState`.
+      ValueError: the state was donated to a train step (save the state it returned).
     """
     _check_is_state(state, "state")
+    checks.check_not_donated(state, "CheckpointManager.save(step, state)")
     step = int(step)
     if not force and not self._mgr.should_save(step):
       return False
@@ -945,11 +965,13 @@ class CheckpointManager:
     Raises:
       FileNotFoundError: there is no committed checkpoint (at `step`).
       ValueError: the checkpoint does not fit `like` (another model, dtype, optimizer or
-        `frozen` set); the message names the first leaf that differs. Nothing is read or
-        written, and `like` is left as it was.
+        `frozen` set); the message names the leaves only one of them has, or else the
+        first leaf that differs. Nothing is read or written, and `like` is left as it
+        was. Or `like` was donated (to a train step, or to an earlier restore).
     """
     _check_is_state(like, "like")
     _is_abstract(like)
+    checks.check_not_donated(like, "CheckpointManager.restore(like)")
     step = self._step(step)
     meta = self.metadata(step)
     if meta.get("format", 0) > FORMAT:

@@ -8,7 +8,10 @@ while the check is on, so the state the caller passed in is still valid and unch
 the error comes: skip the batch, lower the learning rate or restore, and go on.
 
 Also the two ends every strategy's step shares: `jit_step` (jit, donation, the host-side
-`TrainStep` wrapper) and `finish_step` (the new state placed, the metrics, the NaN flags).
+`TrainStep` wrapper) and `finish_step` (the new state placed, the metrics, the NaN flags);
+and `check_not_donated`, which every function taking a state runs first: a state donated to
+a step is deleted, and JAX 0.10 crashes the process (a segfault, not an error) when a
+compiled program is handed a deleted multi-device array.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdp._src.config import DDPConfig
+from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import sharded_shape
-from jaxdp._src.mesh import DATA, REPLICA, constrain
+from jaxdp._src.mesh import DATA, REPLICA, auto_mesh, constrain, explicit_axes
 from jaxdp._src.state import TrainState, bucket_names, flat_master, leaves_of, tree_of
 
 PyTree = Any
@@ -157,6 +160,45 @@ def check_state_structure(state) -> None:
 # ----------------------------------------------------------------------------- inputs
 
 
+DONATED = (
+  "{where}: this state was donated to the previous step; use the state it returned "
+  "(`state, metrics = train_step(state, batch)`, then pass the new `state`). A train step "
+  "consumes the state it is given: its buffers become the new state's, and the old "
+  "arrays are deleted ({deleted}). `CheckpointManager.restore` consumes its `like` the "
+  "same way. To keep a copy, take `jaxdp.get_params(state)` before the step"
+)
+
+
+def check_not_donated(state, where: str) -> None:
+  """Raises if an array of `state` was donated (deleted): before it reaches a program.
+
+  JAX crashes the process when a compiled program is given a deleted array of several
+  devices, so every function that takes a state calls this first: one `is_deleted()` per
+  leaf, on the host (a fraction of a microsecond each). A traced state (the step called
+  inside another jit) is skipped: nothing is donated inside a trace.
+
+  Raises:
+    ValueError: some leaf is deleted, naming the first ones and the fix.
+  """
+  leaves = jax.tree.leaves(state)
+  if not leaves or isinstance(leaves[0], jax.core.Tracer):
+    return
+  # Host values (a learning rate set as a Python float) have no `is_deleted`.
+  if not any(getattr(x, "is_deleted", _alive)() for x in leaves):
+    return
+  keyed = jax.tree_util.tree_flatten_with_path(state)[0]
+  gone = [jax.tree_util.keystr(path) for path, x in keyed if getattr(x, "is_deleted", _alive)()]
+  shown = ", ".join(f"state{p}" for p in gone[:3])
+  more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+  raise ValueError(
+    DONATED.format(where=where, deleted=f"{shown}{more}: {len(gone)} of {len(keyed)} leaves")
+  )
+
+
+def _alive() -> bool:
+  return False
+
+
 def check_mesh(mesh, config: DDPConfig):
   """Raises unless `mesh` has a "data" axis, and a "replica" axis as big as `config` says."""
   if DATA not in mesh.axis_names:
@@ -174,9 +216,10 @@ def check_mesh(mesh, config: DDPConfig):
     )
 
 
-def check_state(state, mesh, config: DDPConfig):
-  """Raises unless `state` is a `TrainState` built for `mesh` and `config`, its trees as
-  `init_state` made them."""
+def check_state(state, mesh, config: DDPConfig, fsdp: FSDPConfig | None = None):
+  """Raises unless `state` is a `TrainState` built for `mesh`, `config` and `fsdp` (None
+  for the bucketed strategies; `optim_grads_params`: the step's `FSDPConfig`, default
+  included), its trees as `init_state` made them."""
   if not isinstance(state, TrainState):
     raise TypeError(
       f"train_step expects the TrainState from jaxdp.init_state, got {type(state).__name__}"
@@ -186,6 +229,21 @@ def check_state(state, mesh, config: DDPConfig):
       f"the state was built for {state.config}, but this step is for {config}; "
       "build the state with init_state(params, tx, mesh, config) for the same "
       "config"
+    )
+  if state.fsdp != fsdp:
+    if state.fsdp is None or fsdp is None:
+      differ = f"fsdp={state.fsdp} in the state, fsdp={fsdp} in this step"
+    else:
+      differ = ", ".join(
+        f"{f.name}={getattr(state.fsdp, f.name)!r} in the state, "
+        f"{getattr(fsdp, f.name)!r} in this step"
+        for f in dataclasses.fields(fsdp)
+        if getattr(state.fsdp, f.name) != getattr(fsdp, f.name)
+      )
+    raise ValueError(
+      f"the state was built with another FSDPConfig than this step's ({differ}); pass the "
+      "same fsdp= to init_state and make_train_step (and make_eval_step; leaving it out "
+      "means FSDPConfig()), the same FSDPConfig object where its units are a function"
     )
   if state.mesh_shape != tuple(mesh.shape.items()):
     raise ValueError(
@@ -265,12 +323,14 @@ def place_host_leaves(state, mesh):
   def on_mesh(x) -> bool:
     sharding = getattr(x, "sharding", None)
     return isinstance(x, jax.core.Tracer) or (
-      isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh
+      isinstance(sharding, jax.sharding.NamedSharding)
+      and (sharding.mesh is mesh or sharding.mesh == mesh)
     )
 
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(state.opt_state)
-  if all(on_mesh(x) for _, x in leaves):
+  # Every step calls this: the common case (nothing set on the host) reads no key paths.
+  if all(on_mesh(x) for x in jax.tree.leaves(state.opt_state)):
     return state
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(state.opt_state)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   placed = []
   for path, x in leaves:
@@ -293,27 +353,66 @@ def place_host_leaves(state, mesh):
 
 
 def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
-  """`step` jitted with `options`, the state donated, wrapped in the host-side checks.
+  """`step` jitted with `options`, the state donated, wrapped in the host-side checks; the
+  metrics come back on `auto_mesh(mesh)`, for the caller's code.
 
   With the NaN check on, the state is not donated: a step that fails the check leaves the
   caller's state valid and unchanged (at the cost of holding two states during the step).
   """
   donate = () if config.check_for_nan_in_grad else 0
-  jitted = jax.jit(step, donate_argnums=donate, compiler_options=options)
+  placed = {}
+  if explicit_axes(mesh):
+    # The state where the step placed it (None: unspecified); the metrics (and the NaN
+    # flags), replicated, on the mesh with Auto axes: values for the caller's code, like
+    # the views (`mesh.EagerProgram`), at no cost.
+    replicated = jax.sharding.NamedSharding(auto_mesh(mesh), jax.sharding.PartitionSpec())
+    placed["out_shardings"] = (None, replicated) + (
+      (replicated,) if config.check_for_nan_in_grad else ()
+    )
+  jitted = jax.jit(step, donate_argnums=donate, compiler_options=options, **placed)
   return TrainStep(jitted, mesh, config, nests=not options)
 
 
-class TrainStep:
+class StepFunction:
+  """A jitted function of a state wrapped in host-side checks; `.lower`, `.trace`,
+  `.eval_shape` and the rest are the jitted function's own."""
+
+  def __init__(self, jitted):
+    self._jitted = jitted
+
+  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+    return self._jitted.lower(*args, **kwargs)
+
+  def trace(self, *args, **kwargs) -> jax.stages.Traced:
+    return self._jitted.trace(*args, **kwargs)
+
+  def __getattr__(self, name):  # eval_shape, _cache_size, clear_cache, ...
+    return getattr(self._jitted, name)
+
+  def __repr__(self):
+    return f"{type(self).__name__}({self._jitted!r})"
+
+
+class EvalStep(StepFunction):
+  """The jitted eval step (`make_eval_step`), refusing a donated state before the call."""
+
+  def __call__(self, state, batch):
+    check_not_donated(state, "eval_step(state, batch)")
+    return self._jitted(state, batch)
+
+
+class TrainStep(StepFunction):
   """The jitted train step plus the checks that need concrete values.
 
   Calls straight through to the `jax.jit` function (`.lower`, `.trace`, `.eval_shape` and
-  the rest are the jitted function's own). Before the call it checks that the state lives
-  on the step's devices; after it, with `check_for_nan_in_grad`, that every reduced
-  gradient is finite.
+  the rest are the jitted function's own). Before the call it checks that no array of the
+  state was donated to an earlier step and that the state lives on the step's devices;
+  after it, with `check_for_nan_in_grad`, that every reduced gradient is finite.
   """
 
   def __init__(self, jitted, mesh, config, nests=True):
-    self._jitted, self._mesh, self._config = jitted, mesh, config
+    super().__init__(jitted)
+    self._mesh, self._config = mesh, config
     self._devices = frozenset(mesh.devices.flat)
     self._nests = nests  # no compiler options: it can run inside another jit
 
@@ -324,6 +423,7 @@ class TrainStep:
         "jax.jit takes only at the top level: call it from Python, not inside jax.jit, "
         "lax.scan or another transformation"
       )
+    check_not_donated(state, "train_step(state, batch)")
     self._check_devices(state)
     state = place_host_leaves(state, self._mesh)
     heartbeat()  # Progress, for the launcher's hang guard.
@@ -359,15 +459,3 @@ class TrainStep:
         f"step's mesh has devices {sorted(d.id for d in self._devices)}: build the state "
         "with init_state (or restore the checkpoint) on this step's mesh"
       )
-
-  def lower(self, *args, **kwargs) -> jax.stages.Lowered:
-    return self._jitted.lower(*args, **kwargs)
-
-  def trace(self, *args, **kwargs) -> jax.stages.Traced:
-    return self._jitted.trace(*args, **kwargs)
-
-  def __getattr__(self, name):  # eval_shape, _cache_size, clear_cache, ...
-    return getattr(self._jitted, name)
-
-  def __repr__(self):
-    return f"TrainStep({self._jitted!r})"

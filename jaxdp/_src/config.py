@@ -18,7 +18,37 @@ Prefix = str | tuple
 class DDPConfig:
   """How gradients are reduced and what is sharded across the `"data"` axis.
 
-  The names and defaults are Megatron-Core's `DistributedDataParallelConfig`.
+  The names and defaults are Megatron-Core's `DistributedDataParallelConfig`; the API
+  reference (docs/api.md) gives each field in full.
+
+  Attributes:
+    data_parallel_sharding_strategy: what is sharded over "data": `"no_shard"` (DDP),
+      `"optim"` (ZeRO-1: optimizer state), `"optim_grads"` (ZeRO-2: + grads),
+      `"optim_grads_params"` (FSDP: + params).
+    grad_reduce_in_fp32: accumulate and reduce grads in fp32 even for bf16/fp16 params
+      (fp32 main grads). Default True.
+    grad_reduce_dtype: not a Megatron field: the dtype grads are accumulated, reduced and
+      held in (e.g. `jnp.bfloat16`: half the bytes); when set it decides, whatever
+      `grad_reduce_in_fp32` says. Default None.
+    overlap_grad_reduce: reduce each bucket inside the backward as soon as its grads are
+      ready; False: one bucket per buffer, after the backward. Default True.
+    overlap_param_gather: sharded strategies: gather the params at the start of the next
+      forward (under it), not right after the update. Default True.
+    bucket_size: elements per bucket; None: `no_shard` 6_553_600 (25 MiB of fp32), the
+      sharded strategies max(16_000_000, 1_000_000 * dp).
+    average_in_collective: average inside the collective (pmean) instead of scaling by
+      1/dp and summing. Default False.
+    check_for_nan_in_grad: raise `NonFiniteGradError` naming the param whose reduced grad
+      holds NaN or Inf; the state is kept (not donated). Default False.
+    num_distributed_optimizer_instances: copies of the sharded state: shard within "data",
+      replicate across a "replica" axis of this size (HSDP). Default 1.
+    outer_dp_sharding_strategy: FSDP across "replica": `"no_shard"` (HSDP) keeps whole
+      copies, `"optim"` (HFSDP) shards the master and optimizer state across it too.
+    fused_update: update each bucket as one flat array (Megatron's fused Adam); None:
+      where a probe finds it exact (sharded strategies), True: require it, False: per leaf.
+    stacked: `optim`/`optim_grads` only: prefixes of subtrees whose leaves carry a leading
+      layer axis that the loss scans over; each layer's grads are reduce-scattered inside
+      the scan. Default ().
 
   Examples:
     >>> import jaxdp
@@ -214,10 +244,26 @@ class DDPConfig:
 class FSDPConfig:
   """What the units of `optim_grads_params` are, and whether forward keeps them gathered.
 
-  Pass the same config to `init_state(..., fsdp=)` and `make_train_step(..., fsdp=)`; the
-  other strategies take none. Prefixes are key tuples (`("blocks", 3)`), a single top-level
-  key (`"wte"`), or `jax.tree_util.keystr` strings (`"['blocks'][3]"`; an attribute path
-  of an `eqx.Module`'s fields is `".blocks"`).
+  Pass the same config to `init_state(..., fsdp=)` and `make_train_step(..., fsdp=)` (a
+  step given another is refused); the other strategies take none. Prefixes are key tuples
+  (`("blocks", 3)`), a single top-level key (`"wte"`), or `jax.tree_util.keystr` strings
+  (`"['blocks'][3]"`; an attribute path of an `eqx.Module`'s fields is `".blocks"`). The API
+  reference (docs/api.md) gives each field in full.
+
+  Attributes:
+    units: None: one unit per layer; a list of prefixes (one unit each, the rest one root
+      unit); or `fn(path: str) -> unit name`.
+    stacked: prefixes of subtrees whose leaves carry a leading layer axis (scanned
+      layers): one unit per layer, gathered inside the model's scan. Default ().
+    reshard_after_forward: free each unit after its forward and gather it again for its
+      backward (torch FSDP2's default). Default True.
+    reshard_after_backward: with `grad_accum_steps` > 1, False gathers each unit once per
+      step and reduce-scatters once at the end. Default True.
+    prefetch: how many units ahead an all-gather may start. Default 1.
+    chunks: `{prefix: C}`: params gathered and reduce-scattered C row blocks at a time
+      where the loss uses them (a large embedding or output projection). Default {}.
+    param_dtype: the dtype every float param is gathered in and the loss receives (e.g.
+      `jnp.bfloat16`); the fp32 master stays sharded. None: each param's own dtype.
 
   Examples:
     >>> FSDPConfig(units=["blocks", ("head", 0)]).units

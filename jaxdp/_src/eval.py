@@ -6,9 +6,9 @@ import functools
 from typing import Any, Callable
 
 import jax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives, fsdp as fsdp_lib
+from jaxdp._src import checks, collectives, fsdp as fsdp_lib, loop
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import (
@@ -17,7 +17,9 @@ from jaxdp._src.distributed_optimizer import (
   layout_own_specs,
 )
 from jaxdp._src.mesh import (
+  auto_mesh,
   constrain,
+  explicit_axes,
   data_axes,
   dp_size,
   manual_spec,
@@ -62,7 +64,12 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       global array sharded over the data axes (logits, predictions).
 
   Returns:
-    `eval_step(state, batch) -> outputs`, a `jax.jit` function.
+    `eval_step(state, batch) -> outputs`, a `jax.jit` function (`.lower`, `.trace` are its
+    own) wrapped in a host-side check that the state was not donated to a train step.
+
+  Raises:
+    ValueError: (when called) a batch whose leading dims differ or do not divide, a state
+      built for another mesh, config or `fsdp`, or one donated to a train step.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -77,7 +84,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
     >>> logits = jaxdp.make_eval_step(lambda p, b: b["x"] @ p["w"], mesh, config,
     ...                               per_example=True)(state, batch)
     >>> logits.shape, logits.sharding.spec
-    ((16, 2), P('data', None))
+    ((16, 2), P('data',))
   """
   checks.check_mesh(mesh, config)
   fsdp_branch = config.data_parallel_sharding_strategy == "optim_grads_params"
@@ -100,7 +107,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       raise TypeError(
         "eval fn must return (outputs, new_model_state) when the state holds "
         "model_state (the train step's convention); it returned "
-        f"{type(out).__name__}"
+        f"{loop.describe_value(out)}"
       )
     return out[0]
 
@@ -133,6 +140,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       raise TypeError(
         f"eval_step expects the TrainState from jaxdp.init_state, got {type(state).__name__}"
       )
+    checks.check_state(state, mesh, config, fsdp if fsdp_branch else None)
     checks.check_batch(batch, dp_size(mesh))
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     if fsdp_branch:
@@ -156,4 +164,16 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       out_spec if runs_auto(mesh, state.model_specs) else None,
     )(state.params, state.master, batch, state.model_state)
 
-  return jax.jit(step, compiler_options=compiler_options(mesh.devices.flat[0].platform))
+  # On a mesh with Explicit axes, the outputs on the mesh with Auto axes, for the caller's
+  # code (`mesh.EagerProgram`); elsewhere where the compiler puts them.
+  placed = {}
+  if explicit_axes(mesh):
+    spec = batch_spec if per_example else P()
+    placed["out_shardings"] = NamedSharding(auto_mesh(mesh), spec)
+  return checks.EvalStep(
+    jax.jit(
+      step,
+      compiler_options=compiler_options(mesh.devices.flat[0].platform),
+      **placed,
+    )
+  )

@@ -351,6 +351,7 @@ def init_state(
       tuple(mesh.shape.items()),
       model_specs,
       fused=fused,
+      fsdp=fsdp,
     )
     return state
 
@@ -853,7 +854,7 @@ def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str,
 
 
 def _check_state(state, mesh, config: DDPConfig, fsdp: FSDPConfig):
-  checks.check_state(state, mesh, config)
+  checks.check_state(state, mesh, config, fsdp)
   layout = state.layout
   abstract = jax.tree.unflatten(
     layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]

@@ -906,7 +906,8 @@ def memory_stats(
   """Per-device memory of a compiled program.
 
   On the CPU backend the numbers mislead (no temp accounting of the GPU kind, gathers hoisted);
-  compile for the GPU target (`jaxdp._src.aot`) for memory claims.
+  compile for the GPU target (`jaxdp.inspect.compile_train_step` with a number of H100s) for
+  memory claims.
 
   Args:
     program: a `jax.stages.Compiled`, a `Lowered`, or a function to compile with `args`/`kwargs`.

@@ -13,6 +13,16 @@ Python stacks (SIGABRT, which `PYTHONFAULTHANDLER` turns into a dump of every th
 stops them and names where each one was. A multi-process job that hangs (processes waiting
 in different collectives) otherwise waits forever: nothing fails, nothing times out.
 
+Each line a process writes is relayed whole, under its `[pI]` prefix; a line that a
+progress bar redraws with carriage returns is relayed once, as its last redraw shows it.
+Two kinds of line are left out as noise: the CUDA plugin's driver probe on a machine
+without an NVIDIA driver (`cuda_probe`), and Gloo's line per device and communicator that
+says it connected to every peer ("[Gloo] Rank 3 is connected to 7 peer ranks. Expected
+number of connected peer ranks is : 7"). Gloo's threads write those at the same moment,
+unsynchronised, so they come out of the process spliced mid-line ("[Gloo] Rank 1[Gloo]
+Rank  is connected to ..."): a line made only of those lines' pieces is left out too, and a
+line saying fewer peers than expected is kept.
+
 The launcher itself never touches devices: importing JAX does not start its backend.
 """
 
@@ -80,6 +90,49 @@ class _Worker:
   stderr_lines: list[bytes] | None = None  # Kept from the stack dump request on.
 
 
+_GLOO_CONNECTED = re.compile(
+  rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+  rb"Expected number of connected peer ranks is : (\d+)"
+)
+# The pieces Gloo writes each connection line in, one at a time: a line of nothing but these
+# is its connection lines spliced.
+_GLOO_PIECES = re.compile(
+  rb"(?:\[Gloo\] Rank |\d+| is connected to | peer ranks\. "
+  rb"|Expected number of connected peer ranks is : )+"
+)
+
+
+def is_gloo_chatter(line: bytes) -> bool:
+  """Whether `line` is only Gloo's news of connecting to every peer, whole or spliced.
+
+  A line saying fewer peers than expected is not; nor is one of digits alone.
+
+  Examples:
+    >>> ok = b"[Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected "
+    >>> ok += b"peer ranks is : 7"
+    >>> is_gloo_chatter(ok + b"\\n"), is_gloo_chatter(ok.replace(b"to 7", b"to 5"))
+    (True, False)
+    >>> spliced = b"[Gloo] Rank 1[Gloo] Rank  is connected to 1 peer ranks. "
+    >>> is_gloo_chatter(spliced), is_gloo_chatter(b"1"), is_gloo_chatter(b"[Gloo] Rank 0 hi")
+    (True, False, False)
+  """
+  line = line.rstrip(b"\r\n")
+  if line.isdigit() or _GLOO_PIECES.fullmatch(line) is None:
+    return False
+  return all(m[1] == m[2] for m in _GLOO_CONNECTED.finditer(line))
+
+
+def last_redraw(line: bytes) -> bytes:
+  """`line` as a terminal shows it: what follows its last carriage return (a progress bar
+  redraws itself with them), with the line end kept.
+
+  Examples:
+    >>> last_redraw(b"\\r 10%\\r 20%\\r 30%\\n"), last_redraw(b"done\\r\\n")
+    (b' 30%\\n', b'done\\r\\n')
+  """
+  return line[line.rstrip(b"\r\n").rfind(b"\r") + 1 :]
+
+
 def _pump(
   pipe: IO[bytes],
   prefix: bytes,
@@ -90,6 +143,9 @@ def _pump(
 ) -> None:
   """Copies `pipe` to `sink` line by line, each line prefixed, until EOF.
 
+  Only whole lines are written, each in one write under `lock`, so that the lines of
+  several processes never mix; a line is written as its last carriage-return redraw shows
+  it (`last_redraw`), and Gloo's connection news is left out (`is_gloo_chatter`).
   `on_line` sees every line, and also every chunk that ends without a newline (a progress
   bar's ``\r`` updates), so that any byte a process writes counts as progress.
   `drop_probe`: leave out the CUDA plugin's "Could not find cuda drivers" lines and absl's
@@ -108,6 +164,9 @@ def _pump(
 
   def copy(line: bytes) -> None:
     on_line(line)
+    line = last_redraw(line)
+    if is_gloo_chatter(line):
+      return
     if drop_probe:
       if cuda_probe.is_probe_line(line):
         held.clear()
@@ -507,20 +566,19 @@ def _stop(
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
     prog=PROG,
-    usage=f"{PROG} --num-processes P [--devices-per-process D] [--port PORT] "
-    "[--hang-timeout SECONDS] -- SCRIPT [ARGS...]",
     description="Run SCRIPT as P local processes of one JAX job (CPU, gloo collectives). "
     "Each process reads its place in the job from JAXDP_COORDINATOR, "
     "JAXDP_NUM_PROCESSES, JAXDP_PROCESS_ID and JAXDP_LOCAL_DEVICES through "
     "jaxdp.initialize(). If one process fails, the others are stopped and the "
     "launcher exits non-zero naming it.",
   )
-  parser.add_argument("-n", "--num-processes", type=int, required=True)
+  parser.add_argument("-n", "--num-processes", type=int, required=True, metavar="P")
   parser.add_argument(
     "-d",
     "--devices-per-process",
     type=int,
     default=None,
+    metavar="D",
     help="CPU devices per process (default: JAX's default, 1)",
   )
   parser.add_argument(
@@ -549,6 +607,8 @@ def _parser() -> argparse.ArgumentParser:
     "long, naming where each process is (its Python stack); 0: never "
     f"(default: {HANG_TIMEOUT_S:g})",
   )
+  # argparse's own usage line names every option; the script and its arguments follow `--`.
+  parser.usage = parser.format_usage().removeprefix("usage: ").rstrip() + " -- SCRIPT [ARGS...]"
   return parser
 
 

@@ -81,12 +81,14 @@ _SHARDED_GRADS_PER_MICROBATCH = ("optim_grads", "optim_grads_params")
 class MemoryLedger:
   """Bytes one device holds, by kind, with the layout's padding.
 
-  `params` are the model params in their own dtypes as a step uses them (all of them for
-  `no_shard`, `optim`, `optim_grads`; for `optim_grads_params` only the frozen params'
-  shards and integer leaves: its trainable params live only in `master`, and the gathered
-  units are not counted). Of those, `gathered_in_step` bytes are not kept between steps
-  (`overlap_param_gather`: the trainable params are gathered from `master` at the start of
-  each step), so `TrainState.params` holds `params - gathered_in_step`. `grads` are the
+  `params` are the model params in their own dtypes as a step uses them (all of them,
+  whole on every device, for `no_shard`, `optim`, `optim_grads`: ZeRO-1/2 keep the params
+  whole; for `optim_grads_params` only the frozen params' shards and integer leaves: its
+  trainable params live only in `master`, and the gathered units are not counted). Of
+  those, `gathered_in_step` bytes are not kept between steps (`overlap_param_gather`: the
+  trainable params are gathered whole from `master` at the start of each step), so
+  `TrainState.params` holds `params - gathered_in_step`: `state["params"]` is 0 under
+  `optim` while each step still holds `params` whole. `str(ledger)` says both. `grads` are the
   reduced (main) grads: whole buffers, or a 1/dp shard of each under `optim_grads`; they
   live only inside the step. `master` and `opt_state` are what `TrainState` holds.
   `gathered_unit` (`optim_grads_params`) is the largest unit gathered whole inside the step
@@ -102,8 +104,10 @@ class MemoryLedger:
     >>> ledger = memory_ledger(params, None, 8, config)  # bf16 params, fp32 grads and Adam
     >>> ledger.params // 2**20, ledger.grads // 2**20, ledger.master // 2**19
     (2, 4, 1)
-    >>> ledger.state["params"]  # gathered from master inside each step
+    >>> ledger.state["params"]  # between steps: gathered whole from master in each step
     0
+    >>> print(ledger)
+    7.50 MiB per device in the step: params 2.00 MiB (whole, gathered from master in each step; 0 B kept between steps), grads 4.00 MiB (reduced, in the step only), master 512.00 KiB, opt_state 1.00 MiB
   """
 
   params: int
@@ -118,14 +122,45 @@ class MemoryLedger:
     """params + grads + master + opt_state."""
     return self.params + self.grads + self.master + self.opt_state
 
+  def __str__(self) -> str:
+    kept = self.params - self.gathered_in_step
+    if self.gathered_in_step:
+      params = f"whole, gathered from master in each step; {_size(kept)} kept between steps"
+    elif self.gathered_unit:
+      params = (
+        "frozen and integer leaves; the trainable ones live in master, gathered a unit at "
+        f"a time in the step: the largest {_size(self.gathered_unit)}, not in the total"
+      )
+    else:
+      params = "whole, kept"
+    return (
+      f"{_size(self.total)} per device in the step: params {_size(self.params)} ({params}), "
+      f"grads {_size(self.grads)} (reduced, in the step only), master {_size(self.master)}, "
+      f"opt_state {_size(self.opt_state)}"
+    )
+
   @property
   def state(self) -> dict[str, int]:
-    """What `measured_bytes` should find in the `TrainState` (all but the step counter)."""
+    """What the `TrainState` holds between steps, what `measured_bytes` finds in it (all
+    but the step counter): `params` less `gathered_in_step` (0 under `optim` and
+    `optim_grads` with `overlap_param_gather`, whose steps gather the params whole), and
+    no grads (they live only inside the step)."""
     return {
       "params": self.params - self.gathered_in_step,
       "master": self.master,
       "opt_state": self.opt_state,
     }
+
+
+def _size(n: int) -> str:
+  """Bytes as a reader says them: "0 B", "512 B", "2.00 MiB"."""
+  if n < 1024:
+    return f"{n} B"
+  if n < 2**20:
+    return f"{n / 1024:.2f} KiB"
+  if n < 2**30:
+    return f"{n / 2**20:.2f} MiB"
+  return f"{n / 2**30:.2f} GiB"
 
 
 def _nbytes(shape, dtype) -> int:

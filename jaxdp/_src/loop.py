@@ -93,12 +93,41 @@ def micro_key(key, j):
 # ----------------------------------------------------------------------------- the call
 
 
+def describe_value(x) -> str:
+  """What a user's function returned, in the user's terms: "a scalar float32 array", "a
+  float32[16, 4] array", "a tuple of length 3", "a dict" (a traced array reads as the array
+  it stands for, never as a tracer).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> describe_value(jnp.float32(1.0)), describe_value((1, 2, 3))
+    ('a scalar float32 array', 'a tuple of length 3')
+    >>> describe_value(jnp.zeros((16, 4), jnp.int32)), describe_value(None)
+    ('an int32[16, 4] array', 'None')
+  """
+  if x is None:
+    return "None"
+  if isinstance(x, (tuple, list)):
+    return f"a {type(x).__name__} of length {len(x)}"
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    dtype = np.dtype(x.dtype).name
+    article = "an" if dtype[0] in "aeiou" else "a"
+    if not x.shape:
+      return f"a scalar {dtype} array"
+    return f"{article} {dtype}{list(x.shape)} array"
+  if isinstance(x, (int, float, complex)):
+    return f"a Python {type(x).__name__}"
+  return f"a {type(x).__name__}"
+
+
 def _pair(out, what: str):
   if not (isinstance(out, (tuple, list)) and len(out) == 2):
-    raise TypeError(
-      f"loss_fn must return {what}; it returned {type(out).__name__}"
-      + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+    alone = (
+      " (a loss alone? then leave has_aux out)"
+      if "aux" in what and getattr(out, "shape", None) == ()
+      else ""
     )
+    raise TypeError(f"loss_fn must return {what}; it returned {describe_value(out)}{alone}")
   return out
 
 
@@ -138,6 +167,15 @@ def call_loss(
       f"loss_fn must return a scalar loss, got {got}"
       + ("; with has_aux=True return (loss, aux)" if not has_aux else "")
     )
+  dtype = np.dtype(jnp.result_type(out))
+  if not jnp.issubdtype(dtype, jnp.floating):
+    article = "an" if dtype.name[0] in "aeiou" else "a"
+    raise TypeError(
+      f"loss_fn returned {article} {dtype.name} loss: the gradient needs a real floating-point "
+      "loss (jax.grad refuses an integer or complex one; an integer loss has no gradient, "
+      "it would train nothing); compute the loss in floating point, e.g. "
+      "jnp.mean(errors.astype(jnp.float32))"
+    )
   return out, (aux, new_state)
 
 
@@ -171,7 +209,7 @@ def with_extras(state, mesh, rng, model_state):
         raise ValueError(
           f"model_state{jax.tree_util.keystr(path)}: {type(x).__name__} is "
           "not an array; pass a pytree of arrays (e.g. Linen's "
-          "variables['batch_stats'], or jaxdp.nnx_model_state(model))"
+          "{'batch_stats': variables['batch_stats']}, or jaxdp.nnx_model_state(model))"
         )
       if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         raise ValueError(
@@ -211,6 +249,51 @@ def call_update(tx, grads: PyTree, opt_state: PyTree, params: PyTree):
     ) from None
 
 
+def _state_types(tree) -> str:
+  """The optax state's types in order ("ScaleByAdamState, EmptyState"): which
+  transformation built it, for a message."""
+  names = []
+
+  def visit(node):
+    if hasattr(node, "_fields"):  # an optax NamedTuple state
+      names.append(type(node).__name__)
+    if isinstance(node, (tuple, list)):
+      for child in node:
+        visit(child)
+
+  visit(tree)
+  return ", ".join(names) or str(jax.tree.structure(tree))
+
+
+def check_optimizer(tx, opt_state: PyTree, opt_params: PyTree) -> None:
+  """Raises unless `opt_state` has the structure and leaf shapes `tx.init(opt_params)`
+  gives: the state was built for this optimizer. Traced (`jax.eval_shape`, nothing
+  computed), so it runs once per compile of a step, not per step.
+
+  Raises:
+    ValueError: another optimizer built the state (an Adam state stepped with `sgd` would
+      otherwise train silently, or fail deep inside optax), naming both.
+  """
+  shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), opt_params)
+  want = jax.eval_shape(tx.init, shapes)
+  fix = (
+    "pass make_train_step (and the NNX step) the optax transformation that init_state "
+    "was given, or build the state again with init_state(params, tx, ...) for this one"
+  )
+  if jax.tree.structure(want) != jax.tree.structure(opt_state):
+    raise ValueError(
+      f"the state's optimizer state ({_state_types(opt_state)}) was built by another "
+      f"optax transformation than this step's, whose init gives ({_state_types(want)}); " + fix
+    )
+  for (path, w), x in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(opt_state)):
+    if tuple(w.shape) != tuple(x.shape):
+      raise ValueError(
+        f"state.opt_state{jax.tree_util.keystr(path)} has shape {tuple(x.shape)}, but this "
+        f"step's optimizer makes it {tuple(w.shape)}: the state was built by another "
+        f"optax transformation; " + fix
+      )
+
+
 def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   """`tx.update(grads, opt_state, opt_params)`, in the global view, on any mesh.
 
@@ -224,8 +307,9 @@ def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   Each grad reaches `tx` in the dtype of the param it updates (the fp32 master; Megatron's
   optimizer casts its main grads to fp32 too): grads reduced in bf16
   (`DDPConfig(grad_reduce_dtype=)`) are cast back here, where the compiler fuses the cast
-  into the update.
+  into the update. First `tx` is checked against the state it updates (`check_optimizer`).
   """
+  check_optimizer(tx, opt_state, opt_params)
   grads = jax.tree.map(
     lambda g, p: g if g is None or p is None else g.astype(p.dtype),
     grads,

@@ -13,8 +13,9 @@ because inside the step the compiler splits the device's block further.
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -207,6 +208,96 @@ def auto_mesh(mesh):
   return jax.sharding.Mesh(
     mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names)
   )
+
+
+def eager_program(fn: Callable) -> EagerProgram:
+  """Decorator: `fn(tree, mesh, *static)` (traceable, `static` hashable) as one jitted
+  program per call, its output arrays placed for the caller's own code (`EagerProgram`)."""
+  return EagerProgram(fn)
+
+
+class EagerProgram:
+  """A jitted view of a train state whose arrays the caller uses as any other.
+
+  On a mesh with Explicit axes (`jax.make_mesh`'s default) every array carries the mesh in
+  its type, and JAX then refuses some eager ops on it (`x.imag`, `x.at[i].set(...)`, a mask
+  broadcast against it in an attention layer) and a `jax.jit` of them outside
+  `jax.set_mesh(mesh)`: "Length of device assignment 1 is not equal to the size of the
+  mesh". So the outputs come back on `auto_mesh(mesh)`: the same devices, the same shards,
+  no copy, every axis Auto, an array like those `jax.device_put` gives. The state itself
+  stays on the step's mesh (the step's jit cache keys on it).
+
+  On a mesh whose axes are all Explicit, the outputs' specs are read once per state
+  structure (`jax.eval_shape`) and the program is jitted with `out_shardings` on the Auto
+  mesh; on a mesh of mixed axis types, whose Auto axes are not in the arrays' types, each
+  output is re-wrapped after the call (`on_auto_mesh`); on an Auto mesh the program runs
+  as it is.
+  """
+
+  _MAX_PROGRAMS = 64
+
+  def __init__(self, fn: Callable):
+    self._fn = fn
+    self._programs: dict[Any, Callable] = {}
+    functools.update_wrapper(self, fn)
+
+  def __call__(self, tree, mesh, *static):
+    leaves, treedef = jax.tree.flatten(tree)
+    key = (
+      mesh,
+      static,
+      treedef,
+      tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves),
+    )
+    program = self._programs.get(key)
+    if program is None:
+      if len(self._programs) >= self._MAX_PROGRAMS:
+        self._programs.clear()
+      program = self._programs[key] = self._build(tree, mesh, static)
+    return program(tree)
+
+  def _build(self, tree, mesh, static) -> Callable:
+    fn = self._fn
+
+    @functools.wraps(fn)  # compiled as jit(<fn's name>)
+    def program(tree):
+      return fn(tree, mesh, *static)
+
+    explicit = explicit_axes(mesh)
+    if not explicit:
+      return jax.jit(program)
+    if len(explicit) < len(mesh.axis_names):
+      jitted = jax.jit(program)
+      return lambda tree: on_auto_mesh(jitted(tree))
+    twin = auto_mesh(mesh)
+    out = jax.eval_shape(program, tree)
+    shardings = jax.tree.map(lambda x: NamedSharding(twin, x.sharding.spec), out)
+    return jax.jit(program, out_shardings=shardings)
+
+  def clear_cache(self) -> None:
+    """Forgets every compiled program (the next call compiles again)."""
+    self._programs.clear()
+
+
+def on_auto_mesh(tree: PyTree) -> PyTree:
+  """`tree` with each array on a mesh with Explicit axes re-wrapped onto `auto_mesh` of it:
+  the same buffers (no copy, no program), every axis Auto."""
+
+  twins = {}
+
+  def rewrap(x):
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or not explicit_axes(sharding.mesh):
+      return x
+    if sharding.mesh not in twins:
+      twins[sharding.mesh] = auto_mesh(sharding.mesh)
+    twin = twins[sharding.mesh]
+    auto = NamedSharding(twin, sharding.spec)
+    return jax.make_array_from_single_device_arrays(
+      x.shape, auto, [s.data for s in x.addressable_shards]
+    )
+
+  return jax.tree.map(rewrap, tree)
 
 
 def constrain_auto(x, mesh, spec):

@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdp._src.mesh import eager_program
 from jaxdp._src.state import TrainState
 from jaxdp._src.train import get_params, init_state, make_train_step
 from jaxdp._src.units import sharded_paths
@@ -203,9 +204,11 @@ def _refuse_frozen(variables: nnx.State, before: list, message: str) -> None:
     raise ValueError("loss_fn: " + message.format(paths=paths[:4]))
 
 
-@jax.jit
-def _copied(tree: PyTree) -> PyTree:
-  """Fresh copies of `tree`'s arrays, in one program (not one eager op per leaf)."""
+@eager_program
+def _copied(tree: PyTree, mesh) -> PyTree:
+  """Fresh copies of `tree`'s arrays (on `mesh`), in one program (not one eager op per
+  leaf), placed for eager use as `get_params` places the params."""
+  del mesh  # where the outputs go (`eager_program`)
   return jax.tree.map(jnp.copy, tree)
 
 
@@ -273,8 +276,10 @@ def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> 
     [[0.0], [0.0]]
   """
   if isinstance(params, TrainState):  # fresh copies: the next step donates the state
-    model_state = _copied(params.model_state) if model_state is None else model_state
-    params = get_params(params)
+    state = params
+    params = get_params(state)  # first: it refuses a donated state
+    if model_state is None and state.model_state is not None:
+      model_state = _copied(state.model_state, state.step.sharding.mesh)
   param_state = nnx.state(model, nnx.Param)
   _check_like(params, nnx.to_pure_dict(param_state), "nnx_merge")
   state = jax.tree.unflatten(jax.tree.structure(param_state), jax.tree.leaves(params))
@@ -309,7 +314,9 @@ class NNXOptimizer:
 
   Built like `nnx.Optimizer(model, tx)` plus the mesh and config; `nnx_train_step` makes
   the step that trains the model with it and writes the result back into the model
-  (model in, model out), so an NNX loop changes a few lines (README, "The NNX loop").
+  (model in, model out), so an NNX loop changes a few lines (docs/guide.md, "The NNX
+  loop"). After training the model is evaluated as on one device: `model.eval();
+  model(x_test)` (docs/guide.md, "Evaluate after training").
 
   The state holds the model's `nnx.Param`s (trained), its other non-RNG variables as
   `model_state` (BatchNorm statistics: averaged over the data axes each step, see

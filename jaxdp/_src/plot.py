@@ -27,7 +27,10 @@ from typing import Any, Callable, Mapping, Sequence
 from jaxdp._src.layout import Layout
 
 _GROUP = re.compile(r"^((?:\[[^\]]*\]|\.\w+)(?:\[\d+\])?)")
+_LAYER = re.compile(r"\[(\d+)\]$")  # a group label that ends in a list index: a layer
 _PAD_COLOR = "0.85"
+_GREYS = ("0.25", "0.5", "0.68")  # the groups that are no layer (embeddings, final norm)
+_MIN_LABELLED = 0.03  # the least share of its strip a bucket needs for its label ("b13")
 _KIND_COLOR = {
   "all-reduce": "tab:green",
   "reduce-scatter": "tab:orange",
@@ -68,12 +71,25 @@ def _axes(ax, figsize):
   return plt.subplots(figsize=figsize, layout="constrained")[1]
 
 
-def _colors(labels: Sequence[str]) -> dict[str, Any]:
+def _colors(labels: Sequence[str], model: Sequence[str]) -> dict[str, Any]:
+  """A colour per label of `labels`, the same in every figure of one model: a layer
+  (`['blocks'][3]`) takes tab10's colour of its index, the other groups (`['wte']`, `['ln_f']`)
+  greys from dark to light, then light tints, in the order they come in `model` (every group
+  of the layout, the figure's or not). In the order the labels come."""
   import matplotlib  # noqa: PLC0415
 
-  labels = list(dict.fromkeys(labels))
-  cmap = matplotlib.colormaps["tab10" if len(labels) <= 10 else "tab20"]
-  return {label: cmap(i % cmap.N) for i, label in enumerate(labels)}
+  layers = matplotlib.colormaps["tab10"].colors
+  others = [label for label in dict.fromkeys(model) if not _LAYER.search(label)]
+  tints = matplotlib.colormaps["tab20"].colors[1::2]
+  colors = {}
+  for label in dict.fromkeys(labels):
+    layer = _LAYER.search(label)
+    if layer:
+      colors[label] = layers[int(layer[1]) % len(layers)]
+    else:
+      k = others.index(label) if label in others else len(others)
+      colors[label] = _GREYS[k] if k < len(_GREYS) else tints[(k - len(_GREYS)) % len(tints)]
+  return colors
 
 
 def _fmt(n: float) -> str:
@@ -116,9 +132,10 @@ def plot_layout(
 ):
   """Draws every buffer of a layout as a strip of elements, one axes per buffer.
 
-  Each param is coloured by `group(path)` (its layer); in every bucket it appears `dp`
-  times, once per shard (the bucket is shard-major). Thick black lines are bucket
-  boundaries (labelled `b0`, `b1`, ... in backprop order), thin white lines shard
+  Each param is coloured by `group(path)`: a layer by its index (the same colour in every
+  figure), the other groups in greys; in every bucket it appears `dp` times, once per shard
+  (the bucket is shard-major). Thick black lines are bucket boundaries (labelled `b0`, `b1`, ... in
+  backprop order, where the bucket is wide enough for its label), thin white lines shard
   boundaries, grey hatching padding (leading dims padded to a multiple of dp, bucket
   ends padded to `lcm(dp, 128)`).
 
@@ -149,7 +166,8 @@ def plot_layout(
   if len(axes) != n:
     raise ValueError(f"plot_layout: {len(axes)} axes for {n} buffers; pass one per buffer")
   dp = layout.dp
-  colors = _colors([group(p.path) for p in layout.params])
+  groups = [group(p.path) for p in layout.params]
+  colors = _colors(groups, groups)
   pad_total = 0
   for ax, buf in zip(axes, layout.buffers):
     spans: dict[str, list[tuple[int, int]]] = {}
@@ -178,14 +196,15 @@ def plot_layout(
         x = b.offset + d * b.shard_size
         ax.plot([x, x], [0.1, 0.9], color="white", linewidth=0.4)
       ax.plot([b.offset, b.offset], [0, 1], color="black", linewidth=1.5)
-      ax.text(
-        b.offset + b.shard_size * dp / 2,
-        0.93,
-        f"b{b.index}",
-        ha="center",
-        va="bottom",
-        fontsize="small",
-      )
+      if b.shard_size * dp >= _MIN_LABELLED * buf.size:  # a narrower one's label would not fit
+        ax.text(
+          b.offset + b.shard_size * dp / 2,
+          0.93,
+          f"b{b.index}",
+          ha="center",
+          va="bottom",
+          fontsize="small",
+        )
     ax.plot([buf.size, buf.size], [0, 1], color="black", linewidth=1.5)
     pad = buf.size - buf.numel
     pad_total += pad
@@ -251,7 +270,7 @@ def plot_bucket(
   b = buf.buckets[bucket]
   dp = layout.dp
   ax = _axes(ax, (11, 0.6 + 0.28 * dp))
-  colors = _colors([group(p.path) for p in b.params])
+  colors = _colors([group(p.path) for p in b.params], [group(p.path) for p in layout.params])
   for d in range(dp):
     used = 0
     for p in b.params:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src.config import DDPConfig
+from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import Layout, is_function
 from jaxdp._src.mesh import (
   DATA,
@@ -34,7 +34,7 @@ PyTree = Any
 @functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["step", "params", "master", "opt_state", "rng", "model_state"],
-  meta_fields=["layout", "config", "mesh_shape", "model_specs", "fused"],
+  meta_fields=["layout", "config", "mesh_shape", "model_specs", "fused", "fsdp"],
 )
 @dataclasses.dataclass(frozen=True)
 class TrainState:
@@ -96,6 +96,9 @@ class TrainState:
   `no_shard` they are replicated and `master`
   holds nothing (DDP fuses only params that need no fp32 copy).
   `distributed_optimizer.per_leaf_state` gives the per-leaf form every reader uses."""
+  fsdp: FSDPConfig | None = None
+  """`optim_grads_params`: the `FSDPConfig` `init_state` was given (None there: the default
+  `FSDPConfig()`), which the step's must equal; None under the other strategies."""
 
 
 def leaves_of(tree, layout: Layout) -> list[Any]:

@@ -8,7 +8,6 @@ the call to the one `config` names.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import jax
@@ -17,6 +16,7 @@ import optax
 from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import Frozen, is_function
+from jaxdp._src.mesh import eager_program
 from jaxdp._src.state import TrainState
 
 PyTree = Any
@@ -83,8 +83,9 @@ def init_state(
       derives its keys from it, the step counter and the device's data shard, and
       `loss_fn` gets them as `rng=` (dropout; see `make_train_step`). None: no key.
     model_state: mutable non-trainable model state (BatchNorm running statistics: Linen's
-      `variables["batch_stats"]`, `jaxdp.nnx_model_state(model)`), a pytree of arrays kept
-      replicated: `loss_fn` gets it as `model_state=` and returns the updated one.
+      `{"batch_stats": variables["batch_stats"]}`, `jaxdp.nnx_model_state(model)`), a pytree
+      of arrays kept replicated: `loss_fn` gets it as `model_state=` and returns the updated
+      one.
 
   Returns:
     A `TrainState` for `make_train_step(loss_fn, tx, mesh, config)`.
@@ -165,7 +166,11 @@ def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
 
   Fresh arrays: they stay valid after the state is donated to the next train step. The
   unpadding and copy of every leaf are one compiled program (with several processes, eager
-  per-leaf ops would each run a program of their own, which can hang a job).
+  per-leaf ops would each run a program of their own, which can hang a job). They are
+  arrays for your own code: on the state's devices, on the mesh with every axis Auto
+  (`jax.make_mesh` makes Explicit axes, on which JAX refuses some eager ops, such as an
+  attention mask broadcast against a param, outside `jax.set_mesh`), so an eager forward,
+  `optax.tree.norm(params)` or `jaxdp.nnx_merge` then `model(x)` work as on one device.
 
   Args:
     state: a `TrainState` of any strategy.
@@ -177,17 +182,22 @@ def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
       that a sharded strategy padded moves to that dim by an all-to-all; nothing is
       gathered whole.
 
+  Raises:
+    ValueError: the state was donated to a train step (use the state the step returned).
+
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
     >>> state = jaxdp.init_state({"w": jnp.ones((3, 2))}, optax.sgd(0.1), mesh, config)
-    >>> jaxdp.get_params(state)["w"].shape
-    (3, 2)
+    >>> params = jaxdp.get_params(state)
+    >>> params["w"].shape, float(optax.tree.norm(params))  # eager, outside any mesh context
+    ((3, 2), 2.449489...)
     >>> state = jaxdp.init_state({"w": jnp.ones((3, 16))}, optax.sgd(0.1), mesh, config)
     >>> jaxdp.get_params(state, sharded=True)["w"].sharding.spec  # 3 rows: on the 16
     P(None, 'data')
   """
+  checks.check_not_donated(state, "jaxdp.get_params(state)")
   # One jit over the whole tree, never eager per-leaf `device_put`s and slices: with several
   # processes each eager op on a global array is a program of its own, and dozens of them
   # in flight hung 2-process jobs on a busy machine. The copy inside it also keeps the
@@ -196,7 +206,7 @@ def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
   return _params_program(state, state.step.sharding.mesh, bool(sharded))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
+@eager_program
 def _params_program(state: TrainState, mesh, sharded: bool) -> PyTree:
   return whole_params(state, mesh, sharded)
 
@@ -221,33 +231,41 @@ def make_train_step(
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
-    loss_fn: `loss_fn(params, batch) -> scalar`, the mean loss over the batch it gets.
-      What the state carries adds arguments and outputs (`jaxdp._src.loop`): with
-      `init_state(..., rng=)` it is called with `rng=` (a typed key: the state's key
-      folded with the step counter, the device's data shard and the micro-batch index:
-      other dropout masks every step and on every shard, the same ones in a resumed run);
-      with `init_state(..., model_state=)` with `model_state=`, and it returns
-      `(loss, new_model_state)`. The new model state is averaged over the data axes after
-      each micro-batch where it differs across devices (Flax's `pmean(batch_stats)`; a
-      model that syncs it itself, such as SyncBatchNorm, is left as it computed it; torch
-      DDP broadcasts rank 0's buffers instead, keeping one shard's statistics: the mean
-      keeps all of them). Integer leaves take the first shard's value.
-    tx: the optax transformation `init_state` was given. Its update runs in the global view
-      with the mesh's Explicit axes made automatic, so shape-dependent transformations
-      (`optax.contrib.muon`) run on sharded leaves as on an Auto mesh.
+    loss_fn: `loss_fn(params, batch) -> loss`, a float scalar: the mean loss over the
+      batch it is given (one device's shard of one micro-batch). What the state carries
+      adds to its signature:
+
+      - with `init_state(..., rng=key)` it is also given `rng=`, a fresh key for every
+        step, data shard and micro-batch (for dropout); a resumed run gets the same keys.
+      - with `init_state(..., model_state=...)` it is also given `model_state=` and
+        returns `(loss, new_model_state)`. The step averages the new model state over
+        the data axes (Flax's `pmean(batch_stats)`), keeps a model state the model
+        already synchronized (SyncBatchNorm), and takes the first shard's value of an
+        integer leaf.
+      - with `has_aux=True` it returns `(loss, aux)`, or `(loss, (aux, new_model_state))`
+        with a model state.
+
+      docs/loops.md lists the loops this covers (Linen, NNX, optax's wrappers).
+    tx: the optax transformation `init_state` was given (checked when the step is first
+      traced: a transformation whose state differs from the state's is refused). Its
+      update runs with the mesh's Explicit axes made Auto, so shape-dependent
+      transformations (`optax.contrib.muon`) run on sharded leaves as on an Auto mesh.
     mesh: the mesh `init_state` was given.
     config: the `DDPConfig` `init_state` was given.
     grad_accum_steps: micro-batches per step; gradients are communicated once per step
       (every micro-batch under `optim_grads`, which keeps only its shard).
     fsdp: `optim_grads_params` only: the `FSDPConfig` given to `init_state`.
-    has_aux: `loss_fn` returns `(loss, aux)` (`(loss, (aux, new_model_state))` with model
-      state); every leaf of `aux` is averaged over the micro-batches and the data axes
-      (a per-shard mean becomes the global mean; non-float leaves in float32) and returned
-      as `metrics["aux"]`. Per-example outputs belong in `make_eval_step(per_example=True)`.
+    has_aux: `loss_fn` returns `(loss, aux)`; every leaf of `aux` is averaged over the
+      micro-batches and the data axes (a per-shard mean becomes the global mean; non-float
+      leaves in float32) and returned as `metrics["aux"]`. Per-example outputs belong in
+      `make_eval_step(per_example=True)`.
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`: a `jax.jit` function that donates
     `state` (`.lower`, `.trace` are the jitted function's), wrapped in host-side checks.
+    Donating means the step reuses the state's buffers for the new state: the state passed
+    in is deleted, so always continue with the one returned (`state, metrics =
+    train_step(state, batch)`); passing a donated state again raises.
     `batch` is a pytree of global arrays whose leading dim (the same for every leaf,
     divisible by data-parallel size × `grad_accum_steps`) is split over the data axes.
     `metrics` holds the global mean `loss` and the global `grad_norm` (before any
@@ -257,19 +275,23 @@ def make_train_step(
     (the jitted function then also returns one "finite" flag per trainable leaf).
 
   Raises:
-    ValueError: (when called) a batch whose leading dims differ or do not divide, a state
-      built for another mesh or config, or whose params changed after `init_state`.
+    ValueError: (when called) a batch whose leading dims differ or do not divide; a state
+      built for another mesh, config, `fsdp` or optimizer, whose params changed after
+      `init_state`, or that was donated to an earlier step.
+    TypeError: (when called) `loss_fn` returns other than described above, or a loss that
+      is not a float scalar (an integer loss has no gradient).
     NonFiniteGradError: (when called, `check_for_nan_in_grad`) a reduced grad is NaN/Inf.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
-    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> n = jax.device_count()  # 8 with the docs' simulated CPU devices; 1 on a laptop
+    >>> mesh = jax.make_mesh((n,), ("data",))
     >>> config, tx = jaxdp.DDPConfig(), optax.sgd(0.1)
     >>> loss_fn = lambda p, b: jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
     >>> state = jaxdp.init_state({"w": jnp.zeros((3, 1))}, tx, mesh, config)
     >>> step = jaxdp.make_train_step(loss_fn, tx, mesh, config)
-    >>> batch = {"x": jnp.ones((16, 3)), "y": jnp.ones((16, 1))}
-    >>> state, metrics = step(state, batch)
+    >>> batch = {"x": jnp.ones((2 * n, 3)), "y": jnp.ones((2 * n, 1))}
+    >>> state, metrics = step(state, batch)  # always continue with the returned state
     >>> float(metrics["loss"])
     1.0
   """

@@ -72,6 +72,7 @@ class Phase:
 def worker(variant: str, layers: int, directory: str, save_gb: float | None = None) -> dict:
   """One job of `variant`, phase by phase: `{phase: {"grow": bytes, "s": seconds}}`."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
   import jax
 
   jax.config.update("jax_num_cpu_devices", 8)
@@ -80,8 +81,6 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
   import optax
   import orbax.checkpoint as ocp
   from jax.sharding import NamedSharding, PartitionSpec as P
-
-  import jaxdp
 
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax.adamw(1e-4, weight_decay=0.1)
@@ -209,13 +208,26 @@ def main():
     args.variants = ["gspmd", *args.variants]
   model = layers * 2 * D * FFN * 4
   results = {}
+  runs = args.repeat * len(args.variants)
+  print(
+    f"{runs} runs ({len(args.variants)} variants x {args.repeat}), each a fresh process: init "
+    "twice, 2 train steps, a save, a restore (docs/sharded-job.md gives the command's time)",
+    file=sys.stderr,
+  )
+  start = time.time()
   with tempfile.TemporaryDirectory() as directory:
     for run in range(args.repeat):
-      for variant in args.variants:
+      for k, variant in enumerate(args.variants):
+        done_runs = run * len(args.variants) + k
+        left = ""
+        if done_runs:
+          per_run = (time.time() - start) / done_runs
+          left = f"; about {per_run * (runs - done_runs) / 60:.0f} min left"
         print(
           f"{variant} ({layers} blocks, {model / MiB:.0f} MiB of params), run {run + 1} of "
-          f"{args.repeat} ...",
+          f"{args.repeat} ({done_runs + 1} of {runs}{left}) ...",
           file=sys.stderr,
+          flush=True,
         )
         done = subprocess.run(
           [

@@ -82,20 +82,31 @@ def compile_programs(model, n_layer, strategy):
     abstract,
     specs,
   )
-  peak = lambda compiled: jinspect.memory_stats(compiled).peak_bytes
   out = {}
-  out["init"] = peak(
-    jinspect.compile_for_gpu(lambda: train.init_state(init_fn, tx, mesh, config, **extra))
+
+  def peak(program: str, compile_it) -> None:
+    """Compiles one program, says how long it took, keeps its peak bytes per device."""
+    start = time.time()
+    out[program] = jinspect.memory_stats(compile_it()).peak_bytes
+    print(
+      f"    {program}: {out[program] / GiB:.2f} GiB, {time.time() - start:.0f} s", file=sys.stderr
+    )
+
+  peak(
+    "init",
+    lambda: jinspect.compile_for_gpu(lambda: train.init_state(init_fn, tx, mesh, config, **extra)),
   )
-  out["step"] = peak(jinspect.compile_train_step(loss_fn, tx, mesh, config, params, batch, **extra))
+  peak(
+    "step", lambda: jinspect.compile_train_step(loss_fn, tx, mesh, config, params, batch, **extra)
+  )
   views = jax.jit(train.whole_params, static_argnums=(1, 2))
-  out["params"] = peak(jinspect.compile_for_gpu(views, state, mesh, True))
+  peak("params", lambda: jinspect.compile_for_gpu(views, state, mesh, True))
   eval_step = jaxdp.make_eval_step(loss_fn, mesh, config, **extra)
   placed = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, jax.P("data"))),
     batch,
   )
-  out["eval"] = peak(jinspect.compile_for_gpu(eval_step, state, placed))
+  peak("eval", lambda: jinspect.compile_for_gpu(eval_step, state, placed))
   count = sum(x.size for x in jax.tree.leaves(params))
   shard = lambda x: (
     x.size
@@ -113,14 +124,26 @@ def main():
   parser.add_argument("--strategies", nargs="+", default=["optim", "fsdp"])
   args = parser.parse_args()
   rows, fsdp_steps = [], []
-  for n in args.layers:
-    for strategy in args.strategies:
-      t = time.time()
-      peaks, count = compile_programs(args.model, n, strategy)
-      print(f"  {args.model} L={n} {strategy}: {time.time() - t:.0f} s", file=sys.stderr)
-      rows.append((n, count, strategy, peaks))
-      if strategy == "fsdp":
-        fsdp_steps.append((n, count, peaks["state"] * DP, peaks["step"] - peaks["state"]))
+  jobs = [(n, strategy) for n in args.layers for strategy in args.strategies]
+  print(
+    f"{len(jobs)} jobs x {len(PROGRAMS)} programs ({', '.join(PROGRAMS)}), each compiled for "
+    "8 x H100; a program of a large model takes minutes (docs/sharded-job.md gives each "
+    "command's time)",
+    file=sys.stderr,
+  )
+  start = time.time()
+  for i, (n, strategy) in enumerate(jobs, start=1):
+    print(f"  {args.model} L={n} {strategy} ({i} of {len(jobs)}) ...", file=sys.stderr)
+    t = time.time()
+    peaks, count = compile_programs(args.model, n, strategy)
+    print(
+      f"  {args.model} L={n} {strategy}: {time.time() - t:.0f} s "
+      f"({(time.time() - start) / 60:.1f} min so far)",
+      file=sys.stderr,
+    )
+    rows.append((n, count, strategy, peaks))
+    if strategy == "fsdp":
+      fsdp_steps.append((n, count, peaks["state"] * DP, peaks["step"] - peaks["state"]))
   print(f"\n{args.model}, 8 x H100, peak GiB per device (ratio to the step's)\n")
   print("| layers | params | strategy | " + " | ".join(PROGRAMS) + " |")
   print("|---:|---:|---|" + "---:|" * len(PROGRAMS))

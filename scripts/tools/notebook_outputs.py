@@ -4,7 +4,9 @@ Each notebook in notebooks/ (or the ones named) runs top to bottom in a fresh ke
 simulated CPU devices, as tests/test_notebooks.py runs them, and is written back with its
 outputs. To keep the repository light every figure is re-encoded as a palette PNG
 (`--colors` colours, default 64; a matplotlib line plot loses nothing visible) and long
-text outputs are cut to `--max-lines` lines.
+text outputs are cut to `--max-lines` lines; a stream the kernel flushed in pieces is stored
+as one. tests/test_notebooks.py checks that the stored text is what a fresh run shows, so
+run this whenever a change moves what a notebook prints.
 
 Usage:
     python scripts/tools/notebook_outputs.py                    # all notebooks
@@ -42,10 +44,24 @@ def small_png(data: str, colors: int) -> str:
   return base64.b64encode(out.getvalue()).decode()
 
 
+def joined_streams(outputs: list) -> list:
+  """`outputs` with each run of pieces of one stream (where the kernel flushed) as one."""
+  joined: list = []
+  for out in outputs:
+    last = joined[-1] if joined else None
+    if out.output_type == "stream" and last and last.output_type == "stream":
+      if last.name == out.name:
+        last.text += out.text
+        continue
+    joined.append(out)
+  return joined
+
+
 def shrink(nb, colors: int, max_lines: int) -> None:
   for cell in nb.cells:
     if cell.cell_type != "code":
       continue
+    cell.outputs = joined_streams(cell.outputs)
     for out in cell.outputs:
       if "image/png" in out.get("data", {}):
         out.data["image/png"] = small_png(out.data["image/png"], colors)
