@@ -262,8 +262,12 @@ class FSDPConfig:
     prefetch: how many units ahead an all-gather may start. Default 1.
     chunks: `{prefix: C}`: params gathered and reduce-scattered C row blocks at a time
       where the loss uses them (a large embedding or output projection). Default {}.
+    vocab_parallel: compute a param the loss only reads by rows (a vocabulary table) on
+      each device's rows, moving activations instead, where that moves fewer bytes than
+      gathering it. Default True.
     param_dtype: the dtype every float param is gathered in and the loss receives (e.g.
-      `jnp.bfloat16`); the fp32 master stays sharded. None: each param's own dtype.
+      `jnp.bfloat16`); the fp32 master stays sharded. None: each param's own dtype, or the
+      narrower one every use of it in the loss casts it to.
 
   Examples:
     >>> FSDPConfig(units=["blocks", ("head", 0)]).units
