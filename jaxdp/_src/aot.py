@@ -369,7 +369,9 @@ def compile_train_step(
   step = train.make_train_step(
     loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, **extra
   )
+  # The step carries its strategy's XLA options (`compiler.compiler_options`, FSDP's); the
+  # cost model's are added, and the caller's on top.
   platform = mesh.devices.flat[0].platform
-  gpu = {**GPU_OPTIONS, **COST_MODEL_OPTIONS} if platform in GPU_PLATFORMS else {}
+  gpu = COST_MODEL_OPTIONS if platform in GPU_PLATFORMS else {}
   options = {**gpu, **(compiler_options or {})}
   return step.lower(state, batch).compile(compiler_options=options or None)

@@ -107,6 +107,34 @@ def sync_model_state(tree, axes: Sequence[str]):
   return jax.tree.map(sync, tree)
 
 
+# [Note: a table computed by rows]
+# An FSDP param read by rows where it is used (a vocabulary table: `h @ out.T`, `embed[ids]`)
+# can stay sharded: each device computes with its own rows and the *activations* move
+# instead of the param (Megatron's vocab-parallel layers, over the data axis). The product's
+# rows of every device's activations are computed where that device's block of the table
+# is, then exchanged (`exchange_rows`); a lookup's rows are found where they are and summed
+# into their device (`scatter_batch`). The param's gradient is this device's rows summed
+# over every device's batch: what the reduce-scatter of every device's whole gradient gives,
+# reduced already (`UnitCollectives.table_rows` scales it as `reduce_bucket` does).
+
+
+def gather_batch(x: jax.Array, axis: int) -> jax.Array:
+  """Every device's `x` over `DATA`, stacked along `axis` in device order (tiled)."""
+  return jax.lax.all_gather(x, DATA, axis=axis, tiled=True, to="varying")
+
+
+def scatter_batch(x: jax.Array, axis: int) -> jax.Array:
+  """`x` summed over `DATA`, this device's part of `axis` (the inverse of `gather_batch`'s
+  stacking: a `psum_scatter`, tiled)."""
+  return jax.lax.psum_scatter(x, DATA, scatter_dimension=axis, tiled=True)
+
+
+def exchange_rows(x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
+  """`x` cut into `DATA`-size parts along `split_axis`, part d sent to device d, the parts
+  received stacked along `concat_axis` in device order (an `all_to_all`, tiled)."""
+  return jax.lax.all_to_all(x, DATA, split_axis, concat_axis, tiled=True)
+
+
 def all_gather_bucket(
   local: Sequence[jax.Array], bucket: Bucket, dp: int, to: str = "varying"
 ) -> list[jax.Array]:
@@ -414,6 +442,7 @@ class UnitCollectives(NamedTuple):
   gather_rows: Callable | None = None  # (leaf, rows [lo, hi) of its shard) -> every device's
   scatter_rows: Callable | None = None  # (leaf, ct of gather_rows' output) -> reduced rows
   scatter_each: Callable | None = None  # as scatter, one reduce-scatter per param (in a scan)
+  table_rows: Callable | None = None  # (leaf, its rows' grad over every batch) -> reduced rows
 
 
 def unit_collectives(
@@ -424,7 +453,6 @@ def unit_collectives(
   dp: int,
   axes: Sequence[str],
   average: bool,
-  chunked: Collection[int] = (),
   own: Mapping[int, Any] | None = None,
   reduce_axes: Sequence[str] | None = None,
   experts: Collection[int] = (),
@@ -436,35 +464,43 @@ def unit_collectives(
 
   Returns a `UnitCollectives`:
 
-  * `gather(trainable, frozen) -> full`: `trainable` and `frozen` map leaf indices to this
-    device's row blocks `(rows / dp, ...)` of the unit's params (`trainable` in the
-    optimizer's dtype, e.g. fp32 masters); `full` maps every leaf of the unit to its whole
-    param. Per gather bucket (one per param dtype): cast the blocks to the param dtype, ravel
-    them into one shard, `all_gather` it: one collective.
-  * `scatter(cts) -> grads`: `cts` maps the unit's trainable leaves to their whole-param
-    cotangents; per grad bucket, ravel them in the grad dtype and `reduce_bucket(scatter=True)`
-    them: one reduce-scatter, whose shard (cast to `cotangent_dtypes`) is this device's block
-    of each leaf's reduced gradient. A missing cotangent counts as zeros.
-  * `gather_each(trainable, frozen) -> full`: as `gather`, one `all_gather` per param (on its
-    shard dim, no ravel): a scanned layer's params arrive one by one, so each param's
-    gather overlaps the compute of the ones before it inside the loop iteration.
+  * `gather(trainable, frozen, casts=None, apart=()) -> full`: `trainable` and `frozen` map
+    leaf indices to this device's row blocks `(rows / dp, ...)` of the unit's params
+    (`trainable` in the optimizer's dtype, e.g. fp32 masters); `full` maps every leaf of the
+    unit to its whole param. Per gather bucket (one per param dtype): cast the blocks to the
+    param dtype, ravel them into one shard, `all_gather` it: one collective. `casts` maps a
+    leaf to the dtype it moves in instead (the loss casts it to that before every use); a
+    bucket whose leaves do not all move in one dtype is gathered one collective per param.
+  * `scatter(cts, apart=()) -> grads`: `cts` maps the unit's trainable leaves to their
+    whole-param cotangents; per grad bucket, ravel them in the grad dtype and
+    `reduce_bucket(scatter=True)` them: one reduce-scatter, whose shard (cast to
+    `cotangent_dtypes`) is this device's block of each leaf's reduced gradient. A missing
+    cotangent counts as zeros.
+  * `gather_each(trainable, frozen, casts=None, apart=()) -> full`: as `gather`, one
+    `all_gather` per param (on its shard dim, no ravel): a scanned layer's params arrive one
+    by one, so each param's gather overlaps the compute of the ones before it inside the
+    loop iteration.
   * `gather_rows(leaf, rows, dtype=None) -> gathered`: `rows` is a slice `[lo, hi)` of this
-    device's block of a `chunked` leaf; `gathered` stacks every device's slice, in the param
-    dtype (or `dtype`: the loss casts the param before using it, and the cast moves):
-    rows `d * rows/dp + [lo, hi)` of the padded param for d = 0..dp-1.
+    device's block of a leaf gathered by row blocks (`FSDPConfig(chunks=)`); `gathered`
+    stacks every device's slice, in the param dtype (or `dtype`: the loss casts the param
+    before using it, and the cast moves): rows `d * rows/dp + [lo, hi)` of the padded param
+    for d = 0..dp-1.
   * `scatter_rows(leaf, ct) -> grad`: the inverse collective of `gather_rows` for the
     cotangent of `gathered`: reduce-scattered in the grad dtype, this device's `[lo, hi)`
     rows of the reduced gradient, in the `cotangent_dtypes` dtype.
-  * `scatter_each(cts) -> grads`: as `scatter`, one reduce-scatter per param (on its shard
-    dim, no ravel): inside a scanned layer's backward, where the ravel would be a copy of
-    the layer's whole-size grads alive next to them (the program's memory peak).
+  * `scatter_each(cts, apart=()) -> grads`: as `scatter`, one reduce-scatter per param (on
+    its shard dim, no ravel): inside a scanned layer's backward, where the ravel would be a
+    copy of the layer's whole-size grads alive next to them (the program's memory peak).
+  * `table_rows(leaf, grad) -> grad`: a table's rows computed where they are (see [Note: a
+    table computed by rows]): `grad`, this device's rows' gradient summed over every
+    device's batch, scaled as the reduce-scatter scales, in the `cotangent_dtypes` dtype.
 
-  The `chunked` leaves (`FSDPConfig(chunks=...)`) are left out of `gather`, `scatter`,
-  `gather_each` and `scatter_each` (`fsdp_program` gathers them a row block at a time with `gather_rows`); the
-  other params of a bucket that holds one are gathered and reduce-scattered one collective
-  per param, and so are those of a bucket that holds one of the `own` leaves (a
-  tensor-parallel leaf, split over another mesh axis on a dim other than its shard dim:
-  its own all-gather over `DATA` keeps that split, a ravel into the bucket would not).
+  The `apart` leaves (gathered by row blocks, or tables computed by rows: never whole) are
+  left out of `gather`, `scatter`, `gather_each` and `scatter_each`; the other params of a
+  bucket that holds one are gathered and reduce-scattered one collective per param, and so
+  are those of a bucket that holds one of the `own` leaves (a tensor-parallel leaf, split
+  over another mesh axis on a dim other than its shard dim: its own all-gather over `DATA`
+  keeps that split, a ravel into the bucket would not).
 
   Args:
     gather_buckets: `(bucket, param dtype)` over all the unit's float params.
@@ -473,7 +509,6 @@ def unit_collectives(
     dp: data-parallel size (for averaging; replicas included).
     axes: the data-parallel mesh axes (`DATA` last).
     average: average inside the collective instead of pre-scaling.
-    chunked: leaves gathered by row blocks.
     own: leaf -> the PartitionSpec over other mesh axes its caller split it over (of one
       layer for a stacked unit), for leaves whose shard dim those axes leave whole: each of
       their gathers and reduce-scatters runs in a `shard_map` manual over those axes too,
@@ -489,8 +524,7 @@ def unit_collectives(
   other = tuple(a for a in axes if a != DATA)
   reduce_axes = tuple(axes if reduce_axes is None else reduce_axes)
   own = own or {}
-  chunked = frozenset(chunked)
-  single = chunked | frozenset(own)
+  own_leaves = frozenset(own)
   experts = frozenset(experts)
   group = lambda i: tuple(a for a in reduce_axes if a != EXPERT) if i in experts else reduce_axes
 
@@ -511,41 +545,48 @@ def unit_collectives(
     )
     return g.astype(cotangent_dtypes[i])
 
-  def gathered_each(local, buckets):  # one all-gather per param of `buckets`, no ravel
+  def table_rows(i, grad):  # scaled as `reduce_bucket` scales, no collective
+    g = grad.astype(grad_dtypes[i])
+    g = g / jnp.asarray(dp, g.dtype) if average else g * jnp.asarray(1.0 / dp, g.dtype)
+    return g.astype(cotangent_dtypes[i])
+
+  def gathered_each(local, buckets, casts, apart):  # one all-gather per param, no ravel
     return {
-      p.index: unpad_rows(gather_rows(p.index, local[p.index]), p)
+      p.index: unpad_rows(gather_rows(p.index, local[p.index], casts.get(p.index)), p)
       for b, _ in buckets
       for p in b.params
-      if p.index not in chunked
+      if p.index not in apart
     }
 
-  def scattered_each(cts, buckets):  # one reduce-scatter per param of `buckets`, no ravel
+  def scattered_each(cts, buckets, apart):  # one reduce-scatter per param, no ravel
     return {
       p.index: scatter_rows(p.index, pad_rows(_whole_ct(cts, p, grad_dtypes[p.index]), p))
       for b, _ in buckets
       for p in b.params
-      if p.index not in chunked
+      if p.index not in apart
     }
 
-  def gather(trainable, frozen):
-    local = {**trainable, **frozen}
+  def gather(trainable, frozen, casts=None, apart=frozenset()):
+    local, casts = {**trainable, **frozen}, casts or {}
     shards = jax.lax.axis_size(DATA)
     out = {}
     for b, dtype in gather_buckets:
-      if any(p.index in single for p in b.params):
-        out.update(gathered_each(local, [(b, dtype)]))
+      moved = {casts.get(p.index, dtype) for p in b.params}
+      if any(p.index in own_leaves | apart for p in b.params) or len(moved) > 1:
+        out.update(gathered_each(local, [(b, dtype)], casts, apart))
         continue
+      (dtype,) = moved  # every param of the bucket cast to one dtype: gathered in it
       full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
       for p, x in zip(b.params, full):
         out[p.index] = make_varying(x, other) if other else x
     return out
 
-  def scatter(cts):
+  def scatter(cts, apart=frozenset()):
     shards = jax.lax.axis_size(DATA)
     grads = {}
     for b, grad_dtype in grad_buckets:
-      if any(p.index in single for p in b.params):
-        grads.update(scattered_each(cts, [(b, grad_dtype)]))
+      if any(p.index in own_leaves | apart for p in b.params):
+        grads.update(scattered_each(cts, [(b, grad_dtype)], apart))
         continue
       axes_b = group(b.params[0].index)
       shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes_b, average=average)
@@ -553,11 +594,11 @@ def unit_collectives(
         grads[p.index] = g.astype(cotangent_dtypes[p.index])
     return grads
 
-  def gather_each(trainable, frozen):
-    return gathered_each({**trainable, **frozen}, gather_buckets)
+  def gather_each(trainable, frozen, casts=None, apart=frozenset()):
+    return gathered_each({**trainable, **frozen}, gather_buckets, casts or {}, apart)
 
-  def scatter_each(cts):
-    return scattered_each(cts, grad_buckets)
+  def scatter_each(cts, apart=frozenset()):
+    return scattered_each(cts, grad_buckets, apart)
 
   return UnitCollectives(
     gather=gather,
@@ -566,6 +607,7 @@ def unit_collectives(
     gather_rows=gather_rows,
     scatter_rows=scatter_rows,
     scatter_each=scatter_each,
+    table_rows=table_rows,
   )
 
 
@@ -630,11 +672,17 @@ def unit_collectives_flat(
       out.update((p.index, x) for p, x in zip(b.params, shard_unravel(trainable[key], b, shards)))
     return out
 
-  def gather(trainable, frozen):
+  def gather(trainable, frozen, casts=None, apart=frozenset()):
     shards = jax.lax.axis_size(DATA)
-    local = None
+    local, casts = None, casts or {}
     out = {}
     for b, dtype in gather_buckets:
+      moved = {casts.get(p.index, dtype) for p in b.params}
+      if len(moved) > 1:  # some params cast, others not: one all-gather per param
+        local = local if local is not None else {**blocks(trainable), **frozen}
+        out.update(each_of(local, {}, casts, [(b, dtype)]))
+        continue
+      (dtype,) = moved
       flat = next((key for g, _, _, key in grad_buckets if same(g, b)), None)
       if flat is not None:
         shard = trainable[flat].astype(dtype)
@@ -646,22 +694,23 @@ def unit_collectives_flat(
         out[p.index] = make_varying(x, other) if other else x
     return out
 
-  def scatter(cts):
+  def scatter(cts, apart=frozenset()):
     return {
       key: _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average).astype(dtype)
       for b, grad_dtype, dtype, key in grad_buckets
     }
 
-  each = unit_collectives(
-    gather_buckets,
-    [(b, grad_dtype) for b, grad_dtype, _, _ in grad_buckets],
-    {},
-    dp=dp,
-    axes=axes,
-    average=average,
-  ).gather_each
+  def each_of(trainable, frozen, casts, buckets):  # per param, from blocks
+    return unit_collectives(
+      buckets,
+      [(b, grad_dtype) for b, grad_dtype, _, _ in grad_buckets],
+      {},
+      dp=dp,
+      axes=axes,
+      average=average,
+    ).gather_each(trainable, frozen, casts)
 
-  def gather_each(trainable, frozen):  # per param, from the flat shards' blocks
-    return each(blocks(trainable), frozen)
+  def gather_each(trainable, frozen, casts=None, apart=frozenset()):  # per param, from blocks
+    return each_of(blocks(trainable), frozen, casts, gather_buckets)
 
   return UnitCollectives(gather=gather, scatter=scatter, gather_each=gather_each)

@@ -262,8 +262,12 @@ class FSDPConfig:
     prefetch: how many units ahead an all-gather may start. Default 1.
     chunks: `{prefix: C}`: params gathered and reduce-scattered C row blocks at a time
       where the loss uses them (a large embedding or output projection). Default {}.
+    vocab_parallel: compute a param the loss only reads by rows (a vocabulary table) on
+      each device's rows, moving activations instead, where that moves fewer bytes than
+      gathering it. Default True.
     param_dtype: the dtype every float param is gathered in and the loss receives (e.g.
-      `jnp.bfloat16`); the fp32 master stays sharded. None: each param's own dtype.
+      `jnp.bfloat16`); the fp32 master stays sharded. None: each param's own dtype, or the
+      narrower one every use of it in the loss casts it to.
 
   Examples:
     >>> FSDPConfig(units=["blocks", ("head", 0)]).units
@@ -301,10 +305,9 @@ class FSDPConfig:
   `set_modules_to_forward_prefetch` depth, Megatron-FSDP's double buffer): with 1, unit i+1's
   gather may run while unit i computes, in the forward and (reversed) in the backward, and no
   earlier, so at most prefetch + 1 unrolled units are gathered at once. Enforced by data
-  dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned layer's
-  params are gathered one by one inside its iteration (each gather overlaps the compute of
-  the params before it); with 2 or more, XLA's collective pipeliner also starts the next
-  layer's gathers one iteration ahead (one more layer gathered at the peak)."""
+  dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned unit's
+  loops always gather the next layer while one layer computes (docs/design.md, "Scanned
+  layers one iteration ahead")."""
   chunks: Mapping[Prefix, int] = dataclasses.field(default_factory=dict)
   """`{prefix: C}`: params gathered and reduce-scattered C row blocks at a time, for a large
   embedding or output projection (`{"wte": 8}`): each matmul that uses such a param runs as C
@@ -316,12 +319,23 @@ class FSDPConfig:
   `jnp.take(w, ids, axis=0)`: each block gathered once, nothing in the backward), possibly
   after a cast (`w.astype(jnp.bfloat16)`: the blocks then move in that dtype); stored as
   sorted `(prefix, C)` pairs."""
+  vocab_parallel: bool = True
+  """Compute a param that the loss only reads by rows (a vocabulary table: row lookups
+  `w[ids]`, matmuls that keep its rows in the product, `h @ w.T`) on each device's own rows,
+  moving the activations instead of gathering the param (Megatron's vocab-parallel
+  embedding and output layer, over "data"), wherever that moves fewer bytes than gathering
+  it and reduce-scattering its gradient: the param and its gradient are then never whole.
+  Decided per param from the shapes when the step is traced; a param in `chunks` keeps its
+  row blocks. On meshes with tensor- or expert-parallel params, "replica" or a fused
+  state, params are gathered as usual. False: always gathered."""
   param_dtype: Any = None
   """The dtype every float param is gathered in and the loss receives (torch FSDP2's
   `MixedPrecisionPolicy(param_dtype=)`, e.g. `jnp.bfloat16`): the fp32 master stays sharded,
   each unit's shard is cast before its all-gather (which moves, and gathers, half the bytes
   of fp32), and gradients are reduce-scattered in fp32 with `DDPConfig(grad_reduce_in_fp32=
-  True)` (the default), else in this dtype. None: each param's own dtype."""
+  True)` (the default), else in this dtype. None: each param's own dtype, or the narrower
+  one every use of it in the loss casts it to (a float32 param the loss always casts to
+  bfloat16 is gathered in bfloat16; the loss computes on the same values)."""
 
   def __post_init__(self):
     if self.units is not None and not callable(self.units):
@@ -372,6 +386,8 @@ class FSDPConfig:
         "a stacked layer is gathered whole inside its scan iteration: chunk only unstacked "
         "params (an embedding, an output projection)"
       )
+    if not isinstance(self.vocab_parallel, bool):
+      raise ValueError(f"FSDPConfig: vocab_parallel={self.vocab_parallel!r}: must be True or False")
     if self.param_dtype is not None:
       object.__setattr__(
         self,

@@ -528,17 +528,21 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
         continue
       layer = layer_bucket(b, layout.dp)
 
-      def gather(t, f, layer=layer, dtype=buf.param_dtype):
+      def gather(t, f, layer=layer, dtype=buf.param_dtype, casts=None, apart=()):
         if not plan.gather_in_step:
           return {p.index: t[p.index][0] for p in layer.params}
+        casts = casts or {}
         return {
           p.index: collectives.make_varying(
-            collectives.all_gather_rows(t[p.index][0], p, dtype, own=own.get(p.index)), other
+            collectives.all_gather_rows(
+              t[p.index][0], p, casts.get(p.index, dtype), own=own.get(p.index)
+            ),
+            other,
           )
           for p in layer.params
         }
 
-      def scatter(cts, b=b, buf=buf):
+      def scatter(cts, b=b, buf=buf, apart=()):
         blocks = collectives.reduce_scatter_layer(
           cts,
           b,

@@ -24,12 +24,12 @@ traced program (its jaxpr) in pieces:
   (`FSDPConfig(stacked=...)`), whatever made it (`jax.lax.scan`, `nnx.scan`, with or without
   `jaxdp.scan_unit`, with the user's remat inside its body or around it). It runs as one
   `custom_vjp` (`_scan_unit`) over the layer shards `(layers, rows / dp, ...)`: the forward
-  loop gathers one layer per iteration and stacks that iteration's residuals (chosen as
+  loop runs one layer per iteration and stacks that iteration's residuals (chosen as
   above); the backward loop gathers each layer again, runs its vjp and reduce-scatters its
-  gradients in its own iteration. The consts and the shards are saved once, not per layer.
-  Inside the loops a layer is gathered one all-gather per param, so each param's gather
-  overlaps the compute of those before it (as GSPMD's scanned FSDP does); the reduce-scatter
-  is one per layer.
+  gradients. Both loops run one layer ahead ([Note: a layer gathered one iteration
+  ahead]): an iteration gathers the next layer while it computes its own, and the backward
+  reduce-scatters the gradients a layer computes last in the next iteration. The consts
+  and the shards are saved once, not per layer.
 * Live units are bounded by data dependencies, not left to the scheduler
   (`FSDPConfig(prefetch=k)`): before segment i runs, the shards of the op k places later go
   through one `optimization_barrier` with segment i's inputs, so their all-gather cannot start
@@ -40,8 +40,13 @@ traced program (its jaxpr) in pieces:
   reduce-scatter must finish before the segment two earlier gets its cotangents (a second
   token), so it overlaps the backward of the segment before and its full-size gradient dies
   there. Every tie uses all its barrier's results or is arithmetic (`x + zero token`): XLA
-  drops barrier operands whose results are unused. Inside a scan, `prefetch >= 2` lets XLA's
-  collective pipeliner gather the next layer one iteration ahead.
+  drops barrier operands whose results are unused.
+* What moves is what the loss reads: a param every use of which the loss casts to a
+  narrower dtype (`w.astype(jnp.bfloat16)`) is gathered cast ([Note: gathered in the dtype
+  the loss casts to]), and a vocabulary table the loss only reads by rows (`embed[ids]`,
+  `h @ out.T`) is not gathered at all where moving the activations costs fewer bytes
+  (`FSDPConfig(vocab_parallel=)`, [Note: a table computed by rows] in `collectives`): each
+  use runs on this device's rows (`_TableDot`, `_TableTake`).
 
 Why trace and replay, rather than the thread-local scope that `gather_unit` / `scan_unit`
 used to read at trace time: nothing JAX caches may depend on state outside the values it
@@ -74,6 +79,7 @@ that uses it; a param passed into a scan as a const is gathered once before it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -106,6 +112,19 @@ class UnitIO:
   grad_dtypes: Mapping[int, Any] = dataclasses.field(default_factory=dict)
   """Trainable leaf -> the dtype `scatter` reduces its gradient in, where a tied unit's
   uses are summed (`_Ties`; missing: the cotangent's own dtype)."""
+  casts: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+  """Leaf -> the narrower float dtype every use of it in the loss casts it to (`run_loss`
+  finds them, see [Note: gathered in the dtype the loss casts to]): gathered in it."""
+  tables: frozenset[int] = frozenset()
+  """Leaves never gathered: each use computes with this device's rows and moves the
+  activations instead (`run_loss` picks them, see [Note: a table computed by rows])."""
+  shard_dims: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  """Leaf -> the dim its shards split (a table must be split by its rows, dim 0)."""
+
+  @property
+  def apart(self) -> frozenset[int]:
+    """The leaves never gathered whole: by row blocks (`chunks`) or not at all (`tables`)."""
+    return frozenset(self.chunks) | self.tables
 
   @property
   def leaves(self) -> tuple[int, ...]:
@@ -190,6 +209,7 @@ def run_loss(
   *,
   reshard: bool = True,
   prefetch: int = 1,
+  tables: bool = False,
 ) -> PyTree:
   """`loss_fn(params, batch)` with every unit gathered where it is used (module docstring);
   its output may be any pytree (a loss, or a loss with aux and model state; an eval step's
@@ -212,11 +232,22 @@ def run_loss(
     axes: the data-parallel axes (the gathered params vary over them).
     reshard: gather each unit again for its backward (else keep the forward's gather).
     prefetch: how many units ahead an all-gather may start.
+    tables: compute a leaf by rows where that moves fewer bytes than gathering it (see
+      [Note: a table computed by rows]; `_table_leaves` says which leaves may be).
   """
   index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   program = _trace(loss_fn, treedef, leaf_avals, values, index, batch, axes)
+  casts = _cast_dtypes(program, index)
+  units = [
+    dataclasses.replace(u, casts={i: casts[i] for i in u.leaves if i in casts}) for u in units
+  ]
+  index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   lazy = _find_lazy(program, index)
-  rules = _chunk_rules(program, lazy, index, treedef)
+  if tables:
+    picked = _table_leaves(program, lazy, index, casts)
+    units = [dataclasses.replace(u, tables=frozenset(u.leaves) & picked) for u in units]
+    index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
+  rules = {**_chunk_rules(program, lazy, index, treedef), **_table_rules(program, lazy, index)}
   ops = _plan(program, lazy, _cut(program, lazy, index), index)
   outs = _execute(
     program, ops, values, batch, index, rules, axes, reshard=reshard, prefetch=prefetch
@@ -250,6 +281,68 @@ def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> 
   return _Program(flat.jaxpr, flat.consts, n_leaves, param_var, jax.tree.structure(out_shape))
 
 
+# [Note: gathered in the dtype the loss casts to]
+# A mixed-precision loss keeps fp32 params and casts each where it is used
+# (`w.astype(jnp.bfloat16)`, flax's `dtype=` with `param_dtype=float32`). Where every use of a
+# param is such a cast, to one narrower float dtype, the cast commutes with the all-gather:
+# the unit gathers the shard cast to it (half the bytes for bf16) and the program reads
+# `gathered.astype(param dtype)`, whose cast back XLA folds into the loss's own (a widening
+# cast is exact, so `convert(convert(x, f32), bf16)` is `x`). The loss computes on the same
+# values bit for bit, and the cotangent reaching the reduce-scatter is the same, in the grad
+# dtype. A param used once in its own dtype (a norm's scale multiplied in fp32) keeps it.
+# Uses are followed into the jaxprs of calls, `jax.checkpoint` and `lax.scan` (a stacked
+# param's slice in the body), where the operands map one to one to the inner inputs.
+
+
+def _cast_dtypes(program: _Program, units: _Units) -> dict[int, np.dtype]:
+  """{leaf: dtype} of the units' float leaves that every use casts to one narrower float
+  dtype (see the note above; chunked leaves keep their own rule)."""
+  out = {}
+  for v, i in program.param_var.items():
+    if i in units.of_leaf[i].apart or not _is_float(v.aval):
+      continue
+    dtypes = _use_casts(program.jaxpr, v)
+    if dtypes is not None and len(dtypes) == 1:
+      (dtype,) = dtypes
+      if jnp.finfo(dtype).bits < jnp.finfo(v.aval.dtype).bits:
+        out[i] = np.dtype(dtype)
+  return out
+
+
+def _inner_jaxpr(eqn) -> jcore.Jaxpr | None:
+  """The jaxpr a call-like `eqn` runs on its operands one to one (`jit`, `jax.checkpoint`,
+  `lax.scan`: consts, carry and xs in order), else None."""
+  if eqn.primitive not in (prims.jit_p, prims.closed_call_p, prims.remat_p, prims.scan_p):
+    return None
+  inner = eqn.params.get("jaxpr")
+  inner = getattr(inner, "jaxpr", inner)
+  return inner if isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(eqn.invars) else None
+
+
+def _use_casts(jaxpr: jcore.Jaxpr, var) -> set | None:
+  """The dtypes every use of `var` in `jaxpr` casts it to, or None where one use is not a
+  float cast (or it is an output)."""
+  if any(v is var for v in jaxpr.outvars):
+    return None
+  dtypes: set = set()
+  for eqn in jaxpr.eqns:
+    for pos, v in enumerate(eqn.invars):
+      if v is not var:
+        continue
+      if eqn.primitive is prims.convert_element_type_p:
+        dtype = eqn.params["new_dtype"]
+        if not jnp.issubdtype(dtype, jnp.floating):
+          return None
+        dtypes.add(np.dtype(dtype))
+        continue
+      inner = _inner_jaxpr(eqn)
+      found = None if inner is None else _use_casts(inner, inner.invars[pos])
+      if found is None:
+        return None
+      dtypes |= found
+  return dtypes
+
+
 def _find_lazy(program: _Program, units: _Units) -> _Lazy:
   """Step 2: which vars are computed from params (and consts) alone."""
   defs, var_units = {}, {v: {units.of_leaf[i].name} for v, i in program.param_var.items()}
@@ -279,7 +372,7 @@ class _ChunkRule:
   dtype: Any = None  # the operand's dtype where the loss casts the leaf first, else None
   perm: tuple[int, ...] | None = None  # the operand is the leaf transposed so (`w.T`)
 
-  def __call__(self, invals):
+  def __call__(self, invals, env):
     x, block = invals[1 - self.pos], invals[self.pos]
     if self.perm is not None:  # the block as the leaf holds it (`eqn` reads it so)
       block = jnp.transpose(block, tuple(int(k) for k in np.argsort(self.perm)))
@@ -325,20 +418,44 @@ def _untransposed(eqn, pos: int, perm: tuple[int, ...]):
   return eqn.replace(params={**eqn.params, "dimension_numbers": (contract, batch)})
 
 
-def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
-  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
-  (`UnitIO.chunks`) runs as `_chunked_dot`, each row lookup on it as `_chunked_take`; a cast
-  of the leaf (`w.astype(jnp.bfloat16)`) is the leaf's rows in that dtype, recomputed on
-  the row blocks, which then move in it. Raises ValueError if such a leaf has another use
-  (its value is never whole)."""
-  jaxpr, unit_of = program.jaxpr, units.of_leaf
-  chunked = {v: i for v, i in program.param_var.items() if i in unit_of[i].chunks}
-  # Casts and transposes of chunked leaves (`w.astype(jnp.bfloat16).T`) are chunked views of
-  # them: recomputed on the row blocks, then read by the matmul or lookup they feed.
-  views, perms = set(), {v: None for v in chunked}
+@dataclasses.dataclass(frozen=True, eq=False)
+class _RowUse:
+  """One use of a leaf that is read by rows where used (chunked, or a table): the eqn
+  that reads it, through its casts and transposes."""
+
+  eqn: jcore.JaxprEqn  # as the program has it
+  pos: int  # the leaf's (view's) operand position
+  var: jcore.Var  # the leaf's input var
+  kind: str | None  # "matmul", "lookup", or None (another use)
+  read: jcore.JaxprEqn | None  # `eqn` reading the leaf untransposed (a matmul), else `eqn`
+  perm: tuple[int, ...] | None  # the operand is the leaf transposed so (`w.T`)
+  cast: Any  # the operand's dtype where the loss casts the leaf first, else None
+  x_grad: bool  # the other operand gets a cotangent (it depends on a float input)
+  out_cast: Any = None  # a lookup: the dtype every use of its rows casts them to, or None
+
+  @property
+  def rows_free(self) -> bool:
+    """A matmul whose product keeps the leaf's rows as a dim (`h @ w.T`: the logits)."""
+    if self.kind != "matmul":
+      return self.kind == "lookup"
+    contract, batch = self.read.params["dimension_numbers"]
+    x_contract, x_batch = contract[1 - self.pos], batch[1 - self.pos]
+    x_ndim = self.eqn.invars[1 - self.pos].aval.ndim
+    has_free = len(x_contract) + len(x_batch) < x_ndim
+    return 0 not in contract[self.pos] and has_free
+
+
+def _row_uses(program: _Program, lazy: _Lazy, leaves) -> tuple[dict, set, set]:
+  """`({leaf: [_RowUse]}, views, returned)` for `leaves`: every eqn of the top level that
+  reads one of them or a cast or transpose of one (`w.astype(jnp.bfloat16).T`: a view, by
+  `id(eqn)` in `views`, recomputed on the rows); `returned`: those the program outputs."""
+  jaxpr = program.jaxpr
+  of_var = {v: i for v, i in program.param_var.items() if i in leaves}
+  param = {v: v for v in of_var}  # a view's leaf var
+  views, perms = set(), {v: None for v in of_var}
   for eqn in jaxpr.eqns:
     v = eqn.invars[0] if eqn.invars else None
-    if not (isinstance(v, jcore.Var) and v in chunked):
+    if not (isinstance(v, jcore.Var) and v in of_var):
       continue
     if eqn.primitive is prims.convert_element_type_p:
       perms[eqn.outvars[0]] = perms[v]
@@ -348,54 +465,151 @@ def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict
       perms[eqn.outvars[0]] = tuple(old[k] for k in perm)
     else:
       continue
-    chunked[eqn.outvars[0]] = chunked[v]
+    of_var[eqn.outvars[0]] = of_var[v]
+    param[eqn.outvars[0]] = param[v]
     views.add(id(eqn))
   # The vars a gradient flows to: those computed from a float input.
   floats = {v for v in jaxpr.invars if _is_float(v.aval)}
   for eqn in jaxpr.eqns:
     if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
       floats.update(v for v in eqn.outvars if _is_float(v.aval))
-  rules = {}
+  uses: dict[int, list[_RowUse]] = {i: [] for i in set(of_var.values())}
   for eqn in jaxpr.eqns:
     if id(eqn) in views:
       continue
     for pos, v in enumerate(eqn.invars):
-      if not (isinstance(v, jcore.Var) and v in chunked):
+      if not (isinstance(v, jcore.Var) and v in of_var):
         continue
-      i = chunked[v]
       perm = perms[v] if perms[v] != tuple(range(v.aval.ndim)) else None
       read = eqn if perm is None else _untransposed(eqn, pos, perm)  # as it reads the leaf
       matmul = (
         read is not None
         and read.primitive is prims.dot_general_p
-        and eqn.invars[1 - pos] not in chunked
+        and eqn.invars[1 - pos] not in of_var
         and 0 not in read.params["dimension_numbers"][1][pos]
         and not any(w in lazy.defs for w in eqn.outvars)
       )
       lookup = pos == 0 and perm is None and _is_row_lookup(eqn)
-      if not (matmul or lookup):
+      x_var = eqn.invars[1 - pos] if len(eqn.invars) == 2 else None
+      out_casts = _use_casts(jaxpr, eqn.outvars[0]) if lookup else None
+      out_cast = None
+      if out_casts is not None and len(out_casts) == 1:
+        (dtype,) = out_casts
+        narrower = jnp.finfo(dtype).bits < jnp.finfo(eqn.outvars[0].aval.dtype).bits
+        out_cast = dtype if narrower else None
+      uses[of_var[v]].append(
+        _RowUse(
+          eqn=eqn,
+          pos=pos,
+          var=param[v],
+          kind="matmul" if matmul else "lookup" if lookup else None,
+          read=read if matmul else eqn,
+          perm=perm,
+          cast=v.aval.dtype if v not in program.param_var else None,
+          x_grad=isinstance(x_var, jcore.Var) and x_var in floats,
+          out_cast=out_cast,
+        )
+      )
+  returned = {of_var[v] for v in jaxpr.outvars if isinstance(v, jcore.Var) and v in of_var}
+  return uses, views, returned
+
+
+def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
+  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
+  (`UnitIO.chunks`) runs as `_chunked_dot`, each row lookup on it as `_chunked_take`; a cast
+  of the leaf (`w.astype(jnp.bfloat16)`) is the leaf's rows in that dtype, recomputed on
+  the row blocks, which then move in it. Raises ValueError if such a leaf has another use
+  (its value is never whole)."""
+  unit_of = units.of_leaf
+  chunked = {i for i in program.param_var.values() if i in unit_of[i].chunks}
+  uses, _, returned = _row_uses(program, lazy, chunked)
+  if returned:
+    raise ValueError(
+      "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
+      "blocks can only be used by matmuls and row lookups: leave it out of chunks="
+    )
+  rules = {}
+  for i, leaf_uses in uses.items():
+    for use in leaf_uses:
+      if use.kind is None:
         paths = jax.tree_util.tree_flatten_with_path(
           jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
         )[0]
         path = jax.tree_util.keystr(paths[i][0])
         raise ValueError(
           f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
-          f"`{eqn.primitive.name}`, neither as one operand of a matmul whose other operand "
+          f"`{use.eqn.primitive.name}`, neither as one operand of a matmul whose other operand "
           "depends on the batch nor as the table of a row lookup; a param gathered by row "
           "blocks can only be cast, used by matmuls (x @ w.T, one_hot @ w, an einsum with "
           "it) and read by rows (w[ids], jnp.take(w, ids, axis=0)): leave it out of chunks="
         )
-      x_var = eqn.invars[1 - pos]
-      x_grad = isinstance(x_var, jcore.Var) and x_var in floats
       size = program.jaxpr.invars[i].aval.shape[0]
-      cast = v.aval.dtype if v not in program.param_var else None
-      rules[id(eqn)] = _ChunkRule(read, pos, unit_of[i], i, size, x_grad, cast, perm)
-  if any(isinstance(v, jcore.Var) and v in chunked for v in jaxpr.outvars):
-    raise ValueError(
-      "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
-      "blocks can only be used by matmuls and row lookups: leave it out of chunks="
-    )
+      rules[id(use.eqn)] = _ChunkRule(
+        use.read, use.pos, unit_of[i], i, size, use.x_grad, use.cast, use.perm
+      )
   return rules
+
+
+def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping) -> frozenset:
+  """The leaves to compute by rows (see [Note: a table computed by rows]): float leaves of
+  units that are not stacked, not chunked, split by their rows, whose collectives can
+  reduce a table's rows,
+  each of whose uses is a row lookup or a matmul that keeps the leaf's rows in its product,
+  and for which that moves fewer bytes than gathering the leaf (twice where the backward
+  needs its value) and reduce-scattering its gradient."""
+  dp = jax.lax.axis_size(DATA)
+  candidates = {
+    i
+    for v, i in program.param_var.items()
+    if not units.of_leaf[i].stacked
+    and i not in units.of_leaf[i].apart
+    and units.of_leaf[i].shard_dims.get(i) == 0
+    and units.of_leaf[i].collectives.table_rows is not None
+    and _is_float(v.aval)
+    and v.aval.ndim >= 2
+  }
+  uses, _, returned = _row_uses(program, lazy, candidates)
+  picked = set()
+  for i, leaf_uses in uses.items():
+    if i in returned or not leaf_uses or not all(u.rows_free for u in leaf_uses):
+      continue
+    unit = units.of_leaf[i]
+    trainable = i in unit.trainable
+    aval = program.jaxpr.invars[i].aval
+    moved = np.dtype(casts.get(i, aval.dtype)).itemsize
+    grad = np.dtype(unit.grad_dtypes.get(i, aval.dtype)).itemsize if trainable else 0
+    gathers = 1 + any(u.kind == "matmul" and u.x_grad for u in leaf_uses)
+    param_bytes = (dp - 1) / dp * aval.size * (moved * gathers + grad)
+    if sum(_activation_bytes(u, dp, trainable) for u in leaf_uses) < param_bytes:
+      picked.add(i)
+  return frozenset(picked)
+
+
+def _activation_bytes(use: _RowUse, dp: int, trainable: bool) -> float:
+  """Bytes a device sends for one use of a table computed by rows (`_TableDot`,
+  `_TableTake`), ring algorithms: the other operand gathered (again in the backward) and
+  its cotangent reduce-scattered, the product exchanged both ways; a lookup's rows summed
+  into their devices and their cotangents gathered."""
+  nbytes = lambda aval: aval.size * np.dtype(aval.dtype).itemsize
+  if use.kind == "lookup":
+    out = use.eqn.outvars[0].aval
+    moved = out if use.out_cast is None else out.update(dtype=use.out_cast)
+    return (dp - 1) * nbytes(moved) * (1 + trainable)
+  x = use.eqn.invars[1 - use.pos].aval
+  gathers = 1 + (trainable or use.x_grad) + use.x_grad
+  return (dp - 1) * nbytes(x) * gathers + 2 * (dp - 1) / dp * nbytes(use.eqn.outvars[0].aval)
+
+
+def _table_rules(program: _Program, lazy: _Lazy, units: _Units) -> dict:
+  """`{id(eqn): rule}` for `_eval`: each use of a table (`UnitIO.tables`) as `_TableDot`
+  or `_TableTake`."""
+  tables = {i for i in program.param_var.values() if i in units.of_leaf[i].tables}
+  uses, _, _ = _row_uses(program, lazy, tables)
+  return {
+    id(use.eqn): _TableRule(use, units.of_leaf[i], i, program.jaxpr.invars[i].aval.shape[0])
+    for i, leaf_uses in uses.items()
+    for use in leaf_uses
+  }
 
 
 def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
@@ -572,9 +786,11 @@ class _SegmentFn:
 
   def __call__(self, acts, full):
     local = dict(zip(self.op.acts, acts))
-    local.update((v, full[i]) for v, i in self.program.param_var.items() if i in full)
+    params = {v: full[i] for v, i in self.program.param_var.items() if i in full}
+    local.update(params)
     local.update((v, x) for v, x in zip(self.program.jaxpr.constvars, self.program.consts))
-    _eval(self.op.lazy + self.op.eqns, local, self.rules)
+    narrowed = {v for v, x in params.items() if x.dtype != v.aval.dtype}
+    _eval(self.op.lazy + self.op.eqns, local, self.rules, narrowed)
     return [local[v] for v in self.op.outs]
 
 
@@ -600,7 +816,11 @@ def _run_scan(
     )[0]
     it = iter(full)
     local.update(
-      (v, next(it)) for u in whole for i in u.leaves for v, j in program.param_var.items() if j == i
+      (v, _as_param(next(it), v.aval))
+      for u in whole
+      for i in u.leaves
+      for v, j in program.param_var.items()
+      if j == i
     )
   _eval(op.lazy, local)
   start = eqn.params["num_consts"] + eqn.params["num_carry"]
@@ -627,7 +847,7 @@ def _summed_leaves(unit: UnitIO) -> tuple[int, ...]:
   """The leaves of `unit` whose gradients a tied unit sums over its uses before its one
   reduce-scatter: its trainable leaves but the chunked ones (each row block of those is
   reduce-scattered where it is used, so that the leaf's gradient is never whole)."""
-  return tuple(i for i in unit.trainable if i not in unit.chunks)
+  return tuple(i for i in unit.trainable if i not in unit.apart)
 
 
 def _tied_units(ops: Sequence[_Op], units: _Units) -> frozenset[str]:
@@ -696,10 +916,9 @@ def _unit_call(
 
   # The gathered params' types (varying axes included), to trace the backward with when it
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
-  closed, shape = jax.make_jaxpr(
-    lambda t, f: _gather(units, {**t, **f}, layer_axis=True), return_shape=True
-  )(trainable, frozen)
-  full_avals = jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
+  full_avals = _traced_avals(
+    lambda t, f: _gather(units, {**t, **f}, layer_axis=True), trainable, frozen
+  )
   # What the forward saves (the residuals that depend on the activations; None: all) and
   # which residuals the params feed: one trace of the segment's vjp, for both passes.
   # Residuals computed from integer inputs alone (a one-hot of the token ids) are recomputed
@@ -836,7 +1055,7 @@ class _UnitCall:
     d_t = _scatter(scattered, d_full, layer_axis=True)
     # A handed-back unit's chunked leaves: reduce-scattered by row blocks already.
     d_t.update(
-      (i, d_full[i]) for u in self.units if u.name in handed for i in u.trainable if i in u.chunks
+      (i, d_full[i]) for u in self.units if u.name in handed for i in u.trainable if i in u.apart
     )
     d_t = {key: d_t.get(key) for key in t}  # None: a zero cotangent
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
@@ -890,8 +1109,7 @@ def _scan_unit(
   keep = None
   if reshard:
     first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    closed, shape = jax.make_jaxpr(layer.gather, return_shape=True)(first(trainable), first(frozen))
-    full = _stand_ins(jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals))
+    full = _stand_ins(_traced_avals(layer.gather, first(trainable), first(frozen)))
     args = (consts, _stand_ins(init_avals), _stand_ins(other_avals), full)
     (keep,) = _residual_masks(layer, args, (False, True, True, False))
 
@@ -922,10 +1140,27 @@ class _ScanLayer:
   shard_pos: Mapping[int, int]  # xs position -> leaf
   units: tuple[UnitIO, ...]
 
+  @functools.cached_property
+  def late(self) -> frozenset[int]:
+    """The trainable leaves whose gradients the layer's backward computes late: those the
+    forward first uses in its first half (by equation), whose gradients come in the
+    backward's second half, with little of it left to hide their reduce-scatters under."""
+    order = _first_uses(self.body.jaxpr)
+    start = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
+    # (a unit that reduce-scatters a layer as one bucket, ZeRO's stack, keeps it whole)
+    trainable = {
+      i for u in self.units if u.collectives.scatter_each for i in u.trainable if i not in u.apart
+    }
+    return frozenset(
+      i for j, i in self.shard_pos.items() if i in trainable and order.get(start[j], 1.0) < 0.5
+    )
+
   def __call__(self, consts, carry, x_other, full):
     it = iter(x_other)
     x = [full[self.shard_pos[j]] if j in self.shard_pos else next(it) for j in range(self.n_xs)]
-    outs = jcore.jaxpr_as_fun(self.body)(*consts, *carry, *x)
+    args = [*consts, *carry, *x]
+    narrowed = [jnp.dtype(a.dtype) != v.aval.dtype for a, v in zip(args, self.body.jaxpr.invars)]
+    outs = _eval_jaxpr(self.body.jaxpr, self.body.consts, args, narrowed)
     return outs[: self.n_carry], outs[self.n_carry :]
 
   def gather(self, t_i, f_i):
@@ -949,25 +1184,31 @@ class _ScanUnit:
   def k(self) -> int:  # the prefetch depth
     return len(self.token_avals) - 1
 
-  def call(self, consts, init, other, t, f_, tokens):
-    def step(carry, inp):
-      x, t_i, f_i = inp
-      return self.layer(consts, carry, x, self.layer.gather(t_i, f_i))
+  def gather_at(self, t, f_, pos, after=None):
+    """Layer `pos`'s params, gathered from the stacked shards once `after` exists (None:
+    whenever); returns them and `after` (its value through the barrier that orders them)."""
+    shards = (_at(t, pos), _at(f_, pos))
+    if after is not None:
+      shards, after = _together(shards, after)
+    return self.layer.gather(*shards), after
 
-    carry, ys = jax.lax.scan(step, init, (other, t, f_), length=self.length, reverse=self.reverse)
+  def call(self, consts, init, other, t, f_, tokens):
+    def step(carry, pos, full, landed):
+      return self.layer(consts, carry, _at(other, pos), full)
+
+    gather = functools.partial(self.gather_at, t, f_)
+    carry, ys = _layer_loop(self.length, self.reverse, gather, step, init)
     return (carry, ys), _stand_ins(self.token_avals)
 
   def fwd(self, consts, init, other, t, f_, tokens):
-    def step(carry, inp):
-      x, t_i, f_i = inp
-      (carry, ys), vjp = jax.vjp(self.layer, consts, carry, x, self.layer.gather(t_i, f_i))
+    def step(carry, pos, full, landed):
+      (carry, ys), vjp = jax.vjp(self.layer, consts, carry, _at(other, pos), full)
       leaves = jax.tree.leaves(vjp)
       saved = [r for r, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
       return carry, (ys, saved)
 
-    carry, (ys, saved) = jax.lax.scan(
-      step, init, (other, t, f_), length=self.length, reverse=self.reverse
-    )
+    gather = functools.partial(self.gather_at, t, f_)
+    carry, (ys, saved) = _layer_loop(self.length, self.reverse, gather, step, init)
     zeros = _stand_ins(self.token_avals)
     return ((carry, ys), zeros), (consts, saved, t, f_)
 
@@ -976,45 +1217,175 @@ class _ScanUnit:
     (d_carry, d_ys), ct_tokens = cts
     d_carry = [_ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
     d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
+    # The first layer the backward gathers (the forward's last) is gathered once the
+    # backward of the op k later has started (its token), or with k = 0 once this scan's
+    # cotangents exist; its shards alone are tied so (a tie on the stacked shards would copy
+    # them all).
+    first = 0 if self.reverse else self.length - 1
+    shards = (_at(t, first), _at(f_, first))
+    if self.k:
+      shards = _after(shards, ct_tokens[self.k - 1])
+    else:
+      shards, d_carry = _together(shards, d_carry)
 
-    def step(acc, inp):
-      return self.bwd_layer(consts, acc, inp)
+    def gather(pos, after):
+      if isinstance(pos, int) and pos == first:
+        return self.layer.gather(*shards), after
+      return self.gather_at(t, f_, pos, after)
 
-    (d_init, d_consts), (d_other, d_t) = jax.lax.scan(
-      step,
-      (d_carry, d_consts0),
-      (t, f_, saved, d_ys),
-      length=self.length,
-      reverse=not self.reverse,
+    def step(acc, pos, full, landed):
+      if full is None:  # every residual saved: the params' values are not read
+        full = _stand_ins(_traced_avals(lambda t, f_: self.gather_at(t, f_, 0)[0], t, f_))
+      return self.bwd_layer(consts, acc, full, _at(saved, pos), _at(d_ys, pos), landed)
+
+    # Without resharding the forward saved every residual, the gathered params included.
+    gather = gather if self.keep is not None else None
+    (d_init, d_consts), (d_other, d_t) = _layer_loop(
+      self.length, not self.reverse, gather, step, (d_carry, d_consts0), finish=self.scatter
     )
     d_init = list(_after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
     fresh, d_init = _together(_stand_in(self.token_avals[0]), d_init)
     return d_consts, d_init, d_other, d_t, None, [fresh] * (self.k + 1)
 
-  def bwd_layer(self, consts, acc, inp):
-    """One iteration of the backward loop: the layer gathered again, its vjp, its
-    gradients reduce-scattered."""
+  def bwd_layer(self, consts, acc, full, saved_i, d_ys_i, landed=None):
+    """The backward of one layer: its vjp on the layer gathered again (`full`); the
+    gradients it computes early are reduce-scattered here, the `late` ones by `scatter` in
+    the next iteration (see [Note: a layer gathered one iteration ahead])."""
     d_carry, d_consts = acc
-    t_i, f_i, saved_i, d_ys_i = inp
     init0, other0 = _stand_ins(self.init_avals), _stand_ins(self.other_avals)
-    _, vjp = jax.vjp(self.layer, consts, init0, other0, self.layer.gather(t_i, f_i))
+    _, vjp = jax.vjp(self.layer, consts, init0, other0, full)
     keep_i = self.keep or [True] * len(saved_i)
     dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
     d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
     d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
     d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
+    units, late = self.layer.units, self.layer.late
+    early = [i for u in units for i in u.trainable if i not in late]
+    if landed is not None:  # reduce-scattered once the next layer's gather has landed
+      d_full = {**d_full, **_after({i: d_full[i] for i in early if i in d_full}, landed)}
+    d_t = _scatter(units, d_full, layer_axis=False, each=True, only=early)
     # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
     # layer's whole-size grads (the backward's peak). The barrier with the carry's
-    # cotangent keeps each layer's reduce-scatters in its own iteration: without it XLA's
-    # collective pipeliner moves them into the next one, which then holds two layers'
-    # whole-size grads (on the scanned GPT: 110 MiB with the pipelined per-param
-    # reduce-scatters, 111 with the bucket, 94 with both changes). A barrier on the shards
-    # alone made the iteration's last reduce-scatter synchronous.
-    units = self.layer.units
-    d_t = _scatter(units, d_full, layer_axis=False, each=True)
-    if any(u.collectives.scatter_each for u in units):  # (DDP's stacked units scatter per layer)
+    # cotangent keeps these reduce-scatters in their own iteration: else XLA's collective
+    # pipeliner moves them into the next one, which then holds two layers' grads.
+    if d_t and any(u.collectives.scatter_each for u in units):  # (DDP's scatter per layer)
       d_t, d_carry = _together(d_t, d_carry)
-    return (d_carry, d_consts), (d_x, d_t)
+    return (d_carry, d_consts), (d_x, d_t, {i: d_full[i] for i in late if i in d_full})
+
+  def scatter(self, pending):
+    """The late gradients of a layer reduce-scattered, one collective per param."""
+    d_x, d_t, late = pending
+    return d_x, {**d_t, **_scatter(self.layer.units, late, False, each=True, only=self.layer.late)}
+
+
+# [Note: a layer gathered one iteration ahead]
+# A scanned unit's loops run each layer on params gathered in the iteration before: the
+# loop's iteration for layer i starts the all-gather of layer i + 1 (in run order) and runs
+# layer i on the params the previous iteration gathered, handed on in the loop's carry. The
+# gather then has a whole layer's compute to hide under, where one started in its own
+# iteration could only overlap the compute of the params before it (the first ones
+# waited for). In the backward, layer i's whole-size gradients are handed on too and
+# reduce-scattered in the iteration of layer i - 1, under its compute: in their own
+# iteration they could only start once the layer's last weight gradient exists, at its end.
+# The first layer's gather runs before the loop, the last layer after it (peeled, so that
+# no iteration gathers a layer nobody uses): about two layers gathered at once, as FSDP2's
+# and Megatron-FSDP's prefetch of the next unit holds, and one layer's gradients waiting.
+# The outputs of each layer are written into buffers stacked over the layers, in place.
+
+
+def _layer_loop(
+  length: int, reverse: bool, gather: Callable | None, step: Callable, carry, finish=None
+):
+  """`step(carry, pos, full, landed) -> (carry, out)` for each layer position `pos` in run
+  order (`0 .. length - 1`, or reversed), `full` being layer `pos`'s params gathered one
+  iteration ahead by `gather(pos, after) -> (full, after)`, once the layer before has landed
+  (`after`: None without `gather`); with `finish`, each `out` is handed on and
+  `finish(out)` runs in the next iteration, once the gather started in it has landed, and
+  `landed` is a zero that exists then (a token for `step`'s own collectives; else None).
+  See [Note: a layer gathered one iteration ahead]. Returns the last carry and the
+  (finished) outputs stacked by position (`(length, ...)` per leaf, position-indexed
+  whatever the order)."""
+  at = lambda k: length - 1 - k if reverse else k
+  done = finish or (lambda out: out)
+  gather = gather or (lambda pos, after: (None, after))  # the layers need no params
+  trace = lambda c, f: step(c, at(0), f, None)[1]
+  out0 = _stand_ins(_traced_avals(trace, carry, gather(at(0), None)[0]))
+  stacked = jax.tree.map(lambda a: a.update(shape=(length, *a.shape)), _traced_avals(done, out0))
+  outs = _stand_ins(stacked)
+
+  def put(outs, out, pos):
+    return jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, pos, 0), outs, out)
+
+  def ahead_of(k, full):
+    """Layer k + 1's gather, once layer k's has landed (chained: XLA's all-gather combiner
+    cannot merge two layers' gathers), and with `finish` a zero that exists once it has
+    landed."""
+    ahead, full = gather(at(k + 1), full)
+    if finish is None or ahead is None:
+      return ahead, full, None
+    leaf = jax.typeof(jax.tree.leaves(ahead)[0])  # a zero varying as the gathered params
+    landed, ahead = _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), ahead)
+    return ahead, full, landed
+
+  def body(k, state):  # layer k, layer k + 1 gathered, layer k - 1 finished
+    carry, full, pending, outs = state
+    ahead, full, landed = ahead_of(k, full)
+    if finish is not None:
+      pending = pending if landed is None else _after(pending, landed)
+      outs = put(outs, finish(pending), at(k - 1))
+    carry, out = step(carry, at(k), full, landed)
+    if finish is None:
+      return carry, ahead, None, put(outs, out, at(k))
+    return carry, ahead, out, outs
+
+  full, pending, first = gather(at(0), None)[0], None, 0
+  if finish is not None and length > 1:  # the first layer has none to finish
+    ahead, full, landed = ahead_of(0, full)
+    carry, pending = step(carry, at(0), full, landed)
+    full, first = ahead, 1
+  if length - 1 > first:
+    carry, full, pending, outs = jax.lax.fori_loop(
+      first, length - 1, body, (carry, full, pending, outs)
+    )
+  if pending is not None:
+    outs = put(outs, done(pending), at(length - 2))
+  carry, out = step(carry, at(length - 1), full, None)
+  return carry, put(outs, done(out), at(length - 1))
+
+
+def _first_uses(jaxpr: jcore.Jaxpr) -> dict:
+  """{input var of `jaxpr`: where its first use is among the eqns, `jax.checkpoint`s and
+  calls expanded, as a fraction of their number; a cast of it (`w.astype(jnp.bfloat16)`)
+  counts as it, not as a use}."""
+  seen: dict = {}
+  count = [0]
+
+  def walk(jaxpr, alias):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive is prims.convert_element_type_p and eqn.invars[0] in alias:
+        alias[eqn.outvars[0]] = alias[eqn.invars[0]]
+        continue
+      inner = _inner_jaxpr(eqn) if eqn.primitive is not prims.scan_p else None
+      if inner is not None:
+        inner_alias = {
+          w: alias[v]
+          for v, w in zip(eqn.invars, inner.invars)
+          if isinstance(v, jcore.Var) and v in alias
+        }
+        walk(inner, inner_alias)
+        continue
+      for v in eqn.invars:
+        if isinstance(v, jcore.Var) and v in alias:
+          seen.setdefault(alias[v], count[0])
+      count[0] += 1
+
+  walk(jaxpr, {v: v for v in jaxpr.invars})
+  return {v: n / max(count[0], 1) for v, n in seen.items()}
+
+
+def _at(tree, pos):
+  """Every leaf of a stacked tree at layer `pos` (its leading dim)."""
+  return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, pos, 0, keepdims=False), tree)
 
 
 # ----------------------------------------------------------------------------- a chunked matmul
@@ -1174,6 +1545,31 @@ class _ChunkedDot:
 # ----------------------------------------------------------------------------- a chunked lookup
 
 
+def _lookup_ids(eqn, size: int, ids):
+  """The row each output row of the lookup `eqn` reads from a table of `size` rows, and
+  where it reads none (`mode`'s out-of-range ids; None: nowhere)."""
+  g = ids[..., 0]
+  mode = eqn.params["mode"]
+  if mode == jax.lax.GatherScatterMode.CLIP:
+    return jnp.clip(g, 0, size - 1), None
+  outside = (g < 0) | (g >= size)
+  if mode == jax.lax.GatherScatterMode.FILL_OR_DROP:
+    return jnp.where(outside, 0, g), outside
+  return g, None  # PROMISE_IN_BOUNDS: the caller's promise
+
+
+def _fill(eqn, out, outside):
+  """`out` with the rows of out-of-range ids (`outside`) set to the lookup's fill value."""
+  fill = eqn.params["fill_value"]
+  fill = jnp.nan if fill is None and jnp.issubdtype(out.dtype, jnp.inexact) else fill or 0
+  return jnp.where(_expand(outside, out.ndim), jnp.asarray(fill, out.dtype), out)
+
+
+def _expand(mask, ndim):
+  """`mask` with trailing dims of size 1 up to `ndim`, to select rows of an array."""
+  return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
+
+
 def _chunked_take(eqn, unit: UnitIO, leaf: int, n: int, size: int, dtype, ids, block):
   """`eqn` (a row lookup `w[ids]` of the chunked `leaf`, `_is_row_lookup`) on this device's
   `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
@@ -1215,27 +1611,13 @@ class _ChunkedTake:
   bounds: tuple[tuple[int, int], ...]  # each block's rows [lo, hi) of a device's rows
   dtype: Any = None  # the dtype the rows move in where the loss casts the param, else None
 
-  def ids_of(self, ids):
-    """The row each output row reads, and where it reads none (`mode`'s out-of-range ids)."""
-    g = ids[..., 0]
-    mode = self.eqn.params["mode"]
-    if mode == jax.lax.GatherScatterMode.CLIP:
-      return jnp.clip(g, 0, self.size - 1), None
-    outside = (g < 0) | (g >= self.size)
-    if mode == jax.lax.GatherScatterMode.FILL_OR_DROP:
-      return jnp.where(outside, 0, g), outside
-    return g, None  # PROMISE_IN_BOUNDS: the caller's promise
-
   def where(self, g, lo, hi):
     j = g % self.r
     inside = (j >= lo) & (j < hi)
     return inside, jnp.where(inside, (g // self.r) * (hi - lo) + j - lo, 0)
 
-  def expand(self, mask, ndim):
-    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
-
   def take(self, ids, block):
-    g, outside = self.ids_of(ids)
+    g, outside = _lookup_ids(self.eqn, self.size, ids)
     out, outs = None, []
     for c, (lo, hi) in enumerate(self.bounds):
       own = block[lo:hi]
@@ -1244,12 +1626,10 @@ class _ChunkedTake:
       rows = self.unit.collectives.gather_rows(self.leaf, own, self.dtype)
       inside, local = self.where(g, lo, hi)
       got = jnp.take(rows, local, axis=0)
-      out = got if out is None else jnp.where(self.expand(inside, got.ndim), got, out)
+      out = got if out is None else jnp.where(_expand(inside, got.ndim), got, out)
       outs.append(out)
     if outside is not None:  # FILL_OR_DROP: an id out of range reads the fill value
-      fill = self.eqn.params["fill_value"]
-      fill = jnp.nan if fill is None and jnp.issubdtype(out.dtype, jnp.inexact) else fill or 0
-      out = jnp.where(self.expand(outside, out.ndim), jnp.asarray(fill, out.dtype), out)
+      out = _fill(self.eqn, out, outside)
     return out
 
   def fwd(self, ids, block):
@@ -1257,9 +1637,9 @@ class _ChunkedTake:
 
   def bwd(self, res, d_out):
     ids, block = res
-    g, outside = self.ids_of(ids)
+    g, outside = _lookup_ids(self.eqn, self.size, ids)
     if outside is not None:
-      d_out = jnp.where(self.expand(outside, d_out.ndim), 0, d_out)
+      d_out = jnp.where(_expand(outside, d_out.ndim), 0, d_out)
     grads = {}
     for k, c in enumerate(reversed(range(len(self.bounds)))):
       lo, hi = self.bounds[c]
@@ -1268,12 +1648,177 @@ class _ChunkedTake:
         d_c, grads[c + 2] = _together(d_out, grads[c + 2])
       inside, local = self.where(g, lo, hi)
       rows = jnp.zeros((self.dp * (hi - lo), *block.shape[1:]), d_out.dtype)
-      d_rows = rows.at[local].add(jnp.where(self.expand(inside, d_c.ndim), d_c, 0))
+      d_rows = rows.at[local].add(jnp.where(_expand(inside, d_c.ndim), d_c, 0))
       if self.leaf in self.unit.trainable:  # reduced in the grad dtype, then the block's
         grads[c] = self.unit.collectives.scatter_rows(self.leaf, d_rows).astype(block.dtype)
       else:
         grads[c] = jnp.zeros((hi - lo, *block.shape[1:]), block.dtype)
     return None, jnp.concatenate([grads[c] for c in range(len(self.bounds))])
+
+
+# ----------------------------------------------------------------------------- a table by rows
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TableRule:
+  """An `_eval` rule: one use of a table (`UnitIO.tables`) on this device's rows of it, as
+  `_TableDot` (a matmul) or `_TableTake` (a row lookup): see [Note: a table computed by
+  rows]. The rule reads the leaf's rows from the segment's values (`use.var`), not the view
+  the eqn reads, so that its gradient reaches them in the master's dtype."""
+
+  use: _RowUse
+  unit: UnitIO
+  leaf: int
+  size: int  # the leaf's rows
+
+  def __call__(self, invals, env):
+    use = self.use
+    x, rows = invals[1 - use.pos], env[use.var]
+    dp = jax.lax.axis_size(DATA)
+    if use.kind == "lookup":
+      take = _TableTake(
+        use.eqn, self.unit, self.leaf, self.size, dp, rows.shape[0], use.cast, use.out_cast
+      )
+      lookup = jax.custom_vjp(take.take)
+      lookup.defvjp(take.fwd, take.bwd)
+      return [lookup(x, rows)]
+    contract, batch = use.read.params["dimension_numbers"]
+    w_pos = use.pos
+    free = lambda ndim, j: [d for d in range(ndim) if d not in contract[j] and d not in batch[j]]
+    x_free, w_free = free(x.ndim, 1 - w_pos), free(rows.ndim, w_pos)
+    n_batch = len(batch[0])
+    y_x = n_batch + (0 if w_pos else len(w_free))  # the product's dim over `x_free[0]`
+    y_w = n_batch + (len(x_free) if w_pos else 0) + w_free.index(0)  # ... over the rows
+    dot = _TableDot(
+      use.read,
+      w_pos,
+      self.unit,
+      self.leaf,
+      self.size,
+      use.x_grad,
+      use.cast,
+      dp,
+      rows.shape[0],
+      x_free[0],
+      y_x,
+      y_w,
+    )
+    matmul = jax.custom_vjp(dot.dot)
+    matmul.defvjp(dot.fwd, dot.bwd)
+    return [matmul(x, rows)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TableDot:
+  """A matmul on a table's rows (`x @ w.T`, the logits): every device's `x` gathered along
+  one of its free dims (`x_dim`), its product with this device's rows computed here, then
+  each device's part of it exchanged for its share of every device's rows (`exchange_rows`).
+  Backward: the cotangent exchanged back, `x` gathered again; this device's rows' gradient
+  over every device's batch (the reduced gradient: no reduce-scatter) and the partial
+  cotangents of every device's `x`, summed into their devices (`scatter_batch`). Neither
+  the table nor its gradient is ever whole; the forward saves `x`, not its gather."""
+
+  eqn: jcore.JaxprEqn  # the `dot_general`, reading the table as the leaf holds it
+  w_pos: int  # the table's operand position
+  unit: UnitIO
+  leaf: int
+  size: int  # the table's rows
+  x_grad: bool  # the other operand gets a cotangent
+  cast: Any  # the dtype the loss casts the table to, or None
+  dp: int
+  r: int  # the table's rows per device (padded)
+  x_dim: int  # the free dim of `x` gathered
+  y_x: int  # the product's dim over `x_dim`
+  y_w: int  # the product's dim over the table's rows
+
+  def rows(self, block):
+    return block.astype(self.cast) if self.cast is not None else block
+
+  def piece(self, x, w):
+    return _bind(self.eqn, [x, w] if self.w_pos else [w, x])[0]
+
+  def dot(self, x, block):
+    every = collectives.gather_batch(x, self.x_dim)
+    product = collectives.exchange_rows(self.piece(every, self.rows(block)), self.y_x, self.y_w)
+    return jax.lax.slice_in_dim(product, 0, self.size, axis=self.y_w)  # the padding cut
+
+  def fwd(self, x, block):
+    return self.dot(x, block), (x, block)
+
+  def bwd(self, res, d_y):
+    x, block = res
+    d_y = pad_dim(d_y, d_y.shape, self.y_w, self.dp * self.r)
+    d_piece = collectives.exchange_rows(d_y, self.y_w, self.y_x)
+    every, w = collectives.gather_batch(x, self.x_dim), self.rows(block)
+    if self.x_grad:
+      _, vjp = jax.vjp(self.piece, every, w)
+      d_every, d_w = vjp(d_piece)
+      d_x = collectives.scatter_batch(d_every, self.x_dim)
+    else:  # linear in the table: its gradient needs no value of it
+      (d_w,) = jax.linear_transpose(lambda w: self.piece(every, w), w)(d_piece)
+      d_x = None
+    if self.leaf in self.unit.trainable:
+      grad = self.unit.collectives.table_rows(self.leaf, d_w).astype(block.dtype)
+    else:
+      grad = jnp.zeros_like(block)
+    return _ct_or_none(x, d_x), grad
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _TableTake:
+  """A row lookup on a table's rows (`w[ids]`): every device's ids gathered (along their
+  first dim), the rows this device holds read here (zeros for the others) and summed into
+  the devices the ids came from (`scatter_batch`: each output row is one device's row plus
+  zeros, the row itself). Backward: every device's cotangent gathered, the rows of this
+  device's ids added into its rows' gradient (`.at[].add`, as the lookup's own transpose
+  does): the reduced gradient, no reduce-scatter. The rows move in the dtype the lookup's
+  output is cast to where every use of it casts it (exact: the sum adds zeros)."""
+
+  eqn: jcore.JaxprEqn  # the `gather`
+  unit: UnitIO
+  leaf: int
+  size: int  # the table's rows
+  dp: int
+  r: int  # the table's rows per device (padded)
+  cast: Any  # the dtype the loss casts the table to before the lookup, or None
+  moved: Any = None  # the dtype every use of the rows read casts them to, or None
+
+  def where(self, ids):
+    """Every device's ids: the row of this device's block each reads, whether it is
+    here, and where it reads none (`mode`'s out-of-range ids)."""
+    g, outside = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+    local = g - collectives.data_index((DATA,)) * self.r
+    here = (local >= 0) & (local < self.r)
+    if outside is not None:
+      here = here & ~outside
+    return jnp.where(here, local, 0), here, outside
+
+  def take(self, ids, block):
+    local, here, outside = self.where(ids)
+    rows = block.astype(self.cast) if self.cast is not None else block
+    got = jnp.take(rows, local, axis=0)
+    got = jnp.where(_expand(here, got.ndim), got, jnp.zeros((), got.dtype))
+    # Summed in the dtype the loss casts the rows to (each sum is one row and zeros: the
+    # row's cast, exactly), handed on in their own dtype, which the loss's cast undoes.
+    out = collectives.scatter_batch(got.astype(self.moved or got.dtype), 0).astype(got.dtype)
+    _, outside = _lookup_ids(self.eqn, self.size, ids)  # this device's ids
+    return out if outside is None else _fill(self.eqn, out, outside)
+
+  def fwd(self, ids, block):
+    return self.take(ids, block), (ids, block)
+
+  def bwd(self, res, d_out):
+    ids, block = res
+    local, here, _ = self.where(ids)
+    # The cotangent of rows cast by every use is the cast's (the loss's dtype), exactly.
+    every = collectives.gather_batch(d_out.astype(self.moved or d_out.dtype), 0)
+    every = jnp.where(_expand(here, every.ndim), every, 0).astype(block.dtype)
+    grad = jnp.zeros_like(block).at[local].add(every)
+    if self.leaf in self.unit.trainable:
+      grad = self.unit.collectives.table_rows(self.leaf, grad).astype(block.dtype)
+    else:
+      grad = jnp.zeros_like(block)
+    return None, grad
 
 
 # ----------------------------------------------------------------------------- a unit's collectives
@@ -1287,21 +1832,32 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
     t = {i: shards[i] for i in u.shard_keys}
     f = {i: shards[i] for i in u.frozen}
     gather = u.collectives.gather_each if each else u.collectives.gather
+    if u.casts or u.apart:
+      gather = functools.partial(gather, casts=u.casts, apart=u.apart)
     full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
-    full.update((i, shards[i]) for i in u.chunks)  # gathered by row blocks where used
+    full.update((i, shards[i]) for i in u.apart)  # by row blocks, or by rows, where used
   return full
 
 
-def _scatter(units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = False) -> dict:
+def _scatter(
+  units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = False, only=None
+) -> dict:
+  """{leaf: shard grad} of the trainable leaves of `units` (`only`: of those leaves alone)
+  from their whole-size cotangents `cts`; the leaves reduced where used (`UnitIO.apart`)
+  pass as they are."""
   grads = {}
   for u in units:
-    if u.trainable:
-      c = {i: cts[i] for i in u.trainable if i not in u.chunks}
+    leaves = [i for i in u.trainable if only is None or i in only]
+    if leaves:
+      skip = u.apart | frozenset(i for i in u.trainable if i not in leaves)
+      c = {i: cts[i] for i in leaves if i not in skip}
       scatter = (
         u.collectives.scatter_each if each and u.collectives.scatter_each else u.collectives.scatter
       )
+      if skip:
+        scatter = functools.partial(scatter, apart=skip)
       grads.update(jax.vmap(scatter)(c) if layer_axis and u.stacked else scatter(c))
-      grads.update((i, cts[i]) for i in u.trainable if i in u.chunks)  # reduced already
+      grads.update((i, cts[i]) for i in leaves if i in u.apart)  # reduced already
   return grads
 
 
@@ -1314,7 +1870,7 @@ def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
   for u in units:
     for i in u.trainable:
       x = cts.get(i)
-      if x is not None and _is_float(x) and i not in u.chunks:
+      if x is not None and _is_float(x) and i not in u.apart:
         key = (u.name, jnp.dtype(x.dtype))
         if key not in picks or x.size < cts[picks[key]].size:
           picks[key] = i
@@ -1369,12 +1925,16 @@ _barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
 def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
   shards cannot start before `token` exists."""
-  return {
-    i: x + token.astype(x.dtype) if x is not None and _is_float(x) else x for i, x in shards.items()
-  }
+  return jax.tree.map(lambda x: x + token.astype(x.dtype) if _is_float(x) else x, shards)
 
 
 # ----------------------------------------------------------------------------- jaxpr helpers
+
+
+def _as_param(x, aval):
+  """A gathered param as the program reads it: in its own dtype where the unit gathered it
+  cast (see [Note: gathered in the dtype the loss casts to]); the identity otherwise."""
+  return x.astype(aval.dtype) if x.dtype != aval.dtype else x
 
 
 def _read(env, v):
@@ -1388,13 +1948,51 @@ def _bind(eqn, invals):
   return out if eqn.primitive.multiple_results else [out]
 
 
-def _eval(eqns, env, rules=None):
-  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function run instead of binding it."""
+def _eval(eqns, env, rules=None, narrowed=frozenset()):
+  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function `rule(invals, env)` run
+  instead of binding it. `narrowed`: vars whose value in `env` is in the dtype every use
+  casts them to, not their own (see [Note: gathered in the dtype the loss casts to])."""
   for eqn in eqns:
     invals = [_read(env, v) for v in eqn.invars]
     rule = rules.get(id(eqn)) if rules else None
-    for v, x in zip(eqn.outvars, rule(invals) if rule else _bind(eqn, invals)):
+    flags = [isinstance(v, jcore.Var) and v in narrowed for v in eqn.invars]
+    if rule:
+      outs = rule(invals, env)
+    elif any(flags):
+      outs = _bind_narrowed(eqn, invals, flags)
+    else:
+      outs = _bind(eqn, invals)
+    for v, x in zip(eqn.outvars, outs):
       env[v] = x
+
+
+def _eval_jaxpr(jaxpr, consts, args, narrowed: Sequence[bool]) -> list:
+  """`jaxpr` on `args`, those flagged in `narrowed` given in the dtype every use casts them
+  to (`_eval`)."""
+  env = dict(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  narrow = {v for v, n in zip(jaxpr.invars, narrowed) if n}
+  _eval(jaxpr.eqns, env, narrowed=narrow)
+  return [_as_param(_read(env, v), v.aval) if v in narrow else _read(env, v) for v in jaxpr.outvars]
+
+
+def _bind_narrowed(eqn, invals, flags) -> list:
+  """`eqn` on `invals`, those flagged given in the dtype the eqn casts them to (see [Note:
+  gathered in the dtype the loss casts to]): the cast is the value itself; a call or a
+  `jax.checkpoint` runs its jaxpr the same way (the checkpoint traced anew, with its policy,
+  on the narrower values); any other eqn gets them cast back, exactly."""
+  if eqn.primitive is prims.convert_element_type_p:
+    (x,) = invals
+    return [x] if x.dtype == eqn.params["new_dtype"] else _bind(eqn, invals)
+  inner = eqn.params.get("jaxpr")
+  if eqn.primitive in (prims.jit_p, prims.closed_call_p):
+    return _eval_jaxpr(inner.jaxpr, inner.consts, invals, flags)
+  if eqn.primitive is prims.remat_p:
+    run = lambda *a: _eval_jaxpr(inner, (), a, flags)
+    policy, prevent_cse = eqn.params["policy"], eqn.params["prevent_cse"]
+    return list(jax.checkpoint(run, prevent_cse=prevent_cse, policy=policy)(*invals))
+  widened = [_as_param(x, v.aval) if f else x for x, v, f in zip(invals, eqn.invars, flags)]
+  return _bind(eqn, widened)
 
 
 def _inline_jits(jaxpr, consts, args):
@@ -1450,6 +2048,12 @@ def _ct_or_none(x, ct):
   aval = x.aval if hasattr(x, "aval") else jax.typeof(x) if isinstance(x, jax.Array) else x
   extra = _varying(jax.typeof(ct)) - _varying(aval)
   return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
+
+
+def _traced_avals(f, *args):
+  """The types (varying axes included) of `f(*args)`'s outputs, from one trace."""
+  closed, shape = jax.make_jaxpr(f, return_shape=True)(*args)
+  return jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
 
 
 def _avals(tree):

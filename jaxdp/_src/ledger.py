@@ -515,7 +515,11 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     one that holds only such a bias over "model" for that all-reduce (FSDP's unit of one
     bias), which the formula then over-counts.
 
-  Small collectives of the step's metrics (the loss, norms) are not counted.
+  Small collectives of the step's metrics (the loss, norms) are not counted. The formula
+  knows the state, not the loss: an FSDP step moves less where the loss casts a param
+  before every use (it is gathered in the cast's dtype) and where a vocabulary table is
+  computed by rows (`FSDPConfig(vocab_parallel=)`: activations move instead of its gathers
+  and reduce-scatter); `jaxdp.inspect.report` reads what a compiled step moves.
 
   Args:
     state: a `TrainState` from `jaxdp.init_state` (or its `jax.eval_shape`).

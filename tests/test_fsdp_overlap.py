@@ -1,0 +1,237 @@
+"""What an FSDP step moves, and when: the gathers in the dtype the loss casts to, the
+vocabulary tables computed by rows (`FSDPConfig(vocab_parallel=)`), the scanned layers
+gathered one iteration ahead. Each against the single-device program, and each read off
+the program that runs (CPU) or the one compiled for 8 H100s without a GPU."""
+
+import dataclasses
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from jaxdp import FSDPConfig
+from jaxdp.inspect import compile_train_step, gpu_compile_unavailable, schedule
+from models.llama import LlamaConfig, abstract_params, init_params, llama_loss
+from tests import tolerances
+from tests.test_fsdp_units import one_sgd_step, train
+
+DP = 8
+FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
+STACKED = FSDPConfig(stacked=["blocks"])
+PER_LEAF = dataclasses.replace(FSDP, fused_update=False)  # a fused state gathers its tables
+GATHERED = FSDPConfig(stacked=["blocks"], vocab_parallel=False)
+
+
+def tiny_llama(compute_dtype=jnp.float32, vocab=300, scan_layers=True):
+  """models/llama.py at d 16, 2 layers; 16 sequences of 8 tokens (2 per device). Vocab 300:
+  304 rows padded, 38 per device."""
+  config = LlamaConfig(
+    vocab=vocab,
+    d=16,
+    n_layer=2,
+    n_head=2,
+    n_kv_head=1,
+    ffn=32,
+    compute_dtype=compute_dtype,
+    scan_layers=scan_layers,
+  )
+  k1, k2 = jax.random.split(jax.random.key(1))
+  ids = lambda k: jax.random.randint(k, (16, 8), 0, vocab)
+  return init_params(config, jax.random.key(0)), llama_loss(config), {"x": ids(k1), "y": ids(k2)}
+
+
+def lowered_hlo(params, loss_fn, b, fsdp):
+  mesh = jax.make_mesh((DP,), ("data",))
+  state = jaxdp.init_state(params, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, optax.sgd(1.0), mesh, FSDP, fsdp=fsdp)
+  return step.lower(state, b).as_text(dialect="hlo")
+
+
+def collectives(hlo):
+  """Counter of (kind, result type) of the collectives in a pre-optimization HLO module."""
+  found = re.findall(r"= (\w+\[[\d,]*\])\S* (all-gather|reduce-scatter|all-to-all)\(", hlo)
+  return Counter((kind, shape) for shape, kind in found)
+
+
+# ----------------------------------------------------------------------------- casts
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_params_the_loss_casts_are_gathered_cast(scan_layers):
+  """The bf16 Llama keeps float32 params and casts each where it is used: every layer's
+  params, and `out` (gathered whole with `vocab_parallel=False`), move in bfloat16; only the
+  embedding, cast after its lookup, and the final norm, multiplied in float32, move in
+  float32. The cast commutes with the gather, so the step is the single-device one (float32
+  compute here: the same casts, to float32, are no casts and change nothing)."""
+  params, loss_fn, b = tiny_llama(jnp.bfloat16, scan_layers=scan_layers)
+  fsdp = FSDPConfig(stacked=["blocks"] if scan_layers else [], vocab_parallel=False)
+  gathers = {
+    shape
+    for kind, shape in collectives(lowered_hlo(params, loss_fn, b, fsdp))
+    if kind == "all-gather"
+  }
+  # the root unit's leaves are gathered one by one, flat: embed's 304 x 16, the norm's 16
+  # padded to a 128-element bucket end
+  assert {g for g in gathers if g.startswith("f32")} == {"f32[4864]", "f32[128]"}, gathers
+  assert "bf16[4864]" in gathers and len(gathers) > 3, gathers
+  one_sgd_step(*tiny_llama(jnp.float32, scan_layers=scan_layers), fsdp)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def numel(shape: str) -> int:
+  """Elements of an HLO type, e.g. `f32[2,8,16]`."""
+  return int(np.prod([int(d) for d in shape[shape.index("[") + 1 : -1].split(",") if d]))
+
+
+def table_collectives(found):
+  """The collectives that move a table of `tiny_llama(vocab=1000)` or its gradient: of its
+  whole 1000 x 16 or its 125 x 16 shard, or a 1-D bucket that big (activations are 3-D,
+  a layer's params smaller)."""
+  return [
+    (kind, shape)
+    for kind, shape in found
+    if kind != "all-to-all" and shape.count(",") < 2 and numel(shape) >= 125 * 16
+  ]
+
+
+def test_vocabulary_tables_are_computed_by_rows():
+  """With 16 tokens per device, a 1000-row table moves fewer bytes as activations than
+  gathered: `embed` (a lookup) and `out` (the logits `h @ out.T`) are never gathered and
+  their gradients never reduce-scattered; every device's ids and logits move instead
+  (all-to-alls of the logits, a reduce-scatter of the looked-up rows, all-gathers of ids,
+  of `h` and of the rows' cotangents). One SGD step equals one device's (float32).
+  `vocab_parallel=False` gathers both whole."""
+  params, loss_fn, b = tiny_llama(vocab=1000)
+  for fsdp, by_rows in ((STACKED, True), (GATHERED, False)):
+    found = collectives(lowered_hlo(params, loss_fn, b, fsdp))
+    if by_rows:
+      assert not table_collectives(found), found
+      assert found["all-to-all", "f32[2,8,1000]"] == found["all-to-all", "f32[16,8,125]"] == 1
+      assert found["reduce-scatter", "f32[2,8,16]"] == 2, found  # the rows, h's cotangent
+    else:
+      assert table_collectives(found), found
+      assert not any(kind == "all-to-all" for kind, _ in found), found
+    one_sgd_step(params, loss_fn, b, fsdp)
+
+
+def test_vocabulary_tables_in_bfloat16_equal_one_device():
+  """The bf16 Llama with its tables computed by rows: the looked-up rows move in bfloat16
+  (every use of them casts them: an exact sum of one row and zeros), `out`'s gradient is
+  one bfloat16 matmul over every device's tokens (as on one device) reduced in float32.
+  The gradients round at no more ops than the chunked tables' (test_fsdp_units, which also
+  rounds `out`'s block gradients once more): within `bf16_grad_rtol(16 * layers + 4)` of a
+  leaf's largest."""
+  params, loss_fn, b = tiny_llama(jnp.bfloat16, vocab=1000)
+  found = collectives(lowered_hlo(params, loss_fn, b, STACKED))
+  assert found["reduce-scatter", "bf16[2,8,16]"] == 2, found  # the rows, h's cotangent
+  got, _ = train(params, loss_fn, b, optax.sgd(1.0), 1, STACKED)
+  grads = jax.grad(loss_fn)(params, b)
+  rho = tolerances.bf16_grad_rtol(16 * 2 + 4)
+  for (path, x), p, g in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(params), jax.tree.leaves(grads)
+  ):
+    scale = float(jnp.max(jnp.abs(g)))
+    atol = rho * scale + 2 * tolerances.EPS32 * float(jnp.max(jnp.abs(p) + jnp.abs(g)))
+    np.testing.assert_allclose(
+      np.asarray(p - x), np.asarray(g), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path)
+    )
+
+
+def test_a_table_cheaper_to_gather_is_gathered():
+  """A 40-row table read by 16 tokens per device of width 16: its activations (16 x 16 per
+  device, moved 7 times over in each direction) outweigh the table (40 x 16, gathered once
+  and reduce-scattered), so it is gathered as any param."""
+  params, loss_fn, b = tiny_llama(vocab=40)
+  found = collectives(lowered_hlo(params, loss_fn, b, STACKED))
+  assert not any(kind == "all-to-all" for kind, _ in found), found
+  assert any(kind == "all-gather" and numel(shape) >= 40 * 16 for kind, shape in found), found
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip"])
+def test_table_lookup_modes(mode):
+  """`jnp.take(w, ids, axis=0, mode=...)` on a table computed by rows: "fill" reads NaN for
+  an id out of range and "clip" the nearest row, as the lookup does on one device; rows 198
+  and 199 of the table are padding (200 rows, 25 per device: its 6 columns would pad more),
+  never read."""
+  params = {"wte": jax.random.normal(jax.random.key(0), (198, 6)), "head": jnp.ones((6, 3))}
+  ids = jnp.array([[0, 197, 17, 131], [45, 8, 197, 3]] * 4, jnp.int32)
+
+  def loss_fn(params, batch):
+    h = jnp.take(params["wte"], batch["ids"], axis=0, mode=mode)
+    return jnp.mean(jnp.tanh(h) @ params["head"])
+
+  if mode == "clip":  # ids past either end read (and train) the first and last rows
+    ids = ids.at[0, 0].set(270).at[1, 1].set(-3)
+  step, state = one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(), config=PER_LEAF)
+  found = collectives(step.lower(state, {"ids": ids}).as_text(dialect="hlo"))
+  assert found["reduce-scatter", "f32[1,4,6]"] == 1, found  # the rows, to their devices
+  assert found["all-gather", "s32[8,4,1]"] >= 1, found  # every device's ids
+  if mode == "fill":  # an id past the end: the loss is NaN, whatever the params
+    _, metrics = step(state, {"ids": ids.at[0, 0].set(198)})
+    assert np.isnan(float(metrics["loss"]))
+
+
+def test_tied_table_is_computed_by_rows_in_both_uses():
+  """A table read by a lookup and by the logits (GPT-2's tied `wte`): both uses compute on
+  this device's rows and their gradients add up there: no gather of the table, no
+  reduce-scatter of its gradient; equal to one device."""
+  k = jax.random.split(jax.random.key(3), 3)
+  params = {"wte": jax.random.normal(k[0], (1000, 16)) / 4, "w": jax.random.normal(k[1], (16, 16))}
+  ids = jax.random.randint(k[2], (16, 8), 0, 1000)
+
+  def loss_fn(params, batch):
+    h = jnp.tanh(params["wte"][batch["ids"]] @ params["w"])
+    logp = jax.nn.log_softmax(h @ params["wte"].T)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["ids"][..., None], -1))
+
+  step, state = one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(), config=PER_LEAF)
+  found = collectives(step.lower(state, {"ids": ids}).as_text(dialect="hlo"))
+  assert not table_collectives(found), found
+  assert found["all-to-all", "f32[2,8,1000]"] == 1, found
+
+
+# ----------------------------------------------------------------------------- the layer loops
+
+GPU_REASON = gpu_compile_unavailable()
+
+
+@pytest.mark.slow  # two H100 compiles of a 4-layer Llama: ~40 s on 2 cores
+@pytest.mark.skipif(GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}")
+@pytest.mark.xdist_group("h100_llama")
+def test_scanned_layers_are_gathered_one_iteration_ahead():
+  """A scanned Llama on 8 H100s: in each iteration of the forward and backward loops every
+  all-gather is of the next layer (its result leaves the iteration for the next one, unread
+  in this one) and runs under this layer's matmuls; the backward loop's reduce-scatters
+  run under matmuls too. Nothing the loops gather waits for a gather it issued."""
+  config = LlamaConfig(vocab=1024, d=256, n_layer=4, n_head=4, n_kv_head=2, ffn=512)
+  params = abstract_params(config)
+  tokens = jax.ShapeDtypeStruct((DP, 128), jnp.int32)
+  compiled = compile_train_step(
+    llama_loss(config),
+    optax.adamw(1e-4),
+    DP,
+    FSDP,
+    params,
+    {"x": tokens, "y": tokens},
+    fsdp=STACKED,
+  )
+  s = schedule(compiled)
+  looped = [c for c in s.collectives if c.trip_count > 1]
+  gathers = [c for c in looped if c.kind == "all-gather"]
+  scatters = [c for c in looped if c.kind == "reduce-scatter"]
+  assert len(gathers) >= 2 * 9 - 2 and scatters, s  # the layer's 9 params, both loops
+  for c in gathers + scatters:
+    assert c.is_async and c.overlaps_gemm, (c.name, c.computation)
+  text = compiled.as_text()
+  for c in gathers:  # the gathered layer is the body's output, read by the next iteration
+    done = re.search(rf"%(\S+) = \S+ all-gather-done\(%{re.escape(c.name)}\)", text)
+    assert done, c.name
+    users = re.findall(rf"\S+ = \S+ (\w[\w-]*)\([^)]*%{re.escape(done.group(1))}\b", text)
+    assert set(users) <= {"tuple", "get-tuple-element", "bitcast", "copy"}, (c.name, users)
