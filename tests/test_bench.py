@@ -238,16 +238,16 @@ def test_fsdp_overlap_table_is_against_the_maxtext_program(tmp_path):
     "GSPMD FSDP, MaxText-style",
     "GSPMD FSDP, no activation constraints",
     'jaxdp FSDP `FSDPConfig(stacked=["blocks"])`',
-    "+ `param_dtype=bf16`",
     "+ `grad_reduce_dtype=bf16`",
+    "+ `vocab_parallel=False`",
     "+ `chunks={table: 16}`",
   ]
   assert list(results) == [
     "maxtext",
     "unconstrained",
     "jaxdp",
-    "bf16_params",
     "bf16_grads",
+    "gathered",
     "chunks",
   ]
   assert all(ratio == "1.00x" for _, ratio in rows[0][1])
@@ -265,8 +265,10 @@ def test_fsdp_overlap_table_is_against_the_maxtext_program(tmp_path):
 
 def test_fsdp_overlap_adds_the_baseline_and_skips_what_a_model_lacks(tmp_path):
   """--rows without the baseline still compiles the MaxText-style program first; the MLP has
-  no vocabulary table, so no chunks row."""
-  stdout, results = fsdp_overlap(tmp_path, "--model", "mlp", "--rows", "jaxdp", "chunks")
+  no vocabulary table, so no gathered or chunks row."""
+  stdout, results = fsdp_overlap(
+    tmp_path, "--model", "mlp", "--rows", "jaxdp", "gathered", "chunks"
+  )
   assert list(results) == ["maxtext", "jaxdp"]
   assert [label for label, _ in overlap_rows(stdout)] == [
     "GSPMD FSDP, MaxText-style",

@@ -17,10 +17,14 @@ first adds its setting to the row above):
     maxtext        GSPMD FSDP, MaxText-style: the baseline
     unconstrained  GSPMD FSDP without the activation constraints (a labelled extra)
     jaxdp          jaxdp FSDP, the default `FSDPConfig(stacked=["blocks"])`
-    bf16_params    + `FSDPConfig(param_dtype=jnp.bfloat16)`: each shard cast before its gather
-    bf16_grads     + `DDPConfig(grad_reduce_dtype=jnp.bfloat16)`: grads reduced in bf16
+    bf16_grads     + `DDPConfig(grad_reduce_dtype=jnp.bfloat16)`: grads reduced in bf16, as
+                   the GSPMD program reduces each matmul's grad in its bf16 (the setting an
+                   LLM with bf16 compute is advised)
+    gathered       + `FSDPConfig(vocab_parallel=False)`: the vocabulary tables gathered whole
+                   instead of computed by rows (what that default buys)
     chunks         + `FSDPConfig(chunks=)` on the vocabulary tables (`--chunks` row blocks;
-                   llama: embed and out, gpt: wte; the mlp has none, so no such row)
+                   llama: embed and out, gpt: wte; the mlp has none, so no such rows as
+                   gathered and chunks)
 
 Models (`--model`, scripts/bench/fsdp_memory.py's): `llama` (models/llama.py at Llama-3-8B's
 width: d 4096, GQA 32 / 8 heads, SwiGLU 14336, untied 128,256-token embed and out, f32 params
@@ -58,12 +62,12 @@ ROWS = {  # --rows name: its label in the table
   "maxtext": "GSPMD FSDP, MaxText-style",
   "unconstrained": "GSPMD FSDP, no activation constraints",
   "jaxdp": 'jaxdp FSDP `FSDPConfig(stacked=["blocks"])`',
-  "bf16_params": "+ `param_dtype=bf16`",
   "bf16_grads": "+ `grad_reduce_dtype=bf16`",
+  "gathered": "+ `vocab_parallel=False`",
   "chunks": "+ `chunks={table: %d}`",
 }
 GSPMD = {"maxtext": "gspmd_fsdp", "unconstrained": "gspmd_fsdp_unconstrained"}
-JAXDP = ("jaxdp", "bf16_params", "bf16_grads", "chunks")  # each adds its setting to the last
+JAXDP = ("jaxdp", "bf16_grads", "gathered", "chunks")  # each adds its setting to the last
 TABLES = {"llama": ["embed", "out"], "gpt": ["wte"], "mlp": []}  # the vocabulary tables
 SEQ = {"llama": 2048, "gpt": 1024, "mlp": 256}  # tokens per sequence
 TX = optax.adamw(1e-4)
@@ -80,7 +84,7 @@ def jaxdp_configs(row: str, tables: list, chunks: int):
   )
   fsdp = jaxdp.FSDPConfig(
     stacked=["blocks"],
-    param_dtype=jnp.bfloat16 if "bf16_params" in upto else None,
+    vocab_parallel="gathered" not in upto,
     chunks={name: chunks for name in tables} if "chunks" in upto else {},
   )
   return config, fsdp
@@ -151,9 +155,9 @@ def main():
     sys.exit(f"cannot compile for GPU here: {reason}")
   tables = TABLES[args.model]
   rows = ["maxtext"] + [r for r in ROWS if r in args.rows and r != "maxtext"]
-  if not tables and "chunks" in rows:
-    rows.remove("chunks")
-    print(f"({args.model}: no vocabulary table, so no chunks row)", file=sys.stderr)
+  if not tables:
+    rows = [r for r in rows if r not in ("gathered", "chunks")]
+    print(f"({args.model}: no vocabulary table, so no gathered or chunks row)", file=sys.stderr)
   labels = {**ROWS, "chunks": ROWS["chunks"] % args.chunks}
   hosts = max(1, args.gpus // 8)
   mesh = inspect.gpu_mesh((args.gpus,), ("data",), num_hosts=hosts)
