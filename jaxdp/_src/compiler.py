@@ -53,17 +53,28 @@ compiled HLO, for `jaxdp.inspect.predict_step`. The schedule is the same with or
 them."""
 
 
-def compiler_options(platform: str) -> dict[str, str | int | bool]:
+LAYER_GATHER_COMBINE_BYTES = 1 << 32
+"""The all-gather combine threshold of a step with scanned layers: above one layer of any
+model trained so, 4 GiB (a Llama-3-70B layer is 1.7 GB in bf16)."""
+
+
+def compiler_options(platform: str, scanned: bool = False) -> dict[str, str | int | bool]:
   """XLA options jaxdp compiles with on `platform`, so buckets stay buckets.
 
   Pass them to `jax.jit(f, compiler_options=...)` (or to
   `.lower(...).compile(compiler_options=...)`). On CPU they disable the
   all-reduce combiner; on GPU they set every combine threshold to 0 and keep
-  collectives asynchronous under the latency hiding scheduler.
+  collectives asynchronous under the latency hiding scheduler. A step with
+  scanned layers (`DDPConfig(stacked=)`, `FSDPConfig(stacked=)`) gathers each
+  layer's params one iteration ahead, one all-gather per param: on GPU XLA's
+  all-gather combiner then moves them as one collective (one latency per
+  layer, not one per param: most of their time across hosts, and the
+  scheduler overlaps one collective at a time).
 
   Args:
     platform: `"cpu"`, or `"cuda"`/`"gpu"`/`"rocm"` (e.g.
       `jax.default_backend()` or `device.platform`).
+    scanned: the step gathers scanned layers' params in its loops.
 
   Returns:
     A new dict of option name to value; empty for another platform (e.g.
@@ -81,5 +92,8 @@ def compiler_options(platform: str) -> dict[str, str | int | bool]:
   if platform == "cpu":
     return dict(CPU_OPTIONS)
   if platform in GPU_PLATFORMS:
-    return dict(GPU_OPTIONS)
+    options = dict(GPU_OPTIONS)
+    if scanned:
+      options["xla_gpu_all_gather_combine_threshold_bytes"] = LAYER_GATHER_COMBINE_BYTES
+    return options
   return {}

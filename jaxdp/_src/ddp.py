@@ -768,4 +768,5 @@ def make_train_step(
       aux if has_aux else None,
     )
 
-  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
+  options = compiler_options(mesh.devices.flat[0].platform, scanned=bool(config.stacked))
+  return checks.jit_step(step, mesh, config, options)

@@ -832,11 +832,6 @@ def make_train_step(
   return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform, fsdp))
 
 
-LAYER_GATHER_COMBINE_BYTES = 1 << 32
-"""The all-gather combine threshold of an FSDP step with scanned units: above one layer of
-any model trained so, 4 GiB (a Llama-3-70B layer is 1.7 GB in bf16)."""
-
-
 def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str, Any]:
   """jaxdp's options (buckets stay separate collectives), plus, on GPU, XLA's collective
   pipeliner for the reduce-scatters and, for a step with scanned units
@@ -845,11 +840,9 @@ def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str,
   latency, not one per param: most of their time across hosts). The unrolled units'
   gathers are one collective each already; their order is kept by data dependencies."""
   fsdp = fsdp or FSDPConfig()
-  options = base_compiler_options(platform)
+  options = base_compiler_options(platform, scanned=bool(fsdp.stacked))
   if platform in GPU_PLATFORMS:
     options["xla_gpu_enable_pipelined_reduce_scatter"] = True
-    if fsdp.stacked:
-      options["xla_gpu_all_gather_combine_threshold_bytes"] = LAYER_GATHER_COMBINE_BYTES
   return options
 
 
