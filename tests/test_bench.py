@@ -261,6 +261,7 @@ def test_fsdp_overlap_table_is_against_the_maxtext_program(tmp_path):
     # predict_step's own identity: the step is the kernels plus the exposed communication
     assert numbers["step ms"] == pytest.approx(numbers["compute ms"] + numbers["exposed ms"])
     assert 0 <= numbers["exposed ms"] <= numbers["comm ms"] + 1e-9 and numbers["peak GiB"] > 0
+    assert 0 < numbers["gemm ms"] <= numbers["compute ms"] + 1e-9  # the matmuls' share
 
 
 def test_fsdp_overlap_adds_the_baseline_and_skips_what_a_model_lacks(tmp_path):
