@@ -15,7 +15,7 @@ import pytest
 
 import jaxdp
 from jaxdp import FSDPConfig
-from jaxdp.inspect import compile_train_step, gpu_compile_unavailable, schedule
+from jaxdp.inspect import compile_train_step, gpu_compile_unavailable, predict_step, schedule
 from models.llama import LlamaConfig, abstract_params, init_params, llama_loss
 from tests import tolerances
 from tests.test_fsdp_units import one_sgd_step, train
@@ -235,3 +235,30 @@ def test_scanned_layers_are_gathered_one_iteration_ahead():
     assert done, c.name
     users = re.findall(rf"\S+ = \S+ (\w[\w-]*)\([^)]*%{re.escape(done.group(1))}\b", text)
     assert set(users) <= {"tuple", "get-tuple-element", "bitcast", "copy"}, (c.name, users)
+
+
+@pytest.mark.slow  # four H100 compiles of a 2-layer Llama: ~60 s on 2 cores
+@pytest.mark.skipif(GPU_REASON is not None, reason=f"no deviceless GPU compile: {GPU_REASON}")
+@pytest.mark.xdist_group("h100_llama")
+def test_fsdp_runs_the_matmuls_of_the_users_loss():
+  """FSDP replays the loss unit by unit, the user's `jax.checkpoint` traced anew on params
+  gathered in their cast dtype: the compiled step runs as many matmuls as DDP's, which is
+  `jax.grad` of the loss unchanged, with each block under remat (its forward's matmuls run
+  again in the backward) and without (fewer)."""
+
+  def gemms(remat, config, fsdp=None):
+    llama = LlamaConfig(vocab=1024, d=256, n_layer=2, n_head=4, n_kv_head=2, ffn=512)
+    llama = dataclasses.replace(llama, remat=remat)
+    tokens = jax.ShapeDtypeStruct((DP, 128), jnp.int32)
+    kw = {} if fsdp is None else {"fsdp": fsdp}
+    compiled = compile_train_step(
+      llama_loss(llama), optax.adamw(1e-4), DP, config, abstract_params(llama),
+      {"x": tokens, "y": tokens}, **kw,
+    )  # fmt: skip
+    return sum(i.kind == "gemm" for i in predict_step(compiled).timeline)
+
+  ddp = jaxdp.DDPConfig()
+  with_remat, without = gemms(True, ddp), gemms(False, ddp)
+  assert with_remat > without
+  assert gemms(True, FSDP, STACKED) == with_remat
+  assert gemms(False, FSDP, STACKED) == without
