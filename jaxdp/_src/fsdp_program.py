@@ -1228,15 +1228,24 @@ class _ScanUnit:
     else:
       shards, d_carry = _together(shards, d_carry)
 
-    def gather(pos, after):
-      if isinstance(pos, int) and pos == first:
-        return self.layer.gather(*shards), after
-      return self.gather_at(t, f_, pos, after)
+    full_avals = _traced_avals(lambda t, f_: self.gather_at(t, f_, 0)[0], t, f_)
 
     def step(acc, pos, full, landed):
       if full is None:  # every residual saved: the params' values are not read
-        full = _stand_ins(_traced_avals(lambda t, f_: self.gather_at(t, f_, 0)[0], t, f_))
+        full = _stand_ins(full_avals)
       return self.bwd_layer(consts, acc, full, _at(saved, pos), _at(d_ys, pos), landed)
+
+    # Only the params whose values the backward reads are gathered (a bias's gradient needs
+    # none): the others are stand-ins, so that chaining each gather after the layer before
+    # does not keep their gathers alive.
+    read = _reads(lambda full: step((d_carry, d_consts0), 0, full, None), full_avals)
+
+    def gather(pos, after):
+      if isinstance(pos, int) and pos == first:
+        full = self.layer.gather(*shards)
+      else:
+        full, after = self.gather_at(t, f_, pos, after)
+      return {i: x if read[i] else _stand_in(jax.typeof(x)) for i, x in full.items()}, after
 
     # Without resharding the forward saved every residual, the gathered params included.
     gather = gather if self.keep is not None else None
@@ -2054,6 +2063,18 @@ def _traced_avals(f, *args):
   """The types (varying axes included) of `f(*args)`'s outputs, from one trace."""
   closed, shape = jax.make_jaxpr(f, return_shape=True)(*args)
   return jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
+
+
+def _reads(f, avals) -> Any:
+  """Which leaves of `avals` (a tree of `jax.typeof`s) the outputs of `f` depend on, from one
+  trace: a tree of bools. An equation that computes a live output, or has effects, reads all
+  of its inputs (a conservative answer for calls and loops)."""
+  jaxpr = jax.make_jaxpr(f)(_stand_ins(avals)).jaxpr
+  live = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in live for v in eqn.outvars):
+      live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
+  return jax.tree.unflatten(jax.tree.structure(avals), [v in live for v in jaxpr.invars])
 
 
 def _avals(tree):
