@@ -64,17 +64,17 @@ def compiler_options(platform: str, scanned: bool = False) -> dict[str, str | in
   Pass them to `jax.jit(f, compiler_options=...)` (or to
   `.lower(...).compile(compiler_options=...)`). On CPU they disable the
   all-reduce combiner; on GPU they set every combine threshold to 0 and keep
-  collectives asynchronous under the latency hiding scheduler. A step with
-  scanned layers (`DDPConfig(stacked=)`, `FSDPConfig(stacked=)`) gathers each
-  layer's params one iteration ahead, one all-gather per param: on GPU XLA's
-  all-gather combiner then moves them as one collective (one latency per
-  layer, not one per param: most of their time across hosts, and the
-  scheduler overlaps one collective at a time).
+  collectives asynchronous under the latency hiding scheduler. An FSDP step
+  with scanned units (`FSDPConfig(stacked=)`) gathers each layer's params one
+  iteration ahead, one all-gather per param: on GPU XLA's all-gather combiner
+  then moves them as one collective (one latency per layer, not one per
+  param: most of their time across hosts, and the scheduler overlaps one
+  collective at a time).
 
   Args:
     platform: `"cpu"`, or `"cuda"`/`"gpu"`/`"rocm"` (e.g.
       `jax.default_backend()` or `device.platform`).
-    scanned: the step gathers scanned layers' params in its loops.
+    scanned: the step gathers scanned layers' params one iteration ahead.
 
   Returns:
     A new dict of option name to value; empty for another platform (e.g.

@@ -306,8 +306,10 @@ class FSDPConfig:
   gather may run while unit i computes, in the forward and (reversed) in the backward, and no
   earlier, so at most prefetch + 1 unrolled units are gathered at once. Enforced by data
   dependencies (`optimization_barrier`), not left to XLA's scheduler. A scanned unit's
-  loops always gather the next layer while one layer computes (docs/design.md, "Scanned
-  layers one iteration ahead")."""
+  loops gather the next layer while one layer computes, its gathers combined into one
+  collective on GPU (docs/design.md, "Scanned layers one iteration ahead"); with 0 each
+  iteration gathers its own layer param by param: about a layer less at the peak, and
+  only what XLA overlaps within a layer hidden."""
   chunks: Mapping[Prefix, int] = dataclasses.field(default_factory=dict)
   """`{prefix: C}`: params gathered and reduce-scattered C row blocks at a time, for a large
   embedding or output projection (`{"wte": 8}`): each matmul that uses such a param runs as C

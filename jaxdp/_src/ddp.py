@@ -420,8 +420,11 @@ def forward_backward(
     if scanned:
       values = {**dict(enumerate(leaves)), **scanned}
       avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+      # prefetch=0: each loop iteration gathers its own layer. ZeRO keeps every gathered
+      # layer for the backward (reshard=False), so a layer gathered ahead would hide nothing
+      # XLA does not already overlap within the layer, and add a layer to the peak.
       loss, extra = fsdp_program.run_loss(
-        call, layout.treedef, avals, values, units, args, plan.axes, reshard=False
+        call, layout.treedef, avals, values, units, args, plan.axes, reshard=False, prefetch=0
       )
     else:
       loss, extra = call(tree_of(layout, leaves), args)
@@ -768,5 +771,4 @@ def make_train_step(
       aux if has_aux else None,
     )
 
-  options = compiler_options(mesh.devices.flat[0].platform, scanned=bool(config.stacked))
-  return checks.jit_step(step, mesh, config, options)
+  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))

@@ -840,7 +840,8 @@ def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str,
   latency, not one per param: most of their time across hosts). The unrolled units'
   gathers are one collective each already; their order is kept by data dependencies."""
   fsdp = fsdp or FSDPConfig()
-  options = base_compiler_options(platform, scanned=bool(fsdp.stacked))
+  # prefetch=0: a layer's params gathered in its own iteration, one by one (not combined)
+  options = base_compiler_options(platform, scanned=bool(fsdp.stacked) and fsdp.prefetch > 0)
   if platform in GPU_PLATFORMS:
     options["xla_gpu_enable_pipelined_reduce_scatter"] = True
   return options

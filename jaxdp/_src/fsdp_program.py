@@ -1197,7 +1197,7 @@ class _ScanUnit:
       return self.layer(consts, carry, _at(other, pos), full)
 
     gather = functools.partial(self.gather_at, t, f_)
-    carry, ys = _layer_loop(self.length, self.reverse, gather, step, init)
+    carry, ys = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
     return (carry, ys), _stand_ins(self.token_avals)
 
   def fwd(self, consts, init, other, t, f_, tokens):
@@ -1208,7 +1208,9 @@ class _ScanUnit:
       return carry, (ys, saved)
 
     gather = functools.partial(self.gather_at, t, f_)
-    carry, (ys, saved) = _layer_loop(self.length, self.reverse, gather, step, init)
+    carry, (ys, saved) = _layer_loop(
+      self.length, self.reverse, gather, step, init, ahead=self.k > 0
+    )
     zeros = _stand_ins(self.token_avals)
     return ((carry, ys), zeros), (consts, saved, t, f_)
 
@@ -1250,7 +1252,13 @@ class _ScanUnit:
     # Without resharding the forward saved every residual, the gathered params included.
     gather = gather if self.keep is not None else None
     (d_init, d_consts), (d_other, d_t) = _layer_loop(
-      self.length, not self.reverse, gather, step, (d_carry, d_consts0), finish=self.scatter
+      self.length,
+      not self.reverse,
+      gather,
+      step,
+      (d_carry, d_consts0),
+      finish=self.scatter,
+      ahead=self.k > 0,
     )
     d_init = list(_after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
     fresh, d_init = _together(_stand_in(self.token_avals[0]), d_init)
@@ -1303,7 +1311,13 @@ class _ScanUnit:
 
 
 def _layer_loop(
-  length: int, reverse: bool, gather: Callable | None, step: Callable, carry, finish=None
+  length: int,
+  reverse: bool,
+  gather: Callable | None,
+  step: Callable,
+  carry,
+  finish=None,
+  ahead: bool = True,
 ):
   """`step(carry, pos, full, landed) -> (carry, out)` for each layer position `pos` in run
   order (`0 .. length - 1`, or reversed), `full` being layer `pos`'s params gathered one
@@ -1313,7 +1327,9 @@ def _layer_loop(
   `landed` is a zero that exists then (a token for `step`'s own collectives; else None).
   See [Note: a layer gathered one iteration ahead]. Returns the last carry and the
   (finished) outputs stacked by position (`(length, ...)` per leaf, position-indexed
-  whatever the order)."""
+  whatever the order). Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
+  its own layer and finishes its own `out`: no layer held ahead, nothing hidden behind a
+  layer's compute but what XLA overlaps within it."""
   at = lambda k: length - 1 - k if reverse else k
   done = finish or (lambda out: out)
   gather = gather or (lambda pos, after: (None, after))  # the layers need no params
@@ -1346,6 +1362,15 @@ def _layer_loop(
     if finish is None:
       return carry, ahead, None, put(outs, out, at(k))
     return carry, ahead, out, outs
+
+  if not ahead:
+
+    def own(k, state):  # layer k, gathered and finished in its own iteration
+      carry, outs = state
+      carry, out = step(carry, at(k), gather(at(k), None)[0], None)
+      return carry, put(outs, done(out), at(k))
+
+    return jax.lax.fori_loop(0, length, own, (carry, outs))
 
   full, pending, first = gather(at(0), None)[0], None, 0
   if finish is not None and length > 1:  # the first layer has none to finish
