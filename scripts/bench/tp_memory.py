@@ -26,7 +26,8 @@ and whole over "model", at the embedding output and every block's input and outp
   reduces each matmul's grad in the matmul's bf16, jaxdp by default in fp32).
 * GSPMD FSDP: params and Adam's moments at their TP placement plus "data" on each weight's
   embed (d_model) dim, MaxText's `embed -> fsdp`; its twin is `optim_grads_params`
-  (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone). Below
+  (`FSDPConfig(stacked=["blocks"])`: gathers and reduce-scatters over "data" alone), and
+  the same with `prefetch=0` (each layer gathered in its own loop iteration). Below
   it, labelled, a GSPMD FSDP without MaxText's rules: "data" on the first dim past the layer
   axis that "model" leaves whole, the activations unconstrained.
 
@@ -76,7 +77,7 @@ MESHES = {"4x2": ((4, 2), 1), "8x8": ((8, 8), 8)}  # (data, model), hosts
 # Each GSPMD program, then jaxdp's programs that hold the same memory at rest.
 PAIRS = (
   ("GSPMD ZeRO-1", "jaxdp optim", "jaxdp optim, no overlap", "jaxdp optim, bf16 grads"),
-  ("GSPMD FSDP", "jaxdp FSDP", "GSPMD FSDP, no activation constraints"),
+  ("GSPMD FSDP", "jaxdp FSDP", "jaxdp FSDP, prefetch=0", "GSPMD FSDP, no activation constraints"),
 )
 GSPMD = {p.label: p for p in PROGRAMS.values()}
 
@@ -109,7 +110,8 @@ def jaxdp_step(program, params, loss_fn, batch, mesh):
     )
     return inspect.compile_train_step(loss_fn, TX, mesh, config, placed, batch)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
-  fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
+  prefetch = 0 if program.endswith("prefetch=0") else 1  # 0: each layer in its own iteration
+  fsdp = jaxdp.FSDPConfig(stacked=["blocks"], prefetch=prefetch)
   return inspect.compile_train_step(loss_fn, TX, mesh, config, placed, batch, fsdp=fsdp)
 
 
