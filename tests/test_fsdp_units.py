@@ -408,15 +408,7 @@ def test_chunked_vocabulary_in_bfloat16_equals_one_device():
   params, loss_fn, b = _tiny_llama(jnp.bfloat16)
   got, _ = train(params, loss_fn, b, optax.sgd(1.0), 1, LLAMA_CHUNKS)
   grads = jax.grad(loss_fn)(params, b)
-  rho = tolerances.bf16_grad_rtol(16 * 2 + 4)
-  for (path, x), p, g in zip(
-    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(params), jax.tree.leaves(grads)
-  ):
-    scale = float(jnp.max(jnp.abs(g)))
-    atol = rho * scale + 2 * tolerances.EPS32 * float(jnp.max(jnp.abs(p) + jnp.abs(g)))
-    np.testing.assert_allclose(
-      np.asarray(p - x), np.asarray(g), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path)
-    )
+  assert_sgd_step_within(got, params, grads, tolerances.bf16_grad_rtol(16 * 2 + 4))
 
 
 @pytest.mark.parametrize("mode", ["fill", "clip"])
@@ -436,3 +428,17 @@ def test_chunked_lookup_modes(mode):
   if mode == "fill":  # an id past the end: the loss is NaN, whatever the params
     _, metrics = step(state, {"ids": ids.at[0, 0].set(60)})
     assert np.isnan(float(metrics["loss"]))
+
+
+def assert_sgd_step_within(got, params, grads, rho):
+  """`got`, the params after one `optax.sgd(1.0)` step, moved each leaf by its gradient in
+  `grads` to within `rho` of the leaf's largest gradient (plus float32 rounding of the
+  subtraction)."""
+  for (path, x), p, g in zip(
+    jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(params), jax.tree.leaves(grads)
+  ):
+    scale = float(jnp.max(jnp.abs(g)))
+    atol = rho * scale + 2 * tolerances.EPS32 * float(jnp.max(jnp.abs(p) + jnp.abs(g)))
+    np.testing.assert_allclose(
+      np.asarray(p - x), np.asarray(g), rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path)
+    )
