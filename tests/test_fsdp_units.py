@@ -264,9 +264,9 @@ def test_memory_relations_on_the_residual_mlp():
   for n in (4, 8):
     assert own["jaxdp FSDP", n] <= scanned["GSPMD FSDP", n] + layer / 2, (own, n)
     assert scanned["jaxdp FSDP", n] <= scanned["GSPMD FSDP", n] + 2 * layer, (scanned, n)
-  # DDP: within 5% of GSPMD's all-reduce-per-grad program, the bound. Each bucket is
+  # DDP: within 5% of GSPMD's all-reduce-per-grad program, the bound asked of it. Each bucket is
   # copied before its all-reduce (XLA has no buffer views), so this holds because no_shard's
-  # default bucket is 25 MiB (Megatron's 40M elements put it 11% over at the width).
+  # default bucket is 25 MiB (Megatron's 40M elements put it 11% over at d 1024).
   # Measured: unrolled equal (156.5 / 284.5 MiB), scanned 160.5 / 288.5 against 153 / 283.
   for stats in (unrolled, scanned):
     for n in (4, 8):
@@ -274,7 +274,7 @@ def test_memory_relations_on_the_residual_mlp():
   # ZeRO-1: within 5% of GSPMD's (optimizer state sharded) in both forms. Scanned, jaxdp's
   # `optim` (the script passes DDPConfig(stacked=["blocks"])) gathers and reduce-scatters
   # each layer inside the scan, as GSPMD reduce-scatters inside its backward loop (before,
-  # the whole stacked gradient was reduced after the scan: 1.24 x at the width).
+  # the whole stacked gradient was reduced after the scan: 1.24 x at d 1024).
   # Measured: unrolled equal (76.5 / 152.5 MiB), scanned 73 / 123 against 78.5 / 115: at
   # L = 8 GSPMD ZeRO-1 shards Adam's stacked moments on their layer axis (MaxText's
   # shard_optimizer_over_data puts "data" on the first dim that dp divides, and 8 divides
