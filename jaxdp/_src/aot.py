@@ -331,7 +331,7 @@ def compile_train_step(
       f"mesh={mesh!r}: pass a jax.sharding.Mesh, or a number n to compile for n H100s "
       "(jaxdp.inspect.gpu_mesh((n,)))"
     )
-  fsdp_step = config.data_parallel_sharding_strategy == "optim_grads_params"
+  fsdp_step = config.shards_params
   extra = {"fsdp": fsdp} if fsdp_step else {}
   # A leaf placed on `mesh` keeps its placement (tensor-parallel params): `init_state` reads
   # it from the traced leaf's type, which carries it where the mesh's axes are Explicit.

@@ -84,7 +84,7 @@ _STATE, _META = "state", "meta"
 
 
 def _sharded(state: TrainState) -> bool:
-  return state.config.data_parallel_sharding_strategy != "no_shard"
+  return state.config.use_distributed_optimizer
 
 
 def _stores_master(dtype) -> bool:

@@ -129,7 +129,7 @@ def check_state_structure(state) -> None:
         "build the state again with init_state for these params (or restore a "
         "checkpoint into it)"
       )
-  sharded = state.config.data_parallel_sharding_strategy != "no_shard"
+  sharded = state.config.use_distributed_optimizer
   for i, (path, shape, dtype, x, m) in enumerate(
     zip(
       layout.paths,

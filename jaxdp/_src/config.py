@@ -224,6 +224,18 @@ class DDPConfig:
     return self.data_parallel_sharding_strategy != "no_shard"
 
   @property
+  def shards_grads(self) -> bool:
+    """`optim_grads` and FSDP: every micro-batch's grads are reduce-scattered, so a device
+    keeps only its shard of the accumulated grads (ZeRO-2)."""
+    return self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+
+  @property
+  def shards_params(self) -> bool:
+    """FSDP (`optim_grads_params`, ZeRO-3): the params themselves are sharded between
+    steps, gathered unit by unit inside the step."""
+    return self.data_parallel_sharding_strategy == "optim_grads_params"
+
+  @property
   def outer_shards(self) -> int:
     """How many ways the master params and optimizer state are split across "replica" as
     well as "data": `num_distributed_optimizer_instances` under HFSDP

@@ -115,7 +115,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 def _sharded(config: DDPConfig) -> bool:
-  return config.data_parallel_sharding_strategy != "no_shard"
+  return config.use_distributed_optimizer
 
 
 def _keeps_master(config: DDPConfig, dtype) -> bool:
@@ -684,7 +684,7 @@ def make_train_step(
     axis_sizes=tuple(mesh.shape.items()),
     dp=dp,
     sharded=sharded,
-    scatter_each_microbatch=config.data_parallel_sharding_strategy == "optim_grads",
+    scatter_each_microbatch=config.shards_grads,
     gather_in_step=sharded and config.overlap_param_gather,
     grad_accum_steps=grad_accum_steps,
     average=config.average_in_collective,

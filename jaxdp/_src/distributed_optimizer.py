@@ -474,8 +474,8 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=Fal
   more than the per-leaf kernels it saves, though it compiles faster (docs/design.md,
   "The flat update").
   """
-  strategy = config.data_parallel_sharding_strategy
-  if config.fused_update is False or (strategy == "no_shard" and config.fused_update is None):
+  sharded = config.use_distributed_optimizer
+  if config.fused_update is False or (not sharded and config.fused_update is None):
     return False
   why = None
   if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
@@ -495,7 +495,7 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=Fal
       "FSDPConfig(chunks=...) gathers some params by row blocks of their own master: they "
       "update per leaf"
     )
-  elif strategy == "no_shard" and any(
+  elif not sharded and any(
     buf.param_dtype != master_dtype(buf.param_dtype) for buf in layout.buffers
   ):
     why = "no_shard keeps an fp32 copy of low-precision params per leaf"

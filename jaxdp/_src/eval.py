@@ -87,7 +87,7 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
     ((16, 2), P('data',))
   """
   checks.check_mesh(mesh, config)
-  fsdp_branch = config.data_parallel_sharding_strategy == "optim_grads_params"
+  fsdp_branch = config.shards_params
   if fsdp is not None and not fsdp_branch:
     raise ValueError(
       f"fsdp={fsdp} is for data_parallel_sharding_strategy="

@@ -71,8 +71,6 @@ from jaxdp._src.units import chunked_leaves, units_of
 
 PyTree = Any
 
-_SHARDED_GRADS_PER_MICROBATCH = ("optim_grads", "optim_grads_params")
-
 
 # ----------------------------------------------------------------------------- memory
 
@@ -316,8 +314,7 @@ def memory_ledger(
       "memory_ledger(params, tx, 8, jaxdp.DDPConfig(data_parallel_sharding_strategy='optim'))"
     )
   strategy = config.data_parallel_sharding_strategy
-  sharded = strategy != "no_shard"
-  fsdp_step = strategy == "optim_grads_params"
+  sharded, fsdp_step = config.use_distributed_optimizer, config.shards_params
   if fsdp_step:
     fsdp = fsdp or FSDPConfig()
   # HFSDP: rows padded to replicas * dp; master and optimizer state 1/(replicas * dp)
@@ -374,7 +371,7 @@ def memory_ledger(
     for buf in layout.buffers
     for b in buf.buckets
   )
-  if strategy in ("optim_grads", "optim_grads_params"):
+  if config.shards_grads:
     grads //= dp
 
   opt_tree = [None] * len(layout.shapes)
@@ -555,7 +552,6 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     {'reduce-scatter': 0.75, 'all-reduce': 0.25, 'all-gather': 0.75}
   """
   layout, config = state.layout, state.config
-  strategy = config.data_parallel_sharding_strategy
   shape = dict(state.mesh_shape)
   n, replicas, ep = layout.dp, shape.get(REPLICA, 1), shape.get(EXPERT, 1)
   specs = state.model_specs
@@ -572,13 +568,14 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
       out[kind] = out.get(kind, 0.0) + times * ring_bytes(kind, nbytes, group)
 
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
-  if strategy == "no_shard":  # one all-reduce over every data axis the bucket is reduced over
+  # no_shard: one all-reduce over every data axis the bucket is reduced over
+  if not config.use_distributed_optimizer:
     for buf, b in buckets:
       grad = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, padded=False)
       add("all-reduce", grad, n * other(buf))
     return out
-  k = grad_accum_steps if strategy in _SHARDED_GRADS_PER_MICROBATCH else 1
-  if strategy in ("optim", "optim_grads"):
+  k = grad_accum_steps if config.shards_grads else 1
+  if not config.shards_params:
     for buf, b in buckets:
       add("reduce-scatter", _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways), n, k)
       shard = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, sliced=True) / n
@@ -659,7 +656,7 @@ def memory_report(
     [('master', 128, 128), ('opt_state', 256, 256)]
   """
   strategy = config.data_parallel_sharding_strategy
-  fsdp_step = strategy == "optim_grads_params"
+  fsdp_step = config.shards_params
   ledger = memory_ledger(params, tx, dp, config, frozen=frozen, fsdp=fsdp if fsdp_step else None)
   predicted_state = {**ledger.state, "step": 4}
 

@@ -25,7 +25,7 @@ LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 def _fsdp_branch(config: DDPConfig, fsdp) -> bool:
   """True for `optim_grads_params` (implemented in fsdp.py); refuses `fsdp=` elsewhere."""
-  if config.data_parallel_sharding_strategy == "optim_grads_params":
+  if config.shards_params:
     return True
   if fsdp is not None:
     raise ValueError(
