@@ -33,7 +33,6 @@ Step 1 is a sequence of named phases (`start_param_sync`, `register_grad_ready_h
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 from typing import Any, Callable
@@ -45,6 +44,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
+from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import bucket_unravel, shard_unravel
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
@@ -89,7 +89,6 @@ from jaxdp._src.mesh import (
   model_specs_of,
   own_axes,
   pspec,
-  run_manual,
   runs_auto,
   view_dims,
   with_data,
@@ -357,10 +356,25 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   ]
 
 
-def register_grad_ready_hooks(layout: Layout, plan: _Plan):
-  """`(buckets, hooks, sinks)`: per bucket, its grad-ready hook and the zero sink whose
-  cotangent receives its reduced grads (a tuple of per-param ones for a bucket that holds a
-  tensor-parallel leaf of `plan.own`, reduced per param: `collectives.grad_ready_hook_each`)."""
+@dataclasses.dataclass(frozen=True)
+class GradSync:
+  """Every bucket's grad-ready hook and the zero sink whose cotangent receives its reduced
+  grads (`register_grad_ready_hooks`), in the order of `buckets`."""
+
+  buckets: list[tuple[Any, Any]]
+  """`(buffer, bucket)` of every bucket, buffer by buffer."""
+  hooks: list[Callable]
+  sinks: list[Any]
+  """A bucket's sink: one array (its reduced buffer, or this device's shard of it), or a
+  tuple of per-param ones for a bucket that holds a tensor-parallel leaf of `plan.own`,
+  reduced per param (`collectives.grad_ready_hook_each`)."""
+  blocks: dict[int, Any]
+  """Scanned layers whose forward gathers them in the step (`plan.in_scan` with
+  `gather_in_step`): leaf -> this device's master block (`master_blocks`); else empty."""
+
+
+def register_grad_ready_hooks(layout: Layout, plan: _Plan, master) -> GradSync:
+  """One hook and one sink per bucket (see `GradSync`)."""
   buckets = [(buf, b) for buf in layout.buffers for b in buf.buckets]
   own = plan.own_of
   hooks = []
@@ -384,129 +398,149 @@ def register_grad_ready_hooks(layout: Layout, plan: _Plan):
     )
     for buf, b in buckets
   ]
-  return buckets, hooks, sinks
+  blocks = master_blocks(master, layout, plan.fused) if plan.in_scan and plan.gather_in_step else {}
+  return GradSync(buckets, hooks, sinks, blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+  """What `forward_backward` returns."""
+
+  loss: jax.Array
+  """This device's loss: the sum of its micro-batches' losses, each divided by k."""
+  reduced: list[Any]
+  """Every bucket's reduced grads, in `GradSync.buckets`' order, as its sink holds them."""
+  aux: PyTree
+  """The mean over the micro-batches (None without `has_aux`)."""
+  model_state: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class _MicroLoss:
+  """One device's loss of one micro-batch, as the step differentiates it: `loss_fn` through
+  `loop.call_loss`, divided by k, with its scanned layers run by `fsdp_program.run_loss`
+  (`scanned_units`)."""
+
+  loss_fn: LossFn
+  layout: Layout
+  plan: _Plan
+  key: Any
+  """This device's key data for the step (None without one)."""
+  units: list
+
+  def __call__(self, leaves, micro_batch, number, model_state, scanned=None):
+    plan = self.plan
+    call = lambda tree, args: loop.call_loss(self.loss_fn, plan.has_aux, tree, *args)
+    args = (micro_batch, loop.micro_key(self.key, number), model_state)
+    if scanned:
+      values = {**dict(enumerate(leaves)), **scanned}
+      avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.layout.shapes, self.layout.dtypes)]
+      # prefetch=0: each loop iteration gathers its own layer. ZeRO keeps every gathered
+      # layer for the backward (reshard=False), so a layer gathered ahead would hide nothing
+      # XLA does not already overlap within the layer, and add a layer to the peak.
+      loss, extra = fsdp_program.run_loss(
+        call,
+        self.layout.treedef,
+        avals,
+        values,
+        self.units,
+        args,
+        plan.axes,
+        reshard=False,
+        prefetch=0,
+      )
+    else:
+      loss, extra = call(tree_of(self.layout, leaves), args)
+    return loss / plan.grad_accum_steps, extra
+
+  def hooked(self, sinks, accs, full, sync: GradSync, micro_batch, number, model_state):
+    """The loss with every bucket's params passed through its hook: its grad w.r.t. the
+    sinks is the reduced buckets (plus `accs`). A stack bucket's sink is split into its
+    params' blocks, which the scans' backward loops reduce into (`scanned_units`)."""
+    leaves, scanned = list(full), {}
+    for (_, b), hook, sink, acc in zip(sync.buckets, sync.hooks, sinks, accs):
+      if self.plan.in_scan and b.stack is not None:  # (master block or whole param, sink block)
+        sunk = sink if isinstance(sink, tuple) else shard_unravel(sink, b, self.layout.dp)
+        for p, block in zip(b.params, sunk):
+          value = sync.blocks[p.index] if self.plan.gather_in_step else leaves[p.index]
+          scanned[p.index] = (value, block)
+        continue
+      out = hook([leaves[p.index] for p in b.params], sink, acc)
+      for p, x in zip(b.params, out):
+        leaves[p.index] = x
+    return self(leaves, micro_batch, number, model_state, scanned)
+
+  def local(self, full, sync: GradSync, micro_batch, number, model_state):
+    """One micro-batch's local (unreduced) grads, ravelled into bucket buffers."""
+    layout = self.layout
+
+    def loss_of_trainable(trained):
+      leaves = list(full)
+      for p, x in zip(layout.params, trained):
+        leaves[p.index] = x
+      return self(leaves, micro_batch, number, model_state)
+
+    (loss, extra), grads = jax.value_and_grad(loss_of_trainable, has_aux=True)(
+      [full[p.index] for p in layout.params]
+    )
+    grads = dict(zip((p.index for p in layout.params), grads))
+    own = self.plan.own_of
+    return (loss, extra), [
+      collectives.ravel_local([grads[p.index] for p in b.params], b, buf.grad_dtype, own)
+      for buf, b in sync.buckets
+    ]
 
 
 def forward_backward(
-  loss_fn: LossFn,
-  full: list[Any],
-  batch,
-  layout: Layout,
-  plan: _Plan,
-  buckets,
-  hooks,
-  sinks,
-  key=None,
-  model_state=None,
-  blocks=None,
-):
-  """`(local loss, reduced buckets, aux, model state)` of the step's micro-batches.
+  micro_loss: _MicroLoss, full: list[Any], batch, sync: GradSync, model_state=None
+) -> Backward:
+  """The step's micro-batches on this device (see `Backward`).
 
   Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
   accumulated grads sum to the grad of the mean loss over the k× batch. `optim_grads`
   reduces every micro-batch through the hooks and sums the shards; the others accumulate
   the local grads of the first k-1 (`no_sync`) and carry them into the hooks with the last.
-  `loss_fn` is called through `loop.call_loss`: micro-batch `j` gets `fold_in(key, j)` and
-  the model state the one before it left (synced over the data axes); the aux is the mean
-  over the micro-batches (None without `has_aux`).
+  Micro-batch `j` gets `fold_in(key, j)` and the model state the one before it left
+  (synced over the data axes).
   """
+  plan = micro_loss.plan
   k = plan.grad_accum_steps
-  sync = lambda ms: collectives.sync_model_state(ms, plan.axes)
-  units = scanned_units(layout, plan) if plan.in_scan else []
-
-  def scaled_loss(leaves, mb, j, ms, scanned=None):
-    call = lambda tree, a: loop.call_loss(loss_fn, plan.has_aux, tree, *a)
-    args = (mb, loop.micro_key(key, j), ms)
-    if scanned:
-      values = {**dict(enumerate(leaves)), **scanned}
-      avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
-      # prefetch=0: each loop iteration gathers its own layer. ZeRO keeps every gathered
-      # layer for the backward (reshard=False), so a layer gathered ahead would hide nothing
-      # XLA does not already overlap within the layer, and add a layer to the peak.
-      loss, extra = fsdp_program.run_loss(
-        call, layout.treedef, avals, values, units, args, plan.axes, reshard=False, prefetch=0
-      )
-    else:
-      loss, extra = call(tree_of(layout, leaves), args)
-    return loss / k, extra
-
-  def hooked_loss(sinks, accs, mb, j, ms):
-    """The loss with every bucket's params passed through its hook: its grad w.r.t. the
-    sinks is the reduced buckets (plus `accs`). A stack bucket's sink is split into its
-    params' blocks, which the scans' backward loops reduce into (`scanned_units`)."""
-    leaves, scanned = list(full), {}
-    for (_, b), hook, sink, acc in zip(buckets, hooks, sinks, accs):
-      if plan.in_scan and b.stack is not None:  # (master block or whole param, sink block)
-        sunk = sink if isinstance(sink, tuple) else shard_unravel(sink, b, layout.dp)
-        for p, block in zip(b.params, sunk):
-          scanned[p.index] = (blocks[p.index] if plan.gather_in_step else leaves[p.index], block)
-        continue
-      out = hook([leaves[p.index] for p in b.params], sink, acc)
-      for p, x in zip(b.params, out):
-        leaves[p.index] = x
-    return scaled_loss(leaves, mb, j, ms, scanned)
-
-  def local_accum(mb, j, ms):
-    """Local (unreduced) grads of one micro-batch, ravelled into bucket buffers."""
-
-    def loss_of_trainable(tleaves):
-      leaves = list(full)
-      for p, x in zip(layout.params, tleaves):
-        leaves[p.index] = x
-      return scaled_loss(leaves, mb, j, ms)
-
-    (loss, extra), g = jax.value_and_grad(loss_of_trainable, has_aux=True)(
-      [full[p.index] for p in layout.params]
-    )
-    g = dict(zip((p.index for p in layout.params), g))
-    return (
-      loss,
-      extra,
-      [
-        collectives.ravel_local([g[p.index] for p in b.params], b, buf.grad_dtype, plan.own_of)
-        for buf, b in buckets
-      ],
-    )
-
-  micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-  zeros = jax.tree.map(jnp.zeros_like, sinks)
-  acc_zero = [collectives.acc_for(b, buf.grad_dtype, plan.own_of) for buf, b in buckets]
-  acc_zero = collectives.make_varying(acc_zero, plan.axes)
+  micro = step_lib.micro_batches(batch, k)
   last = jax.tree.map(lambda x: x[-1], micro)
-  loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), plan.axes)  # a scan carry
+  acc_zero = [collectives.acc_for(b, buf.grad_dtype, plan.own_of) for buf, b in sync.buckets]
+  acc_zero = collectives.make_varying(acc_zero, plan.axes)
+  reduced_grad = jax.value_and_grad(micro_loss.hooked, has_aux=True)
   if plan.scatter_each_microbatch:
-
-    def body(carry, xs):
-      loss_sum, red_sum, ms = carry
-      mb, j = xs
-      (loss, (aux, ms)), red = jax.value_and_grad(hooked_loss, has_aux=True)(
-        sinks, acc_zero, mb, j, ms
+    if k == 1:
+      (loss, (aux, model_state)), reduced = reduced_grad(
+        sync.sinks, acc_zero, full, sync, last, 0, model_state
       )
-      return (loss_sum + loss, jax.tree.map(jnp.add, red_sum, red), sync(ms)), aux
-
-    init = (loss_zero, zeros, model_state)
-    if k > 1:  # the aux of every micro-batch, stacked
-      (loss, reduced, model_state), auxs = jax.lax.scan(body, init, (micro, jnp.arange(k)))
-      return loss, reduced, loop.mean_micro(auxs, None, k), model_state
-    (loss, reduced, model_state), aux = body(init, (last, 0))
-    return loss, reduced, loop.mean_micro(None, aux, 1), model_state
-  loss, accs, first_aux = loss_zero, acc_zero, None
-  if k > 1:
-
-    def body(carry, xs):
-      loss_sum, acc, ms = carry
-      mb, j = xs
-      mb_loss, (aux, ms), g = local_accum(mb, j, ms)
-      return (loss_sum + mb_loss, jax.tree.map(jnp.add, acc, g), sync(ms)), aux
-
-    first = jax.tree.map(lambda x: x[:-1], micro)
-    (loss, accs, model_state), first_aux = jax.lax.scan(
-      body, (loss, accs, model_state), (first, jnp.arange(k - 1))
+      model_state = collectives.sync_model_state(model_state, plan.axes)
+      return Backward(loss, reduced, loop.mean_micro(None, aux, 1), model_state)
+    each = step_lib.accumulate(
+      lambda mb, j, ms: reduced_grad(sync.sinks, acc_zero, full, sync, mb, j, ms),
+      jax.tree.map(jnp.zeros_like, sync.sinks),
+      micro,
+      model_state,
+      plan.axes,
     )
-  (mb_loss, (aux, model_state)), reduced = jax.value_and_grad(hooked_loss, has_aux=True)(
-    sinks, accs, last, k - 1, model_state
+    return Backward(each.loss, each.grads, loop.mean_micro(each.auxs, None, k), each.model_state)
+  loss, accs, first_aux = None, acc_zero, None
+  if k > 1:  # Megatron's `no_sync`: the first k-1 micro-batches' grads stay local
+    first = step_lib.accumulate(
+      lambda mb, j, ms: micro_loss.local(full, sync, mb, j, ms),
+      acc_zero,
+      jax.tree.map(lambda x: x[:-1], micro),
+      model_state,
+      plan.axes,
+    )
+    loss, accs, first_aux, model_state = first.loss, first.grads, first.auxs, first.model_state
+  (last_loss, (aux, model_state)), reduced = reduced_grad(
+    sync.sinks, accs, full, sync, last, k - 1, model_state
   )
-  return loss + mb_loss, reduced, loop.mean_micro(first_aux, aux, k), sync(model_state)
+  loss = last_loss if loss is None else loss + last_loss
+  aux = loop.mean_micro(first_aux, aux, k)
+  return Backward(loss, reduced, aux, collectives.sync_model_state(model_state, plan.axes))
 
 
 def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
@@ -591,7 +625,7 @@ def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
   return tree_of(layout, grads)
 
 
-def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
+def grad_metrics(backward: Backward, layout: Layout, plan: _Plan, buckets):
   """`(loss, grad_norm)`: the global mean loss and the global norm of the reduced grads.
 
   The norm² of the reduced buckets (zero padding) rides in the loss's psum, each bucket's
@@ -603,43 +637,41 @@ def grad_metrics(loss, reduced, layout: Layout, plan: _Plan, buckets):
   def copies(buf):
     return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (layout.dp if plan.sharded else 1)
 
-  sq = sum(
+  squares = sum(
     jnp.sum(jnp.square(x.astype(jnp.float32))) / copies(buf)
-    for (buf, _), r in zip(buckets, reduced)
-    for x in jax.tree.leaves(r)
+    for (buf, _), reduced in zip(buckets, backward.reduced)
+    for x in jax.tree.leaves(reduced)
   )
   if plan.sharded or any(buf.expert for buf in layout.buffers):
-    loss, sq = collectives.sum_over(jnp.stack([loss, sq]), plan.axes)
-    loss = loss / plan.dp
-  else:
-    loss, sq = collectives.mean_over(loss, plan.axes), sq * plan.dp
-  return loss, jnp.sqrt(sq)
+    return step_lib.global_loss_and_norm(backward.loss, squares, plan.axes, plan.dp)
+  loss = collectives.mean_over(backward.loss, plan.axes)
+  return loss, jnp.sqrt(squares * plan.dp)
 
 
 def local_grads(
-  loss_fn: LossFn, plan: _Plan, params, master, batch, key, model_state, layout: Layout, own_axes
-):
+  loss_fn: LossFn, plan: _Plan, inputs: step_lib.StepInputs, layout: Layout, own_axes
+) -> step_lib.LocalGrads:
   """Per device, inside the step's `shard_map`: the reduced grad of every trainable param
   (`finish_grad_sync`), the global mean loss and the global grad norm, the aux averaged
   over the data axes and the new model state (see `loop`).
 
-  `key`: the step's key data (None without one), folded here with this device's shard.
-  `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
+  `inputs.key`: the step's key data (None without one), folded here with this device's
+  shard. `own_axes[i]`: the data axes leaf `i` is itself sharded over ("expert" for experts).
   """
-  key = loop.device_key(key, collectives.data_index(plan.axes))
-  full = start_param_sync(params, master, layout, plan, own_axes)
-  buckets, hooks, sinks = register_grad_ready_hooks(layout, plan)
-  blocks = master_blocks(master, layout, plan.fused) if plan.in_scan and plan.gather_in_step else {}
-  loss, reduced, aux, model_state = forward_backward(
-    loss_fn, full, batch, layout, plan, buckets, hooks, sinks, key, model_state, blocks
+  key = loop.device_key(inputs.key, collectives.data_index(plan.axes))
+  full = start_param_sync(inputs.params, inputs.master, layout, plan, own_axes)
+  sync = register_grad_ready_hooks(layout, plan, inputs.master)
+  units = scanned_units(layout, plan) if plan.in_scan else []
+  backward = forward_backward(
+    _MicroLoss(loss_fn, layout, plan, key, units), full, inputs.batch, sync, inputs.model_state
   )
-  loss, grad_norm = grad_metrics(loss, reduced, layout, plan, buckets)
-  return (
-    finish_grad_sync(reduced, layout, plan, buckets),
-    loss,
-    grad_norm,
-    collectives.average_aux(aux, plan.axes),
-    model_state,
+  loss, grad_norm = grad_metrics(backward, layout, plan, sync.buckets)
+  return step_lib.LocalGrads(
+    grads=finish_grad_sync(backward.reduced, layout, plan, sync.buckets),
+    loss=loss,
+    grad_norm=grad_norm,
+    aux=collectives.average_aux(backward.aux, plan.axes),
+    model_state=backward.model_state,
   )
 
 
@@ -665,6 +697,104 @@ def _update_leaves(tx, grads, state: TrainState, mesh, sharded: bool):
   return params, master, opt_state
 
 
+@dataclasses.dataclass(frozen=True)
+class BucketedStep:
+  """`no_shard`, `optim` and `optim_grads` as a `step.StepStrategy` (see the module
+  docstring)."""
+
+  loss_fn: LossFn
+  mesh: Any
+  config: DDPConfig
+  plan: _Plan
+  """What the config and mesh fix; `plan_for` adds what the state fixes."""
+
+  def plan_for(self, state: TrainState) -> _Plan:
+    layout = state.layout
+    stacks = any(b.stack is not None for buf in layout.buffers for b in buf.buckets)
+    one_reduction = self.plan.grad_accum_steps == 1 or self.plan.scatter_each_microbatch
+    own = layout_own_specs(layout, state.model_specs, self.mesh)
+    return dataclasses.replace(
+      self.plan, fused=state.fused, in_scan=one_reduction and stacks, own=tuple(own.items())
+    )
+
+  def check_state(self, state: TrainState) -> None:
+    checks.check_state(state, self.mesh, self.config)
+
+  def _manual(self, dims):
+    """`shard_map` specs (the data axes only) of leaves placed `dims` (None: no leaf)."""
+    return [None if d is None else manual_spec(d, self.plan.axes) for d in dims]
+
+  def _grad_dims(self, state: TrainState):
+    """Where each reduced grad lands: over "data" on its shard dim when sharded."""
+    layout = state.layout
+    model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+    return [
+      (with_data(d, self.plan.axes, layout.shard_axes[i]) if self.plan.sharded else d)
+      if t
+      else None
+      for i, (t, d) in enumerate(zip(layout.trainable, model_dims))
+    ]
+
+  def in_specs(self, state: TrainState) -> step_lib.StepInputs:
+    layout = state.layout
+    param_dims, master_dims = leaf_specs(state)
+    extras = extra_specs(state)
+    if state.fused and self.plan.sharded:
+      master = flat_master_specs(layout, self.plan.axes)
+    else:
+      master = tree_of(layout, self._manual(master_dims))
+    return step_lib.StepInputs(
+      params=tree_of(layout, self._manual(param_dims)),
+      master=master,
+      batch=P(self.plan.axes),
+      key=extras["rng"],
+      model_state=extras["model_state"],
+    )
+
+  def out_specs(self, state: TrainState):
+    layout = state.layout
+    grad_dims = self._grad_dims(state)
+    grads = tree_of(layout, self._manual(grad_dims))
+    placed = tree_of(layout, [None if d is None else pspec(d) for d in grad_dims])
+    if state.fused and self.plan.sharded:
+      grads = placed = flat_master_specs(layout, self.plan.axes)
+    elif state.fused:
+      grads = placed = {name: P() for name, _, _ in bucket_names(layout)}
+    specs = step_lib.LocalGrads(grads, P(), P(), P(), extra_specs(state)["model_state"])
+    if not runs_auto(self.mesh, state.model_specs):
+      return specs, None
+    return specs, dataclasses.replace(specs, grads=placed)
+
+  def local_grads(self, state: TrainState, inputs: step_lib.StepInputs) -> step_lib.LocalGrads:
+    layout = state.layout
+    model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+    own = tuple(own_axes(d, self.plan.axes) for d in model_dims)
+    return local_grads(self.loss_fn, self.plan_for(state), inputs, layout, own)
+
+  def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
+    layout, sharded = state.layout, self.plan.sharded
+    if state.fused:  # one update per bucket (see `distributed_optimizer`)
+      params = leaves_of(state.params, layout)
+      flat = state.master if sharded else fused_master(params, layout)
+      updates, opt_state = loop.tx_update(tx, out.grads, state.opt_state, flat, self.mesh)
+      if sharded:
+        master = optax.apply_updates(flat, updates)
+        if not self.config.overlap_param_gather:
+          params = gather_params(master, layout, self.mesh, params, state)
+      else:  # DDP keeps the params themselves (no master): each leaf + its updates' slice
+        master = state.master
+        updates = unravel_flat(updates, layout)
+        params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
+      checked = grad_blocks(out.grads, layout) if self.config.check_for_nan_in_grad else None
+    else:
+      params, master, opt_state = _update_leaves(tx, out.grads, state, self.mesh, sharded)
+      master, checked = tree_of(layout, master), out.grads
+    new_state = dataclasses.replace(
+      state, params=tree_of(layout, params), master=master, opt_state=opt_state
+    )
+    return new_state, checked
+
+
 def make_train_step(
   loss_fn: LossFn,
   tx: optax.GradientTransformation,
@@ -676,13 +806,11 @@ def make_train_step(
 ) -> checks.TrainStep:
   """`jaxdp.make_train_step` for `no_shard`, `optim` and `optim_grads`, after its argument
   checks (see the module docstring)."""
-  axes = data_axes(mesh)
-  dp = dp_size(mesh)
   sharded = _sharded(config)
   plan = _Plan(
-    axes=axes,
+    axes=data_axes(mesh),
     axis_sizes=tuple(mesh.shape.items()),
-    dp=dp,
+    dp=dp_size(mesh),
     sharded=sharded,
     scatter_each_microbatch=config.shards_grads,
     gather_in_step=sharded and config.overlap_param_gather,
@@ -690,85 +818,12 @@ def make_train_step(
     average=config.average_in_collective,
     has_aux=has_aux,
   )
-  batch_spec = P(axes)
-
-  def step(state: TrainState, batch):
-    layout = state.layout
-    in_scan = (grad_accum_steps == 1 or plan.scatter_each_microbatch) and any(
-      b.stack is not None for buf in layout.buffers for b in buf.buckets
-    )
-    own = layout_own_specs(layout, state.model_specs, mesh)
-    plan_ = dataclasses.replace(plan, fused=state.fused, in_scan=in_scan, own=tuple(own.items()))
-    checks.check_state(state, mesh, config)
-    checks.check_batch(batch, dp * grad_accum_steps)
-    batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
-    # shard_map specs name the manual (data) axes only; the others stay automatic.
-    param_dims, master_dims = leaf_specs(state)
-    manual = lambda dims: [None if d is None else manual_spec(d, axes) for d in dims]
-    model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-    grad_dims = [
-      (with_data(d, axes, layout.shard_axes[i]) if sharded else d) if t else None
-      for i, (t, d) in enumerate(zip(layout.trainable, model_dims))
-    ]
-    own = tuple(own_axes(d, axes) for d in model_dims)
-    extras = extra_specs(state)
-    master_specs, grad_specs = (
-      tree_of(layout, manual(master_dims)),
-      tree_of(layout, manual(grad_dims)),
-    )
-    placed = tree_of(layout, [None if d is None else pspec(d) for d in grad_dims])
-    if state.fused and sharded:
-      master_specs = grad_specs = placed = flat_master_specs(layout, axes)
-    elif state.fused:
-      grad_specs = placed = {name: P() for name, _, _ in bucket_names(layout)}
-    out_specs = (grad_specs, P(), P(), P(), extras["model_state"])
-    grads, loss, grad_norm, aux, model_state = run_manual(
-      functools.partial(local_grads, loss_fn, plan_, layout=layout, own_axes=own),
-      mesh,
-      (
-        tree_of(layout, manual(param_dims)),
-        master_specs,
-        batch_spec,
-        extras["rng"],
-        extras["model_state"],
-      ),
-      out_specs,
-      (placed, *out_specs[1:]) if runs_auto(mesh, state.model_specs) else None,
-    )(state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state)
-
-    if state.fused:  # one update per bucket (see `distributed_optimizer`)
-      params = leaves_of(state.params, layout)
-      flat = state.master if sharded else fused_master(params, layout)
-      updates, opt_state = loop.tx_update(tx, grads, state.opt_state, flat, mesh)
-      if sharded:
-        master = optax.apply_updates(flat, updates)
-        if not config.overlap_param_gather:
-          params = gather_params(master, layout, mesh, params, state)
-      else:  # DDP keeps the params themselves (no master): each leaf + its updates' slice
-        master = state.master
-        updates = unravel_flat(updates, layout)
-        params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
-      checked = grad_blocks(grads, layout) if config.check_for_nan_in_grad else None
-    else:
-      params, master, opt_state = _update_leaves(tx, grads, state, mesh, sharded)
-      master, checked = tree_of(layout, master), grads
-    new_state = dataclasses.replace(
-      state,
-      step=state.step + 1,
-      params=tree_of(layout, params),
-      master=master,
-      opt_state=opt_state,
-      model_state=model_state,
-    )
-    return checks.finish_step(
-      new_state,
-      state_specs(new_state),
-      mesh,
-      config,
-      loss,
-      grad_norm,
-      checked,
-      aux if has_aux else None,
-    )
-
-  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform))
+  return step_lib.make_train_step(
+    BucketedStep(loss_fn, mesh, config, plan),
+    tx,
+    mesh,
+    config,
+    grad_accum_steps=grad_accum_steps,
+    has_aux=has_aux,
+    compiler_options=compiler_options(mesh.devices.flat[0].platform),
+  )

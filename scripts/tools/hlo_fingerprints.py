@@ -5,8 +5,8 @@ refactor leaves the programs as they were.
     python scripts/tools/hlo_fingerprints.py --compare before.json # on the new code
 
 Each configuration's step is compiled for the 8 CPU devices; its fingerprint is a hash of
-the optimized HLO with the metadata (source lines, op names) and the unique ids XLA numbers
-instructions with removed, so that only what runs and in which order counts. A changed
+the optimized HLO without its source tables and metadata and with XLA's names renumbered,
+so that only what runs and in which order counts. A changed
 fingerprint is not a bug by itself: it says which program to read (`--dump DIR` writes
 the texts).
 """
@@ -181,10 +181,12 @@ def compiled_text(case: Case) -> str:
 
 
 def canonical(text: str) -> str:
-  text = re.sub(r", metadata=\{[^}]*\}", "", text)
-  text = re.sub(r"\.\d+\b", "", text)  # instruction and computation numbering
-  text = re.sub(r"^HloModule [^\n]*", "HloModule", text)
-  return text
+  """The program alone: no source tables, metadata or XLA's numbering of names (each name
+  renamed by its first appearance, so that what ran before in the process does not count)."""
+  body = re.search(r"^(%|ENTRY).*", text, re.S | re.M).group(0)
+  body = re.sub(r", metadata=\{[^}]*\}", "", body)
+  names: dict[str, str] = {}
+  return re.sub(r"%[\w.-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), body)
 
 
 def main():

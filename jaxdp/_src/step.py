@@ -1,0 +1,194 @@
+"""The one train step every strategy runs, and the pieces of it they share.
+
+A step, whatever the strategy (Megatron's `train_step`: forward-backward, finish the grad
+sync, optimizer step):
+
+1. check the state and the batch against the step (`StepStrategy.check_state`,
+   `checks.check_batch`);
+2. per device, inside `jax.shard_map` over the data axes, the strategy's `local_grads`:
+   the micro-batches' forward and backward with its collectives, ending in a `LocalGrads`
+   record (the reduced grads as the optimizer sees them, the global loss and grad norm,
+   the aux, the model state). The specs `shard_map` assembles the record with are a
+   `LocalGrads` too (`StepStrategy.out_specs`), and the inputs a `StepInputs`, so a value
+   and its spec are paired by name, never by position;
+3. in the global view, the strategy's `update`: the optax update and whatever the
+   strategy does after it (gather the params back, HFSDP's gather across "replica");
+4. `checks.finish_step`: the new state placed as `init_state` placed it, the metrics.
+
+What differs between strategies is a `StepStrategy`: `ddp.BucketedStep` (`no_shard`,
+`optim`, `optim_grads`) and `fsdp.FSDPStep` (`optim_grads_params`).
+
+The micro-batch loop is one function too (`accumulate`): every mode a strategy has
+(accumulate local grads and reduce once, reduce every micro-batch, keep the units gathered)
+is a choice of what one micro-batch's grads are and how they add up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxdp._src import checks, collectives, loop
+from jaxdp._src.config import DDPConfig
+from jaxdp._src.mesh import constrain, data_axes, dp_size, run_manual
+from jaxdp._src.state import TrainState, state_specs
+
+PyTree = Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """What each device's `local_grads` receives: its blocks of the state's fields and of the
+  batch (or, as `StepStrategy.in_specs`, the `shard_map` spec of each)."""
+
+  params: PyTree
+  master: PyTree
+  batch: PyTree
+  key: Any
+  """The step's key data (`loop.step_key`), None without one."""
+  model_state: PyTree
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LocalGrads:
+  """What each device's `local_grads` hands back (or, as `StepStrategy.out_specs`, how
+  `shard_map` assembles each field)."""
+
+  grads: PyTree
+  """The reduced grads, as the optimizer update takes them."""
+  loss: Any
+  """The global mean loss."""
+  grad_norm: Any
+  """The global norm of `grads`."""
+  aux: PyTree
+  """The aux averaged over the data axes (None without `has_aux`)."""
+  model_state: PyTree
+
+
+class StepStrategy(Protocol):
+  """What a strategy brings to `make_train_step`'s one step."""
+
+  def check_state(self, state: TrainState) -> None:
+    """Raises unless `state` was built for this step."""
+
+  def in_specs(self, state: TrainState) -> StepInputs: ...
+
+  def out_specs(self, state: TrainState) -> tuple[LocalGrads, LocalGrads | None]:
+    """The `shard_map` specs of the output, and on a mesh that runs the step under
+    `mesh.run_auto` (`runs_auto`) the output's full placement (else None)."""
+
+  def local_grads(self, state: TrainState, inputs: StepInputs) -> LocalGrads:
+    """Per device, inside the step's `shard_map`."""
+
+  def update(self, tx, state: TrainState, out: LocalGrads) -> tuple[TrainState, PyTree]:
+    """The state after the optimizer update (step not yet counted), and the grads the NaN
+    check reads (`DDPConfig.check_for_nan_in_grad`)."""
+
+
+def make_train_step(
+  strategy: StepStrategy,
+  tx,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int,
+  has_aux: bool,
+  compiler_options: dict[str, Any],
+) -> checks.TrainStep:
+  """The jitted step of `strategy` (see the module docstring)."""
+  batch_spec = P(data_axes(mesh))
+
+  def step(state: TrainState, batch):
+    strategy.check_state(state)
+    checks.check_batch(batch, dp_size(mesh) * grad_accum_steps)
+    batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
+    out_specs, placed = strategy.out_specs(state)
+    out = run_manual(
+      lambda inputs: strategy.local_grads(state, inputs),
+      mesh,
+      (strategy.in_specs(state),),
+      out_specs,
+      placed,
+    )(
+      StepInputs(
+        state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state
+      )
+    )
+    new_state, checked = strategy.update(tx, state, out)
+    new_state = dataclasses.replace(new_state, step=state.step + 1, model_state=out.model_state)
+    return checks.finish_step(
+      new_state,
+      state_specs(new_state),
+      mesh,
+      config,
+      out.loss,
+      out.grad_norm,
+      checked,
+      out.aux if has_aux else None,
+    )
+
+  return checks.jit_step(step, mesh, config, compiler_options)
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+def micro_batches(batch: PyTree, k: int) -> PyTree:
+  """`batch` with each leaf's leading dim split into `(k, rows / k)`."""
+  return jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulated:
+  """What `accumulate` returns."""
+
+  loss: jax.Array
+  """The micro-batches' losses summed (each divided by k by its strategy)."""
+  grads: PyTree
+  """Their grads summed, in the dtypes of `accumulate`'s `zeros`."""
+  auxs: PyTree
+  """Their aux, stacked on a leading micro-batch dim (None without `has_aux`)."""
+  model_state: PyTree
+  """The model state the last one left, synced over the data axes."""
+
+
+def accumulate(
+  micro_grad: Callable, zeros: PyTree, micro: PyTree, model_state, axes
+) -> Accumulated:
+  """Runs `micro_grad` on every micro-batch of `micro` (leading dim: micro-batches, numbered
+  from 0) in one `lax.scan`, adding up losses and grads to `zeros`.
+
+  `micro_grad(micro_batch, number, model_state) -> ((loss, (aux, model_state)), grads)`, as
+  `jax.value_and_grad(..., has_aux=True)` of `loop.call_loss` returns it: what one
+  micro-batch's grads are (local, reduced, one device's shard) is the caller's. Each
+  micro-batch sees the model state the one before it left, synced over `axes`
+  (`collectives.sync_model_state`).
+  """
+
+  def body(carry, xs):
+    loss_sum, grad_sum, state_before = carry
+    (loss, (aux, state_after)), grads = micro_grad(*xs, state_before)
+    grad_sum = jax.tree.map(lambda total, g: total + g.astype(total.dtype), grad_sum, grads)
+    return (loss_sum + loss, grad_sum, collectives.sync_model_state(state_after, axes)), aux
+
+  steps = jax.tree.leaves(micro)[0].shape[0]
+  # a scan carry: varying over the data axes, as the losses added to it are
+  loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), axes)
+  (loss, grads, model_state), auxs = jax.lax.scan(
+    body, (loss_zero, zeros, model_state), (micro, jnp.arange(steps))
+  )
+  return Accumulated(loss, grads, auxs, model_state)
+
+
+def global_loss_and_norm(loss, squares, axes, dp: int, copies: int = 1):
+  """`(loss, grad_norm)` from every device's share in one scalar all-reduce: the mean of
+  the `dp` devices' losses, and the root of the summed `squares` (each device's part of the
+  grads' norm²) divided by how many `copies` of each grad element the devices hold."""
+  loss, squares = collectives.sum_over(jnp.stack([loss, squares]), axes)
+  return loss / dp, jnp.sqrt(squares / copies)
