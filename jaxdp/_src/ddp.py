@@ -720,6 +720,9 @@ class BucketedStep:
   def check_state(self, state: TrainState) -> None:
     checks.check_state(state, self.mesh, self.config)
 
+  def state_specs(self, state: TrainState) -> TrainState:
+    return state_specs(state)
+
   def _manual(self, dims):
     """`shard_map` specs (the data axes only) of leaves placed `dims` (None: no leaf)."""
     return [None if d is None else manual_spec(d, self.plan.axes) for d in dims]

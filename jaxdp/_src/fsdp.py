@@ -90,6 +90,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import checks, collectives, fsdp_program, loop
+from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import pad_dim
 from jaxdp._src.compiler import GPU_PLATFORMS, compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
@@ -583,64 +584,102 @@ def unit_collectives(
   ]
 
 
-def make_grad_fn(
-  loss_fn: LossFn,
-  mesh,
-  config: DDPConfig,
-  *,
-  grad_accum_steps: int = 1,
-  fsdp: FSDPConfig | None = None,
-  has_aux: bool = False,
-):
-  """`grad_fn(state, batch) -> (grads, loss, grad_norm, aux, model_state)`: what an FSDP step
-  hands the optimizer.
+@dataclasses.dataclass(frozen=True)
+class _UnitLoss:
+  """One device's loss of one micro-batch, divided by k: `loss_fn` through
+  `loop.call_loss`, with every unit gathered where the traced program uses it
+  (`call_with_units`), or (`whole`) on params gathered once for the step."""
 
-  `grads` is a tree like `state.master`: each trainable param's reduced (mean over the
-  global batch) gradient, padded like the master and sharded over "data" like it, so every
-  device holds 1/dp of it; `loss` is the global mean and `grad_norm` the global norm of
-  `grads`, both from one scalar all-reduce; `aux` (None without `has_aux`) and the new
-  `model_state` (None when the state holds none) are as `jaxdp.make_train_step` describes.
-  Traceable; `make_train_step` calls it inside its jitted step.
-  """
-  fsdp = fsdp or FSDPConfig()
-  axes, dp, k = data_axes(mesh), dp_size(mesh), grad_accum_steps
+  step: FSDPStep
+  layout: Layout
+  stored: list
+  """The state's `params` leaves (frozen params' rows; None for trainable ones)."""
+  units: list
+  key: Any
+  """This device's key data for the step (None without one)."""
 
-  def local_grads(
-    master, params, batch, key, model_state, layout: Layout, fused: bool, model_specs
-  ):
+  def _call(self, tree, micro_batch, key, model_state):
+    return loop.call_loss(self.step.loss_fn, self.step.has_aux, tree, micro_batch, key, model_state)
+
+  def __call__(self, tmaster, micro_batch, number, model_state):
+    loss, extra = call_with_units(
+      self._call,
+      self.layout,
+      self.stored,
+      tmaster,
+      self.units,
+      self.step.fsdp,
+      data_axes(self.step.mesh),
+      micro_batch,
+      loop.micro_key(self.key, number),
+      model_state,
+    )
+    return loss / self.step.grad_accum_steps, extra
+
+  def whole(self, full, trained, micro_batch, number, model_state):
+    """The loss on `full` (every leaf gathered whole), with `trained` (the trainable ones,
+    differentiated) in place."""
+    leaves = [trained.get(i, full[i]) for i in range(len(self.layout.trainable))]
+    tree = tree_of(self.layout, leaves)
+    loss, extra = self._call(tree, micro_batch, loop.micro_key(self.key, number), model_state)
+    return loss / self.step.grad_accum_steps, extra
+
+
+@dataclasses.dataclass(frozen=True)
+class FSDPStep:
+  """`optim_grads_params` as a `step.StepStrategy` (see the module docstring)."""
+
+  loss_fn: LossFn
+  mesh: Any
+  config: DDPConfig
+  fsdp: FSDPConfig
+  grad_accum_steps: int = 1
+  has_aux: bool = False
+
+  def check_state(self, state: TrainState) -> None:
+    _check_state(state, self.mesh, self.config, self.fsdp)
+
+  def state_specs(self, state: TrainState) -> TrainState:
+    return state_specs(state)
+
+  def in_specs(self, state: TrainState) -> step_lib.StepInputs:
+    specs = state_specs(state)
+    params, master = manual_specs(state)
+    return step_lib.StepInputs(
+      params=params,
+      master=master,
+      batch=P(data_axes(self.mesh)),
+      key=specs.rng,
+      model_state=specs.model_state,
+    )
+
+  def out_specs(self, state: TrainState):
+    specs = state_specs(state)
+    out = step_lib.LocalGrads(manual_specs(state)[1], P(), P(), P(), specs.model_state)
+    if not runs_auto(self.mesh, state.model_specs):
+      return out, None
+    return out, dataclasses.replace(out, grads=specs.master)
+
+  def local_grads(self, state: TrainState, inputs: step_lib.StepInputs) -> step_lib.LocalGrads:
     """Per device: this device's rows of every trainable param's grad (a fused state: its
     flat shard of every unit bucket), the loss, the aux and the new model state."""
-    key = loop.device_key(key, collectives.data_index(axes))
-    stored, trainable = leaves_of(params, layout), layout.trainable
+    layout, fused, fsdp = state.layout, state.fused, self.fsdp
+    axes, dp, k = data_axes(self.mesh), dp_size(self.mesh), self.grad_accum_steps
+    key = loop.device_key(inputs.key, collectives.data_index(axes))
+    stored = leaves_of(inputs.params, layout)
     # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
     units = unit_collectives(
       layout,
-      mesh,
-      config,
+      self.mesh,
+      self.config,
       fsdp,
       fused,
       chunks=k == 1 or fsdp.reshard_after_backward,
-      model_specs=model_specs,
+      model_specs=state.model_specs,
     )
-
-    def loss_of(tmaster, mb, j, ms):
-      loss, extra = call_with_units(
-        lambda tree, mb, key, ms: loop.call_loss(loss_fn, has_aux, tree, mb, key, ms),
-        layout,
-        stored,
-        tmaster,
-        units,
-        fsdp,
-        axes,
-        mb,
-        loop.micro_key(key, j),
-        ms,
-      )
-      return loss / k, extra
-
-    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-    sync = lambda ms: collectives.sync_model_state(ms, axes)
-    tmaster = unit_values(master, layout, fused, params)
+    unit_loss = _UnitLoss(self, layout, stored, units, key)
+    unit_grad = jax.value_and_grad(unit_loss, has_aux=True)
+    tmaster = unit_values(inputs.master, layout, fused, inputs.params)
     if layout.outer > 1:
       # HFSDP: the compute rows, differentiated in the master dtype (the reduce-scatter's
       # shard is fp32) and varying over "replica", so that no implicit psum over it runs
@@ -648,56 +687,37 @@ def make_grad_fn(
         {i: x.astype(master_dtype(x.dtype)) for i, x in tmaster.items()}, (REPLICA,)
       )
     if k == 1:
-      (loss, (aux, model_state)), grads = grad_fn(tmaster, batch, 0, model_state)
-      model_state, aux = sync(model_state), loop.mean_micro(None, aux, 1)
+      (loss, (aux, model_state)), grads = unit_grad(tmaster, inputs.batch, 0, inputs.model_state)
+      model_state = collectives.sync_model_state(model_state, axes)
+      aux = loop.mean_micro(None, aux, 1)
     elif not fsdp.reshard_after_backward:  # one gather and one reduce-scatter per step
-      micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+      micro = step_lib.micro_batches(inputs.batch, k)
       values = dict(enumerate(stored))
       values.update(tmaster)
       full = {**values, **fsdp_program.gather_units(units, values)}
-
-      whole_keys = [i for i, t in enumerate(trainable) if t]
-
-      def micro_loss(ftrain, mb, j, ms):
-        leaves = [ftrain.get(i, full[i]) for i in range(len(trainable))]
-        loss, extra = loop.call_loss(
-          loss_fn, has_aux, tree_of(layout, leaves), mb, loop.micro_key(key, j), ms
-        )
-        return loss / k, extra
-
-      def body(carry, xs):
-        loss_sum, grad_sum, ms = carry
-        (loss, (aux, ms)), g = jax.value_and_grad(micro_loss, has_aux=True)(
-          {i: full[i] for i in whole_keys}, *xs, ms
-        )
-        grad_sum = jax.tree.map(lambda a, x: a + x.astype(jnp.float32), grad_sum, g)
-        return (loss_sum + loss, grad_sum, sync(ms)), aux
-
-      zero = (
-        collectives.make_varying(jnp.zeros((), jnp.float32), axes),
-        collectives.make_varying(
-          {i: jnp.zeros(full[i].shape, jnp.float32) for i in whole_keys}, axes
-        ),
-        model_state,
+      trained = {i: full[i] for i, t in enumerate(layout.trainable) if t}
+      whole_grad = jax.value_and_grad(functools.partial(unit_loss.whole, full), has_aux=True)
+      zeros = {i: jnp.zeros(x.shape, jnp.float32) for i, x in trained.items()}
+      each = step_lib.accumulate(
+        lambda mb, j, ms: whole_grad(trained, mb, j, ms),
+        collectives.make_varying(zeros, axes),
+        micro,
+        inputs.model_state,
+        axes,
       )
-      (loss, whole, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
-      aux = loop.mean_micro(auxs, None, k)
-      grads = fsdp_program.scatter_units(units, whole)
+      loss, model_state = each.loss, each.model_state
+      aux = loop.mean_micro(each.auxs, None, k)
+      grads = fsdp_program.scatter_units(units, each.grads)
     else:  # every micro-batch gathers and reduce-scatters; the shards add up
-      micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
-
-      def body(carry, xs):
-        loss_sum, grad_sum, ms = carry
-        (loss, (aux, ms)), grads = grad_fn(tmaster, *xs, ms)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads), sync(ms)), aux
-
-      zero = (
-        collectives.make_varying(jnp.zeros((), jnp.float32), axes),
+      each = step_lib.accumulate(
+        lambda mb, j, ms: unit_grad(tmaster, mb, j, ms),
         jax.tree.map(jnp.zeros_like, tmaster),
-        model_state,
+        step_lib.micro_batches(inputs.batch, k),
+        inputs.model_state,
+        axes,
       )
-      (loss, grads, model_state), auxs = jax.lax.scan(body, zero, (micro, jnp.arange(k)))
-      aux = loop.mean_micro(auxs, None, k)
+      loss, grads, model_state = each.loss, each.grads, each.model_state
+      aux = loop.mean_micro(each.auxs, None, k)
     aux = collectives.average_aux(aux, axes)
     if layout.outer > 1:  # HFSDP: one reduce-scatter per unit bucket across "replica"
       grads = scatter_outer(grads, layout)
@@ -706,46 +726,55 @@ def make_grad_fn(
     # distinct ones), so the norm² of the local shards summed over all devices counts each
     # element `replicas` times; an expert param's shards differ across "expert" too (`ep`
     # times fewer replicas).
-    replicas = 1 if layout.outer > 1 else dp // mesh.shape[DATA]
-    ep = mesh.shape.get(EXPERT, 1)
+    replicas = 1 if layout.outer > 1 else dp // self.mesh.shape[DATA]
+    ep = self.mesh.shape.get(EXPERT, 1)
     experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
-    sq = sum(
+    squares = sum(
       jnp.sum(jnp.square(g.astype(jnp.float32))) * (ep if i in experts else 1)
       for i, g in grads.items()
     )
     if replicas > 1:
-      sq = collectives.make_varying(sq, [a for a in axes if a != DATA])
-    loss, sq = collectives.sum_over(jnp.stack([loss, sq]), axes)
+      squares = collectives.make_varying(squares, [a for a in axes if a != DATA])
+    loss, grad_norm = step_lib.global_loss_and_norm(loss, squares, axes, dp, replicas)
     if fused:
-      out = {name: grads[key] for name, key in flat_keys(layout).items()}
+      grads = {name: grads[key] for name, key in flat_keys(layout).items()}
     else:
-      out = tree_of(layout, [grads.get(i) for i in range(len(trainable))])
-    return (
-      out,
-      loss / dp,
-      jnp.sqrt(sq / replicas),
-      aux,
-      model_state,
-    )
+      grads = tree_of(layout, [grads.get(i) for i in range(len(layout.trainable))])
+    return step_lib.LocalGrads(grads, loss, grad_norm, aux, model_state)
 
-  def grad_fn(state: TrainState, batch):
-    specs = state_specs(state)
-    params, master = manual_specs(state)
-    batch_spec = P(axes)
-    batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
-    out_specs = (master, P(), P(), P(), specs.model_state)
-    placed = (specs.master, *out_specs[1:]) if runs_auto(mesh, state.model_specs) else None
-    return run_manual(
-      functools.partial(
-        local_grads, layout=state.layout, fused=state.fused, model_specs=state.model_specs
-      ),
-      mesh,
-      (master, params, batch_spec, specs.rng, specs.model_state),
-      out_specs,
-      placed,
-    )(state.master, state.params, batch, loop.step_key(state.rng, state.step), state.model_state)
+  def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
+    layout = state.layout
+    # fused: one update on the flat unit buckets (see the module docstring)
+    opt_params = state.master if state.fused else opt_params_of(layout, state.params, state.master)
+    updates, opt_state = loop.tx_update(tx, out.grads, state.opt_state, opt_params, self.mesh)
+    master = optax.apply_updates(opt_params, updates)
+    new_state = dataclasses.replace(state, master=master, opt_state=opt_state)
+    if layout.outer > 1:  # HFSDP: the updated params back into the compute rows
+      new_state = dataclasses.replace(new_state, params=gather_outer(new_state, self.mesh))
+    nan_check = state.fused and self.config.check_for_nan_in_grad
+    return new_state, grad_blocks(out.grads, layout) if nan_check else out.grads
 
-  return grad_fn
+
+def make_grad_fn(
+  loss_fn: LossFn,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int = 1,
+  fsdp: FSDPConfig | None = None,
+  has_aux: bool = False,
+) -> Callable[[TrainState, PyTree], step_lib.LocalGrads]:
+  """`grad_fn(state, batch) -> step.LocalGrads`: what an FSDP step hands the optimizer.
+
+  Its `grads` is a tree like `state.master`: each trainable param's reduced (mean over the
+  global batch) gradient, padded like the master and sharded over "data" like it, so every
+  device holds 1/dp of it; `loss` is the global mean and `grad_norm` the global norm of
+  `grads`, both from one scalar all-reduce; `aux` (None without `has_aux`) and the new
+  `model_state` (None when the state holds none) are as `jaxdp.make_train_step` describes.
+  Traceable; `make_train_step` runs the same inside its jitted step.
+  """
+  strategy = FSDPStep(loss_fn, mesh, config, fsdp or FSDPConfig(), grad_accum_steps, has_aux)
+  return functools.partial(step_lib.run_local_grads, strategy, mesh)
 
 
 def scatter_outer(grads: dict, layout: Layout) -> dict:
@@ -801,35 +830,15 @@ def make_train_step(
   """`jaxdp.make_train_step` for `optim_grads_params`, after its argument checks (see the
   module docstring)."""
   fsdp = fsdp or FSDPConfig()
-  k = grad_accum_steps
-  grad_fn = make_grad_fn(loss_fn, mesh, config, grad_accum_steps=k, fsdp=fsdp, has_aux=has_aux)
-
-  def step(state: TrainState, batch):
-    layout = state.layout
-    _check_state(state, mesh, config, fsdp)
-    checks.check_batch(batch, dp_size(mesh) * k)
-    grads, loss, grad_norm, aux, model_state = grad_fn(state, batch)
-    # fused: one update on the flat unit buckets (see the module docstring)
-    opt_params = state.master if state.fused else opt_params_of(layout, state.params, state.master)
-    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
-    master = optax.apply_updates(opt_params, updates)
-    new_state = dataclasses.replace(
-      state, step=state.step + 1, master=master, opt_state=opt_state, model_state=model_state
-    )
-    if layout.outer > 1:  # HFSDP: the updated params back into the compute rows
-      new_state = dataclasses.replace(new_state, params=gather_outer(new_state, mesh))
-    return checks.finish_step(
-      new_state,
-      state_specs(new_state),
-      mesh,
-      config,
-      loss,
-      grad_norm,
-      grad_blocks(grads, layout) if state.fused and config.check_for_nan_in_grad else grads,
-      aux if has_aux else None,
-    )
-
-  return checks.jit_step(step, mesh, config, compiler_options(mesh.devices.flat[0].platform, fsdp))
+  return step_lib.make_train_step(
+    FSDPStep(loss_fn, mesh, config, fsdp, grad_accum_steps, has_aux),
+    tx,
+    mesh,
+    config,
+    grad_accum_steps=grad_accum_steps,
+    has_aux=has_aux,
+    compiler_options=compiler_options(mesh.devices.flat[0].platform, fsdp),
+  )
 
 
 def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str, Any]:

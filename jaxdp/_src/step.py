@@ -13,7 +13,8 @@ sync, optimizer step):
    and its spec are paired by name, never by position;
 3. in the global view, the strategy's `update`: the optax update and whatever the
    strategy does after it (gather the params back, HFSDP's gather across "replica");
-4. `checks.finish_step`: the new state placed as `init_state` placed it, the metrics.
+4. `checks.finish_step`: the new state placed as `init_state` placed it
+   (`StepStrategy.state_specs`), the metrics.
 
 What differs between strategies is a `StepStrategy`: `ddp.BucketedStep` (`no_shard`,
 `optim`, `optim_grads`) and `fsdp.FSDPStep` (`optim_grads_params`).
@@ -35,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, loop
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.mesh import constrain, data_axes, dp_size, run_manual
-from jaxdp._src.state import TrainState, state_specs
+from jaxdp._src.state import TrainState
 
 PyTree = Any
 
@@ -77,6 +78,9 @@ class StepStrategy(Protocol):
   def check_state(self, state: TrainState) -> None:
     """Raises unless `state` was built for this step."""
 
+  def state_specs(self, state: TrainState) -> TrainState:
+    """Where `init_state` places each field of `state` (the step's output goes there too)."""
+
   def in_specs(self, state: TrainState) -> StepInputs: ...
 
   def out_specs(self, state: TrainState) -> tuple[LocalGrads, LocalGrads | None]:
@@ -87,8 +91,8 @@ class StepStrategy(Protocol):
     """Per device, inside the step's `shard_map`."""
 
   def update(self, tx, state: TrainState, out: LocalGrads) -> tuple[TrainState, PyTree]:
-    """The state after the optimizer update (step not yet counted), and the grads the NaN
-    check reads (`DDPConfig.check_for_nan_in_grad`)."""
+    """`state` (its step counted, its model state `out`'s) after the optimizer update, and
+    the grads the NaN check reads (`DDPConfig.check_for_nan_in_grad`)."""
 
 
 def make_train_step(
@@ -102,29 +106,16 @@ def make_train_step(
   compiler_options: dict[str, Any],
 ) -> checks.TrainStep:
   """The jitted step of `strategy` (see the module docstring)."""
-  batch_spec = P(data_axes(mesh))
 
   def step(state: TrainState, batch):
     strategy.check_state(state)
     checks.check_batch(batch, dp_size(mesh) * grad_accum_steps)
-    batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
-    out_specs, placed = strategy.out_specs(state)
-    out = run_manual(
-      lambda inputs: strategy.local_grads(state, inputs),
-      mesh,
-      (strategy.in_specs(state),),
-      out_specs,
-      placed,
-    )(
-      StepInputs(
-        state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state
-      )
-    )
-    new_state, checked = strategy.update(tx, state, out)
-    new_state = dataclasses.replace(new_state, step=state.step + 1, model_state=out.model_state)
+    out = run_local_grads(strategy, mesh, state, batch)
+    counted = dataclasses.replace(state, step=state.step + 1, model_state=out.model_state)
+    new_state, checked = strategy.update(tx, counted, out)
     return checks.finish_step(
       new_state,
-      state_specs(new_state),
+      strategy.state_specs(new_state),
       mesh,
       config,
       out.loss,
@@ -134,6 +125,24 @@ def make_train_step(
     )
 
   return checks.jit_step(step, mesh, config, compiler_options)
+
+
+def run_local_grads(strategy: StepStrategy, mesh, state: TrainState, batch) -> LocalGrads:
+  """`strategy.local_grads` on every device (`shard_map` over the data axes), the batch
+  split over them: the step's `LocalGrads` in the global view."""
+  batch_spec = P(data_axes(mesh))
+  batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
+  out_specs, placed = strategy.out_specs(state)
+  inputs = StepInputs(
+    state.params, state.master, batch, loop.step_key(state.rng, state.step), state.model_state
+  )
+  return run_manual(
+    lambda inputs: strategy.local_grads(state, inputs),
+    mesh,
+    (strategy.in_specs(state),),
+    out_specs,
+    placed,
+  )(inputs)
 
 
 # ----------------------------------------------------------------------------- micro-batches

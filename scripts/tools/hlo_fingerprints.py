@@ -186,7 +186,8 @@ def canonical(text: str) -> str:
   body = re.search(r"^(%|ENTRY).*", text, re.S | re.M).group(0)
   body = re.sub(r", metadata=\{[^}]*\}", "", body)
   names: dict[str, str] = {}
-  return re.sub(r"%[\w.-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), body)
+  body = re.sub(r"%[\w.-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), body)
+  return re.sub(r"\b(param_\d+)\.\d+", r"\1", body)  # a fusion's parameter names
 
 
 def main():
