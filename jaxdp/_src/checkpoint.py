@@ -80,6 +80,32 @@ in its logical shape), and refuses checkpoints written by a newer format."""
 _STATE, _META = "state", "meta"
 
 
+# ----------------------------------------------------------------------------- stored keys
+
+_KEY_KINDS = ("params", "master", "opt", "model_state", "rng", "flat_master", "flat_opt")
+
+
+def _key(kind: str, index: int | None = None, item: int | None = None) -> str:
+  """The name of one stored array: every name a checkpoint stores is built here.
+
+  Args:
+    kind: "params" or "master" (leaf `index` of the layout: a trainable low-precision
+      param is stored as its "master", `_stores_master`), "opt" (leaf `index` of the
+      per-leaf optax state, `jax.tree.leaves` order), "model_state" (leaf `index`), "rng"
+      (no index), "flat_master" (bucket `index` of a fused state's master), "flat_opt"
+      (bucket `index` of the `item`-th flat tree of a fused optax state).
+    index: the leaf's or bucket's number.
+    item: "flat_opt" only: the optax state item (`_flat_items`) the bucket belongs to.
+  """
+  if kind not in _KEY_KINDS:
+    raise ValueError(f"stored key kind {kind!r}: expected one of {_KEY_KINDS}")
+  if kind == "rng":
+    return "rng"
+  if kind == "flat_opt":
+    return f"flat_opt{item}_{index}"
+  return f"{kind}_{index}"
+
+
 # ----------------------------------------------------------------------------- shapes
 
 
@@ -252,20 +278,29 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
   layout = state.layout
   params, masters = leaves_of(state.params, layout), leaves_of(state.master, layout)
   out = {}
-  for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
-    if not t:
-      out[f"params_{i}"] = params[i]
+  for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
+    if not trainable:
+      out[_key("params", index)] = params[index]
     elif _stores_master(dtype):
-      out[f"master_{i}"] = masters[i]
+      out[_key("master", index)] = masters[index]
     else:  # an fp32 param is its own master: stored once
-      out[f"params_{i}"] = masters[i] if masters[i] is not None else params[i]
-  for j, x in enumerate(jax.tree.leaves(state.opt_state)):
-    out[f"opt_{j}"] = x
-  for j, x in enumerate(jax.tree.leaves(state.model_state)):
-    out[f"model_state_{j}"] = x
-  if state.rng is not None:
-    out["rng"] = state.rng
+      master = masters[index]
+      out[_key("params", index)] = master if master is not None else params[index]
+  for index, leaf in enumerate(jax.tree.leaves(state.opt_state)):
+    out[_key("opt", index)] = leaf
+  out.update(_stored_extras(state))
   return out, {}
+
+
+def _stored_extras(state: TrainState) -> dict[str, jax.Array]:
+  """The stored arrays besides params and optimizer state: the model state's leaves and
+  the key, both replicated."""
+  out = {}
+  for index, leaf in enumerate(jax.tree.leaves(state.model_state)):
+    out[_key("model_state", index)] = leaf
+  if state.rng is not None:
+    out[_key("rng")] = state.rng
+  return out
 
 
 def _is_flat(x, layout) -> bool:
@@ -281,39 +316,42 @@ def _flat_items(state: TrainState) -> tuple[list[Any], Any]:
 def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any]]:
   layout = state.layout
   names = [name for name, _, _ in bucket_names(layout)]
-  blocks = {p.index: (n, p) for n, (_, _, b) in enumerate(bucket_names(layout)) for p in b.params}
+  # param index -> (its bucket's number, its block in that bucket)
+  blocks = {
+    block.index: (number, block)
+    for number, (_, _, bucket) in enumerate(bucket_names(layout))
+    for block in bucket.params
+  }
   out, sources = {}, {}
 
-  def source(prefix, i):
-    n, p = blocks[i]
-    return [f"{prefix}_{n}", p.offset, list(p.local_shape(layout.dp)), p.axis]
+  def source(kind, index, item=None):
+    number, block = blocks[index]
+    bucket_key = _key(kind, number, item)
+    return [bucket_key, block.offset, list(block.local_shape(layout.dp)), block.axis]
 
-  for n, name in enumerate(names):
-    out[f"flat_master_{n}"] = state.master[name]
+  for number, name in enumerate(names):
+    out[_key("flat_master", number)] = state.master[name]
   params = leaves_of(state.params, layout)
-  for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
-    if not t:
-      out[f"params_{i}"] = params[i]
+  for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
+    if not trainable:
+      out[_key("params", index)] = params[index]
     else:
-      key = f"master_{i}" if _stores_master(dtype) else f"params_{i}"
-      sources[key] = source("flat_master", i)
+      key = _key("master" if _stores_master(dtype) else "params", index)
+      sources[key] = source("flat_master", index)
   items, _ = _flat_items(state)
-  trainable = [i for i, t in enumerate(layout.trainable) if t]
-  j = 0
-  for k, item in enumerate(items):
+  trainable = [index for index, is_trainable in enumerate(layout.trainable) if is_trainable]
+  opt_index = 0  # the leaf's number in the per-leaf optax state
+  for item_index, item in enumerate(items):
     if _is_flat(item, layout):
-      for n, name in enumerate(names):
-        out[f"flat_opt{k}_{n}"] = item[name]
-      for i in trainable:
-        sources[f"opt_{j}"] = source(f"flat_opt{k}", i)
-        j += 1
+      for number, name in enumerate(names):
+        out[_key("flat_opt", number, item_index)] = item[name]
+      for index in trainable:
+        sources[_key("opt", opt_index)] = source("flat_opt", index, item_index)
+        opt_index += 1
     else:
-      out[f"opt_{j}"] = item
-      j += 1
-  for j, x in enumerate(jax.tree.leaves(state.model_state)):
-    out[f"model_state_{j}"] = x
-  if state.rng is not None:
-    out["rng"] = state.rng
+      out[_key("opt", opt_index)] = item
+      opt_index += 1
+  out.update(_stored_extras(state))
   return out, {"dp": layout.dp, "layout": layout.summary(), "sources": sources}
 
 
@@ -473,15 +511,16 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
   masters_saved = set(meta["master"])
   logical, dtypes = {}, {}
   for i, (path, shape, dtype, _) in enumerate(meta["params"]):
-    logical[f"params_{i}"], dtypes[f"params_{i}"] = tuple(shape), dtype
+    logical[_key("params", i)], dtypes[_key("params", i)] = tuple(shape), dtype
     if i in masters_saved:
-      logical[f"master_{i}"], dtypes[f"master_{i}"] = tuple(shape), master_dtype(dtype).name
+      logical[_key("master", i)] = tuple(shape)
+      dtypes[_key("master", i)] = master_dtype(dtype).name
   for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
-    logical[f"opt_{j}"], dtypes[f"opt_{j}"] = tuple(shape), dtype
+    logical[_key("opt", j)], dtypes[_key("opt", j)] = tuple(shape), dtype
   for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
-    logical[f"model_state_{j}"], dtypes[f"model_state_{j}"] = tuple(shape), dtype
+    logical[_key("model_state", j)], dtypes[_key("model_state", j)] = tuple(shape), dtype
   if meta.get("rng"):
-    logical["rng"], dtypes["rng"] = (2,), "uint32"
+    logical[_key("rng")], dtypes[_key("rng")] = (2,), "uint32"
   stored = {k: tuple(v) for k, v in meta.get("stored", logical).items()}
   flat = meta.get("flat") or {"sources": {}}
   sources = {}
@@ -489,7 +528,7 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
     local = tuple(local)
     sources[key] = (flat_key, stored[flat_key][0], offset, local, axis, flat["dp"])
     stored[key] = (*local[:axis], local[axis] * flat["dp"], *local[axis + 1 :])
-  value = lambda i: f"master_{i}" if i in masters_saved else f"params_{i}"
+  value = lambda i: _key("master" if i in masters_saved else "params", i)
 
   def target(field, i, key, x, spec):
     return _Target(
@@ -509,7 +548,7 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
   if same_flat:  # each flat bucket as it is
     names = [name for name, _, _ in bucket_names(layout)]
     for n, name in enumerate(names):
-      out.append(target("flat", (None, name), f"flat_master_{n}", like.master[name], FLAT_SPEC))
+      out.append(target("flat", (None, name), _key("flat_master", n), like.master[name], FLAT_SPEC))
   else:
     for i, (x, spec) in enumerate(
       zip(leaves_of(per_leaf.master, layout), leaves_of(specs.master, layout))
@@ -520,7 +559,8 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
     zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
   ):
     if x is not None:
-      out.append(target("params", i, value(i) if layout.trainable[i] else f"params_{i}", x, spec))
+      key = value(i) if layout.trainable[i] else _key("params", i)
+      out.append(target("params", i, key, x, spec))
   if same_flat:
     items, _ = _flat_items(like)
     spec_items = jax.tree.flatten(specs.opt_state, is_leaf=lambda x: _is_flat(x, layout))[0]
@@ -528,19 +568,19 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
     for k, (item, spec) in enumerate(zip(items, spec_items)):
       if _is_flat(item, layout):
         for n, name in enumerate(names):
-          out.append(target("flat", (k, name), f"flat_opt{k}_{n}", item[name], FLAT_SPEC))
+          out.append(target("flat", (k, name), _key("flat_opt", n, k), item[name], FLAT_SPEC))
         j += trainable
       else:
-        out.append(target("opt", k, f"opt_{j}", item, spec))
+        out.append(target("opt", k, _key("opt", j), item, spec))
         j += 1
   else:
     opt_specs = jax.tree.leaves(specs.opt_state)
     for j, x in enumerate(jax.tree.leaves(per_leaf.opt_state)):
-      out.append(target("opt", j, f"opt_{j}", x, opt_specs[j]))
+      out.append(target("opt", j, _key("opt", j), x, opt_specs[j]))
   for j, x in enumerate(jax.tree.leaves(per_leaf.model_state)):
-    out.append(target("model_state", j, f"model_state_{j}", x, P()))
+    out.append(target("model_state", j, _key("model_state", j), x, P()))
   if per_leaf.rng is not None:
-    out.append(target("rng", 0, "rng", per_leaf.rng, P()))
+    out.append(target("rng", 0, _key("rng"), per_leaf.rng, P()))
   return out
 
 
