@@ -168,47 +168,254 @@ def _opt_forms(state: TrainState) -> list[_OptForm]:
   return out
 
 
+# ----------------------------------------------------------------------------- metadata
+#
+# [Note: metadata records] A checkpoint's JSON metadata is written and read only through the
+# records below, each field by its name. A record's `to_json` writes it and its `from_json`
+# reads it back, the two side by side: a row (one leaf) as a JSON list in its fields' order,
+# any other record as a JSON object keyed by its fields' names. To add a field, declare it
+# in its record (after the others: a row is stored by position), with the default that a
+# checkpoint written without it (an older one) reads as, and write and read it in that
+# record's `to_json` and `from_json`. Nothing else reads the JSON.
+
+
+class _LeafRow(NamedTuple):
+  """One optax state or model state leaf, as the metadata stores it (a JSON list)."""
+
+  path: str
+  """`jax.tree_util.keystr` of its path in its tree."""
+  shape: tuple[int, ...]
+  """Its logical shape: a per-param optax leaf's is its param's, without padding."""
+  dtype: str
+  """`np.dtype(...).name`."""
+
+  def to_json(self) -> list[Any]:
+    return [self.path, list(self.shape), self.dtype]
+
+  @classmethod
+  def from_json(cls, row: list[Any]) -> _LeafRow:
+    path, shape, dtype = row
+    return cls(path=path, shape=tuple(shape), dtype=dtype)
+
+
+class _ParamRow(NamedTuple):
+  """One param of the layout, as the metadata stores it (a JSON list)."""
+
+  path: str
+  """`jax.tree_util.keystr` of its path in the params (`Layout.paths`)."""
+  shape: tuple[int, ...]
+  """Its logical shape, without padding."""
+  dtype: str
+  """The param's own dtype (`np.dtype(...).name`), not its master's."""
+  trainable: bool
+
+  def to_json(self) -> list[Any]:
+    return [self.path, list(self.shape), self.dtype, self.trainable]
+
+  @classmethod
+  def from_json(cls, row: list[Any]) -> _ParamRow:
+    path, shape, dtype, trainable = row
+    return cls(path=path, shape=tuple(shape), dtype=dtype, trainable=trainable)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Description:
+  """What a state's canonical form holds (`_describe`): the part of the metadata that
+  `restore` checks `like` against, and reads each stored leaf's logical form from."""
+
+  params: tuple[_ParamRow, ...]
+  master: tuple[int, ...]
+  """The params stored with a separate master copy (`_stored_masters`)."""
+  opt_state: tuple[_LeafRow, ...]
+  """Every optax state leaf of the per-leaf form, in `jax.tree.leaves` order."""
+  opt_state_structure: str
+  """`str` of the optax state's treedef."""
+  model_state: tuple[_LeafRow, ...] = ()
+  rng: bool = False
+  """Does the state hold a key."""
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "params": [row.to_json() for row in self.params],
+      "master": list(self.master),
+      "opt_state": [row.to_json() for row in self.opt_state],
+      "opt_state_structure": self.opt_state_structure,
+      "model_state": [row.to_json() for row in self.model_state],
+      "rng": self.rng,
+    }
+
+  @classmethod
+  def from_json(cls, entries: dict[str, Any]) -> _Description:
+    return cls(
+      params=tuple(_ParamRow.from_json(row) for row in entries["params"]),
+      master=tuple(entries["master"]),
+      opt_state=tuple(_LeafRow.from_json(row) for row in entries["opt_state"]),
+      opt_state_structure=entries["opt_state_structure"],
+      # the first format-1 checkpoints were written before states held these two
+      model_state=tuple(_LeafRow.from_json(row) for row in entries.get("model_state", [])),
+      rng=entries.get("rng", False),
+    )
+
+
+class _FlatSource(NamedTuple):
+  """Where a per-leaf key of a sharded fused state lies in its stored flat bucket (a JSON
+  list): on every device's shard of the bucket, its block of that device's rows."""
+
+  bucket_key: str
+  """The stored flat bucket (`_key("flat_master", ...)` or `_key("flat_opt", ...)`)."""
+  offset: int
+  """Where its block starts in each device's shard of the bucket."""
+  local_shape: tuple[int, ...]
+  """The block's shape: the leaf's padded shape with its shard dim cut by dp."""
+  axis: int
+  """The leaf's shard dim."""
+
+  def to_json(self) -> list[Any]:
+    return [self.bucket_key, self.offset, list(self.local_shape), self.axis]
+
+  @classmethod
+  def from_json(cls, row: list[Any]) -> _FlatSource:
+    bucket_key, offset, local_shape, axis = row
+    return cls(bucket_key=bucket_key, offset=offset, local_shape=tuple(local_shape), axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatLayout:
+  """How a sharded fused state was stored as its flat buckets (`_stored_flat`)."""
+
+  dp: int
+  layout: str
+  """`Layout.summary()`: a restore with the very same layout reads each bucket as it is."""
+  sources: dict[str, _FlatSource]
+  """Each per-leaf key held in a flat bucket, and where."""
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "dp": self.dp,
+      "layout": self.layout,
+      "sources": {key: source.to_json() for key, source in self.sources.items()},
+    }
+
+  @classmethod
+  def from_json(cls, entries: dict[str, Any]) -> _FlatLayout:
+    return cls(
+      dp=entries["dp"],
+      layout=entries["layout"],
+      sources={key: _FlatSource.from_json(row) for key, row in entries["sources"].items()},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Metadata:
+  """A checkpoint's metadata: the JSON object `CheckpointManager.metadata` returns, with
+  the description's entries (`_Description`) at its top level."""
+
+  format: int
+  """`FORMAT` of the jaxdp that wrote it."""
+  jaxdp_version: str
+  state_step: int
+  """The state's step counter."""
+  data_position: Any
+  """The caller's `data_position` (any JSON value)."""
+  strategy: str
+  dp: int
+  mesh_shape: dict[str, int]
+  layout: str
+  """`Layout.summary()` of the saved state."""
+  description: _Description
+  stored: dict[str, tuple[int, ...]] | None = None
+  """Every stored key's shape as stored; None (format 1): each key's logical shape."""
+  flat: dict[str, Any] | None = None
+  """A sharded fused state's `_FlatLayout` as stored (`_stored_arrays` gives it so; read it
+  through `flat_layout`); None: every key is stored in its per-leaf form."""
+
+  @property
+  def flat_layout(self) -> _FlatLayout | None:
+    return None if self.flat is None else _FlatLayout.from_json(self.flat)
+
+  def to_json(self) -> dict[str, Any]:
+    out = {
+      "format": self.format,
+      "jaxdp_version": self.jaxdp_version,
+      "state_step": self.state_step,
+      "data_position": self.data_position,
+      "strategy": self.strategy,
+      "dp": self.dp,
+      "mesh_shape": dict(self.mesh_shape),
+      "layout": self.layout,
+      **self.description.to_json(),
+    }
+    if self.stored is not None:
+      out["stored"] = {key: list(shape) for key, shape in self.stored.items()}
+    if self.flat is not None:
+      out["flat"] = self.flat
+    return out
+
+  @classmethod
+  def from_json(cls, entries: dict[str, Any]) -> _Metadata:
+    stored = entries.get("stored")
+    return cls(
+      format=entries["format"],
+      jaxdp_version=entries["jaxdp_version"],
+      state_step=entries["state_step"],
+      data_position=entries["data_position"],
+      strategy=entries["strategy"],
+      dp=entries["dp"],
+      mesh_shape=entries["mesh_shape"],
+      layout=entries["layout"],
+      description=_Description.from_json(entries),
+      stored=None if stored is None else {key: tuple(shape) for key, shape in stored.items()},
+      flat=entries.get("flat"),
+    )
+
+
 # ----------------------------------------------------------------------------- description
 
 
-def _describe(state: TrainState) -> dict[str, Any]:
-  """What a state's canonical form holds: the JSON metadata a checkpoint is checked by."""
+def _describe(state: TrainState) -> _Description:
+  """What a state's canonical form holds: the metadata a checkpoint is checked by."""
   if state.fused:
     state = jax.eval_shape(functools.partial(per_leaf_state, mesh=state.step.sharding.mesh), state)
   layout = state.layout
-  trainable = layout.trainable
-  keyed = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-  return {
-    "params": [
-      [path, list(shape), dtype.name, t]
-      for path, shape, dtype, t in zip(layout.paths, layout.shapes, layout.dtypes, trainable)
-    ],
-    "master": _stored_masters(state),
-    "opt_state": [
-      [jax.tree_util.keystr(path), list(shape), np.dtype(x.dtype).name]
-      for (path, x), (shape, *_) in zip(keyed, _opt_forms(state))
-    ],
-    "opt_state_structure": str(jax.tree.structure(state.opt_state)),
-    "model_state": [
-      [jax.tree_util.keystr(path), list(np.shape(x)), np.dtype(x.dtype).name]
-      for path, x in jax.tree_util.tree_flatten_with_path(state.model_state)[0]
-    ],
-    "rng": state.rng is not None,
-  }
+  keyed_opt = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+  keyed_model = jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+  return _Description(
+    params=tuple(
+      _ParamRow(path=path, shape=tuple(shape), dtype=dtype.name, trainable=trainable)
+      for path, shape, dtype, trainable in zip(
+        layout.paths, layout.shapes, layout.dtypes, layout.trainable
+      )
+    ),
+    master=tuple(_stored_masters(state)),
+    opt_state=tuple(
+      _LeafRow(path=jax.tree_util.keystr(path), shape=form.shape, dtype=np.dtype(leaf.dtype).name)
+      for (path, leaf), form in zip(keyed_opt, _opt_forms(state))
+    ),
+    opt_state_structure=str(jax.tree.structure(state.opt_state)),
+    model_state=tuple(
+      _LeafRow(
+        path=jax.tree_util.keystr(path),
+        shape=tuple(np.shape(leaf)),
+        dtype=np.dtype(leaf.dtype).name,
+      )
+      for path, leaf in keyed_model
+    ),
+    rng=state.rng is not None,
+  )
 
 
-def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
+def _first_mismatch(saved: _Description, want: _Description) -> str | None:
   """A sentence naming the first leaf where a checkpoint and `like` disagree, or None."""
 
-  def leaf(kind, got, exp):
+  def leaf(kind, saved_rows, like_rows):
     # Paired by path: a leaf only one side has is named as such, not compared with
     # whatever leaf sits at its position on the other side.
-    saved_paths, like_paths = [a[0] for a in got], [b[0] for b in exp]
-    extra = [p for p in saved_paths if p not in set(like_paths)]
-    missing = [p for p in like_paths if p not in set(saved_paths)]
+    saved_paths, like_paths = [row.path for row in saved_rows], [row.path for row in like_rows]
+    extra = [path for path in saved_paths if path not in set(like_paths)]
+    missing = [path for path in like_paths if path not in set(saved_paths)]
     if extra or missing:
       named = lambda paths: (
-        ", ".join(f"{kind}{p}" for p in paths[:4])
+        ", ".join(f"{kind}{path}" for path in paths[:4])
         + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
       )
       parts = []
@@ -217,41 +424,49 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
       if missing:
         parts.append(f"only `like` has {named(missing)}")
       return (
-        " and ".join(parts) + f" ({len(got)} {kind} leaves in the checkpoint, {len(exp)} in `like`)"
+        " and ".join(parts)
+        + f" ({len(saved_rows)} {kind} leaves in the checkpoint, {len(like_rows)} in `like`)"
       )
-    stored = {a[0]: a for a in got}
-    for b in exp:
-      a = stored[b[0]]
-      for field, x, y in (("shape", a[1], b[1]), ("dtype", a[2], b[2])):
-        if x != y:
-          x, y = (tuple(x), tuple(y)) if field == "shape" else (x, y)
-          return f"{kind}{a[0]}: {field} {x} in the checkpoint, {y} in `like`"
+    by_path = {row.path: row for row in saved_rows}
+    for like_row in like_rows:
+      saved_row = by_path[like_row.path]
+      if saved_row.shape != like_row.shape:
+        return (
+          f"{kind}{saved_row.path}: shape {saved_row.shape} in the checkpoint, "
+          f"{like_row.shape} in `like`"
+        )
+      if saved_row.dtype != like_row.dtype:
+        return (
+          f"{kind}{saved_row.path}: dtype {saved_row.dtype} in the checkpoint, "
+          f"{like_row.dtype} in `like`"
+        )
     if saved_paths != like_paths:
       return f"the {kind} leaves are the same but in another order in the checkpoint"
     return None
 
-  if msg := leaf("params", saved["params"], want["params"]):
+  role = lambda trainable: "trainable" if trainable else "frozen"
+  if msg := leaf("params", saved.params, want.params):
     return msg
-  for a, b in zip(saved["params"], want["params"]):
-    if a[3] != b[3]:
+  for saved_row, like_row in zip(saved.params, want.params):
+    if saved_row.trainable != like_row.trainable:
       return (
-        f"params{a[0]}: {'trainable' if a[3] else 'frozen'} in the checkpoint, "
-        f"{'trainable' if b[3] else 'frozen'} in `like`; use the same `frozen`"
+        f"params{saved_row.path}: {role(saved_row.trainable)} in the checkpoint, "
+        f"{role(like_row.trainable)} in `like`; use the same `frozen`"
       )
-  if msg := leaf("opt_state", saved["opt_state"], want["opt_state"]):
+  if msg := leaf("opt_state", saved.opt_state, want.opt_state):
     return msg + " (another optimizer?)"
-  if saved["opt_state_structure"] != want["opt_state_structure"]:
+  if saved.opt_state_structure != want.opt_state_structure:
     return (
       "the optimizer state has the structure "
-      f"{saved['opt_state_structure']} in the checkpoint but "
-      f"{want['opt_state_structure']} in `like` (another optimizer?)"
+      f"{saved.opt_state_structure} in the checkpoint but "
+      f"{want.opt_state_structure} in `like` (another optimizer?)"
     )
-  if msg := leaf("model_state", saved.get("model_state", []), want["model_state"]):
+  if msg := leaf("model_state", saved.model_state, want.model_state):
     return msg + " (init_state(..., model_state=) for the same model?)"
-  if saved.get("rng", False) != want["rng"]:
+  if saved.rng != want.rng:
     return (
       "the checkpoint holds a key (init_state(..., rng=)) and `like` does not"
-      if want["rng"] is False
+      if not want.rng
       else "`like` holds a key (init_state(..., rng=)) and the "
       "checkpoint does not; build `like` without rng="
     )
@@ -269,7 +484,8 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
 
   A sharded fused state stores its flat buckets as they are (`flat_master_<n>`,
   `flat_opt<k>_<n>`: bucket `n` of `master` and of the `k`-th flat tree of the optax state);
-  `flat` says where each per-leaf key's values lie in them (`_stored_flat`). `no_shard`'s
+  `flat`, the metadata's "flat" entry (a `_FlatLayout` as stored; `{}` for any other
+  state), says where each per-leaf key's values lie in them (`_stored_flat`). `no_shard`'s
   fused state, replicated, is stored in its per-leaf form."""
   if state.fused and state.config.use_distributed_optimizer:
     return _stored_flat(state)
@@ -326,8 +542,12 @@ def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any
 
   def source(kind, index, item=None):
     number, block = blocks[index]
-    bucket_key = _key(kind, number, item)
-    return [bucket_key, block.offset, list(block.local_shape(layout.dp)), block.axis]
+    return _FlatSource(
+      bucket_key=_key(kind, number, item),
+      offset=block.offset,
+      local_shape=tuple(block.local_shape(layout.dp)),
+      axis=block.axis,
+    )
 
   for number, name in enumerate(names):
     out[_key("flat_master", number)] = state.master[name]
@@ -352,7 +572,8 @@ def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any
       out[_key("opt", opt_index)] = item
       opt_index += 1
   out.update(_stored_extras(state))
-  return out, {"dp": layout.dp, "layout": layout.summary(), "sources": sources}
+  flat = _FlatLayout(dp=layout.dp, layout=layout.summary(), sources=sources)
+  return out, flat.to_json()
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -483,23 +704,41 @@ class _Target:
     return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _same_flat_layout(meta: dict[str, Any], like: TrainState) -> bool:
+def _same_flat_layout(meta: _Metadata, like: TrainState) -> bool:
   """Was the checkpoint's fused state laid out exactly as `like` (same dp, buckets and
   shards)? Then each flat bucket is read as it is into `like`'s."""
-  flat = meta.get("flat")
+  flat = meta.flat_layout
+  params = leaves_of(like.params, like.layout)
   return bool(
-    flat
+    flat is not None
     and like.fused
     and like.config.use_distributed_optimizer
-    and flat["dp"] == like.layout.dp
-    and flat["layout"] == like.layout.summary()
-    and all(
-      x is None for t, x in zip(like.layout.trainable, leaves_of(like.params, like.layout)) if t
-    )
+    and flat.dp == like.layout.dp
+    and flat.layout == like.layout.summary()
+    # a trainable param is held only in the flat master, as the saved state held it
+    and all(param is None for trainable, param in zip(like.layout.trainable, params) if trainable)
   )
 
 
-def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> list[_Target]:
+def _saved_leaves(description: _Description) -> dict[str, _LeafRow]:
+  """Every per-leaf key a checkpoint stores, with the logical shape and dtype of its leaf
+  (a master: its param's shape, in the master's dtype)."""
+  out = {}
+  for index, row in enumerate(description.params):
+    out[_key("params", index)] = _LeafRow(path=row.path, shape=row.shape, dtype=row.dtype)
+    if index in description.master:
+      master = master_dtype(row.dtype).name
+      out[_key("master", index)] = _LeafRow(path=row.path, shape=row.shape, dtype=master)
+  for index, row in enumerate(description.opt_state):
+    out[_key("opt", index)] = row
+  for index, row in enumerate(description.model_state):
+    out[_key("model_state", index)] = row
+  if description.rng:  # a key's raw data: two uint32 words
+    out[_key("rng")] = _LeafRow(path="", shape=(2,), dtype="uint32")
+  return out
+
+
+def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_Target]:
   """Every leaf of `like` (its per-leaf form unless `same_flat`) with the stored key of
   checkpoint `meta` (any format) that fills it, in the order the stored keys are first
   needed."""
@@ -508,29 +747,29 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
     per_leaf = jax.eval_shape(functools.partial(per_leaf_state, mesh=mesh), like)
   specs = train.state_specs(per_leaf)
   layout = per_leaf.layout
-  masters_saved = set(meta["master"])
-  logical, dtypes = {}, {}
-  for i, (path, shape, dtype, _) in enumerate(meta["params"]):
-    logical[_key("params", i)], dtypes[_key("params", i)] = tuple(shape), dtype
-    if i in masters_saved:
-      logical[_key("master", i)] = tuple(shape)
-      dtypes[_key("master", i)] = master_dtype(dtype).name
-  for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
-    logical[_key("opt", j)], dtypes[_key("opt", j)] = tuple(shape), dtype
-  for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
-    logical[_key("model_state", j)], dtypes[_key("model_state", j)] = tuple(shape), dtype
-  if meta.get("rng"):
-    logical[_key("rng")], dtypes[_key("rng")] = (2,), "uint32"
-  stored = {k: tuple(v) for k, v in meta.get("stored", logical).items()}
-  flat = meta.get("flat") or {"sources": {}}
+  masters_saved = set(meta.description.master)
+  saved = _saved_leaves(meta.description)
+  if meta.stored is None:  # format 1: every key in its logical shape
+    stored = {key: row.shape for key, row in saved.items()}
+  else:
+    stored = dict(meta.stored)
+  flat = meta.flat_layout
   sources = {}
-  for key, (flat_key, offset, local, axis) in flat["sources"].items():
-    local = tuple(local)
-    sources[key] = (flat_key, stored[flat_key][0], offset, local, axis, flat["dp"])
-    stored[key] = (*local[:axis], local[axis] * flat["dp"], *local[axis + 1 :])
+  for key, source in (flat.sources if flat is not None else {}).items():
+    local = source.local_shape
+    sources[key] = (
+      source.bucket_key,
+      stored[source.bucket_key][0],
+      source.offset,
+      local,
+      source.axis,
+      flat.dp,
+    )
+    stored[key] = (*local[: source.axis], local[source.axis] * flat.dp, *local[source.axis + 1 :])
   value = lambda i: _key("master" if i in masters_saved else "params", i)
 
   def target(field, i, key, x, spec):
+    row = saved.get(key)  # None: a flat bucket, read as it is
     return _Target(
       field,
       i,
@@ -538,9 +777,9 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
       tuple(x.shape),
       np.dtype(x.dtype),
       spec,
-      logical.get(key, tuple(x.shape)),
+      tuple(x.shape) if row is None else row.shape,
       stored[key],
-      dtypes.get(key, np.dtype(x.dtype).name),
+      np.dtype(x.dtype).name if row is None else row.dtype,
       sources.get(key),
     )
 
@@ -928,27 +1167,27 @@ class CheckpointManager:
     step = int(step)
     if not force and not self._mgr.should_save(step):
       return False
-    meta = {
-      "format": FORMAT,
-      "jaxdp_version": __version__,
-      "state_step": int(jax.device_get(state.step)),
-      "data_position": data_position,
-      "strategy": state.config.data_parallel_sharding_strategy,
-      "dp": state.layout.dp,
-      "mesh_shape": dict(state.mesh_shape),
-      "layout": state.layout.summary(),
-      **_describe(state),
-    }
+    description = _describe(state)
     arrays, flat = _stored_arrays(state)
     if self.save_concurrent_gb is not None:
       _check_shards_fit(arrays, self.save_concurrent_gb)
-    meta["stored"] = {k: list(x.shape) for k, x in arrays.items()}
-    if flat:
-      meta["flat"] = flat
+    meta = _Metadata(
+      format=FORMAT,
+      jaxdp_version=__version__,
+      state_step=int(jax.device_get(state.step)),
+      data_position=data_position,
+      strategy=state.config.data_parallel_sharding_strategy,
+      dp=state.layout.dp,
+      mesh_shape=dict(state.mesh_shape),
+      layout=state.layout.summary(),
+      description=description,
+      stored={key: tuple(array.shape) for key, array in arrays.items()},
+      flat=flat or None,
+    )
     return self._mgr.save(
       step,
       args=ocp.args.Composite(
-        **{_STATE: ocp.args.PyTreeSave(arrays), _META: ocp.args.JsonSave(meta)}
+        **{_STATE: ocp.args.PyTreeSave(arrays), _META: ocp.args.JsonSave(meta.to_json())}
       ),
       force=force,
     )
@@ -1013,18 +1252,20 @@ class CheckpointManager:
     _is_abstract(like)
     checks.check_not_donated(like, "CheckpointManager.restore(like)")
     step = self._step(step)
-    meta = self.metadata(step)
-    if meta.get("format", 0) > FORMAT:
+    entries = self.metadata(step)
+    # checked on the JSON itself: a newer format's metadata need not read as `_Metadata`
+    if entries.get("format", 0) > FORMAT:
       raise ValueError(
-        f"checkpoint {step} in {self.directory} has format {meta['format']} (jaxdp "
-        f"{meta.get('jaxdp_version')}); this jaxdp reads format {FORMAT} or older: "
+        f"checkpoint {step} in {self.directory} has format {entries['format']} (jaxdp "
+        f"{entries.get('jaxdp_version')}); this jaxdp reads format {FORMAT} or older: "
         "upgrade jaxdp"
       )
-    if problem := _first_mismatch(meta, _describe(like)):
+    meta = _Metadata.from_json(entries)
+    if problem := _first_mismatch(meta.description, _describe(like)):
       raise ValueError(
         f"checkpoint {step} in {self.directory} does not fit `like`: {problem}. Build "
         f"`like` with init_state for the same model and optimizer (saved: "
-        f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})"
+        f"{meta.strategy}, dp={meta.dp}, jaxdp {meta.jaxdp_version})"
       )
 
     mesh = like.step.sharding.mesh
@@ -1033,7 +1274,7 @@ class CheckpointManager:
     if _is_abstract(like) and (why := _abstract_fits(like, targets, same_flat)):
       raise ValueError(
         f"checkpoint {step} in {self.directory} restores onto other padding than it was "
-        f"saved with ({why}; saved: {meta['strategy']}, dp={meta['dp']}): the padding "
+        f"saved with ({why}; saved: {meta.strategy}, dp={meta.dp}): the padding "
         "rows come from `like`'s values, which an abstract_state has not. Pass "
         "like=jaxdp.init_state(...) for this restore"
       )
@@ -1064,7 +1305,7 @@ class CheckpointManager:
       )[_STATE]
       leaves.fill(stored, group)
       del stored  # before the next group is read
-    return leaves.state(meta["state_step"])
+    return leaves.state(meta.state_step)
 
   def _step(self, step: int | None) -> int:
     steps = self.all_steps()
