@@ -672,15 +672,49 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
 # ----------------------------------------------------------------------------- restore
 
 
+class _BucketIndex(NamedTuple):
+  """Where a "flat" `_Target` sits in `like`: one flat bucket of its master or of one item
+  of its optax state."""
+
+  item: int | None
+  """The optax state item (`_flat_items`) the bucket belongs to; None: the master's."""
+  name: str
+  """The bucket's name (`bucket_names`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatSlice:
+  """A stored per-leaf key that lies inside a stored flat bucket (`_FlatSource`), with what
+  cutting it out of the bucket takes (`_value`)."""
+
+  bucket_key: str
+  """The stored flat bucket orbax reads."""
+  bucket_length: int
+  """The bucket's stored length (all dp shards)."""
+  offset: int
+  """Where the key's block starts in each device's shard of the bucket."""
+  local_shape: tuple[int, ...]
+  """The block's shape: the leaf's padded shape with its shard dim cut by `dp`."""
+  axis: int
+  """The leaf's shard dim."""
+  dp: int
+  """The dp the bucket was saved with: its number of shards."""
+
+  @property
+  def stored_shape(self) -> tuple[int, ...]:
+    """The key's padded shape as saved: its blocks of all shards along `axis`."""
+    local, axis = self.local_shape, self.axis
+    return (*local[:axis], local[axis] * self.dp, *local[axis + 1 :])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Target:
   """One leaf of `like` and the stored key that fills it."""
 
   field: str
   """"params", "master", "opt" (`jax.tree.leaves` order of the per-leaf form), "flat" (a
-  fused state's flat bucket, `index` = `(optax item or None, bucket name)`),
-  "model_state" or "rng"."""
-  index: Any
+  fused state's flat bucket, `index` a `_BucketIndex`), "model_state" or "rng"."""
+  index: int | _BucketIndex
   key: str
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -690,14 +724,13 @@ class _Target:
   stored: tuple[int, ...]
   """The key's shape as stored (per leaf: padded rows included)."""
   stored_dtype: str
-  source: tuple | None = None
-  """A key stored inside a flat bucket: `(flat key, its length, offset, local shape, axis,
-  dp)` (`_stored_flat`)."""
+  source: _FlatSlice | None = None
+  """A key stored inside a flat bucket: where it lies there (`_stored_flat`)."""
 
   @property
   def read(self) -> str:
     """The stored key orbax reads for this target."""
-    return self.source[0] if self.source else self.key
+    return self.source.bucket_key if self.source is not None else self.key
 
   @property
   def bytes(self) -> int:
@@ -715,7 +748,7 @@ def _same_flat_layout(meta: _Metadata, like: TrainState) -> bool:
     and like.config.use_distributed_optimizer
     and flat.dp == like.layout.dp
     and flat.layout == like.layout.summary()
-    # a trainable param is held only in the flat master, as the saved state held it
+    # no trainable param held besides the flat master
     and all(param is None for trainable, param in zip(like.layout.trainable, params) if trainable)
   )
 
@@ -754,70 +787,80 @@ def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_
   else:
     stored = dict(meta.stored)
   flat = meta.flat_layout
-  sources = {}
+  slices = {}
   for key, source in (flat.sources if flat is not None else {}).items():
-    local = source.local_shape
-    sources[key] = (
-      source.bucket_key,
-      stored[source.bucket_key][0],
-      source.offset,
-      local,
-      source.axis,
-      flat.dp,
+    slices[key] = _FlatSlice(
+      bucket_key=source.bucket_key,
+      bucket_length=stored[source.bucket_key][0],
+      offset=source.offset,
+      local_shape=source.local_shape,
+      axis=source.axis,
+      dp=flat.dp,
     )
-    stored[key] = (*local[: source.axis], local[source.axis] * flat.dp, *local[source.axis + 1 :])
-  value = lambda i: _key("master" if i in masters_saved else "params", i)
+    stored[key] = slices[key].stored_shape
 
-  def target(field, i, key, x, spec):
+  def value_key(index):  # a trainable param's key: its master's where stored apart
+    return _key("master" if index in masters_saved else "params", index)
+
+  def target(field, index, key, leaf, spec):
     row = saved.get(key)  # None: a flat bucket, read as it is
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     return _Target(
-      field,
-      i,
-      key,
-      tuple(x.shape),
-      np.dtype(x.dtype),
-      spec,
-      tuple(x.shape) if row is None else row.shape,
-      stored[key],
-      np.dtype(x.dtype).name if row is None else row.dtype,
-      sources.get(key),
+      field=field,
+      index=index,
+      key=key,
+      shape=shape,
+      dtype=dtype,
+      spec=spec,
+      logical=shape if row is None else row.shape,
+      stored=stored[key],
+      stored_dtype=dtype.name if row is None else row.dtype,
+      source=slices.get(key),
     )
 
   out = []
   if same_flat:  # each flat bucket as it is
     names = [name for name, _, _ in bucket_names(layout)]
-    for n, name in enumerate(names):
-      out.append(target("flat", (None, name), _key("flat_master", n), like.master[name], FLAT_SPEC))
+    for number, name in enumerate(names):
+      out.append(
+        target(
+          "flat",
+          _BucketIndex(item=None, name=name),
+          _key("flat_master", number),
+          like.master[name],
+          FLAT_SPEC,
+        )
+      )
   else:
-    for i, (x, spec) in enumerate(
-      zip(leaves_of(per_leaf.master, layout), leaves_of(specs.master, layout))
-    ):
-      if x is not None:
-        out.append(target("master", i, value(i), x, spec))
-  for i, (x, spec) in enumerate(
-    zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
-  ):
-    if x is not None:
-      key = value(i) if layout.trainable[i] else _key("params", i)
-      out.append(target("params", i, key, x, spec))
+    masters = zip(leaves_of(per_leaf.master, layout), leaves_of(specs.master, layout))
+    for index, (leaf, spec) in enumerate(masters):
+      if leaf is not None:
+        out.append(target("master", index, value_key(index), leaf, spec))
+  params = zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
+  for index, (leaf, spec) in enumerate(params):
+    if leaf is not None:
+      key = value_key(index) if layout.trainable[index] else _key("params", index)
+      out.append(target("params", index, key, leaf, spec))
   if same_flat:
     items, _ = _flat_items(like)
     spec_items = jax.tree.flatten(specs.opt_state, is_leaf=lambda x: _is_flat(x, layout))[0]
-    j, trainable = 0, sum(layout.trainable)
-    for k, (item, spec) in enumerate(zip(items, spec_items)):
+    opt_index, trainable = 0, sum(layout.trainable)  # the per-leaf optax state's numbering
+    for item_index, (item, spec) in enumerate(zip(items, spec_items)):
       if _is_flat(item, layout):
-        for n, name in enumerate(names):
-          out.append(target("flat", (k, name), _key("flat_opt", n, k), item[name], FLAT_SPEC))
-        j += trainable
+        for number, name in enumerate(names):
+          bucket = _BucketIndex(item=item_index, name=name)
+          key = _key("flat_opt", number, item_index)
+          out.append(target("flat", bucket, key, item[name], FLAT_SPEC))
+        opt_index += trainable  # a flat item holds one leaf per trainable param
       else:
-        out.append(target("opt", k, _key("opt", j), item, spec))
-        j += 1
+        out.append(target("opt", item_index, _key("opt", opt_index), item, spec))
+        opt_index += 1
   else:
     opt_specs = jax.tree.leaves(specs.opt_state)
-    for j, x in enumerate(jax.tree.leaves(per_leaf.opt_state)):
-      out.append(target("opt", j, _key("opt", j), x, opt_specs[j]))
-  for j, x in enumerate(jax.tree.leaves(per_leaf.model_state)):
-    out.append(target("model_state", j, _key("model_state", j), x, P()))
+    for index, leaf in enumerate(jax.tree.leaves(per_leaf.opt_state)):
+      out.append(target("opt", index, _key("opt", index), leaf, opt_specs[index]))
+  for index, leaf in enumerate(jax.tree.leaves(per_leaf.model_state)):
+    out.append(target("model_state", index, _key("model_state", index), leaf, P()))
   if per_leaf.rng is not None:
     out.append(target("rng", 0, _key("rng"), per_leaf.rng, P()))
   return out
@@ -853,9 +896,12 @@ def _value(stored: dict[str, jax.Array], t: _Target) -> jax.Array:
   cut from it: block `d` of its shard dim is its columns of the bucket's shard `d`."""
   if t.source is None:
     return stored[t.key]
-  key, _, offset, local, axis, dp = t.source
-  cols = stored[key].reshape(dp, -1)[:, offset : offset + math.prod(local)]
-  return jnp.moveaxis(cols.reshape(dp, *local), 0, axis).reshape(t.stored)
+  piece = t.source
+  # (dp, shard length): row d is device d's shard of the bucket, the block its columns
+  shards = stored[piece.bucket_key].reshape(piece.dp, -1)
+  block = shards[:, piece.offset : piece.offset + math.prod(piece.local_shape)]
+  blocks = block.reshape(piece.dp, *piece.local_shape)  # (dp, *local_shape)
+  return jnp.moveaxis(blocks, 0, piece.axis).reshape(t.stored)
 
 
 def _as_read(t: _Target, old: jax.Array, read: jax.Array) -> bool:
@@ -945,16 +991,18 @@ class _LikeLeaves:
 
   def _get(self, t: _Target):
     if t.field == "flat":
-      k, name = t.index
-      return (self.master_flat if k is None else self.items[k])[name]
+      bucket = t.index
+      flat = self.master_flat if bucket.item is None else self.items[bucket.item]
+      return flat[bucket.name]
     if t.field == "opt":
       return self.items[t.index]
     return self.values[t.field][t.index]
 
   def _set(self, t: _Target, x):
     if t.field == "flat":
-      k, name = t.index
-      (self.master_flat if k is None else self.items[k])[name] = x
+      bucket = t.index
+      flat = self.master_flat if bucket.item is None else self.items[bucket.item]
+      flat[bucket.name] = x
     elif t.field == "opt":
       self.items[t.index] = x
     else:
@@ -1283,9 +1331,9 @@ class CheckpointManager:
       abstract = {}
       for t in group:
         if t.source is not None:  # its whole flat bucket, split over "data" if it divides
-          n = t.source[1]
-          divides = n % mesh.shape[DATA] == 0
-          shape, spec = (n,), P(DATA) if divides else P()
+          length = t.source.bucket_length
+          divides = length % mesh.shape[DATA] == 0
+          shape, spec = (length,), P(DATA) if divides else P()
         elif len(t.shape) != len(t.stored) or not t.logical:  # a scalar
           shape, spec = t.stored, P()
         else:
