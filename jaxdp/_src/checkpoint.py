@@ -122,9 +122,9 @@ def _stored_masters(state: TrainState) -> list[int]:
   """Trainable leaves stored with a separate master copy (low-precision params)."""
   layout = state.layout
   return [
-    i
-    for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
-    if t and _stores_master(dtype)
+    index
+    for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
+    if trainable and _stores_master(dtype)
   ]
 
 
@@ -154,33 +154,40 @@ def _opt_forms(state: TrainState) -> list[_OptForm]:
   layout = state.layout
   sharded = _sharded(state)
   seen = {
-    i: sharded_shape(layout, i)[0] if sharded else tuple(layout.shapes[i])
-    for i, t in enumerate(layout.trainable)
-    if t
+    index: sharded_shape(layout, index)[0] if sharded else tuple(layout.shapes[index])
+    for index, trainable in enumerate(layout.trainable)
+    if trainable
   }
   out = []
   for (path, _), shape in zip(keyed, shapes):
-    i = match_opt_leaf(path, shape, layout.paths, seen).param
-    if i is None:
-      out.append(_OptForm(shape, 0, None))
+    param = match_opt_leaf(path, shape, layout.paths, seen).param
+    if param is None:
+      out.append(_OptForm(shape=shape, axis=0, param=None))
     else:
-      out.append(_OptForm(tuple(layout.shapes[i]), layout.shard_axes[i], i))
+      shape, axis = tuple(layout.shapes[param]), layout.shard_axes[param]
+      out.append(_OptForm(shape=shape, axis=axis, param=param))
   return out
 
 
 # ----------------------------------------------------------------------------- metadata
 #
-# [Note: metadata records] A checkpoint's JSON metadata is written and read only through the
-# records below, each field by its name. A record's `to_json` writes it and its `from_json`
-# reads it back, the two side by side: a row (one leaf) as a JSON list in its fields' order,
-# any other record as a JSON object keyed by its fields' names. To add a field, declare it
-# in its record (after the others: a row is stored by position), with the default that a
-# checkpoint written without it (an older one) reads as, and write and read it in that
-# record's `to_json` and `from_json`. Nothing else reads the JSON.
+# [Note: metadata records] A checkpoint's JSON metadata is written and read through the
+# records below, each field by its name (`restore` reads "format" from the JSON itself, and
+# `data_position()` hands back "data_position" as saved). A record's `to_json` writes it and
+# its `from_json` reads it back, the two side by side: a row (one leaf: a NamedTuple) as a
+# JSON list in its fields' order, any other record as a JSON object keyed by its fields'
+# names. To add a field: declare it in its record with the default that a checkpoint saved
+# without it (an older one) reads as, after the other fields (a row is stored by position);
+# write it in `to_json`; read it in `from_json`, falling back to that default where an older
+# checkpoint lacks it (`entries.get(name, default)`; a row: a shorter list). Where an older
+# jaxdp would misread the new checkpoint (a field renamed or changed in meaning, a longer
+# row: readers unpack a row by its length), bump `FORMAT` too: `restore` refuses a newer
+# format, and `from_json` reads every older one.
 
 
 class _LeafRow(NamedTuple):
-  """One optax state or model state leaf, as the metadata stores it (a JSON list)."""
+  """One optax state or model state leaf, as the metadata stores it (a JSON list). To add a
+  field: [Note: metadata records]."""
 
   path: str
   """`jax.tree_util.keystr` of its path in its tree."""
@@ -199,7 +206,8 @@ class _LeafRow(NamedTuple):
 
 
 class _ParamRow(NamedTuple):
-  """One param of the layout, as the metadata stores it (a JSON list)."""
+  """One param of the layout, as the metadata stores it (a JSON list). To add a field:
+  [Note: metadata records]."""
 
   path: str
   """`jax.tree_util.keystr` of its path in the params (`Layout.paths`)."""
@@ -221,7 +229,8 @@ class _ParamRow(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Description:
   """What a state's canonical form holds (`_describe`): the part of the metadata that
-  `restore` checks `like` against, and reads each stored leaf's logical form from."""
+  `restore` checks `like` against, and reads each stored leaf's logical form from. To add a
+  field: [Note: metadata records]."""
 
   params: tuple[_ParamRow, ...]
   master: tuple[int, ...]
@@ -259,7 +268,8 @@ class _Description:
 
 class _FlatSource(NamedTuple):
   """Where a per-leaf key of a sharded fused state lies in its stored flat bucket (a JSON
-  list): on every device's shard of the bucket, its block of that device's rows."""
+  list): on every device's shard of the bucket, its block of that device's rows. To add a
+  field: [Note: metadata records]."""
 
   bucket_key: str
   """The stored flat bucket (`_key("flat_master", ...)` or `_key("flat_opt", ...)`)."""
@@ -281,7 +291,8 @@ class _FlatSource(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _FlatLayout:
-  """How a sharded fused state was stored as its flat buckets (`_stored_flat`)."""
+  """How a sharded fused state was stored as its flat buckets (`_stored_flat`): the
+  metadata's "flat" entry. To add a field: [Note: metadata records]."""
 
   dp: int
   layout: str
@@ -308,7 +319,8 @@ class _FlatLayout:
 @dataclasses.dataclass(frozen=True)
 class _Metadata:
   """A checkpoint's metadata: the JSON object `CheckpointManager.metadata` returns, with
-  the description's entries (`_Description`) at its top level."""
+  the description's entries (`_Description`) at its top level. To add a field: [Note:
+  metadata records]."""
 
   format: int
   """`FORMAT` of the jaxdp that wrote it."""
@@ -870,68 +882,71 @@ def _groups(targets: list[_Target]) -> list[list[_Target]]:
   """The targets in groups of about an eighth of the state (at least one leaf each), read
   and fitted one group at a time: a restore holds the state plus one group. A key read
   into two shapes (a param and its master) is read once per group."""
-  budget = sum(t.bytes for t in targets) / 8
+  budget = sum(target.bytes for target in targets) / 8
   groups, current, size = [], [], 0
-  for t in targets:
-    if current and size + t.bytes > budget:
+  for target in targets:
+    if current and size + target.bytes > budget:
       groups.append(current)
       current, size = [], 0
-    current.append(t)
-    size += t.bytes
+    current.append(target)
+    size += target.bytes
   if current:
     groups.append(current)
   out = []
   for group in groups:
     seen, first, again = set(), [], []
-    for t in group:
-      twice = t.source is None and t.read in seen
-      (again if twice else first).append(t)
-      seen.add(t.read)
+    for target in group:
+      twice = target.source is None and target.read in seen
+      (again if twice else first).append(target)
+      seen.add(target.read)
     out += [first] + ([again] if again else [])
   return out
 
 
-def _value(stored: dict[str, jax.Array], t: _Target) -> jax.Array:
-  """Traced: the stored value of `t`'s key; a key stored in a flat bucket (`t.source`) is
-  cut from it: block `d` of its shard dim is its columns of the bucket's shard `d`."""
-  if t.source is None:
-    return stored[t.key]
-  piece = t.source
+def _value(stored: dict[str, jax.Array], target: _Target) -> jax.Array:
+  """Traced: the stored value of `target`'s key; a key stored in a flat bucket
+  (`target.source`) is cut from it: block `d` of its shard dim is its columns of the
+  bucket's shard `d`."""
+  if target.source is None:
+    return stored[target.key]
+  piece = target.source
   # (dp, shard length): row d is device d's shard of the bucket, the block its columns
   shards = stored[piece.bucket_key].reshape(piece.dp, -1)
   block = shards[:, piece.offset : piece.offset + math.prod(piece.local_shape)]
   blocks = block.reshape(piece.dp, *piece.local_shape)  # (dp, *local_shape)
-  return jnp.moveaxis(blocks, 0, piece.axis).reshape(t.stored)
+  return jnp.moveaxis(blocks, 0, piece.axis).reshape(target.stored)
 
 
-def _as_read(t: _Target, old: jax.Array, read: jax.Array) -> bool:
-  """Is the leaf orbax read for `t` the restored leaf itself (same shape, dtype and sharding
-  as `like`'s, nothing cut from a flat bucket)?"""
+def _as_read(target: _Target, old: jax.Array, read: jax.Array) -> bool:
+  """Is the leaf orbax read for `target` the restored leaf itself (same shape, dtype and
+  sharding as `like`'s, nothing cut from a flat bucket)?"""
   return (
-    t.source is None
-    and _keeps(t)
+    target.source is None
+    and _keeps(target)
     and read.shape == old.shape
     and read.dtype == old.dtype
     and read.sharding == old.sharding
   )
 
 
-def _keeps(t: _Target) -> bool:
-  """Is the stored leaf `t`'s value as it is (stored in the target's very shape, or the
-  target has no padding): nothing of `like` is kept."""
-  return len(t.stored) == len(t.shape) and (t.stored == t.shape or t.logical == t.shape)
+def _keeps(target: _Target) -> bool:
+  """Is the stored leaf `target`'s value as it is (stored in the target's very shape, or
+  the target has no padding): nothing of `like` is kept."""
+  return len(target.stored) == len(target.shape) and (
+    target.stored == target.shape or target.logical == target.shape
+  )
 
 
 def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Array]:
   """Traced: each target's leaf holding its stored value (`_fit`); `likes` has the `like`
   leaf of each target that takes padding from it, None for the others."""
   out = []
-  for t, x in zip(targets, likes):
-    v = _value(stored, t)
-    if x is None:  # stored in like's very shape, or like has no padding: as stored
-      out.append(_cut(v, t.shape).astype(t.dtype))
+  for target, like_leaf in zip(targets, likes):
+    value = _value(stored, target)
+    if like_leaf is None:  # stored in like's very shape, or like has no padding: as stored
+      out.append(_cut(value, target.shape).astype(target.dtype))
     else:
-      out.append(_fit(v, x, t.logical))
+      out.append(_fit(value, like_leaf, target.logical))
   return out
 
 
@@ -989,37 +1004,39 @@ class _LikeLeaves:
     }
     self.master_flat = dict(like.master) if same_flat else None
 
-  def _get(self, t: _Target):
-    if t.field == "flat":
-      bucket = t.index
+  def _get(self, target: _Target):
+    if target.field == "flat":
+      bucket = target.index
       flat = self.master_flat if bucket.item is None else self.items[bucket.item]
       return flat[bucket.name]
-    if t.field == "opt":
-      return self.items[t.index]
-    return self.values[t.field][t.index]
+    if target.field == "opt":
+      return self.items[target.index]
+    return self.values[target.field][target.index]
 
-  def _set(self, t: _Target, x):
-    if t.field == "flat":
-      bucket = t.index
+  def _set(self, target: _Target, leaf):
+    if target.field == "flat":
+      bucket = target.index
       flat = self.master_flat if bucket.item is None else self.items[bucket.item]
-      flat[bucket.name] = x
-    elif t.field == "opt":
-      self.items[t.index] = x
+      flat[bucket.name] = leaf
+    elif target.field == "opt":
+      self.items[target.index] = leaf
     else:
-      self.values[t.field][t.index] = x
+      self.values[target.field][target.index] = leaf
 
   def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
-    olds = [self._get(t) for t in group]
+    olds = [self._get(target) for target in group]
     if self.abstract:  # where the state will place it
       olds = [
-        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=NamedSharding(self.mesh, t.spec))
-        for t in group
+        jax.ShapeDtypeStruct(
+          target.shape, target.dtype, sharding=NamedSharding(self.mesh, target.spec)
+        )
+        for target in group
       ]
-    if all(_as_read(t, x, stored[t.read]) for t, x in zip(group, olds)):
-      for t, old in zip(group, olds):  # read as they are, into like's very shardings
+    if all(_as_read(target, old, stored[target.read]) for target, old in zip(group, olds)):
+      for target, old in zip(group, olds):  # read as they are, into like's very shardings
         if not self.abstract:
           old.delete()
-        self._set(t, stored[t.read])
+        self._set(target, stored[target.read])
       return
     specs = [x.sharding.spec for x in olds]
     fit = jax.jit(
@@ -1028,12 +1045,12 @@ class _LikeLeaves:
     )
     # a leaf that takes nothing from `like` needs none of its buffer: freed below (an
     # abstract like's targets all take nothing: `_abstract_fits`)
-    likes = [None if _keeps(t) else x for t, x in zip(group, olds)]
-    new = fit({t.read: stored[t.read] for t in group}, likes)
-    for t, old, x in zip(group, olds, new):
-      if not self.abstract and _keeps(t) and not old.is_deleted():
+    likes = [None if _keeps(target) else old for target, old in zip(group, olds)]
+    new = fit({target.read: stored[target.read] for target in group}, likes)
+    for target, old, leaf in zip(group, olds, new):
+      if not self.abstract and _keeps(target) and not old.is_deleted():
         old.delete()
-      self._set(t, x)
+      self._set(target, leaf)
 
   def state(self, step: int) -> TrainState:
     like = self.like
@@ -1064,9 +1081,9 @@ def _abstract_fits(like: TrainState, targets: list[_Target], same_flat: bool) ->
   Adagrad's accumulator of 0.1), which shapes alone do not give."""
   if like.fused and not same_flat:
     return "the checkpoint's flat buckets are laid out for another dp or strategy"
-  for t in targets:
-    if not _keeps(t):
-      return f"{t.key} is stored as {t.stored} and is {t.shape} here"
+  for target in targets:
+    if not _keeps(target):
+      return f"{target.key} is stored as {target.stored} and is {target.shape} here"
   return None
 
 
@@ -1329,17 +1346,17 @@ class CheckpointManager:
     leaves = _LikeLeaves(like, mesh, same_flat)
     for group in _groups(targets):
       abstract = {}
-      for t in group:
-        if t.source is not None:  # its whole flat bucket, split over "data" if it divides
-          length = t.source.bucket_length
+      for target in group:
+        if target.source is not None:  # its whole flat bucket, split over "data" if it divides
+          length = target.source.bucket_length
           divides = length % mesh.shape[DATA] == 0
           shape, spec = (length,), P(DATA) if divides else P()
-        elif len(t.shape) != len(t.stored) or not t.logical:  # a scalar
-          shape, spec = t.stored, P()
+        elif len(target.shape) != len(target.stored) or not target.logical:  # a scalar
+          shape, spec = target.stored, P()
         else:
-          shape, spec = t.shape, t.spec
-        abstract[t.read] = jax.ShapeDtypeStruct(
-          shape, np.dtype(t.stored_dtype), sharding=NamedSharding(mesh, spec)
+          shape, spec = target.shape, target.spec
+        abstract[target.read] = jax.ShapeDtypeStruct(
+          shape, np.dtype(target.stored_dtype), sharding=NamedSharding(mesh, spec)
         )
       stored = self._mgr.restore(
         step,
