@@ -542,6 +542,9 @@ def _flat_items(state: TrainState) -> tuple[list[Any], Any]:
 
 
 def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+  """`_stored_arrays` of a sharded fused state: its flat buckets as they are, the leaves
+  outside them per leaf, and the metadata's "flat" entry (a `_FlatLayout`) saying where
+  each per-leaf key lies in the buckets."""
   layout = state.layout
   names = [name for name, _, _ in bucket_names(layout)]
   # param index -> (its bucket's number, its block in that bucket)
