@@ -80,6 +80,32 @@ in its logical shape), and refuses checkpoints written by a newer format."""
 _STATE, _META = "state", "meta"
 
 
+# ----------------------------------------------------------------------------- stored keys
+
+_KEY_KINDS = ("params", "master", "opt", "model_state", "rng", "flat_master", "flat_opt")
+
+
+def _key(kind: str, index: int | None = None, item: int | None = None) -> str:
+  """The name of one stored array: every name a checkpoint stores is built here.
+
+  Args:
+    kind: "params" or "master" (leaf `index` of the layout: a trainable low-precision
+      param is stored as its "master", `_stores_master`), "opt" (leaf `index` of the
+      per-leaf optax state, `jax.tree.leaves` order), "model_state" (leaf `index`), "rng"
+      (no index), "flat_master" (bucket `index` of a fused state's master), "flat_opt"
+      (bucket `index` of the `item`-th flat tree of a fused optax state).
+    index: the leaf's or bucket's number.
+    item: "flat_opt" only: the optax state item (`_flat_items`) the bucket belongs to.
+  """
+  if kind not in _KEY_KINDS:
+    raise ValueError(f"stored key kind {kind!r}: expected one of {_KEY_KINDS}")
+  if kind == "rng":
+    return "rng"
+  if kind == "flat_opt":
+    return f"flat_opt{item}_{index}"
+  return f"{kind}_{index}"
+
+
 # ----------------------------------------------------------------------------- shapes
 
 
@@ -96,9 +122,9 @@ def _stored_masters(state: TrainState) -> list[int]:
   """Trainable leaves stored with a separate master copy (low-precision params)."""
   layout = state.layout
   return [
-    i
-    for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
-    if t and _stores_master(dtype)
+    index
+    for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
+    if trainable and _stores_master(dtype)
   ]
 
 
@@ -128,61 +154,280 @@ def _opt_forms(state: TrainState) -> list[_OptForm]:
   layout = state.layout
   sharded = _sharded(state)
   seen = {
-    i: sharded_shape(layout, i)[0] if sharded else tuple(layout.shapes[i])
-    for i, t in enumerate(layout.trainable)
-    if t
+    index: sharded_shape(layout, index)[0] if sharded else tuple(layout.shapes[index])
+    for index, trainable in enumerate(layout.trainable)
+    if trainable
   }
   out = []
   for (path, _), shape in zip(keyed, shapes):
-    i = match_opt_leaf(path, shape, layout.paths, seen).param
-    if i is None:
-      out.append(_OptForm(shape, 0, None))
+    param = match_opt_leaf(path, shape, layout.paths, seen).param
+    if param is None:
+      out.append(_OptForm(shape=shape, axis=0, param=None))
     else:
-      out.append(_OptForm(tuple(layout.shapes[i]), layout.shard_axes[i], i))
+      shape, axis = tuple(layout.shapes[param]), layout.shard_axes[param]
+      out.append(_OptForm(shape=shape, axis=axis, param=param))
   return out
+
+
+# ----------------------------------------------------------------------------- metadata
+#
+# [Note: metadata records] A checkpoint's JSON metadata is written and read through the
+# records below, each field by its name (`restore` reads "format" from the JSON itself, and
+# `data_position()` hands back "data_position" as saved). A record's `to_json` writes it and
+# its `from_json` reads it back, the two side by side: a row (one leaf: a NamedTuple) as a
+# JSON list in its fields' order, any other record as a JSON object keyed by its fields'
+# names. To add a field: declare it in its record with the default that a checkpoint saved
+# without it (an older one) reads as, after the other fields (a row is stored by position);
+# write it in `to_json`; read it in `from_json`, falling back to that default where an older
+# checkpoint lacks it (`entries.get(name, default)`; a row: a shorter list). Where an older
+# jaxdp would misread the new checkpoint (a field renamed or changed in meaning, a longer
+# row: readers unpack a row by its length), bump `FORMAT` too: `restore` refuses a newer
+# format, and `from_json` reads every older one.
+
+
+class _LeafRow(NamedTuple):
+  """One optax state or model state leaf, as the metadata stores it (a JSON list). To add a
+  field: [Note: metadata records]."""
+
+  path: str
+  """`jax.tree_util.keystr` of its path in its tree."""
+  shape: tuple[int, ...]
+  """Its logical shape: a per-param optax leaf's is its param's, without padding."""
+  dtype: str
+  """`np.dtype(...).name`."""
+
+  def to_json(self) -> list[Any]:
+    return [self.path, list(self.shape), self.dtype]
+
+  @classmethod
+  def from_json(cls, row: list[Any]) -> _LeafRow:
+    path, shape, dtype = row
+    return cls(path=path, shape=tuple(shape), dtype=dtype)
+
+
+class _ParamRow(NamedTuple):
+  """One param of the layout, as the metadata stores it (a JSON list). To add a field:
+  [Note: metadata records]."""
+
+  path: str
+  """`jax.tree_util.keystr` of its path in the params (`Layout.paths`)."""
+  shape: tuple[int, ...]
+  """Its logical shape, without padding."""
+  dtype: str
+  """The param's own dtype (`np.dtype(...).name`), not its master's."""
+  trainable: bool
+
+  def to_json(self) -> list[Any]:
+    return [self.path, list(self.shape), self.dtype, self.trainable]
+
+  @classmethod
+  def from_json(cls, row: list[Any]) -> _ParamRow:
+    path, shape, dtype, trainable = row
+    return cls(path=path, shape=tuple(shape), dtype=dtype, trainable=trainable)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Description:
+  """What a state's canonical form holds (`_describe`): the part of the metadata that
+  `restore` checks `like` against, and reads each stored leaf's logical form from. To add a
+  field: [Note: metadata records]."""
+
+  params: tuple[_ParamRow, ...]
+  master: tuple[int, ...]
+  """The params stored with a separate master copy (`_stored_masters`)."""
+  opt_state: tuple[_LeafRow, ...]
+  """Every optax state leaf of the per-leaf form, in `jax.tree.leaves` order."""
+  opt_state_structure: str
+  """`str` of the optax state's treedef."""
+  model_state: tuple[_LeafRow, ...] = ()
+  rng: bool = False
+  """Does the state hold a key."""
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "params": [row.to_json() for row in self.params],
+      "master": list(self.master),
+      "opt_state": [row.to_json() for row in self.opt_state],
+      "opt_state_structure": self.opt_state_structure,
+      "model_state": [row.to_json() for row in self.model_state],
+      "rng": self.rng,
+    }
+
+  @classmethod
+  def from_json(cls, entries: dict[str, Any]) -> _Description:
+    return cls(
+      params=tuple(_ParamRow.from_json(row) for row in entries["params"]),
+      master=tuple(entries["master"]),
+      opt_state=tuple(_LeafRow.from_json(row) for row in entries["opt_state"]),
+      opt_state_structure=entries["opt_state_structure"],
+      # the first format-1 checkpoints were written before states held these two
+      model_state=tuple(_LeafRow.from_json(row) for row in entries.get("model_state", [])),
+      rng=entries.get("rng", False),
+    )
+
+
+class _FlatSource(NamedTuple):
+  """Where a per-leaf key of a sharded fused state lies in its stored flat bucket (a JSON
+  list): on every device's shard of the bucket, its block of that device's rows. To add a
+  field: [Note: metadata records]."""
+
+  bucket_key: str
+  """The stored flat bucket (`_key("flat_master", ...)` or `_key("flat_opt", ...)`)."""
+  offset: int
+  """Where its block starts in each device's shard of the bucket."""
+  local_shape: tuple[int, ...]
+  """The block's shape: the leaf's padded shape with its shard dim cut by dp."""
+  axis: int
+  """The leaf's shard dim."""
+
+  def to_json(self) -> list[Any]:
+    return [self.bucket_key, self.offset, list(self.local_shape), self.axis]
+
+  @classmethod
+  def from_json(cls, row: list[Any]) -> _FlatSource:
+    bucket_key, offset, local_shape, axis = row
+    return cls(bucket_key=bucket_key, offset=offset, local_shape=tuple(local_shape), axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatLayout:
+  """How a sharded fused state was stored as its flat buckets (`_stored_flat`): the
+  metadata's "flat" entry. To add a field: [Note: metadata records]."""
+
+  dp: int
+  layout: str
+  """`Layout.summary()`: a restore with the very same layout reads each bucket as it is."""
+  sources: dict[str, _FlatSource]
+  """Each per-leaf key held in a flat bucket, and where."""
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+      "dp": self.dp,
+      "layout": self.layout,
+      "sources": {key: source.to_json() for key, source in self.sources.items()},
+    }
+
+  @classmethod
+  def from_json(cls, entries: dict[str, Any]) -> _FlatLayout:
+    return cls(
+      dp=entries["dp"],
+      layout=entries["layout"],
+      sources={key: _FlatSource.from_json(row) for key, row in entries["sources"].items()},
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Metadata:
+  """A checkpoint's metadata: the JSON object `CheckpointManager.metadata` returns, with
+  the description's entries (`_Description`) at its top level. To add a field: [Note:
+  metadata records]."""
+
+  format: int
+  """`FORMAT` of the jaxdp that wrote it."""
+  jaxdp_version: str
+  state_step: int
+  """The state's step counter."""
+  data_position: Any
+  """The caller's `data_position` (any JSON value)."""
+  strategy: str
+  dp: int
+  mesh_shape: dict[str, int]
+  layout: str
+  """`Layout.summary()` of the saved state."""
+  description: _Description
+  stored: dict[str, tuple[int, ...]] | None = None
+  """Every stored key's shape as stored; None (format 1): each key's logical shape."""
+  flat: dict[str, Any] | None = None
+  """A sharded fused state's `_FlatLayout` as stored (`_stored_arrays` gives it so; read it
+  through `flat_layout`); None: every key is stored in its per-leaf form."""
+
+  @property
+  def flat_layout(self) -> _FlatLayout | None:
+    return None if self.flat is None else _FlatLayout.from_json(self.flat)
+
+  def to_json(self) -> dict[str, Any]:
+    out = {
+      "format": self.format,
+      "jaxdp_version": self.jaxdp_version,
+      "state_step": self.state_step,
+      "data_position": self.data_position,
+      "strategy": self.strategy,
+      "dp": self.dp,
+      "mesh_shape": dict(self.mesh_shape),
+      "layout": self.layout,
+      **self.description.to_json(),
+    }
+    if self.stored is not None:
+      out["stored"] = {key: list(shape) for key, shape in self.stored.items()}
+    if self.flat is not None:
+      out["flat"] = self.flat
+    return out
+
+  @classmethod
+  def from_json(cls, entries: dict[str, Any]) -> _Metadata:
+    stored = entries.get("stored")
+    return cls(
+      format=entries["format"],
+      jaxdp_version=entries["jaxdp_version"],
+      state_step=entries["state_step"],
+      data_position=entries["data_position"],
+      strategy=entries["strategy"],
+      dp=entries["dp"],
+      mesh_shape=entries["mesh_shape"],
+      layout=entries["layout"],
+      description=_Description.from_json(entries),
+      stored=None if stored is None else {key: tuple(shape) for key, shape in stored.items()},
+      flat=entries.get("flat"),
+    )
 
 
 # ----------------------------------------------------------------------------- description
 
 
-def _describe(state: TrainState) -> dict[str, Any]:
-  """What a state's canonical form holds: the JSON metadata a checkpoint is checked by."""
+def _describe(state: TrainState) -> _Description:
+  """What a state's canonical form holds: the metadata a checkpoint is checked by."""
   if state.fused:
     state = jax.eval_shape(functools.partial(per_leaf_state, mesh=state.step.sharding.mesh), state)
   layout = state.layout
-  trainable = layout.trainable
-  keyed = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-  return {
-    "params": [
-      [path, list(shape), dtype.name, t]
-      for path, shape, dtype, t in zip(layout.paths, layout.shapes, layout.dtypes, trainable)
-    ],
-    "master": _stored_masters(state),
-    "opt_state": [
-      [jax.tree_util.keystr(path), list(shape), np.dtype(x.dtype).name]
-      for (path, x), (shape, *_) in zip(keyed, _opt_forms(state))
-    ],
-    "opt_state_structure": str(jax.tree.structure(state.opt_state)),
-    "model_state": [
-      [jax.tree_util.keystr(path), list(np.shape(x)), np.dtype(x.dtype).name]
-      for path, x in jax.tree_util.tree_flatten_with_path(state.model_state)[0]
-    ],
-    "rng": state.rng is not None,
-  }
+  keyed_opt = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
+  keyed_model = jax.tree_util.tree_flatten_with_path(state.model_state)[0]
+  return _Description(
+    params=tuple(
+      _ParamRow(path=path, shape=tuple(shape), dtype=dtype.name, trainable=trainable)
+      for path, shape, dtype, trainable in zip(
+        layout.paths, layout.shapes, layout.dtypes, layout.trainable
+      )
+    ),
+    master=tuple(_stored_masters(state)),
+    opt_state=tuple(
+      _LeafRow(path=jax.tree_util.keystr(path), shape=form.shape, dtype=np.dtype(leaf.dtype).name)
+      for (path, leaf), form in zip(keyed_opt, _opt_forms(state))
+    ),
+    opt_state_structure=str(jax.tree.structure(state.opt_state)),
+    model_state=tuple(
+      _LeafRow(
+        path=jax.tree_util.keystr(path),
+        shape=tuple(np.shape(leaf)),
+        dtype=np.dtype(leaf.dtype).name,
+      )
+      for path, leaf in keyed_model
+    ),
+    rng=state.rng is not None,
+  )
 
 
-def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
+def _first_mismatch(saved: _Description, want: _Description) -> str | None:
   """A sentence naming the first leaf where a checkpoint and `like` disagree, or None."""
 
-  def leaf(kind, got, exp):
+  def leaf(kind, saved_rows, like_rows):
     # Paired by path: a leaf only one side has is named as such, not compared with
     # whatever leaf sits at its position on the other side.
-    saved_paths, like_paths = [a[0] for a in got], [b[0] for b in exp]
-    extra = [p for p in saved_paths if p not in set(like_paths)]
-    missing = [p for p in like_paths if p not in set(saved_paths)]
+    saved_paths, like_paths = [row.path for row in saved_rows], [row.path for row in like_rows]
+    extra = [path for path in saved_paths if path not in set(like_paths)]
+    missing = [path for path in like_paths if path not in set(saved_paths)]
     if extra or missing:
       named = lambda paths: (
-        ", ".join(f"{kind}{p}" for p in paths[:4])
+        ", ".join(f"{kind}{path}" for path in paths[:4])
         + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
       )
       parts = []
@@ -191,41 +436,49 @@ def _first_mismatch(saved: dict[str, Any], want: dict[str, Any]) -> str | None:
       if missing:
         parts.append(f"only `like` has {named(missing)}")
       return (
-        " and ".join(parts) + f" ({len(got)} {kind} leaves in the checkpoint, {len(exp)} in `like`)"
+        " and ".join(parts)
+        + f" ({len(saved_rows)} {kind} leaves in the checkpoint, {len(like_rows)} in `like`)"
       )
-    stored = {a[0]: a for a in got}
-    for b in exp:
-      a = stored[b[0]]
-      for field, x, y in (("shape", a[1], b[1]), ("dtype", a[2], b[2])):
-        if x != y:
-          x, y = (tuple(x), tuple(y)) if field == "shape" else (x, y)
-          return f"{kind}{a[0]}: {field} {x} in the checkpoint, {y} in `like`"
+    by_path = {row.path: row for row in saved_rows}
+    for like_row in like_rows:
+      saved_row = by_path[like_row.path]
+      if saved_row.shape != like_row.shape:
+        return (
+          f"{kind}{saved_row.path}: shape {saved_row.shape} in the checkpoint, "
+          f"{like_row.shape} in `like`"
+        )
+      if saved_row.dtype != like_row.dtype:
+        return (
+          f"{kind}{saved_row.path}: dtype {saved_row.dtype} in the checkpoint, "
+          f"{like_row.dtype} in `like`"
+        )
     if saved_paths != like_paths:
       return f"the {kind} leaves are the same but in another order in the checkpoint"
     return None
 
-  if msg := leaf("params", saved["params"], want["params"]):
+  role = lambda trainable: "trainable" if trainable else "frozen"
+  if msg := leaf("params", saved.params, want.params):
     return msg
-  for a, b in zip(saved["params"], want["params"]):
-    if a[3] != b[3]:
+  for saved_row, like_row in zip(saved.params, want.params):
+    if saved_row.trainable != like_row.trainable:
       return (
-        f"params{a[0]}: {'trainable' if a[3] else 'frozen'} in the checkpoint, "
-        f"{'trainable' if b[3] else 'frozen'} in `like`; use the same `frozen`"
+        f"params{saved_row.path}: {role(saved_row.trainable)} in the checkpoint, "
+        f"{role(like_row.trainable)} in `like`; use the same `frozen`"
       )
-  if msg := leaf("opt_state", saved["opt_state"], want["opt_state"]):
+  if msg := leaf("opt_state", saved.opt_state, want.opt_state):
     return msg + " (another optimizer?)"
-  if saved["opt_state_structure"] != want["opt_state_structure"]:
+  if saved.opt_state_structure != want.opt_state_structure:
     return (
       "the optimizer state has the structure "
-      f"{saved['opt_state_structure']} in the checkpoint but "
-      f"{want['opt_state_structure']} in `like` (another optimizer?)"
+      f"{saved.opt_state_structure} in the checkpoint but "
+      f"{want.opt_state_structure} in `like` (another optimizer?)"
     )
-  if msg := leaf("model_state", saved.get("model_state", []), want["model_state"]):
+  if msg := leaf("model_state", saved.model_state, want.model_state):
     return msg + " (init_state(..., model_state=) for the same model?)"
-  if saved.get("rng", False) != want["rng"]:
+  if saved.rng != want.rng:
     return (
       "the checkpoint holds a key (init_state(..., rng=)) and `like` does not"
-      if want["rng"] is False
+      if not want.rng
       else "`like` holds a key (init_state(..., rng=)) and the "
       "checkpoint does not; build `like` without rng="
     )
@@ -243,7 +496,8 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
 
   A sharded fused state stores its flat buckets as they are (`flat_master_<n>`,
   `flat_opt<k>_<n>`: bucket `n` of `master` and of the `k`-th flat tree of the optax state);
-  `flat` says where each per-leaf key's values lie in them (`_stored_flat`). `no_shard`'s
+  `flat`, the metadata's "flat" entry (a `_FlatLayout` as stored; `{}` for any other
+  state), says where each per-leaf key's values lie in them (`_stored_flat`). `no_shard`'s
   fused state, replicated, is stored in its per-leaf form."""
   if state.fused and state.config.use_distributed_optimizer:
     return _stored_flat(state)
@@ -252,20 +506,29 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
   layout = state.layout
   params, masters = leaves_of(state.params, layout), leaves_of(state.master, layout)
   out = {}
-  for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
-    if not t:
-      out[f"params_{i}"] = params[i]
+  for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
+    if not trainable:
+      out[_key("params", index)] = params[index]
     elif _stores_master(dtype):
-      out[f"master_{i}"] = masters[i]
+      out[_key("master", index)] = masters[index]
     else:  # an fp32 param is its own master: stored once
-      out[f"params_{i}"] = masters[i] if masters[i] is not None else params[i]
-  for j, x in enumerate(jax.tree.leaves(state.opt_state)):
-    out[f"opt_{j}"] = x
-  for j, x in enumerate(jax.tree.leaves(state.model_state)):
-    out[f"model_state_{j}"] = x
-  if state.rng is not None:
-    out["rng"] = state.rng
+      master = masters[index]
+      out[_key("params", index)] = master if master is not None else params[index]
+  for index, leaf in enumerate(jax.tree.leaves(state.opt_state)):
+    out[_key("opt", index)] = leaf
+  out.update(_stored_extras(state))
   return out, {}
+
+
+def _stored_extras(state: TrainState) -> dict[str, jax.Array]:
+  """The stored arrays besides params and optimizer state: the model state's leaves and
+  the key, both replicated."""
+  out = {}
+  for index, leaf in enumerate(jax.tree.leaves(state.model_state)):
+    out[_key("model_state", index)] = leaf
+  if state.rng is not None:
+    out[_key("rng")] = state.rng
+  return out
 
 
 def _is_flat(x, layout) -> bool:
@@ -279,42 +542,53 @@ def _flat_items(state: TrainState) -> tuple[list[Any], Any]:
 
 
 def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any]]:
+  """`_stored_arrays` of a sharded fused state: its flat buckets as they are, the leaves
+  outside them per leaf, and the metadata's "flat" entry (a `_FlatLayout`) saying where
+  each per-leaf key lies in the buckets."""
   layout = state.layout
   names = [name for name, _, _ in bucket_names(layout)]
-  blocks = {p.index: (n, p) for n, (_, _, b) in enumerate(bucket_names(layout)) for p in b.params}
+  # param index -> (its bucket's number, its block in that bucket)
+  blocks = {
+    block.index: (number, block)
+    for number, (_, _, bucket) in enumerate(bucket_names(layout))
+    for block in bucket.params
+  }
   out, sources = {}, {}
 
-  def source(prefix, i):
-    n, p = blocks[i]
-    return [f"{prefix}_{n}", p.offset, list(p.local_shape(layout.dp)), p.axis]
+  def source(kind, index, item=None):
+    number, block = blocks[index]
+    return _FlatSource(
+      bucket_key=_key(kind, number, item),
+      offset=block.offset,
+      local_shape=tuple(block.local_shape(layout.dp)),
+      axis=block.axis,
+    )
 
-  for n, name in enumerate(names):
-    out[f"flat_master_{n}"] = state.master[name]
+  for number, name in enumerate(names):
+    out[_key("flat_master", number)] = state.master[name]
   params = leaves_of(state.params, layout)
-  for i, (t, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
-    if not t:
-      out[f"params_{i}"] = params[i]
+  for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
+    if not trainable:
+      out[_key("params", index)] = params[index]
     else:
-      key = f"master_{i}" if _stores_master(dtype) else f"params_{i}"
-      sources[key] = source("flat_master", i)
+      key = _key("master" if _stores_master(dtype) else "params", index)
+      sources[key] = source("flat_master", index)
   items, _ = _flat_items(state)
-  trainable = [i for i, t in enumerate(layout.trainable) if t]
-  j = 0
-  for k, item in enumerate(items):
+  trainable = [index for index, is_trainable in enumerate(layout.trainable) if is_trainable]
+  opt_index = 0  # the leaf's number in the per-leaf optax state
+  for item_index, item in enumerate(items):
     if _is_flat(item, layout):
-      for n, name in enumerate(names):
-        out[f"flat_opt{k}_{n}"] = item[name]
-      for i in trainable:
-        sources[f"opt_{j}"] = source(f"flat_opt{k}", i)
-        j += 1
+      for number, name in enumerate(names):
+        out[_key("flat_opt", number, item_index)] = item[name]
+      for index in trainable:
+        sources[_key("opt", opt_index)] = source("flat_opt", index, item_index)
+        opt_index += 1
     else:
-      out[f"opt_{j}"] = item
-      j += 1
-  for j, x in enumerate(jax.tree.leaves(state.model_state)):
-    out[f"model_state_{j}"] = x
-  if state.rng is not None:
-    out["rng"] = state.rng
-  return out, {"dp": layout.dp, "layout": layout.summary(), "sources": sources}
+      out[_key("opt", opt_index)] = item
+      opt_index += 1
+  out.update(_stored_extras(state))
+  flat = _FlatLayout(dp=layout.dp, layout=layout.summary(), sources=sources)
+  return out, flat.to_json()
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -413,15 +687,49 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
 # ----------------------------------------------------------------------------- restore
 
 
+class _BucketIndex(NamedTuple):
+  """Where a "flat" `_Target` sits in `like`: one flat bucket of its master or of one item
+  of its optax state."""
+
+  item: int | None
+  """The optax state item (`_flat_items`) the bucket belongs to; None: the master's."""
+  name: str
+  """The bucket's name (`bucket_names`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlatSlice:
+  """A stored per-leaf key that lies inside a stored flat bucket (`_FlatSource`), with what
+  cutting it out of the bucket takes (`_value`)."""
+
+  bucket_key: str
+  """The stored flat bucket orbax reads."""
+  bucket_length: int
+  """The bucket's stored length (all dp shards)."""
+  offset: int
+  """Where the key's block starts in each device's shard of the bucket."""
+  local_shape: tuple[int, ...]
+  """The block's shape: the leaf's padded shape with its shard dim cut by `dp`."""
+  axis: int
+  """The leaf's shard dim."""
+  dp: int
+  """The dp the bucket was saved with: its number of shards."""
+
+  @property
+  def stored_shape(self) -> tuple[int, ...]:
+    """The key's padded shape as saved: its blocks of all shards along `axis`."""
+    local, axis = self.local_shape, self.axis
+    return (*local[:axis], local[axis] * self.dp, *local[axis + 1 :])
+
+
 @dataclasses.dataclass(frozen=True)
 class _Target:
   """One leaf of `like` and the stored key that fills it."""
 
   field: str
   """"params", "master", "opt" (`jax.tree.leaves` order of the per-leaf form), "flat" (a
-  fused state's flat bucket, `index` = `(optax item or None, bucket name)`),
-  "model_state" or "rng"."""
-  index: Any
+  fused state's flat bucket, `index` a `_BucketIndex`), "model_state" or "rng"."""
+  index: int | _BucketIndex
   key: str
   shape: tuple[int, ...]
   dtype: np.dtype
@@ -431,37 +739,54 @@ class _Target:
   stored: tuple[int, ...]
   """The key's shape as stored (per leaf: padded rows included)."""
   stored_dtype: str
-  source: tuple | None = None
-  """A key stored inside a flat bucket: `(flat key, its length, offset, local shape, axis,
-  dp)` (`_stored_flat`)."""
+  source: _FlatSlice | None = None
+  """A key stored inside a flat bucket: where it lies there (`_stored_flat`)."""
 
   @property
   def read(self) -> str:
     """The stored key orbax reads for this target."""
-    return self.source[0] if self.source else self.key
+    return self.source.bucket_key if self.source is not None else self.key
 
   @property
   def bytes(self) -> int:
     return math.prod(self.shape) * self.dtype.itemsize
 
 
-def _same_flat_layout(meta: dict[str, Any], like: TrainState) -> bool:
+def _same_flat_layout(meta: _Metadata, like: TrainState) -> bool:
   """Was the checkpoint's fused state laid out exactly as `like` (same dp, buckets and
   shards)? Then each flat bucket is read as it is into `like`'s."""
-  flat = meta.get("flat")
+  flat = meta.flat_layout
+  params = leaves_of(like.params, like.layout)
   return bool(
-    flat
+    flat is not None
     and like.fused
     and like.config.use_distributed_optimizer
-    and flat["dp"] == like.layout.dp
-    and flat["layout"] == like.layout.summary()
-    and all(
-      x is None for t, x in zip(like.layout.trainable, leaves_of(like.params, like.layout)) if t
-    )
+    and flat.dp == like.layout.dp
+    and flat.layout == like.layout.summary()
+    # no trainable param held besides the flat master
+    and all(param is None for trainable, param in zip(like.layout.trainable, params) if trainable)
   )
 
 
-def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> list[_Target]:
+def _saved_leaves(description: _Description) -> dict[str, _LeafRow]:
+  """Every per-leaf key a checkpoint stores, with the logical shape and dtype of its leaf
+  (a master: its param's shape, in the master's dtype)."""
+  out = {}
+  for index, row in enumerate(description.params):
+    out[_key("params", index)] = _LeafRow(path=row.path, shape=row.shape, dtype=row.dtype)
+    if index in description.master:
+      master = master_dtype(row.dtype).name
+      out[_key("master", index)] = _LeafRow(path=row.path, shape=row.shape, dtype=master)
+  for index, row in enumerate(description.opt_state):
+    out[_key("opt", index)] = row
+  for index, row in enumerate(description.model_state):
+    out[_key("model_state", index)] = row
+  if description.rng:  # a key's raw data: two uint32 words
+    out[_key("rng")] = _LeafRow(path="", shape=(2,), dtype="uint32")
+  return out
+
+
+def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_Target]:
   """Every leaf of `like` (its per-leaf form unless `same_flat`) with the stored key of
   checkpoint `meta` (any format) that fills it, in the order the stored keys are first
   needed."""
@@ -470,77 +795,89 @@ def _targets(meta: dict[str, Any], like: TrainState, mesh, same_flat: bool) -> l
     per_leaf = jax.eval_shape(functools.partial(per_leaf_state, mesh=mesh), like)
   specs = train.state_specs(per_leaf)
   layout = per_leaf.layout
-  masters_saved = set(meta["master"])
-  logical, dtypes = {}, {}
-  for i, (path, shape, dtype, _) in enumerate(meta["params"]):
-    logical[f"params_{i}"], dtypes[f"params_{i}"] = tuple(shape), dtype
-    if i in masters_saved:
-      logical[f"master_{i}"], dtypes[f"master_{i}"] = tuple(shape), master_dtype(dtype).name
-  for j, (path, shape, dtype) in enumerate(meta["opt_state"]):
-    logical[f"opt_{j}"], dtypes[f"opt_{j}"] = tuple(shape), dtype
-  for j, (path, shape, dtype) in enumerate(meta.get("model_state", [])):
-    logical[f"model_state_{j}"], dtypes[f"model_state_{j}"] = tuple(shape), dtype
-  if meta.get("rng"):
-    logical["rng"], dtypes["rng"] = (2,), "uint32"
-  stored = {k: tuple(v) for k, v in meta.get("stored", logical).items()}
-  flat = meta.get("flat") or {"sources": {}}
-  sources = {}
-  for key, (flat_key, offset, local, axis) in flat["sources"].items():
-    local = tuple(local)
-    sources[key] = (flat_key, stored[flat_key][0], offset, local, axis, flat["dp"])
-    stored[key] = (*local[:axis], local[axis] * flat["dp"], *local[axis + 1 :])
-  value = lambda i: f"master_{i}" if i in masters_saved else f"params_{i}"
+  masters_saved = set(meta.description.master)
+  saved = _saved_leaves(meta.description)
+  if meta.stored is None:  # format 1: every key in its logical shape
+    stored = {key: row.shape for key, row in saved.items()}
+  else:
+    stored = dict(meta.stored)
+  flat = meta.flat_layout
+  slices = {}
+  for key, source in (flat.sources if flat is not None else {}).items():
+    slices[key] = _FlatSlice(
+      bucket_key=source.bucket_key,
+      bucket_length=stored[source.bucket_key][0],
+      offset=source.offset,
+      local_shape=source.local_shape,
+      axis=source.axis,
+      dp=flat.dp,
+    )
+    stored[key] = slices[key].stored_shape
 
-  def target(field, i, key, x, spec):
+  def value_key(index):  # a trainable param's key: its master's where stored apart
+    return _key("master" if index in masters_saved else "params", index)
+
+  def target(field, index, key, leaf, spec):
+    row = saved.get(key)  # None: a flat bucket, read as it is
+    shape, dtype = tuple(leaf.shape), np.dtype(leaf.dtype)
     return _Target(
-      field,
-      i,
-      key,
-      tuple(x.shape),
-      np.dtype(x.dtype),
-      spec,
-      logical.get(key, tuple(x.shape)),
-      stored[key],
-      dtypes.get(key, np.dtype(x.dtype).name),
-      sources.get(key),
+      field=field,
+      index=index,
+      key=key,
+      shape=shape,
+      dtype=dtype,
+      spec=spec,
+      logical=shape if row is None else row.shape,
+      stored=stored[key],
+      stored_dtype=dtype.name if row is None else row.dtype,
+      source=slices.get(key),
     )
 
   out = []
   if same_flat:  # each flat bucket as it is
     names = [name for name, _, _ in bucket_names(layout)]
-    for n, name in enumerate(names):
-      out.append(target("flat", (None, name), f"flat_master_{n}", like.master[name], FLAT_SPEC))
+    for number, name in enumerate(names):
+      out.append(
+        target(
+          "flat",
+          _BucketIndex(item=None, name=name),
+          _key("flat_master", number),
+          like.master[name],
+          FLAT_SPEC,
+        )
+      )
   else:
-    for i, (x, spec) in enumerate(
-      zip(leaves_of(per_leaf.master, layout), leaves_of(specs.master, layout))
-    ):
-      if x is not None:
-        out.append(target("master", i, value(i), x, spec))
-  for i, (x, spec) in enumerate(
-    zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
-  ):
-    if x is not None:
-      out.append(target("params", i, value(i) if layout.trainable[i] else f"params_{i}", x, spec))
+    masters = zip(leaves_of(per_leaf.master, layout), leaves_of(specs.master, layout))
+    for index, (leaf, spec) in enumerate(masters):
+      if leaf is not None:
+        out.append(target("master", index, value_key(index), leaf, spec))
+  params = zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
+  for index, (leaf, spec) in enumerate(params):
+    if leaf is not None:
+      key = value_key(index) if layout.trainable[index] else _key("params", index)
+      out.append(target("params", index, key, leaf, spec))
   if same_flat:
     items, _ = _flat_items(like)
     spec_items = jax.tree.flatten(specs.opt_state, is_leaf=lambda x: _is_flat(x, layout))[0]
-    j, trainable = 0, sum(layout.trainable)
-    for k, (item, spec) in enumerate(zip(items, spec_items)):
+    opt_index, trainable = 0, sum(layout.trainable)  # the per-leaf optax state's numbering
+    for item_index, (item, spec) in enumerate(zip(items, spec_items)):
       if _is_flat(item, layout):
-        for n, name in enumerate(names):
-          out.append(target("flat", (k, name), f"flat_opt{k}_{n}", item[name], FLAT_SPEC))
-        j += trainable
+        for number, name in enumerate(names):
+          bucket = _BucketIndex(item=item_index, name=name)
+          key = _key("flat_opt", number, item_index)
+          out.append(target("flat", bucket, key, item[name], FLAT_SPEC))
+        opt_index += trainable  # a flat item holds one leaf per trainable param
       else:
-        out.append(target("opt", k, f"opt_{j}", item, spec))
-        j += 1
+        out.append(target("opt", item_index, _key("opt", opt_index), item, spec))
+        opt_index += 1
   else:
     opt_specs = jax.tree.leaves(specs.opt_state)
-    for j, x in enumerate(jax.tree.leaves(per_leaf.opt_state)):
-      out.append(target("opt", j, f"opt_{j}", x, opt_specs[j]))
-  for j, x in enumerate(jax.tree.leaves(per_leaf.model_state)):
-    out.append(target("model_state", j, f"model_state_{j}", x, P()))
+    for index, leaf in enumerate(jax.tree.leaves(per_leaf.opt_state)):
+      out.append(target("opt", index, _key("opt", index), leaf, opt_specs[index]))
+  for index, leaf in enumerate(jax.tree.leaves(per_leaf.model_state)):
+    out.append(target("model_state", index, _key("model_state", index), leaf, P()))
   if per_leaf.rng is not None:
-    out.append(target("rng", 0, "rng", per_leaf.rng, P()))
+    out.append(target("rng", 0, _key("rng"), per_leaf.rng, P()))
   return out
 
 
@@ -548,65 +885,71 @@ def _groups(targets: list[_Target]) -> list[list[_Target]]:
   """The targets in groups of about an eighth of the state (at least one leaf each), read
   and fitted one group at a time: a restore holds the state plus one group. A key read
   into two shapes (a param and its master) is read once per group."""
-  budget = sum(t.bytes for t in targets) / 8
+  budget = sum(target.bytes for target in targets) / 8
   groups, current, size = [], [], 0
-  for t in targets:
-    if current and size + t.bytes > budget:
+  for target in targets:
+    if current and size + target.bytes > budget:
       groups.append(current)
       current, size = [], 0
-    current.append(t)
-    size += t.bytes
+    current.append(target)
+    size += target.bytes
   if current:
     groups.append(current)
   out = []
   for group in groups:
     seen, first, again = set(), [], []
-    for t in group:
-      twice = t.source is None and t.read in seen
-      (again if twice else first).append(t)
-      seen.add(t.read)
+    for target in group:
+      twice = target.source is None and target.read in seen
+      (again if twice else first).append(target)
+      seen.add(target.read)
     out += [first] + ([again] if again else [])
   return out
 
 
-def _value(stored: dict[str, jax.Array], t: _Target) -> jax.Array:
-  """Traced: the stored value of `t`'s key; a key stored in a flat bucket (`t.source`) is
-  cut from it: block `d` of its shard dim is its columns of the bucket's shard `d`."""
-  if t.source is None:
-    return stored[t.key]
-  key, _, offset, local, axis, dp = t.source
-  cols = stored[key].reshape(dp, -1)[:, offset : offset + math.prod(local)]
-  return jnp.moveaxis(cols.reshape(dp, *local), 0, axis).reshape(t.stored)
+def _value(stored: dict[str, jax.Array], target: _Target) -> jax.Array:
+  """Traced: the stored value of `target`'s key; a key stored in a flat bucket
+  (`target.source`) is cut from it: block `d` of its shard dim is its columns of the
+  bucket's shard `d`."""
+  if target.source is None:
+    return stored[target.key]
+  piece = target.source
+  # (dp, shard length): row d is device d's shard of the bucket, the block its columns
+  shards = stored[piece.bucket_key].reshape(piece.dp, -1)
+  block = shards[:, piece.offset : piece.offset + math.prod(piece.local_shape)]
+  blocks = block.reshape(piece.dp, *piece.local_shape)  # (dp, *local_shape)
+  return jnp.moveaxis(blocks, 0, piece.axis).reshape(target.stored)
 
 
-def _as_read(t: _Target, old: jax.Array, read: jax.Array) -> bool:
-  """Is the leaf orbax read for `t` the restored leaf itself (same shape, dtype and sharding
-  as `like`'s, nothing cut from a flat bucket)?"""
+def _as_read(target: _Target, old: jax.Array, read: jax.Array) -> bool:
+  """Is the leaf orbax read for `target` the restored leaf itself (same shape, dtype and
+  sharding as `like`'s, nothing cut from a flat bucket)?"""
   return (
-    t.source is None
-    and _keeps(t)
+    target.source is None
+    and _keeps(target)
     and read.shape == old.shape
     and read.dtype == old.dtype
     and read.sharding == old.sharding
   )
 
 
-def _keeps(t: _Target) -> bool:
-  """Is the stored leaf `t`'s value as it is (stored in the target's very shape, or the
-  target has no padding): nothing of `like` is kept."""
-  return len(t.stored) == len(t.shape) and (t.stored == t.shape or t.logical == t.shape)
+def _keeps(target: _Target) -> bool:
+  """Is the stored leaf `target`'s value as it is (stored in the target's very shape, or
+  the target has no padding): nothing of `like` is kept."""
+  return len(target.stored) == len(target.shape) and (
+    target.stored == target.shape or target.logical == target.shape
+  )
 
 
 def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Array]:
   """Traced: each target's leaf holding its stored value (`_fit`); `likes` has the `like`
   leaf of each target that takes padding from it, None for the others."""
   out = []
-  for t, x in zip(targets, likes):
-    v = _value(stored, t)
-    if x is None:  # stored in like's very shape, or like has no padding: as stored
-      out.append(_cut(v, t.shape).astype(t.dtype))
+  for target, like_leaf in zip(targets, likes):
+    value = _value(stored, target)
+    if like_leaf is None:  # stored in like's very shape, or like has no padding: as stored
+      out.append(_cut(value, target.shape).astype(target.dtype))
     else:
-      out.append(_fit(v, x, t.logical))
+      out.append(_fit(value, like_leaf, target.logical))
   return out
 
 
@@ -664,35 +1007,39 @@ class _LikeLeaves:
     }
     self.master_flat = dict(like.master) if same_flat else None
 
-  def _get(self, t: _Target):
-    if t.field == "flat":
-      k, name = t.index
-      return (self.master_flat if k is None else self.items[k])[name]
-    if t.field == "opt":
-      return self.items[t.index]
-    return self.values[t.field][t.index]
+  def _get(self, target: _Target):
+    if target.field == "flat":
+      bucket = target.index
+      flat = self.master_flat if bucket.item is None else self.items[bucket.item]
+      return flat[bucket.name]
+    if target.field == "opt":
+      return self.items[target.index]
+    return self.values[target.field][target.index]
 
-  def _set(self, t: _Target, x):
-    if t.field == "flat":
-      k, name = t.index
-      (self.master_flat if k is None else self.items[k])[name] = x
-    elif t.field == "opt":
-      self.items[t.index] = x
+  def _set(self, target: _Target, leaf):
+    if target.field == "flat":
+      bucket = target.index
+      flat = self.master_flat if bucket.item is None else self.items[bucket.item]
+      flat[bucket.name] = leaf
+    elif target.field == "opt":
+      self.items[target.index] = leaf
     else:
-      self.values[t.field][t.index] = x
+      self.values[target.field][target.index] = leaf
 
   def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
-    olds = [self._get(t) for t in group]
+    olds = [self._get(target) for target in group]
     if self.abstract:  # where the state will place it
       olds = [
-        jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=NamedSharding(self.mesh, t.spec))
-        for t in group
+        jax.ShapeDtypeStruct(
+          target.shape, target.dtype, sharding=NamedSharding(self.mesh, target.spec)
+        )
+        for target in group
       ]
-    if all(_as_read(t, x, stored[t.read]) for t, x in zip(group, olds)):
-      for t, old in zip(group, olds):  # read as they are, into like's very shardings
+    if all(_as_read(target, old, stored[target.read]) for target, old in zip(group, olds)):
+      for target, old in zip(group, olds):  # read as they are, into like's very shardings
         if not self.abstract:
           old.delete()
-        self._set(t, stored[t.read])
+        self._set(target, stored[target.read])
       return
     specs = [x.sharding.spec for x in olds]
     fit = jax.jit(
@@ -701,12 +1048,12 @@ class _LikeLeaves:
     )
     # a leaf that takes nothing from `like` needs none of its buffer: freed below (an
     # abstract like's targets all take nothing: `_abstract_fits`)
-    likes = [None if _keeps(t) else x for t, x in zip(group, olds)]
-    new = fit({t.read: stored[t.read] for t in group}, likes)
-    for t, old, x in zip(group, olds, new):
-      if not self.abstract and _keeps(t) and not old.is_deleted():
+    likes = [None if _keeps(target) else old for target, old in zip(group, olds)]
+    new = fit({target.read: stored[target.read] for target in group}, likes)
+    for target, old, leaf in zip(group, olds, new):
+      if not self.abstract and _keeps(target) and not old.is_deleted():
         old.delete()
-      self._set(t, x)
+      self._set(target, leaf)
 
   def state(self, step: int) -> TrainState:
     like = self.like
@@ -737,9 +1084,9 @@ def _abstract_fits(like: TrainState, targets: list[_Target], same_flat: bool) ->
   Adagrad's accumulator of 0.1), which shapes alone do not give."""
   if like.fused and not same_flat:
     return "the checkpoint's flat buckets are laid out for another dp or strategy"
-  for t in targets:
-    if not _keeps(t):
-      return f"{t.key} is stored as {t.stored} and is {t.shape} here"
+  for target in targets:
+    if not _keeps(target):
+      return f"{target.key} is stored as {target.stored} and is {target.shape} here"
   return None
 
 
@@ -888,27 +1235,27 @@ class CheckpointManager:
     step = int(step)
     if not force and not self._mgr.should_save(step):
       return False
-    meta = {
-      "format": FORMAT,
-      "jaxdp_version": __version__,
-      "state_step": int(jax.device_get(state.step)),
-      "data_position": data_position,
-      "strategy": state.config.data_parallel_sharding_strategy,
-      "dp": state.layout.dp,
-      "mesh_shape": dict(state.mesh_shape),
-      "layout": state.layout.summary(),
-      **_describe(state),
-    }
+    description = _describe(state)
     arrays, flat = _stored_arrays(state)
     if self.save_concurrent_gb is not None:
       _check_shards_fit(arrays, self.save_concurrent_gb)
-    meta["stored"] = {k: list(x.shape) for k, x in arrays.items()}
-    if flat:
-      meta["flat"] = flat
+    meta = _Metadata(
+      format=FORMAT,
+      jaxdp_version=__version__,
+      state_step=int(jax.device_get(state.step)),
+      data_position=data_position,
+      strategy=state.config.data_parallel_sharding_strategy,
+      dp=state.layout.dp,
+      mesh_shape=dict(state.mesh_shape),
+      layout=state.layout.summary(),
+      description=description,
+      stored={key: tuple(array.shape) for key, array in arrays.items()},
+      flat=flat or None,
+    )
     return self._mgr.save(
       step,
       args=ocp.args.Composite(
-        **{_STATE: ocp.args.PyTreeSave(arrays), _META: ocp.args.JsonSave(meta)}
+        **{_STATE: ocp.args.PyTreeSave(arrays), _META: ocp.args.JsonSave(meta.to_json())}
       ),
       force=force,
     )
@@ -973,18 +1320,20 @@ class CheckpointManager:
     _is_abstract(like)
     checks.check_not_donated(like, "CheckpointManager.restore(like)")
     step = self._step(step)
-    meta = self.metadata(step)
-    if meta.get("format", 0) > FORMAT:
+    entries = self.metadata(step)
+    # checked on the JSON itself: a newer format's metadata need not read as `_Metadata`
+    if entries.get("format", 0) > FORMAT:
       raise ValueError(
-        f"checkpoint {step} in {self.directory} has format {meta['format']} (jaxdp "
-        f"{meta.get('jaxdp_version')}); this jaxdp reads format {FORMAT} or older: "
+        f"checkpoint {step} in {self.directory} has format {entries['format']} (jaxdp "
+        f"{entries.get('jaxdp_version')}); this jaxdp reads format {FORMAT} or older: "
         "upgrade jaxdp"
       )
-    if problem := _first_mismatch(meta, _describe(like)):
+    meta = _Metadata.from_json(entries)
+    if problem := _first_mismatch(meta.description, _describe(like)):
       raise ValueError(
         f"checkpoint {step} in {self.directory} does not fit `like`: {problem}. Build "
         f"`like` with init_state for the same model and optimizer (saved: "
-        f"{meta['strategy']}, dp={meta['dp']}, jaxdp {meta['jaxdp_version']})"
+        f"{meta.strategy}, dp={meta.dp}, jaxdp {meta.jaxdp_version})"
       )
 
     mesh = like.step.sharding.mesh
@@ -993,24 +1342,24 @@ class CheckpointManager:
     if _is_abstract(like) and (why := _abstract_fits(like, targets, same_flat)):
       raise ValueError(
         f"checkpoint {step} in {self.directory} restores onto other padding than it was "
-        f"saved with ({why}; saved: {meta['strategy']}, dp={meta['dp']}): the padding "
+        f"saved with ({why}; saved: {meta.strategy}, dp={meta.dp}): the padding "
         "rows come from `like`'s values, which an abstract_state has not. Pass "
         "like=jaxdp.init_state(...) for this restore"
       )
     leaves = _LikeLeaves(like, mesh, same_flat)
     for group in _groups(targets):
       abstract = {}
-      for t in group:
-        if t.source is not None:  # its whole flat bucket, split over "data" if it divides
-          n = t.source[1]
-          divides = n % mesh.shape[DATA] == 0
-          shape, spec = (n,), P(DATA) if divides else P()
-        elif len(t.shape) != len(t.stored) or not t.logical:  # a scalar
-          shape, spec = t.stored, P()
+      for target in group:
+        if target.source is not None:  # its whole flat bucket, split over "data" if it divides
+          length = target.source.bucket_length
+          divides = length % mesh.shape[DATA] == 0
+          shape, spec = (length,), P(DATA) if divides else P()
+        elif len(target.shape) != len(target.stored) or not target.logical:  # a scalar
+          shape, spec = target.stored, P()
         else:
-          shape, spec = t.shape, t.spec
-        abstract[t.read] = jax.ShapeDtypeStruct(
-          shape, np.dtype(t.stored_dtype), sharding=NamedSharding(mesh, spec)
+          shape, spec = target.shape, target.spec
+        abstract[target.read] = jax.ShapeDtypeStruct(
+          shape, np.dtype(target.stored_dtype), sharding=NamedSharding(mesh, spec)
         )
       stored = self._mgr.restore(
         step,
@@ -1024,7 +1373,7 @@ class CheckpointManager:
       )[_STATE]
       leaves.fill(stored, group)
       del stored  # before the next group is read
-    return leaves.state(meta["state_step"])
+    return leaves.state(meta.state_step)
 
   def _step(self, step: int | None) -> int:
     steps = self.all_steps()
