@@ -32,7 +32,7 @@ LAYERS = (
   ("state",),
   ("checks",),
   ("distributed_optimizer",),
-  ("units", "fsdp_program"),
+  ("units", "fsdp_program", "step"),
   ("ddp", "fsdp"),
   ("train",),
   ("aot", "inspect", "distributed", "eval"),

@@ -46,7 +46,6 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import bucket_unravel, shard_unravel
-from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
@@ -223,29 +222,29 @@ def init_state(
     # the optimizer sees padded leaves: refuse tx that would be silently different
     check_exact(tx, layout)
   fused = use_fused(tx, layout, config, model_specs)
-  gather_in_step = sharded and config.overlap_param_gather
+  # the state's fields that do not depend on the values: `build` fills in the others
+  blank = TrainState(
+    None, None, None, None, layout, config, tuple(mesh.shape.items()), model_specs, fused=fused
+  )
 
   def build(params):
-    leaves = leaves_of(params, layout)
+    layout, config = blank.layout, blank.config
+    sharded, leaves = config.use_distributed_optimizer, leaves_of(params, layout)
     master = [
       (pad_leaf(x, layout, i) if sharded else x).astype(master_dtype(x.dtype))
       if t and _keeps_master(config, x.dtype)
       else None
-      for i, (t, x) in enumerate(zip(trainable, leaves))
+      for i, (t, x) in enumerate(zip(layout.trainable, leaves))
     ]
-    model = [None if (t and gather_in_step) else x for t, x in zip(trainable, leaves)]
-    state = TrainState(
-      jnp.zeros((), jnp.int32),
-      tree_of(layout, model),
-      fused_master(leaves, layout) if fused and sharded else tree_of(layout, master),
-      None,
-      layout,
-      config,
-      tuple(mesh.shape.items()),
-      model_specs,
-      fused=fused,
+    # optim* with overlap_param_gather: trainable params are gathered inside the next step
+    gather_in_step = sharded and config.overlap_param_gather
+    model = [None if (t and gather_in_step) else x for t, x in zip(layout.trainable, leaves)]
+    return dataclasses.replace(
+      blank,
+      step=jnp.zeros((), jnp.int32),
+      params=tree_of(layout, model),
+      master=fused_master(leaves, layout) if blank.fused and sharded else tree_of(layout, master),
     )
-    return state
 
   def opt_params(state):  # the tree `tx` sees
     if fused:  # no_shard keeps every param in `params`, and fuses them for the optimizer
@@ -774,6 +773,16 @@ class BucketedStep:
     own = tuple(own_axes(d, self.plan.axes) for d in model_dims)
     return local_grads(self.loss_fn, self.plan_for(state), inputs, layout, own)
 
+  def call_with_params(self, state: TrainState, inputs: step_lib.StepInputs, fn: Callable):
+    """Inside the `shard_map`: `fn(params, batch, model_state)` on whole params (gathered
+    from their master rows where the step gathers them)."""
+    layout = state.layout
+    full = leaves_of(inputs.params, layout)
+    if self.plan.gather_in_step:
+      own = layout_own_specs(layout, state.model_specs, self.mesh)
+      full = gather_master(inputs.master, layout, full, state.fused, own=own)
+    return fn(tree_of(layout, full), inputs.batch, inputs.model_state)
+
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
     layout, sharded = state.layout, self.plan.sharded
     if state.fused:  # one update per bucket (see `distributed_optimizer`)
@@ -798,17 +807,10 @@ class BucketedStep:
     return new_state, checked
 
 
-def make_train_step(
-  loss_fn: LossFn,
-  tx: optax.GradientTransformation,
-  mesh,
-  config: DDPConfig,
-  *,
-  grad_accum_steps: int = 1,
-  has_aux: bool = False,
-) -> checks.TrainStep:
-  """`jaxdp.make_train_step` for `no_shard`, `optim` and `optim_grads`, after its argument
-  checks (see the module docstring)."""
+def bucketed_step(
+  loss_fn: LossFn, mesh, config: DDPConfig, grad_accum_steps: int = 1, has_aux: bool = False
+) -> BucketedStep:
+  """The `step.StepStrategy` of `no_shard`, `optim` and `optim_grads`."""
   sharded = _sharded(config)
   plan = _Plan(
     axes=data_axes(mesh),
@@ -821,12 +823,4 @@ def make_train_step(
     average=config.average_in_collective,
     has_aux=has_aux,
   )
-  return step_lib.make_train_step(
-    BucketedStep(loss_fn, mesh, config, plan),
-    tx,
-    mesh,
-    config,
-    grad_accum_steps=grad_accum_steps,
-    has_aux=has_aux,
-    compiler_options=compiler_options(mesh.devices.flat[0].platform),
-  )
+  return BucketedStep(loss_fn, mesh, config, plan)

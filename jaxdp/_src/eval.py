@@ -2,40 +2,47 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxdp._src import checks, collectives, fsdp as fsdp_lib, loop
+from jaxdp._src import checks, collectives, loop
+from jaxdp._src.step import StepInputs
+from jaxdp._src.train import step_strategy
 from jaxdp._src.compiler import compiler_options
-from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.distributed_optimizer import (
-  flat_master_specs,
-  gather_master,
-  layout_own_specs,
-)
+from jaxdp._src.config import DDPConfig
 from jaxdp._src.mesh import (
   auto_mesh,
   constrain,
   explicit_axes,
   data_axes,
   dp_size,
-  manual_spec,
   run_manual,
   runs_auto,
 )
 from jaxdp._src.state import (
   TrainState,
-  extra_specs,
-  flat_master,
-  leaf_specs,
-  leaves_of,
-  tree_of,
 )
 
 PyTree = Any
+
+
+def _call_eval_fn(fn, params, batch, model_state):
+  """`fn(params, batch)`, or with the state's model state `fn(..., model_state=)`, whose
+  first output is the eval's."""
+  if model_state is None:
+    return fn(params, batch)
+  out = fn(params, batch, model_state=model_state)
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(
+      "eval fn must return (outputs, new_model_state) when the state holds "
+      "model_state (the train step's convention); it returned "
+      f"{loop.describe_value(out)}"
+    )
+  return out[0]
 
 
 def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_example: bool = False):
@@ -87,82 +94,33 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
     ((16, 2), P('data',))
   """
   checks.check_mesh(mesh, config)
-  fsdp_branch = config.shards_params
-  if fsdp is not None and not fsdp_branch:
-    raise ValueError(
-      f"fsdp={fsdp} is for data_parallel_sharding_strategy="
-      "'optim_grads_params'; leave it out for "
-      f"{config.data_parallel_sharding_strategy!r}"
-    )
-  fsdp = fsdp or FSDPConfig()
-  axes = data_axes(mesh)
-  batch_spec = P(axes)
-  gather_in_step = config.use_distributed_optimizer and config.overlap_param_gather
-
-  def call(tree, batch, model_state):
-    if model_state is None:
-      return fn(tree, batch)
-    out = fn(tree, batch, model_state=model_state)
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-      raise TypeError(
-        "eval fn must return (outputs, new_model_state) when the state holds "
-        "model_state (the train step's convention); it returned "
-        f"{loop.describe_value(out)}"
-      )
-    return out[0]
-
-  def finish(out):
-    return out if per_example else collectives.average_aux(out, axes)
-
-  def local(params, master, batch, model_state, layout, fused, model_specs):
-    if fsdp_branch:
-      return finish(
-        fsdp_lib.call_with_units(
-          call,
-          layout,
-          leaves_of(params, layout),
-          fsdp_lib.unit_values(master, layout, fused, params),
-          fsdp_lib.unit_collectives(layout, mesh, config, fsdp, fused, model_specs=model_specs),
-          fsdp,
-          data_axes(mesh),
-          batch,
-          model_state,
-        )
-      )
-    full = leaves_of(params, layout)
-    if gather_in_step:
-      own = layout_own_specs(layout, model_specs, mesh)
-      full = gather_master(master, layout, full, fused, own=own)
-    return finish(call(tree_of(layout, full), batch, model_state))
+  strategy = step_strategy(None, mesh, config, fsdp=fsdp)
+  batch_spec = P(data_axes(mesh))
+  call = functools.partial(_call_eval_fn, fn)
 
   def step(state, batch):
     if not isinstance(state, TrainState):
       raise TypeError(
         f"eval_step expects the TrainState from jaxdp.init_state, got {type(state).__name__}"
       )
-    checks.check_state(state, mesh, config, fsdp if fsdp_branch else None)
+    strategy.check_state(state)
     checks.check_batch(batch, dp_size(mesh))
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
-    if fsdp_branch:
-      param_specs, master_specs = fsdp_lib.manual_specs(state)
-    else:
-      param_dims, master_dims = leaf_specs(state)
-      manual = lambda dims: tree_of(
-        state.layout, [None if d is None else manual_spec(d, axes) for d in dims]
-      )
-      param_specs, master_specs = manual(param_dims), manual(master_dims)
-      if flat_master(state):
-        master_specs = flat_master_specs(state.layout, axes)
     out_spec = batch_spec if per_example else P()
+    # the step's own input specs, less the key (an eval step draws none)
+    in_specs = dataclasses.replace(strategy.in_specs(state), key=None)
+
+    def local(inputs):
+      out = strategy.call_with_params(state, inputs, call)
+      return out if per_example else collectives.average_aux(out, data_axes(mesh))
+
     return run_manual(
-      functools.partial(
-        local, layout=state.layout, fused=state.fused, model_specs=state.model_specs
-      ),
+      local,
       mesh,
-      (param_specs, master_specs, batch_spec, extra_specs(state)["model_state"]),
+      (in_specs,),
       out_spec,
       out_spec if runs_auto(mesh, state.model_specs) else None,
-    )(state.params, state.master, batch, state.model_state)
+    )(StepInputs(state.params, state.master, batch, None, state.model_state))
 
   # On a mesh with Explicit axes, the outputs on the mesh with Auto axes, for the caller's
   # code (`mesh.EagerProgram`); elsewhere where the compiler puts them.

@@ -307,7 +307,7 @@ def init_state(
   params = source.abstract
   model_specs = model_specs_of(params, mesh)
   layout = layout_for(params, mesh.shape, config, fsdp, frozen, model_specs)
-  specs, trainable = param_specs(layout), layout.trainable
+  specs = param_specs(layout)
   _check_model_specs(layout, model_specs, fsdp)
   _check_outer(layout, model_specs, fsdp)
   check_expert_rows(layout, mesh)
@@ -315,46 +315,49 @@ def init_state(
   check_exact(tx, layout)  # the optimizer sees padded leaves: refuse a tx that would differ
   chunked = bool(chunked_leaves(layout, fsdp))
   fused = use_fused(tx, layout, config, model_specs, chunked=chunked)
-  outer = layout.outer > 1
+  # the state's fields that do not depend on the values: `build` fills in the others
+  blank = TrainState(
+    None,
+    None,
+    None,
+    None,
+    layout,
+    config,
+    tuple(mesh.shape.items()),
+    model_specs,
+    fused=fused,
+    fsdp=fsdp,
+  )
 
   def rows(i, x):
     """Leaf `i` padded; HFSDP: placed over "data" on its shard dim first (the compute rows),
     from where the master's placement over ("data", "replica") is a slice."""
     x = _pad(x, specs[i])
-    if not outer:
+    if layout.outer == 1:
       return x
     return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), layout.shard_axes[i])))
 
   def build(params):
-    leaves = leaves_of(params, layout)
-    if fused:  # one flat array per unit bucket
-      master = fused_master(leaves, layout)
+    leaves, trainable, outer = (
+      leaves_of(params, blank.layout),
+      blank.layout.trainable,
+      blank.layout.outer > 1,
+    )
+    if blank.fused:  # one flat array per unit bucket
+      master = fused_master(leaves, blank.layout)
     else:
-      master = tree_of(
-        layout,
-        [
-          rows(i, x).astype(master_dtype(x.dtype)) if trainable[i] else None
-          for i, x in enumerate(leaves)
-        ],
-      )
+      master = [
+        rows(i, x).astype(master_dtype(x.dtype)) if trainable[i] else None
+        for i, x in enumerate(leaves)
+      ]
+      master = tree_of(blank.layout, master)
     # HFSDP (`layout.outer`): the trainable params' compute rows too, in their own dtype
     stored = [
       None if trainable[i] and not outer else rows(i, x) if i in specs else x
       for i, x in enumerate(leaves)
     ]
-    state = TrainState(
-      jnp.zeros((), jnp.int32),
-      tree_of(layout, stored),
-      master,
-      None,
-      layout,
-      config,
-      tuple(mesh.shape.items()),
-      model_specs,
-      fused=fused,
-      fsdp=fsdp,
-    )
-    return state
+    stored = tree_of(blank.layout, stored)
+    return dataclasses.replace(blank, step=jnp.zeros((), jnp.int32), params=stored, master=master)
 
   def opt_params(state):  # the tree `tx` sees
     return state.master if fused else opt_params_of(layout, state.params, state.master)
@@ -742,6 +745,24 @@ class FSDPStep:
       grads = tree_of(layout, [grads.get(i) for i in range(len(layout.trainable))])
     return step_lib.LocalGrads(grads, loss, grad_norm, aux, model_state)
 
+  def call_with_params(self, state: TrainState, inputs: step_lib.StepInputs, fn: Callable):
+    """Inside the `shard_map`: `fn(params, batch, model_state)` with every unit gathered
+    where the traced program uses it (`call_with_units`)."""
+    layout, fused = state.layout, state.fused
+    return call_with_units(
+      fn,
+      layout,
+      leaves_of(inputs.params, layout),
+      unit_values(inputs.master, layout, fused, inputs.params),
+      unit_collectives(
+        layout, self.mesh, self.config, self.fsdp, fused, model_specs=state.model_specs
+      ),
+      self.fsdp,
+      data_axes(self.mesh),
+      inputs.batch,
+      inputs.model_state,
+    )
+
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
     layout = state.layout
     # fused: one update on the flat unit buckets (see the module docstring)
@@ -814,30 +835,6 @@ def gather_outer(state: TrainState, mesh) -> PyTree:
 
   return run_manual(local, mesh, (master_spec, params_spec), params_spec)(
     state.master, state.params
-  )
-
-
-def make_train_step(
-  loss_fn: LossFn,
-  tx: optax.GradientTransformation,
-  mesh,
-  config: DDPConfig,
-  *,
-  grad_accum_steps: int = 1,
-  fsdp: FSDPConfig | None = None,
-  has_aux: bool = False,
-):
-  """`jaxdp.make_train_step` for `optim_grads_params`, after its argument checks (see the
-  module docstring)."""
-  fsdp = fsdp or FSDPConfig()
-  return step_lib.make_train_step(
-    FSDPStep(loss_fn, mesh, config, fsdp, grad_accum_steps, has_aux),
-    tx,
-    mesh,
-    config,
-    grad_accum_steps=grad_accum_steps,
-    has_aux=has_aux,
-    compiler_options=compiler_options(mesh.devices.flat[0].platform, fsdp),
   )
 
 

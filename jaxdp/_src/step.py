@@ -90,6 +90,10 @@ class StepStrategy(Protocol):
   def local_grads(self, state: TrainState, inputs: StepInputs) -> LocalGrads:
     """Per device, inside the step's `shard_map`."""
 
+  def call_with_params(self, state: TrainState, inputs: StepInputs, fn: Callable) -> Any:
+    """Per device, inside a `shard_map` like the step's: `fn(params, batch, model_state)`
+    with the params as the loss sees them (the eval step's forward)."""
+
   def update(self, tx, state: TrainState, out: LocalGrads) -> tuple[TrainState, PyTree]:
     """`state` (its step counted, its model state `out`'s) after the optimizer update, and
     the grads the NaN check reads (`DDPConfig.check_for_nan_in_grad`)."""

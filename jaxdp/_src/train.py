@@ -3,7 +3,8 @@
 Each strategy is a module of its own that knows nothing of the others: `ddp.py` runs the
 bucketed step (`no_shard`, and the distributed optimizer's `optim`, `optim_grads`),
 `fsdp.py` runs `optim_grads_params`. This module checks what every strategy needs and hands
-the call to the one `config` names.
+the call to the one `config` names; a step is `step.make_train_step` over the strategy's
+`step.StepStrategy` (`step_strategy`), the same one skeleton for all.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import jax
 import optax
 
 from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
+from jaxdp._src import step as step_lib
+from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import Frozen, is_function
 from jaxdp._src.mesh import eager_program
@@ -302,13 +305,38 @@ def make_train_step(
     or grad_accum_steps < 1
   ):
     raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
-  if _fsdp_branch(config, fsdp):
-    return fsdp_lib.make_train_step(
-      loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, fsdp=fsdp, has_aux=has_aux
-    )
-  return ddp.make_train_step(
-    loss_fn, tx, mesh, config, grad_accum_steps=grad_accum_steps, has_aux=has_aux
+  strategy = step_strategy(
+    loss_fn, mesh, config, grad_accum_steps=grad_accum_steps, fsdp=fsdp, has_aux=has_aux
   )
+  if config.shards_params:
+    options = fsdp_lib.compiler_options(mesh.devices.flat[0].platform, fsdp)
+  else:
+    options = compiler_options(mesh.devices.flat[0].platform)
+  return step_lib.make_train_step(
+    strategy,
+    tx,
+    mesh,
+    config,
+    grad_accum_steps=grad_accum_steps,
+    has_aux=has_aux,
+    compiler_options=options,
+  )
+
+
+def step_strategy(
+  loss_fn: Callable,
+  mesh,
+  config: DDPConfig,
+  *,
+  grad_accum_steps: int = 1,
+  fsdp: FSDPConfig | None = None,
+  has_aux: bool = False,
+) -> step_lib.StepStrategy:
+  """The `step.StepStrategy` of `config`'s strategy, chosen here once: `fsdp.FSDPStep` for
+  `optim_grads_params`, `ddp.BucketedStep` for the others."""
+  if _fsdp_branch(config, fsdp):
+    return fsdp_lib.FSDPStep(loss_fn, mesh, config, fsdp or FSDPConfig(), grad_accum_steps, has_aux)
+  return ddp.bucketed_step(loss_fn, mesh, config, grad_accum_steps, has_aux)
 
 
 def state_specs(state: TrainState) -> TrainState:
