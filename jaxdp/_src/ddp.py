@@ -677,25 +677,6 @@ def local_grads(
 # ----------------------------------------------------------------------------- step
 
 
-def _update_leaves(tx, grads, state: TrainState, mesh, sharded: bool):
-  """The per-leaf update: `(params, master)` leaves (tree order) and the new optax state."""
-  layout = state.layout
-  opt_params = opt_params_of(layout, state.params, state.master)
-  updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, mesh)
-  new = leaves_of(optax.apply_updates(opt_params, updates), layout)
-  params, master = leaves_of(state.params, layout), leaves_of(state.master, layout)
-  for i, t in enumerate(layout.trainable):
-    if not t:
-      continue
-    if master[i] is not None:
-      master[i] = new[i]
-    if params[i] is not None and not sharded:
-      params[i] = new[i].astype(layout.dtypes[i])
-  if sharded and not state.config.overlap_param_gather:
-    params = gather_params(master, layout, mesh, params, state)
-  return params, master, opt_state
-
-
 @dataclasses.dataclass(frozen=True)
 class BucketedStep:
   """`no_shard`, `optim` and `optim_grads` as a `step.StepStrategy` (see the module
@@ -784,27 +765,49 @@ class BucketedStep:
     return fn(tree_of(layout, full), inputs.batch, inputs.model_state)
 
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
-    layout, sharded = state.layout, self.plan.sharded
-    if state.fused:  # one update per bucket (see `distributed_optimizer`)
-      params = leaves_of(state.params, layout)
-      flat = state.master if sharded else fused_master(params, layout)
-      updates, opt_state = loop.tx_update(tx, out.grads, state.opt_state, flat, self.mesh)
-      if sharded:
-        master = optax.apply_updates(flat, updates)
-        if not self.config.overlap_param_gather:
-          params = gather_params(master, layout, self.mesh, params, state)
-      else:  # DDP keeps the params themselves (no master): each leaf + its updates' slice
-        master = state.master
-        updates = unravel_flat(updates, layout)
-        params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
-      checked = grad_blocks(out.grads, layout) if self.config.check_for_nan_in_grad else None
-    else:
-      params, master, opt_state = _update_leaves(tx, out.grads, state, self.mesh, sharded)
-      master, checked = tree_of(layout, master), out.grads
-    new_state = dataclasses.replace(
+    if not state.fused:
+      return self._update_leaves(tx, state, out.grads), out.grads
+    checked = grad_blocks(out.grads, state.layout) if self.config.check_for_nan_in_grad else None
+    return self._update_buckets(tx, state, out.grads), checked
+
+  def _update_buckets(self, tx, state: TrainState, grads) -> TrainState:
+    """The fused update: one per bucket (see `distributed_optimizer`)."""
+    layout = state.layout
+    params = leaves_of(state.params, layout)
+    flat = state.master if self.plan.sharded else fused_master(params, layout)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, flat, self.mesh)
+    if self.plan.sharded:
+      master = optax.apply_updates(flat, updates)
+      if not self.config.overlap_param_gather:
+        params = gather_params(master, layout, self.mesh, params, state)
+    else:  # DDP keeps the params themselves (no master): each leaf + its updates' slice
+      master = state.master
+      updates = unravel_flat(updates, layout)
+      params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
+    return dataclasses.replace(
       state, params=tree_of(layout, params), master=master, opt_state=opt_state
     )
-    return new_state, checked
+
+  def _update_leaves(self, tx, state: TrainState, grads) -> TrainState:
+    """The per-leaf update of the optimizer's tree (`opt_params_of`): the master rows, or
+    under `no_shard` the params themselves where they have no master."""
+    layout, sharded = state.layout, self.plan.sharded
+    opt_params = opt_params_of(layout, state.params, state.master)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, self.mesh)
+    new = leaves_of(optax.apply_updates(opt_params, updates), layout)
+    params, master = leaves_of(state.params, layout), leaves_of(state.master, layout)
+    for i, trained in enumerate(layout.trainable):
+      if not trained:
+        continue
+      if master[i] is not None:
+        master[i] = new[i]
+      if params[i] is not None and not sharded:
+        params[i] = new[i].astype(layout.dtypes[i])
+    if sharded and not self.config.overlap_param_gather:
+      params = gather_params(master, layout, self.mesh, params, state)
+    return dataclasses.replace(
+      state, params=tree_of(layout, params), master=tree_of(layout, master), opt_state=opt_state
+    )
 
 
 def bucketed_step(

@@ -495,8 +495,32 @@ def _parse_instr(line: str) -> _Instr | None:
   return _Instr(name, shape, opcode, operands, attrs)
 
 
-def _parse_module(text: str):
-  """-> (header line, {computation: [instrs]}, entry name)."""
+@dataclasses.dataclass(frozen=True)
+class _Module:
+  """An HLO module's text, parsed (`_parse_module`)."""
+
+  header: str
+  """The `HloModule` line."""
+  comps: dict[str, list[_Instr]]
+  """Each computation's instructions, in the text's (the schedule's) order."""
+  entry: str
+  """The ENTRY computation's name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Classified:
+  """What an instruction is to the schedule (`_Parser.classify`)."""
+
+  category: str
+  """"collective", "collective-start", "collective-done", "free", "control", "gemm" or
+  "compute"."""
+  kind: str | None = None
+  """A collective's kind ("all-gather", ...)."""
+  role: str | None = None
+  """A collective's part: "sync" (one instruction), "start" or "done"."""
+
+
+def _parse_module(text: str) -> _Module:
   text = _COMMENT.sub("", text)
   comps: dict[str, list[_Instr]] = {}
   entry = None
@@ -526,7 +550,7 @@ def _parse_module(text: str):
       "optimized HLO) or lowered.as_text(dialect='hlo') (before optimization), "
       "not StableHLO (lowered.as_text())"
     )
-  return header, comps, entry
+  return _Module(header, comps, entry)
 
 
 def _called(instr: _Instr) -> list[str]:
@@ -556,7 +580,8 @@ def _collective_kind(opcode: str) -> tuple[str, str] | None:
 
 class _Parser:
   def __init__(self, text: str):
-    header, self.comps, self.entry = _parse_module(text)
+    module = _parse_module(text)
+    header, self.comps, self.entry = module.header, module.comps, module.entry
     m = re.match(r"HloModule\s+([\w.\-]+)", header)
     self.module = m.group(1) if m else "unknown"
     self.is_scheduled = "is_scheduled=true" in header
@@ -598,24 +623,23 @@ class _Parser:
           return kind[0]
     return None
 
-  def classify(self, instr: _Instr) -> tuple[str, str | None, str | None]:
-    """-> (category, collective kind, role)."""
+  def classify(self, instr: _Instr) -> _Classified:
     kind = _collective_kind(instr.opcode)
     if kind is None and instr.opcode in ("async-start", "async-done"):
       role = "start" if instr.opcode == "async-start" else "done"
-      k = self.async_kind(instr) if role == "start" else None
-      kind = (k, role) if (k or role == "done") else None
+      wrapped = self.async_kind(instr) if role == "start" else None
+      kind = (wrapped, role) if (wrapped or role == "done") else None
     if kind is not None:
-      k, role = kind
+      collective, role = kind
       category = "collective" if role == "sync" else f"collective-{role}"
-      return category, k, role
+      return _Classified(category, collective, role)
     if instr.opcode in _FREE_OPCODES:
-      return "free", None, None
+      return _Classified("free")
     if instr.opcode in _CONTROL_OPCODES:
-      return "control", None, None
+      return _Classified("control")
     if self.is_gemm(instr):
-      return "gemm", None, None
-    return "compute", None, None
+      return _Classified("gemm")
+    return _Classified("compute")
 
   def walk(self) -> Iterator[tuple[_Instr, str, int]]:
     """Instrs in schedule order, while/call/conditional bodies inlined."""
@@ -645,7 +669,8 @@ class _Parser:
     open_starts: dict[tuple[str, str], dict[str, Any]] = {}
     found: list[dict[str, Any]] = []
     for instr, comp, trips in self.walk():
-      category, kind, role = self.classify(instr)
+      classified = self.classify(instr)
+      category, kind, role = classified.category, classified.kind, classified.role
       ops.append(ScheduledOp(len(ops), instr.name, instr.opcode, category, comp, trips))
       index = len(ops) - 1
       if role in ("sync", "start"):
@@ -1164,7 +1189,8 @@ class _Replay:
       raise ValueError(f"predict_step: computations nested over 64 deep at {comp}")
     in_flight: dict[str, int] = {}
     for instr in self.p.comps.get(comp, []):
-      category, kind, role = self.p.classify(instr)
+      classified = self.p.classify(instr)
+      category, kind, role = classified.category, classified.kind, classified.role
       if role in ("sync", "start") and kind is not None:
         slot = self.issue(instr, kind, comp)
         if role == "sync":

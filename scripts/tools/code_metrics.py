@@ -8,7 +8,8 @@
   the lines that hold code (docstrings are neither);
 * closures: functions defined inside a function (lambdas too, comprehensions not), by the
   free names they capture (`symtable`'s `get_frees`);
-* positional returns: `return a, b, c` with three or more items;
+* positional returns: `return a, b, c` with three or more items (not a sequence built with
+  `*`);
 * short locals: function locals (parameters included) of one or two characters, as a share
   of all locals.
 """
@@ -108,6 +109,8 @@ def measure_file(path: pathlib.Path) -> Metrics:
     if isinstance(node, ast.Return)
     and isinstance(node.value, ast.Tuple)
     and len(node.value.elts) >= 3
+    # `(*shape[:axis], n, *shape[axis + 1:])` builds one value, a sequence
+    and not any(isinstance(e, ast.Starred) for e in node.value.elts)
   ]
   return Metrics(code, comment, closures, returns, total, short)
 
