@@ -7,6 +7,8 @@ asks it to "reduce this bucket" or "gather this bucket".
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import jax
@@ -238,81 +240,116 @@ def all_gather_rows(
   return unpad_rows(manual_over(own, gather)(block.astype(dtype)), spec)
 
 
-def _scatter_rows(ct: jax.Array, axis: int, own=None, **reduce_kwargs) -> jax.Array:
-  """A padded cotangent reduce-scattered on its dim `axis` (`reduce_bucket(scatter=True)`,
-  which scatters dim 0; its `dp`, `axes`, `average` in `reduce_kwargs`), manual over the
-  axes of `own` too (`manual_over`)."""
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+  """How a gradient is summed over the data-parallel axes, whatever it is summed in: a
+  ravelled bucket, one param, one layer. Static Python data, built once where the keywords
+  `dp`, `axes` and `average` enter this module and handed down as they are.
+
+  Examples:
+    >>> r = Reduction(dp=8, axes=["data"], average=False)
+    >>> r.axes, float(r.before_sum(jnp.float32(8.0))), float(r.after_sum(jnp.float32(1.0)))
+    (('data',), 1.0, 1.0)
+  """
+
+  dp: int
+  """Data-parallel size (replicas included): the mean over the devices divides by it."""
+  axes: tuple[str, ...]
+  """The mesh axes the sum runs over (`DATA` last)."""
+  average: bool
+  """Divide by `dp` after the sum (Megatron's `average_in_collective`) instead of scaling each
+  device's part by `1/dp` before it."""
+
+  def __post_init__(self):
+    object.__setattr__(self, "axes", tuple(self.axes))
+
+  def before_sum(self, x: jax.Array) -> jax.Array:
+    """`x` scaled by `1/dp` unless the mean is taken after the sum (`average`)."""
+    return x if self.average else x * jnp.asarray(1.0 / self.dp, x.dtype)
+
+  def after_sum(self, x: jax.Array) -> jax.Array:
+    """The sum divided by `dp` where `average` takes the mean after it."""
+    return x / jnp.asarray(self.dp, x.dtype) if self.average else x
+
+  def without(self, axis: str) -> Reduction:
+    """The same reduction over `axes` less `axis` (an expert param's: its group leaves out
+    `EXPERT`)."""
+    return dataclasses.replace(self, axes=tuple(a for a in self.axes if a != axis))
+
+
+def _scatter_rows(ct: jax.Array, axis: int, reduction: Reduction, own=None) -> jax.Array:
+  """A padded cotangent reduce-scattered on its dim `axis` (`reduce_bucket` with `scatter`,
+  which scatters dim 0), manual over the axes of `own` too (`manual_over`)."""
 
   def reduce(ct):
     if axis:
       ct = jnp.moveaxis(ct, axis, 0)
-    g = reduce_bucket(ct, scatter=True, **reduce_kwargs)
+    g = reduce_bucket(ct, reduction, scatter=True)
     return jnp.moveaxis(g, 0, axis) if axis else g
 
   return manual_over(own, reduce)(ct)
 
 
-def reduce_rows(ct: jax.Array, spec: ParamSpec, grad_dtype, own=None, **reduce_kwargs):
+def reduce_rows(
+  ct: jax.Array, spec: ParamSpec, grad_dtype, reduction: Reduction, scatter: bool, own=None
+):
   """One param's whole cotangent reduced on its own, no ravel, in `grad_dtype`: with
-  `scatter` (in `reduce_kwargs`, with `dp`, `axes`, `average`) reduce-scattered on its shard
-  dim, this device's block (`spec.local_shape`); else all-reduced whole. `own`: its spec
-  over other mesh axes, each device reducing its own slice (`manual_over`)."""
+  `scatter` reduce-scattered on its shard dim, this device's block (`spec.local_shape`);
+  else all-reduced whole. `own`: its spec over other mesh axes, each device reducing its own
+  slice (`manual_over`)."""
   ct = ct.astype(grad_dtype)
-  if reduce_kwargs.pop("scatter"):
-    return _scatter_rows(pad_rows(ct, spec), spec.axis, own, **reduce_kwargs)
-  return manual_over(own, lambda x: reduce_bucket(x, scatter=False, **reduce_kwargs))(ct)
+  if scatter:
+    return _scatter_rows(pad_rows(ct, spec), spec.axis, reduction, own)
+  return manual_over(own, lambda x: reduce_bucket(x, reduction, scatter=False))(ct)
 
 
-def reduce_scatter_layer(cts, bucket: Bucket, grad_dtype, own=None, **reduce_kwargs):
+def reduce_scatter_layer(
+  cts, bucket: Bucket, grad_dtype, own=None, *, dp: int, axes: Sequence[str], average: bool
+):
   """One layer of a stack's bucket (`Bucket.stack`) reduced inside the scan's backward: the
   whole cotangents of the layer's params (`cts`, leaf index -> cotangent; a missing one
   counts as zeros) raveled into one buffer in `grad_dtype` and reduce-scattered
-  (`_scatter_bucket`; its `dp`, `axes`, `average` in `reduce_kwargs`): one collective per
+  (`_scatter_bucket`; `dp`, `axes`, `average` as `Reduction` takes them): one collective per
   layer; where the bucket holds an `own` leaf (leaf -> its spec of one layer over other
   mesh axes: tensor parallel) one per param, each on the device's own slice (`reduce_rows`).
   Returns this device's block of each param's layer (`layer_bucket`'s `local_shape`), in
   `bucket.params` order."""
   own = own or {}
+  reduction = Reduction(dp, axes, average)
   shards = jax.lax.axis_size(DATA)
   layer = layer_bucket(bucket, shards)
   if holds_own(layer, own):
     return [
       reduce_rows(
-        _whole_ct(cts, p, grad_dtype),
-        p,
-        grad_dtype,
-        own.get(p.index),
-        scatter=True,
-        **reduce_kwargs,
+        _whole_ct(cts, p, grad_dtype), p, grad_dtype, reduction, scatter=True, own=own.get(p.index)
       )
       for p in layer.params
     ]
-  return shard_unravel(_scatter_bucket(cts, layer, grad_dtype, **reduce_kwargs), layer, shards)
+  return shard_unravel(_scatter_bucket(cts, layer, grad_dtype, reduction), layer, shards)
 
 
-def reduce_bucket(
-  flat: jax.Array, *, dp: int, scatter: bool, axes: Sequence[str], average: bool
-) -> jax.Array:
-  """Reduces one ravelled bucket over the data-parallel axes: one collective (two with a
-  replica axis).
+def reduce_bucket(flat: jax.Array, reduction: Reduction, scatter: bool) -> jax.Array:
+  """Reduces one ravelled bucket over the data-parallel axes (`reduction.axes`): one
+  collective (two with a replica axis).
 
-  DDP: `psum` over `axes`, every device gets the whole bucket. Distributed optimizer:
-  `psum_scatter(tiled=True)` over `DATA`, device `d` gets shard `d`, then `psum` over the
-  other axes. Either pre-scaled by `1/dp` and summed, or (`average`) averaged.
+  DDP: `psum` over the axes, every device gets the whole bucket. Distributed optimizer
+  (`scatter`): `psum_scatter(tiled=True)` over `DATA`, device `d` gets shard `d`, then `psum`
+  over the other axes. Either pre-scaled by `1/dp` and summed, or (`average`) averaged.
   """
-  if not average:
-    flat = flat * jnp.asarray(1.0 / dp, flat.dtype)
+  flat = reduction.before_sum(flat)
   if scatter:
     out = jax.lax.psum_scatter(flat, DATA, tiled=True)
-    other = tuple(a for a in axes if a != DATA)
+    other = tuple(a for a in reduction.axes if a != DATA)
     if other:
       out = jax.lax.psum(out, other)
   else:
-    out = jax.lax.psum(flat, tuple(axes))
-  return out / jnp.asarray(dp, out.dtype) if average else out
+    out = jax.lax.psum(flat, reduction.axes)
+  return reduction.after_sum(out)
 
 
-def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
+def grad_ready_hook(
+  bucket: Bucket, *, grad_dtype, dp: int, scatter: bool, axes: Sequence[str], average: bool
+):
   """The backward hook of one bucket (Megatron's `register_grad_ready` + `start_grad_sync`).
 
   Returns `hook(leaves, sink, acc) -> leaves`, the identity in the forward. Its backward
@@ -326,30 +363,47 @@ def grad_ready_hook(bucket: Bucket, *, grad_dtype, **reduce_kwargs):
   Args:
     bucket: the bucket this hook reduces.
     grad_dtype: dtype of the reduction.
-    **reduce_kwargs: `dp`, `scatter`, `axes`, `average` of `reduce_bucket`.
+    dp: data-parallel size (replicas included), for the mean.
+    scatter: reduce-scatter (each device keeps its shard) instead of all-reduce.
+    axes: the data-parallel mesh axes the bucket is summed over (`DATA` last).
+    average: divide by `dp` after the sum instead of scaling by `1/dp` before it.
   """
+  reduction = Reduction(dp, axes, average)
 
   def bwd(acc, cts):
     flat = bucket_ravel(cts, bucket, jax.lax.axis_size(DATA), grad_dtype) + acc
     return (
       jax.tree.map(jnp.zeros_like, cts),
-      reduce_bucket(flat, **reduce_kwargs),
+      reduce_bucket(flat, reduction, scatter),
       jnp.zeros_like(acc),
     )
 
   return _sink_hook(bwd)
 
 
-def grad_ready_hook_each(bucket: Bucket, *, grad_dtype, own: Mapping[int, Any], **reduce_kwargs):
+def grad_ready_hook_each(
+  bucket: Bucket,
+  *,
+  grad_dtype,
+  own: Mapping[int, Any],
+  dp: int,
+  scatter: bool,
+  axes: Sequence[str],
+  average: bool,
+):
   """`grad_ready_hook` of a `per_param` bucket that holds an `own` leaf (leaf -> its caller's
   spec over other mesh axes, tensor parallel): each param's grads reduced on their own
   (`reduce_rows`), no ravel, a tensor-parallel one on this device's own slice. Its sink and
   `acc` are tuples (`sink_for(own=)`, `acc_for`): per param its reduced grad (its block with
-  `scatter`, else whole), and its whole local grad accumulated in `grad_dtype`."""
+  `scatter`, else whole), and its whole local grad accumulated in `grad_dtype`. The other
+  arguments are `grad_ready_hook`'s."""
+  reduce = functools.partial(
+    reduce_rows, grad_dtype=grad_dtype, reduction=Reduction(dp, axes, average), scatter=scatter
+  )
 
   def bwd(acc, cts):
     reduced = tuple(
-      reduce_rows(ct.astype(grad_dtype) + a, p, grad_dtype, own.get(p.index), **reduce_kwargs)
+      reduce(ct.astype(grad_dtype) + a, p, own=own.get(p.index))
       for p, ct, a in zip(bucket.params, cts, acc)
     )
     return jax.tree.map(jnp.zeros_like, cts), reduced, jax.tree.map(jnp.zeros_like, acc)
@@ -417,7 +471,7 @@ def _whole_ct(cts, p: ParamSpec, grad_dtype) -> jax.Array:
   return jnp.zeros(p.shape, grad_dtype) if ct is None else ct
 
 
-def _scatter_bucket(cts, bucket: Bucket, grad_dtype, *, dp: int, axes, average: bool):
+def _scatter_bucket(cts, bucket: Bucket, grad_dtype, reduction: Reduction):
   """One grad bucket of an FSDP unit reduce-scattered: its leaves' whole cotangents (`cts`,
   leaf index -> cotangent; a missing one counts as zeros) raveled in `grad_dtype`, and this
   device's flat shard of their reduced sum."""
@@ -427,7 +481,7 @@ def _scatter_bucket(cts, bucket: Bucket, grad_dtype, *, dp: int, axes, average: 
     jax.lax.axis_size(DATA),
     grad_dtype,
   )
-  return reduce_bucket(flat, dp=dp, scatter=True, axes=axes, average=average)
+  return reduce_bucket(flat, reduction, scatter=True)
 
 
 class UnitCollectives(NamedTuple):
@@ -443,6 +497,124 @@ class UnitCollectives(NamedTuple):
   scatter_rows: Callable | None = None  # (leaf, ct of gather_rows' output) -> reduced rows
   scatter_each: Callable | None = None  # as scatter, one reduce-scatter per param (in a scan)
   table_rows: Callable | None = None  # (leaf, its rows' grad over every batch) -> reduced rows
+
+
+# A unit's collectives are the methods of a frozen record of what they share (its buckets,
+# dtypes, reduction), handed to `fsdp_program` as bound methods in a `UnitCollectives`:
+# `_UnitOfBlocks` for a per-leaf state, `_UnitOfFlatShards` for a fused one. `eq=False`
+# keeps them hashed by identity, as the functions they are handed out as.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _UnitOfBlocks:
+  """One FSDP unit whose trainable params arrive as per-leaf row blocks: what its
+  collectives share (`unit_collectives` gives each field's meaning). The methods named as
+  `UnitCollectives`' fields are its functions; the others are their shared steps."""
+
+  gather_buckets: Sequence[tuple[Bucket, Any]]  # (bucket, param dtype)
+  grad_buckets: Sequence[tuple[Bucket, Any]]  # (bucket, grad dtype)
+  cotangent_dtypes: Mapping[int, Any]  # leaf -> dtype of its trainable block
+  reduction: Reduction  # over the reduce axes; an expert leaf's: `reduction_of`
+  other: tuple[str, ...]  # the data axes besides `DATA`, which a gathered param varies over
+  own: Mapping[int, Any] = dataclasses.field(default_factory=dict)  # leaf -> tensor-parallel spec
+  experts: frozenset[int] = frozenset()
+
+  @functools.cached_property
+  def specs(self) -> dict[int, ParamSpec]:
+    return {p.index: p for b, _ in self.gather_buckets for p in b.params}
+
+  @functools.cached_property
+  def dtypes(self) -> dict[int, Any]:  # leaf -> the dtype it is gathered in
+    return {p.index: dtype for b, dtype in self.gather_buckets for p in b.params}
+
+  @functools.cached_property
+  def grad_dtypes(self) -> dict[int, Any]:  # leaf -> the dtype it is reduced in
+    return {p.index: dtype for b, dtype in self.grad_buckets for p in b.params}
+
+  def reduction_of(self, leaf: int) -> Reduction:
+    """The reduction of `leaf`'s grads: an expert param's (split over `EXPERT`, a rank's
+    experts on each device) over the expert-data-parallel group, the axes less `EXPERT`."""
+    return self.reduction.without(EXPERT) if leaf in self.experts else self.reduction
+
+  def varying(self, x: jax.Array) -> jax.Array:
+    """A gathered param, made varying over the other data axes (it is the same across them)."""
+    return make_varying(x, self.other) if self.other else x
+
+  def whole(self, bucket: Bucket, apart: Collection[int]) -> bool:
+    """Is `bucket` moved by one collective: no `own` leaf, no `apart` leaf in it?"""
+    return not any(p.index in self.own or p.index in apart for p in bucket.params)
+
+  def gather_rows(self, leaf: int, rows: jax.Array, dtype=None) -> jax.Array:
+    axis = self.specs[leaf].axis
+    gather = lambda r: jax.lax.all_gather(r, DATA, axis=axis, tiled=True, to="varying")
+    return self.varying(
+      manual_over(self.own.get(leaf), gather)(rows.astype(dtype or self.dtypes[leaf]))
+    )
+
+  def scatter_rows(self, leaf: int, ct: jax.Array) -> jax.Array:
+    ct = ct.astype(self.grad_dtypes[leaf])
+    g = _scatter_rows(ct, self.specs[leaf].axis, self.reduction_of(leaf), self.own.get(leaf))
+    return g.astype(self.cotangent_dtypes[leaf])
+
+  def table_rows(self, leaf: int, grad: jax.Array) -> jax.Array:
+    # Scaled as `reduce_bucket` scales, with no collective: the rows are summed already.
+    g = grad.astype(self.grad_dtypes[leaf])
+    return self.reduction.after_sum(self.reduction.before_sum(g)).astype(
+      self.cotangent_dtypes[leaf]
+    )
+
+  def gather_each_of(self, local, buckets, casts, apart) -> dict:
+    """The params of `buckets` but `apart`, from their blocks in `local`: one all-gather
+    per param, no ravel."""
+    return {
+      p.index: unpad_rows(self.gather_rows(p.index, local[p.index], casts.get(p.index)), p)
+      for b, _ in buckets
+      for p in b.params
+      if p.index not in apart
+    }
+
+  def scatter_each_of(self, cts, buckets, apart) -> dict:
+    """The grads of `buckets`' params but `apart`: one reduce-scatter per param, no ravel."""
+    return {
+      p.index: self.scatter_rows(p.index, pad_rows(_whole_ct(cts, p, self.grad_dtypes[p.index]), p))
+      for b, _ in buckets
+      for p in b.params
+      if p.index not in apart
+    }
+
+  def gather(self, trainable, frozen, casts=None, apart=frozenset()) -> dict:
+    local, casts = {**trainable, **frozen}, casts or {}
+    shards = jax.lax.axis_size(DATA)
+    out = {}
+    for b, dtype in self.gather_buckets:
+      moved = {casts.get(p.index, dtype) for p in b.params}
+      if not self.whole(b, apart) or len(moved) > 1:
+        out.update(self.gather_each_of(local, [(b, dtype)], casts, apart))
+        continue
+      (dtype,) = moved  # every param of the bucket cast to one dtype: gathered in it
+      full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
+      for p, x in zip(b.params, full):
+        out[p.index] = self.varying(x)
+    return out
+
+  def scatter(self, cts, apart=frozenset()) -> dict:
+    shards = jax.lax.axis_size(DATA)
+    grads = {}
+    for b, grad_dtype in self.grad_buckets:
+      if not self.whole(b, apart):
+        grads.update(self.scatter_each_of(cts, [(b, grad_dtype)], apart))
+        continue
+      # A bucket holds expert params only or none: its first leaf's reduction is all of theirs.
+      shard = _scatter_bucket(cts, b, grad_dtype, self.reduction_of(b.params[0].index))
+      for p, g in zip(b.params, shard_unravel(shard, b, shards)):
+        grads[p.index] = g.astype(self.cotangent_dtypes[p.index])
+    return grads
+
+  def gather_each(self, trainable, frozen, casts=None, apart=frozenset()) -> dict:
+    return self.gather_each_of({**trainable, **frozen}, self.gather_buckets, casts or {}, apart)
+
+  def scatter_each(self, cts, apart=frozenset()) -> dict:
+    return self.scatter_each_of(cts, self.grad_buckets, apart)
 
 
 def unit_collectives(
@@ -521,93 +693,24 @@ def unit_collectives(
       rank's experts): their grads are reduced over `axes` less `EXPERT`, the
       expert-data-parallel group. A bucket holds expert params only or none.
   """
-  other = tuple(a for a in axes if a != DATA)
-  reduce_axes = tuple(axes if reduce_axes is None else reduce_axes)
-  own = own or {}
-  own_leaves = frozenset(own)
-  experts = frozenset(experts)
-  group = lambda i: tuple(a for a in reduce_axes if a != EXPERT) if i in experts else reduce_axes
-
-  dtypes = {p.index: dtype for b, dtype in gather_buckets for p in b.params}
-  grad_dtypes = {p.index: dtype for b, dtype in grad_buckets for p in b.params}
-  specs = {p.index: p for b, _ in gather_buckets for p in b.params}
-
-  def gather_rows(i, rows, dtype=None):
-    x = manual_over(
-      own.get(i),
-      lambda r: jax.lax.all_gather(r, DATA, axis=specs[i].axis, tiled=True, to="varying"),
-    )(rows.astype(dtype or dtypes[i]))
-    return make_varying(x, other) if other else x
-
-  def scatter_rows(i, ct):
-    g = _scatter_rows(
-      ct.astype(grad_dtypes[i]), specs[i].axis, own.get(i), dp=dp, axes=group(i), average=average
-    )
-    return g.astype(cotangent_dtypes[i])
-
-  def table_rows(i, grad):  # scaled as `reduce_bucket` scales, no collective
-    g = grad.astype(grad_dtypes[i])
-    g = g / jnp.asarray(dp, g.dtype) if average else g * jnp.asarray(1.0 / dp, g.dtype)
-    return g.astype(cotangent_dtypes[i])
-
-  def gathered_each(local, buckets, casts, apart):  # one all-gather per param, no ravel
-    return {
-      p.index: unpad_rows(gather_rows(p.index, local[p.index], casts.get(p.index)), p)
-      for b, _ in buckets
-      for p in b.params
-      if p.index not in apart
-    }
-
-  def scattered_each(cts, buckets, apart):  # one reduce-scatter per param, no ravel
-    return {
-      p.index: scatter_rows(p.index, pad_rows(_whole_ct(cts, p, grad_dtypes[p.index]), p))
-      for b, _ in buckets
-      for p in b.params
-      if p.index not in apart
-    }
-
-  def gather(trainable, frozen, casts=None, apart=frozenset()):
-    local, casts = {**trainable, **frozen}, casts or {}
-    shards = jax.lax.axis_size(DATA)
-    out = {}
-    for b, dtype in gather_buckets:
-      moved = {casts.get(p.index, dtype) for p in b.params}
-      if any(p.index in own_leaves | apart for p in b.params) or len(moved) > 1:
-        out.update(gathered_each(local, [(b, dtype)], casts, apart))
-        continue
-      (dtype,) = moved  # every param of the bucket cast to one dtype: gathered in it
-      full = all_gather_bucket([local[p.index].astype(dtype) for p in b.params], b, shards)
-      for p, x in zip(b.params, full):
-        out[p.index] = make_varying(x, other) if other else x
-    return out
-
-  def scatter(cts, apart=frozenset()):
-    shards = jax.lax.axis_size(DATA)
-    grads = {}
-    for b, grad_dtype in grad_buckets:
-      if any(p.index in own_leaves | apart for p in b.params):
-        grads.update(scattered_each(cts, [(b, grad_dtype)], apart))
-        continue
-      axes_b = group(b.params[0].index)
-      shard = _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes_b, average=average)
-      for p, g in zip(b.params, shard_unravel(shard, b, shards)):
-        grads[p.index] = g.astype(cotangent_dtypes[p.index])
-    return grads
-
-  def gather_each(trainable, frozen, casts=None, apart=frozenset()):
-    return gathered_each({**trainable, **frozen}, gather_buckets, casts or {}, apart)
-
-  def scatter_each(cts, apart=frozenset()):
-    return scattered_each(cts, grad_buckets, apart)
-
+  axes = tuple(axes)
+  unit = _UnitOfBlocks(
+    gather_buckets=tuple(gather_buckets),
+    grad_buckets=tuple(grad_buckets),
+    cotangent_dtypes=cotangent_dtypes,
+    reduction=Reduction(dp, axes if reduce_axes is None else reduce_axes, average),
+    other=tuple(a for a in axes if a != DATA),
+    own=own or {},
+    experts=frozenset(experts),
+  )
   return UnitCollectives(
-    gather=gather,
-    scatter=scatter,
-    gather_each=gather_each,
-    gather_rows=gather_rows,
-    scatter_rows=scatter_rows,
-    scatter_each=scatter_each,
-    table_rows=table_rows,
+    gather=unit.gather,
+    scatter=unit.scatter,
+    gather_each=unit.gather_each,
+    gather_rows=unit.gather_rows,
+    scatter_rows=unit.scatter_rows,
+    scatter_each=unit.scatter_each,
+    table_rows=unit.table_rows,
   )
 
 
@@ -631,6 +734,76 @@ def all_gather_outer(shards: Sequence[jax.Array], bucket: Bucket, dtype) -> list
   (`bucket`'s param shapes) in `dtype`, the same on every replica ("invarying")."""
   full = jax.lax.all_gather(shard_ravel(shards, bucket, dtype), REPLICA, tiled=True, to="invarying")
   return bucket_unravel(full, bucket, jax.lax.axis_size(REPLICA))
+
+
+def _same_params(a: Bucket, b: Bucket) -> bool:
+  """Do buckets `a` and `b` hold the same params at the same offsets (a gather bucket that
+  is exactly a grad bucket, whose flat shard it can gather as it is)?"""
+  where = lambda bucket: [(p.index, p.offset) for p in bucket.params]
+  return a.shard_size == b.shard_size and where(a) == where(b)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _UnitOfFlatShards:
+  """One FSDP unit of a fused state, whose trainable params arrive as one flat shard per
+  grad bucket: what its collectives share (`unit_collectives_flat` gives each field's
+  meaning). `gather`, `scatter` and `gather_each` are its `UnitCollectives` functions."""
+
+  gather_buckets: Sequence[tuple[Bucket, Any]]  # (bucket, param dtype)
+  grad_buckets: Sequence[tuple[Bucket, Any, Any, Any]]  # (bucket, grad, master dtype, key)
+  reduction: Reduction
+  other: tuple[str, ...]  # the data axes besides `DATA`, which a gathered param varies over
+
+  def blocks(self, trainable) -> dict:
+    """Leaf -> its block, sliced out of the flat shards `trainable` (grad bucket key ->)."""
+    shards = jax.lax.axis_size(DATA)
+    out = {}
+    for b, _, _, key in self.grad_buckets:
+      out.update((p.index, x) for p, x in zip(b.params, shard_unravel(trainable[key], b, shards)))
+    return out
+
+  def gather_each_of(self, local, frozen, casts, buckets) -> dict:
+    """The params of `buckets` from their blocks (`local`, `frozen`): one all-gather per
+    param, as a per-leaf state's unit gathers them."""
+    per_leaf = _UnitOfBlocks(
+      gather_buckets=tuple(buckets),
+      grad_buckets=(),  # a gather reduces nothing
+      cotangent_dtypes={},
+      reduction=self.reduction,
+      other=self.other,
+    )
+    return per_leaf.gather_each(local, frozen, casts)
+
+  def gather(self, trainable, frozen, casts=None, apart=frozenset()) -> dict:
+    shards = jax.lax.axis_size(DATA)
+    local, casts = None, casts or {}  # the blocks, sliced out only where a bucket needs them
+    out = {}
+    for b, dtype in self.gather_buckets:
+      moved = {casts.get(p.index, dtype) for p in b.params}
+      if len(moved) > 1:  # some params cast, others not: one all-gather per param
+        local = local if local is not None else {**self.blocks(trainable), **frozen}
+        out.update(self.gather_each_of(local, {}, casts, [(b, dtype)]))
+        continue
+      (dtype,) = moved
+      flat = next((key for g, _, _, key in self.grad_buckets if _same_params(g, b)), None)
+      if flat is not None:
+        shard = trainable[flat].astype(dtype)
+      else:
+        local = local if local is not None else {**self.blocks(trainable), **frozen}
+        shard = shard_ravel([local[p.index] for p in b.params], b, dtype)
+      full = jax.lax.all_gather(shard, DATA, tiled=True, to="varying")
+      for p, x in zip(b.params, bucket_unravel(full, b, shards)):
+        out[p.index] = make_varying(x, self.other) if self.other else x
+    return out
+
+  def scatter(self, cts, apart=frozenset()) -> dict:
+    return {
+      key: _scatter_bucket(cts, b, grad_dtype, self.reduction).astype(dtype)
+      for b, grad_dtype, dtype, key in self.grad_buckets
+    }
+
+  def gather_each(self, trainable, frozen, casts=None, apart=frozenset()) -> dict:
+    return self.gather_each_of(self.blocks(trainable), frozen, casts, self.gather_buckets)
 
 
 def unit_collectives_flat(
@@ -659,58 +832,10 @@ def unit_collectives_flat(
       dtype under `key`).
     dp, axes, average: as in `unit_collectives`.
   """
-  other = tuple(a for a in axes if a != DATA)
-  same = lambda a, b: (
-    a.shard_size == b.shard_size
-    and [(p.index, p.offset) for p in a.params] == [(p.index, p.offset) for p in b.params]
+  unit = _UnitOfFlatShards(
+    gather_buckets=tuple(gather_buckets),
+    grad_buckets=tuple(grad_buckets),
+    reduction=Reduction(dp, axes, average),
+    other=tuple(a for a in axes if a != DATA),
   )
-
-  def blocks(trainable):
-    shards = jax.lax.axis_size(DATA)
-    out = {}
-    for b, _, _, key in grad_buckets:
-      out.update((p.index, x) for p, x in zip(b.params, shard_unravel(trainable[key], b, shards)))
-    return out
-
-  def gather(trainable, frozen, casts=None, apart=frozenset()):
-    shards = jax.lax.axis_size(DATA)
-    local, casts = None, casts or {}
-    out = {}
-    for b, dtype in gather_buckets:
-      moved = {casts.get(p.index, dtype) for p in b.params}
-      if len(moved) > 1:  # some params cast, others not: one all-gather per param
-        local = local if local is not None else {**blocks(trainable), **frozen}
-        out.update(each_of(local, {}, casts, [(b, dtype)]))
-        continue
-      (dtype,) = moved
-      flat = next((key for g, _, _, key in grad_buckets if same(g, b)), None)
-      if flat is not None:
-        shard = trainable[flat].astype(dtype)
-      else:
-        local = local if local is not None else {**blocks(trainable), **frozen}
-        shard = shard_ravel([local[p.index] for p in b.params], b, dtype)
-      full = jax.lax.all_gather(shard, DATA, tiled=True, to="varying")
-      for p, x in zip(b.params, bucket_unravel(full, b, shards)):
-        out[p.index] = make_varying(x, other) if other else x
-    return out
-
-  def scatter(cts, apart=frozenset()):
-    return {
-      key: _scatter_bucket(cts, b, grad_dtype, dp=dp, axes=axes, average=average).astype(dtype)
-      for b, grad_dtype, dtype, key in grad_buckets
-    }
-
-  def each_of(trainable, frozen, casts, buckets):  # per param, from blocks
-    return unit_collectives(
-      buckets,
-      [(b, grad_dtype) for b, grad_dtype, _, _ in grad_buckets],
-      {},
-      dp=dp,
-      axes=axes,
-      average=average,
-    ).gather_each(trainable, frozen, casts)
-
-  def gather_each(trainable, frozen, casts=None, apart=frozenset()):  # per param, from blocks
-    return each_of(blocks(trainable), frozen, casts, gather_buckets)
-
-  return UnitCollectives(gather=gather, scatter=scatter, gather_each=gather_each)
+  return UnitCollectives(gather=unit.gather, scatter=unit.scatter, gather_each=unit.gather_each)
