@@ -508,7 +508,8 @@ class UnitCollectives(NamedTuple):
 @dataclasses.dataclass(frozen=True, eq=False)
 class _UnitOfBlocks:
   """One FSDP unit whose trainable params arrive as per-leaf row blocks: what its
-  collectives share (`unit_collectives` gives each argument's meaning)."""
+  collectives share (`unit_collectives` gives each field's meaning). The methods named as
+  `UnitCollectives`' fields are its functions; the others are their shared steps."""
 
   gather_buckets: Sequence[tuple[Bucket, Any]]  # (bucket, param dtype)
   grad_buckets: Sequence[tuple[Bucket, Any]]  # (bucket, grad dtype)
@@ -738,16 +739,15 @@ def all_gather_outer(shards: Sequence[jax.Array], bucket: Bucket, dtype) -> list
 def _same_params(a: Bucket, b: Bucket) -> bool:
   """Do buckets `a` and `b` hold the same params at the same offsets (a gather bucket that
   is exactly a grad bucket, whose flat shard it can gather as it is)?"""
-  return a.shard_size == b.shard_size and [(p.index, p.offset) for p in a.params] == [
-    (p.index, p.offset) for p in b.params
-  ]
+  where = lambda bucket: [(p.index, p.offset) for p in bucket.params]
+  return a.shard_size == b.shard_size and where(a) == where(b)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _UnitOfFlatShards:
   """One FSDP unit of a fused state, whose trainable params arrive as one flat shard per
-  grad bucket: what its collectives share (`unit_collectives_flat` gives each argument's
-  meaning)."""
+  grad bucket: what its collectives share (`unit_collectives_flat` gives each field's
+  meaning). `gather`, `scatter` and `gather_each` are its `UnitCollectives` functions."""
 
   gather_buckets: Sequence[tuple[Bucket, Any]]  # (bucket, param dtype)
   grad_buckets: Sequence[tuple[Bucket, Any, Any, Any]]  # (bucket, grad, master dtype, key)
@@ -765,7 +765,13 @@ class _UnitOfFlatShards:
   def gather_each_of(self, local, frozen, casts, buckets) -> dict:
     """The params of `buckets` from their blocks (`local`, `frozen`): one all-gather per
     param, as a per-leaf state's unit gathers them."""
-    per_leaf = _UnitOfBlocks(tuple(buckets), (), {}, self.reduction, self.other)
+    per_leaf = _UnitOfBlocks(
+      gather_buckets=tuple(buckets),
+      grad_buckets=(),  # a gather reduces nothing
+      cotangent_dtypes={},
+      reduction=self.reduction,
+      other=self.other,
+    )
     return per_leaf.gather_each(local, frozen, casts)
 
   def gather(self, trainable, frozen, casts=None, apart=frozenset()) -> dict:

@@ -1,5 +1,6 @@
-"""The configs: `DDPConfig` (Megatron's `DistributedDataParallelConfig`, field for field) and
-`FSDPConfig` (the units of `optim_grads_params`)."""
+"""The configs: `DDPConfig` (the field names of Megatron's `DistributedDataParallelConfig`,
+three of its defaults changed, a few fields of jaxdp's own) and `FSDPConfig` (the units of
+`optim_grads_params`)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,22 @@ Prefix = str | tuple
 class DDPConfig:
   """How gradients are reduced and what is sharded across the `"data"` axis.
 
-  The names and defaults are Megatron-Core's `DistributedDataParallelConfig`; the API
-  reference (docs/api.md) gives each field in full.
+  The field names are Megatron-Core's `DistributedDataParallelConfig` (those jaxdp has;
+  `grad_reduce_dtype`, `fused_update` and `stacked` are its own), and so are the defaults
+  but three, which Megatron's class sets False and jaxdp True:
+
+  * `grad_reduce_in_fp32`: the grads of bf16 params are accumulated and summed over the
+    devices in fp32 (fp32 main grads), the more accurate sum; `grad_reduce_dtype=jnp.bfloat16`
+    trades it for half the bytes. Megatron-LM's `--bf16` training turns it on as well,
+    unless given `--grad-reduce-in-bf16`.
+  * `overlap_grad_reduce`: reducing each bucket inside the backward, under the rest of it,
+    is what jaxdp is for (a grad-ready hook per bucket; XLA runs the collectives
+    asynchronously).
+  * `overlap_param_gather`: between steps a sharded strategy holds only its master shards,
+    and the gathers run under the next forward.
+
+  `bucket_size=None` picks jaxdp's own sizes (below). The API reference (docs/api.md)
+  gives each field in full.
 
   Attributes:
     data_parallel_sharding_strategy: what is sharded over "data": `"no_shard"` (DDP),

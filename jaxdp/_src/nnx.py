@@ -41,8 +41,9 @@ With both::
   jaxdp.nnx_merge(model, state)  # params and running statistics
 """
 
+import dataclasses
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -130,50 +131,84 @@ def nnx_split(
   """
   graphdef, param_state, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   params = nnx.to_pure_dict(param_state)
-  state_def = jax.tree.structure(param_state)
-  template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-
   rng_leaves, rng_def = jax.tree.flatten(rng_state)
   rest_leaves, rest_def = jax.tree.flatten(rest)
-  rest_template = _shapes(nnx.to_pure_dict(rest))
+  loss_fn = _SplitLoss(
+    model_loss=model_loss,
+    graphdef=graphdef,
+    params=_Part(
+      treedef=jax.tree.structure(param_state),
+      leaves=(),  # `loss_fn`'s own params instead
+      template=jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params),
+    ),
+    rngs=_Part(treedef=rng_def, leaves=tuple(rng_leaves), template=None),
+    rest=_Part(
+      treedef=rest_def, leaves=tuple(rest_leaves), template=_shapes(nnx.to_pure_dict(rest))
+    ),
+  )
+  return params, loss_fn
 
-  def loss_fn(params: PyTree, batch: PyTree, *, rng=None, model_state=None):
+
+class _Part(NamedTuple):
+  """One part of the split model (its params, RNG streams or other variables): what
+  `_SplitLoss` rebuilds it from."""
+
+  treedef: Any  # the part's `nnx.State` structure
+  leaves: tuple  # its arrays at split time, in tree order (empty for the params)
+  template: PyTree  # shapes and dtypes its pure-dict form is checked against; None: unchecked
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _SplitLoss:
+  """The `loss_fn` of `nnx_split`: rebuilds the model from `params` on every call and
+  returns `model_loss(model, batch)` (with `model_state`: and what the forward wrote).
+  `eq=False` keeps it hashed by identity, as the function it stands for."""
+
+  model_loss: Callable[[nnx.Module, PyTree], Any]
+  graphdef: Any
+  params: _Part
+  rngs: _Part
+  rest: _Part  # the non-param, non-RNG variables (BatchNorm statistics, ...)
+
+  def __call__(self, params: PyTree, batch: PyTree, *, rng=None, model_state=None):
     _check_like(
       params,
-      template,
+      self.params.template,
       "loss_fn",
       check_dtype=False,  # trace time only
       skip_shape=sharded_paths(),
     )
     # Fresh Variables on every call, so whatever model_loss writes into the rebuilt
     # model (stats, RNG counts) dies with it and never leaks out, not even tracers.
-    state = jax.tree.unflatten(state_def, jax.tree.leaves(params))
-    rngs = jax.tree.unflatten(rng_def, rng_leaves if rng is None else _reseed(rng_leaves, rng))
+    state = jax.tree.unflatten(self.params.treedef, jax.tree.leaves(params))
+    rng_leaves = self.rngs.leaves
+    rngs = jax.tree.unflatten(
+      self.rngs.treedef, rng_leaves if rng is None else _reseed(rng_leaves, rng)
+    )
     if model_state is not None:
       _check_like(
         model_state,
-        rest_template,
+        self.rest.template,
         "loss_fn's model_state",
         check_dtype=False,
         what_tree="non-param variables (jaxdp.nnx_model_state)",
       )
     rest = jax.tree.unflatten(
-      rest_def, rest_leaves if model_state is None else jax.tree.leaves(model_state)
+      self.rest.treedef,
+      self.rest.leaves if model_state is None else jax.tree.leaves(model_state),
     )
-    model = nnx.merge(graphdef, state, rngs, rest)
-    out = model_loss(model, batch)
+    model = nnx.merge(self.graphdef, state, rngs, rest)
+    out = self.model_loss(model, batch)
     _, _, drawn, written = nnx.split(model, nnx.Param, nnx.RngState, ...)
     if rng is None:
       _refuse_frozen(drawn, rng_leaves, RNG_FROZEN)
     if model_state is None:
-      _refuse_frozen(written, rest_leaves, MODEL_STATE_FROZEN)
+      _refuse_frozen(written, self.rest.leaves, MODEL_STATE_FROZEN)
       return out
     new = jax.tree.unflatten(jax.tree.structure(model_state), jax.tree.leaves(written))
     if isinstance(out, (tuple, list)) and len(out) == 2:  # (loss, aux)
       return out[0], (out[1], new)
     return out, new
-
-  return params, loss_fn
 
 
 RNG_FROZEN = (
@@ -193,7 +228,7 @@ MODEL_STATE_FROZEN = (
 )
 
 
-def _refuse_frozen(variables: nnx.State, before: list, message: str) -> None:
+def _refuse_frozen(variables: nnx.State, before: Sequence, message: str) -> None:
   """Raise ValueError if the forward wrote any of `variables` (a leaf is no longer the array
   the model was rebuilt with): what it wrote would be dropped, the state frozen."""
   after = jax.tree_util.tree_leaves_with_path(variables)
@@ -216,7 +251,7 @@ def _shapes(tree: PyTree) -> PyTree:
   return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _reseed(leaves: list, rng) -> list:
+def _reseed(leaves: Sequence, rng) -> list:
   """RNG stream leaves (keys and counts, in tree order) restarted from `rng`: stream `j`'s
   key is `fold_in(rng, j)` (split to the stream's shape for batched keys), counts 0."""
   out, j = [], 0
