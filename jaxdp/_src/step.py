@@ -99,6 +99,36 @@ class StepStrategy(Protocol):
     the grads the NaN check reads (`DDPConfig.check_for_nan_in_grad`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+  """The step `make_train_step` jits: what it fixes, as fields (see the module docstring)."""
+
+  strategy: StepStrategy
+  tx: Any
+  mesh: Any
+  config: DDPConfig
+  grad_accum_steps: int
+  has_aux: bool
+
+  def __call__(self, state: TrainState, batch):
+    strategy = self.strategy
+    strategy.check_state(state)
+    checks.check_batch(batch, dp_size(self.mesh) * self.grad_accum_steps)
+    out = run_local_grads(strategy, self.mesh, state, batch)
+    counted = dataclasses.replace(state, step=state.step + 1, model_state=out.model_state)
+    new_state, checked = strategy.update(self.tx, counted, out)
+    return checks.finish_step(
+      new_state,
+      strategy.state_specs(new_state),
+      self.mesh,
+      self.config,
+      out.loss,
+      out.grad_norm,
+      checked,
+      out.aux if self.has_aux else None,
+    )
+
+
 def make_train_step(
   strategy: StepStrategy,
   tx,
@@ -110,23 +140,10 @@ def make_train_step(
   compiler_options: dict[str, Any],
 ) -> checks.TrainStep:
   """The jitted step of `strategy` (see the module docstring)."""
+  run = _Step(strategy, tx, mesh, config, grad_accum_steps, has_aux)
 
-  def step(state: TrainState, batch):
-    strategy.check_state(state)
-    checks.check_batch(batch, dp_size(mesh) * grad_accum_steps)
-    out = run_local_grads(strategy, mesh, state, batch)
-    counted = dataclasses.replace(state, step=state.step + 1, model_state=out.model_state)
-    new_state, checked = strategy.update(tx, counted, out)
-    return checks.finish_step(
-      new_state,
-      strategy.state_specs(new_state),
-      mesh,
-      config,
-      out.loss,
-      out.grad_norm,
-      checked,
-      out.aux if has_aux else None,
-    )
+  def step(state: TrainState, batch):  # named: the compiled program is "jit_step"
+    return run(state, batch)
 
   return checks.jit_step(step, mesh, config, compiler_options)
 

@@ -183,7 +183,8 @@ def compiled_text(case: Case) -> str:
 def canonical(text: str) -> str:
   """The program alone: no source tables, metadata or XLA's numbering of names (each name
   renamed by its first appearance, so that what ran before in the process does not count)."""
-  body = re.search(r"^(%|ENTRY).*", text, re.S | re.M).group(0)
+  module = re.match(r"HloModule ([\w.-]+)", text).group(1)  # the program's name counts
+  body = module + "\n" + re.search(r"^(%|ENTRY).*", text, re.S | re.M).group(0)
   body = re.sub(r", metadata=\{[^}]*\}", "", body)
   names: dict[str, str] = {}
   body = re.sub(r"%[\w.-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), body)
