@@ -26,6 +26,27 @@ from jaxdp._src.layout import Bucket, Layout, ParamSpec, layer_bucket
 from jaxdp._src.mesh import DATA, EXPERT, REPLICA
 
 
+# [Note: varying values]
+# Inside `jax.shard_map` every value's type says which manual mesh axes it varies over
+# (https://docs.jax.dev/en/latest/notebooks/shard_map.html, "efficient transposition").
+# `jax.grad` of a loss that reads a value replicated over "data" sums its cotangent over
+# "data" for us: a psum per param at the end of the backward, none of it in buckets, and
+# none of it overlapped. So every trainable param enters the loss marked varying
+# (`make_varying`, a no-op in the compiled program) and the grad-ready hooks issue the
+# reductions themselves. Scan carries and sums that meet varying values (a loss
+# accumulator, zero grads) are marked varying too, or their types would not match.
+#
+# [Note: the sink]
+# A hook cannot return a value of another shape or dtype from the backward than its input
+# had in the forward: a param's cotangent is the param's shape. The reduced bucket (fp32
+# main grads, a 1/dp shard, one flat buffer) therefore leaves through a second argument,
+# the *sink*: a zero array of the reduced buffer's shape that the loss takes and ignores
+# (`sink_for`), whose cotangent the hook's backward sets to the reduced buffer while the
+# params get zeros. Differentiating w.r.t. the sinks gives the reduced grads, each as soon
+# as its bucket's cotangents exist. Megatron's `register_grad_ready` + `start_grad_sync`
+# do the same with a backward hook and a side buffer.
+
+
 def varying_axes(x) -> frozenset:
   """The mesh axes a value inside `jax.shard_map` varies over (empty outside one)."""
   return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
@@ -370,7 +391,7 @@ def grad_ready_hook(
   """
   reduction = Reduction(dp, axes, average)
 
-  def bwd(acc, cts):
+  def bwd(acc, cts):  # See [Note: the sink]
     flat = bucket_ravel(cts, bucket, jax.lax.axis_size(DATA), grad_dtype) + acc
     return (
       jax.tree.map(jnp.zeros_like, cts),

@@ -208,7 +208,8 @@ def accumulate(
     return (loss_sum + loss, grad_sum, collectives.sync_model_state(state_after, axes)), aux
 
   steps = jax.tree.leaves(micro)[0].shape[0]
-  # a scan carry: varying over the data axes, as the losses added to it are
+  # a scan carry varying over the data axes, as the losses added to it are: See
+  # [Note: varying values] in collectives.py
   loss_zero = collectives.make_varying(jnp.zeros((), jnp.float32), axes)
   (loss, grads, model_state), auxs = jax.lax.scan(
     body, (loss_zero, zeros, model_state), (micro, jnp.arange(steps))
