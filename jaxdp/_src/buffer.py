@@ -145,7 +145,7 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
            [2., 3.],
            [4., 5.]], dtype=float32)
   """
-  out: list[Any] = [None] * len(layout.shapes)
+  out: list[Any] = [None] * len(layout.leaves)
   _refuse_stacked(layout)
   if like is not None:
     for i, x in enumerate(_check_structure(like, layout)):
@@ -179,7 +179,9 @@ def _check_structure(params: PyTree, layout: Layout) -> list[Any]:
       f"params have structure {treedef}, but the layout was made for "
       f"{layout.treedef}; make the layout from these params"
     )
-  for path, x, shape in zip(layout.paths, leaves, layout.shapes):
-    if tuple(x.shape) != shape:
-      raise ValueError(f"params{path}: shape {tuple(x.shape)}, but the layout has {shape}")
+  for leaf, x in zip(layout.leaves, leaves):
+    if tuple(x.shape) != leaf.shape:
+      raise ValueError(
+        f"params{leaf.path}: shape {tuple(x.shape)}, but the layout has {leaf.shape}"
+      )
   return leaves

@@ -121,11 +121,7 @@ def _stores_master(dtype) -> bool:
 def _stored_masters(state: TrainState) -> list[int]:
   """Trainable leaves stored with a separate master copy (low-precision params)."""
   layout = state.layout
-  return [
-    index
-    for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes))
-    if trainable and _stores_master(dtype)
-  ]
+  return [leaf.index for leaf in layout.leaves if leaf.trainable and _stores_master(leaf.dtype)]
 
 
 class _OptForm(NamedTuple):
@@ -134,7 +130,7 @@ class _OptForm(NamedTuple):
   shape: tuple[int, ...]
   """Its full shape: a per-param leaf's is its param's."""
   axis: int
-  """A per-param leaf's shard dim (`Layout.shard_axes`: where a sharded strategy pads it,
+  """A per-param leaf's shard dim (`Leaf.shard_axis`: where a sharded strategy pads it,
   and the dim its sharded view prefers); 0 for any other leaf."""
   param: int | None
   """The param whose per-param state it is (`match_opt_leaf`), or None."""
@@ -154,9 +150,9 @@ def _opt_forms(state: TrainState) -> list[_OptForm]:
   layout = state.layout
   sharded = _sharded(state)
   seen = {
-    index: sharded_shape(layout, index)[0] if sharded else tuple(layout.shapes[index])
-    for index, trainable in enumerate(layout.trainable)
-    if trainable
+    leaf.index: sharded_shape(layout, leaf.index)[0] if sharded else leaf.shape
+    for leaf in layout.leaves
+    if leaf.trainable
   }
   out = []
   for (path, _), shape in zip(keyed, shapes):
@@ -164,8 +160,8 @@ def _opt_forms(state: TrainState) -> list[_OptForm]:
     if param is None:
       out.append(_OptForm(shape=shape, axis=0, param=None))
     else:
-      shape, axis = tuple(layout.shapes[param]), layout.shard_axes[param]
-      out.append(_OptForm(shape=shape, axis=axis, param=param))
+      leaf = layout.leaves[param]
+      out.append(_OptForm(shape=leaf.shape, axis=leaf.shard_axis, param=param))
   return out
 
 
@@ -393,10 +389,8 @@ def _describe(state: TrainState) -> _Description:
   keyed_model = jax.tree_util.tree_flatten_with_path(state.model_state)[0]
   return _Description(
     params=tuple(
-      _ParamRow(path=path, shape=tuple(shape), dtype=dtype.name, trainable=trainable)
-      for path, shape, dtype, trainable in zip(
-        layout.paths, layout.shapes, layout.dtypes, layout.trainable
-      )
+      _ParamRow(path=leaf.path, shape=leaf.shape, dtype=leaf.dtype.name, trainable=leaf.trainable)
+      for leaf in layout.leaves
     ),
     master=tuple(_stored_masters(state)),
     opt_state=tuple(
@@ -506,10 +500,11 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
   layout = state.layout
   params, masters = leaves_of(state.params, layout), leaves_of(state.master, layout)
   out = {}
-  for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
-    if not trainable:
+  for leaf in layout.leaves:
+    index = leaf.index
+    if not leaf.trainable:
       out[_key("params", index)] = params[index]
-    elif _stores_master(dtype):
+    elif _stores_master(leaf.dtype):
       out[_key("master", index)] = masters[index]
     else:  # an fp32 param is its own master: stored once
       master = masters[index]
@@ -533,7 +528,7 @@ def _stored_extras(state: TrainState) -> dict[str, jax.Array]:
 
 def _is_flat(x, layout) -> bool:
   """Is `x` a fused state's flat tree (`{bucket name: flat}`)?"""
-  return isinstance(x, dict) and set(x) == {name for name, _, _ in bucket_names(layout)}
+  return isinstance(x, dict) and set(x) == {named.name for named in bucket_names(layout)}
 
 
 def _flat_items(state: TrainState) -> tuple[list[Any], Any]:
@@ -546,12 +541,12 @@ def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any
   outside them per leaf, and the metadata's "flat" entry (a `_FlatLayout`) saying where
   each per-leaf key lies in the buckets."""
   layout = state.layout
-  names = [name for name, _, _ in bucket_names(layout)]
+  names = [named.name for named in bucket_names(layout)]
   # param index -> (its bucket's number, its block in that bucket)
   blocks = {
     block.index: (number, block)
-    for number, (_, _, bucket) in enumerate(bucket_names(layout))
-    for block in bucket.params
+    for number, named in enumerate(bucket_names(layout))
+    for block in named.bucket.params
   }
   out, sources = {}, {}
 
@@ -567,14 +562,14 @@ def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any
   for number, name in enumerate(names):
     out[_key("flat_master", number)] = state.master[name]
   params = leaves_of(state.params, layout)
-  for index, (trainable, dtype) in enumerate(zip(layout.trainable, layout.dtypes)):
-    if not trainable:
-      out[_key("params", index)] = params[index]
+  for leaf in layout.leaves:
+    if not leaf.trainable:
+      out[_key("params", leaf.index)] = params[leaf.index]
     else:
-      key = _key("master" if _stores_master(dtype) else "params", index)
-      sources[key] = source("flat_master", index)
+      key = _key("master" if _stores_master(leaf.dtype) else "params", leaf.index)
+      sources[key] = source("flat_master", leaf.index)
   items, _ = _flat_items(state)
-  trainable = [index for index, is_trainable in enumerate(layout.trainable) if is_trainable]
+  trainable = [leaf.index for leaf in layout.leaves if leaf.trainable]
   opt_index = 0  # the leaf's number in the per-leaf optax state
   for item_index, item in enumerate(items):
     if _is_flat(item, layout):
@@ -764,7 +759,7 @@ def _same_flat_layout(meta: _Metadata, like: TrainState) -> bool:
     and flat.dp == like.layout.dp
     and flat.layout == like.layout.summary()
     # no trainable param held besides the flat master
-    and all(param is None for trainable, param in zip(like.layout.trainable, params) if trainable)
+    and all(param is None for leaf, param in zip(like.layout.leaves, params) if leaf.trainable)
   )
 
 
@@ -835,7 +830,7 @@ def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_
 
   out = []
   if same_flat:  # each flat bucket as it is
-    names = [name for name, _, _ in bucket_names(layout)]
+    names = [named.name for named in bucket_names(layout)]
     for number, name in enumerate(names):
       out.append(
         target(
@@ -854,7 +849,7 @@ def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_
   params = zip(leaves_of(per_leaf.params, layout), leaves_of(specs.params, layout))
   for index, (leaf, spec) in enumerate(params):
     if leaf is not None:
-      key = value_key(index) if layout.trainable[index] else _key("params", index)
+      key = value_key(index) if layout.leaves[index].trainable else _key("params", index)
       out.append(target("params", index, key, leaf, spec))
   if same_flat:
     items, _ = _flat_items(like)

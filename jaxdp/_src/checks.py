@@ -108,7 +108,7 @@ def check_state_structure(state) -> None:
   layout = state.layout
   flat = flat_master(state)
   if flat:
-    want = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    want = {named.name: (named.bucket.shard_size * layout.dp,) for named in bucket_names(layout)}
     got = {k: tuple(x.shape) for k, x in state.master.items()}
     if got != want:
       raise ValueError(
@@ -118,7 +118,7 @@ def check_state_structure(state) -> None:
   # None as a leaf on both sides: a field holds None where a leaf is missing, and the
   # params' own Nones (empty subtrees) are None in both
   none_leaf = lambda x: x is None
-  want = jax.tree.structure(tree_of(layout, [0] * len(layout.shapes)), is_leaf=none_leaf)
+  want = jax.tree.structure(tree_of(layout, [0] * len(layout.leaves)), is_leaf=none_leaf)
   for field in ("params",) if flat else ("params", "master"):
     tree = getattr(state, field)
     treedef = jax.tree.structure(tree, is_leaf=none_leaf)
@@ -130,28 +130,25 @@ def check_state_structure(state) -> None:
         "checkpoint into it)"
       )
   sharded = state.config.use_distributed_optimizer
-  for i, (path, shape, dtype, x, m) in enumerate(
-    zip(
-      layout.paths,
-      layout.shapes,
-      layout.dtypes,
-      leaves_of(state.params, layout),
-      [None] * len(layout.shapes) if flat else leaves_of(state.master, layout),
-    )
+  for leaf, x, m in zip(
+    layout.leaves,
+    leaves_of(state.params, layout),
+    [None] * len(layout.leaves) if flat else leaves_of(state.master, layout),
   ):
+    padded = sharded_shape(layout, leaf.index)[0]
     if x is not None and (
-      tuple(x.shape) not in (shape, sharded_shape(layout, i)[0]) or np.dtype(x.dtype) != dtype
+      tuple(x.shape) not in (leaf.shape, padded) or np.dtype(x.dtype) != leaf.dtype
     ):
       raise ValueError(
-        f"state.params{path}: {np.dtype(x.dtype).name}{list(x.shape)}, but init_state "
-        f"made it {dtype.name}{list(shape)}: the params changed after init_state; build "
-        "the state again with init_state"
+        f"state.params{leaf.path}: {np.dtype(x.dtype).name}{list(x.shape)}, but init_state "
+        f"made it {leaf.dtype.name}{list(leaf.shape)}: the params changed after init_state; "
+        "build the state again with init_state"
       )
     if m is not None:
-      want = sharded_shape(layout, i)[0] if sharded else shape
+      want = padded if sharded else leaf.shape
       if tuple(m.shape) != tuple(want):
         raise ValueError(
-          f"state.master{path}: shape {tuple(m.shape)}, but init_state made it "
+          f"state.master{leaf.path}: shape {tuple(m.shape)}, but init_state made it "
           f"{tuple(want)}: the state changed after init_state; build it again with "
           "init_state"
         )
@@ -441,7 +438,7 @@ class TrainStep(StepFunction):
     finite = np.asarray(jax.device_get(finite))
     if not finite.all():
       layout = state.layout
-      paths = [p for p, t in zip(layout.paths, layout.trainable) if t]
+      paths = [leaf.path for leaf in layout.leaves if leaf.trainable]
       raise NonFiniteGradError(
         int(jax.device_get(state.step)), [paths[i] for i in np.flatnonzero(~finite)]
       )

@@ -191,8 +191,8 @@ def layout_for(
     if prefix not in stacks:
       raise ValueError(
         f"DDPConfig(stacked=...) names params{prefix}, but no trainable param of two or "
-        f"more dims is under it (params: {', '.join(layout.paths[:4])}"
-        f"{' ..' if len(layout.paths) > 4 else ''}); name the subtree whose leaves carry the "
+        f"more dims is under it (params: {', '.join(leaf.path for leaf in layout.leaves[:4])}"
+        f"{' ..' if len(layout.leaves) > 4 else ''}); name the subtree whose leaves carry the "
         "layer axis the loss scans over, e.g. stacked=['blocks']"
       )
   return layout
@@ -215,10 +215,11 @@ def init_state(
   params = source.abstract
   model_specs = model_specs_of(params, mesh)
   layout = layout_for(params, mesh, config, frozen, model_specs)
-  sharded, trainable = _sharded(config), layout.trainable
+  sharded = _sharded(config)
   if sharded:
     check_expert_rows(layout, mesh)
-    check_model_rows(layout, model_specs, mesh, [i for i, t in enumerate(trainable) if t])
+    trainable = [leaf.index for leaf in layout.leaves if leaf.trainable]
+    check_model_rows(layout, model_specs, mesh, trainable)
     # the optimizer sees padded leaves: refuse tx that would be silently different
     check_exact(tx, layout)
   fused = use_fused(tx, layout, config, model_specs)
@@ -231,14 +232,16 @@ def init_state(
     layout, config = blank.layout, blank.config
     sharded, leaves = config.use_distributed_optimizer, leaves_of(params, layout)
     master = [
-      (pad_leaf(x, layout, i) if sharded else x).astype(master_dtype(x.dtype))
-      if t and _keeps_master(config, x.dtype)
+      (pad_leaf(x, layout, leaf.index) if sharded else x).astype(master_dtype(x.dtype))
+      if leaf.trainable and _keeps_master(config, x.dtype)
       else None
-      for i, (t, x) in enumerate(zip(layout.trainable, leaves))
+      for leaf, x in zip(layout.leaves, leaves)
     ]
     # optim* with overlap_param_gather: trainable params are gathered inside the next step
     gather_in_step = sharded and config.overlap_param_gather
-    model = [None if (t and gather_in_step) else x for t, x in zip(layout.trainable, leaves)]
+    model = [
+      None if (leaf.trainable and gather_in_step) else x for leaf, x in zip(layout.leaves, leaves)
+    ]
     return dataclasses.replace(
       blank,
       step=jnp.zeros((), jnp.int32),
@@ -254,8 +257,8 @@ def init_state(
   # each leaf enters sharded over "data" where dp divides a dim (the params stay whole only
   # where the state keeps them whole): no device receives or computes a whole sharded leaf
   views = [
-    pspec(view_dims(shape, dims, mesh.shape[DATA], layout.shard_axes[i]) if sharded else dims)
-    for i, (shape, dims) in enumerate(zip(layout.shapes, model_specs))
+    pspec(view_dims(leaf.shape, dims, mesh.shape[DATA], leaf.shard_axis) if sharded else dims)
+    for leaf, dims in zip(layout.leaves, model_specs)
   ]
   # Placed the way the step places its output state (not by out_shardings, whose specs an
   # Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
@@ -268,20 +271,20 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   state = per_leaf_state(state, mesh)
   layout = state.layout
 
-  def whole(i, x, m):
-    dims = model_spec(state, i, len(layout.shapes[i]))
+  def whole(leaf, x, m):
+    dims = model_spec(state, leaf.index, len(leaf.shape))
     if x is None:  # gathered inside the next step: read it from `master` here
-      x = unpad_view(m, layout.shapes[i], layout.shard_axes[i], mesh, dims, sharded)
-      return jnp.copy(x.astype(layout.dtypes[i]))
-    view = view_dims(layout.shapes[i], dims, mesh.shape[DATA], layout.shard_axes[i])
+      x = unpad_view(m, leaf.shape, leaf.shard_axis, mesh, dims, sharded)
+      return jnp.copy(x.astype(leaf.dtype))
+    view = view_dims(leaf.shape, dims, mesh.shape[DATA], leaf.shard_axis)
     return constrain(jnp.copy(x), mesh, pspec(view if sharded else dims))
 
   return tree_of(
     layout,
     [
-      whole(i, x, m)
-      for i, (x, m) in enumerate(
-        zip(leaves_of(state.params, layout), leaves_of(state.master, layout))
+      whole(leaf, x, m)
+      for leaf, x, m in zip(
+        layout.leaves, leaves_of(state.params, layout), leaves_of(state.master, layout)
       )
     ],
   )
@@ -350,8 +353,10 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   if plan.gather_in_step:
     full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan, own=plan.own_of)
   return [
-    collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[i]]) if t else x
-    for i, (t, x) in enumerate(zip(layout.trainable, full))
+    collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[leaf.index]])
+    if leaf.trainable
+    else x
+    for leaf, x in zip(layout.leaves, full)
   ]
 
 
@@ -433,7 +438,7 @@ class _MicroLoss:
     args = (micro_batch, loop.micro_key(self.key, number), model_state)
     if scanned:
       values = {**dict(enumerate(leaves)), **scanned}
-      avals = [jax.ShapeDtypeStruct(s, d) for s, d in zip(self.layout.shapes, self.layout.dtypes)]
+      avals = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in self.layout.leaves]
       # prefetch=0: each loop iteration gathers its own layer. ZeRO keeps every gathered
       # layer for the backward (reshard=False), so a layer gathered ahead would hide nothing
       # XLA does not already overlap within the layer, and add a layer to the peak.
@@ -610,8 +615,8 @@ def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
   each (the sharded strategies); None for leaves that are not trained. A fused state's
   grads are the reduced shards themselves, `{bucket name: shard}`."""
   if plan.fused:
-    return {name: red for (name, _, _), red in zip(bucket_names(layout), reduced)}
-  grads: list[Any] = [None] * len(layout.trainable)
+    return {named.name: red for named, red in zip(bucket_names(layout), reduced)}
+  grads: list[Any] = [None] * len(layout.leaves)
   for (_, b), red in zip(buckets, reduced):
     if isinstance(red, tuple):  # reduced per param (`grad_ready_hook_each`)
       parts = red
@@ -710,12 +715,12 @@ class BucketedStep:
   def _grad_dims(self, state: TrainState):
     """Where each reduced grad lands: over "data" on its shard dim when sharded."""
     layout = state.layout
-    model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+    model_dims = [model_spec(state, leaf.index, len(leaf.shape)) for leaf in layout.leaves]
     return [
-      (with_data(d, self.plan.axes, layout.shard_axes[i]) if self.plan.sharded else d)
-      if t
+      (with_data(d, self.plan.axes, leaf.shard_axis) if self.plan.sharded else d)
+      if leaf.trainable
       else None
-      for i, (t, d) in enumerate(zip(layout.trainable, model_dims))
+      for leaf, d in zip(layout.leaves, model_dims)
     ]
 
   def in_specs(self, state: TrainState) -> step_lib.StepInputs:
@@ -742,7 +747,7 @@ class BucketedStep:
     if state.fused and self.plan.sharded:
       grads = placed = flat_master_specs(layout, self.plan.axes)
     elif state.fused:
-      grads = placed = {name: P() for name, _, _ in bucket_names(layout)}
+      grads = placed = {named.name: P() for named in bucket_names(layout)}
     specs = step_lib.LocalGrads(grads, P(), P(), P(), extra_specs(state)["model_state"])
     if not runs_auto(self.mesh, state.model_specs):
       return specs, None
@@ -750,7 +755,7 @@ class BucketedStep:
 
   def local_grads(self, state: TrainState, inputs: step_lib.StepInputs) -> step_lib.LocalGrads:
     layout = state.layout
-    model_dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
+    model_dims = [model_spec(state, leaf.index, len(leaf.shape)) for leaf in layout.leaves]
     own = tuple(own_axes(d, self.plan.axes) for d in model_dims)
     return local_grads(self.loss_fn, self.plan_for(state), inputs, layout, own)
 
@@ -796,13 +801,13 @@ class BucketedStep:
     updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, self.mesh)
     new = leaves_of(optax.apply_updates(opt_params, updates), layout)
     params, master = leaves_of(state.params, layout), leaves_of(state.master, layout)
-    for i, trained in enumerate(layout.trainable):
-      if not trained:
+    for leaf in layout.leaves:
+      if not leaf.trainable:
         continue
-      if master[i] is not None:
-        master[i] = new[i]
-      if params[i] is not None and not sharded:
-        params[i] = new[i].astype(layout.dtypes[i])
+      if master[leaf.index] is not None:
+        master[leaf.index] = new[leaf.index]
+      if params[leaf.index] is not None and not sharded:
+        params[leaf.index] = new[leaf.index].astype(leaf.dtype)
     if sharded and not self.config.overlap_param_gather:
       params = gather_params(master, layout, self.mesh, params, state)
     return dataclasses.replace(

@@ -136,10 +136,10 @@ class _Leaf:
 def trainable_leaves(layout: Layout) -> list[_Leaf]:
   """Every trainable leaf, with the shape the sharded optimizer sees for it."""
   out = []
-  for i, t in enumerate(layout.trainable):
-    if t:
-      seen, axis = sharded_shape(layout, i)
-      out.append(_Leaf(i, layout.paths[i], layout.shapes[i], tuple(seen), axis))
+  for leaf in layout.leaves:
+    if leaf.trainable:
+      seen, axis = sharded_shape(layout, leaf.index)
+      out.append(_Leaf(leaf.index, leaf.path, leaf.shape, tuple(seen), axis))
   return out
 
 
@@ -195,10 +195,10 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
       shapes[i] = x.base
     else:
       shapes[i] = tuple(min(d, _SHRINK) for d in x.shape) if shrink else x.shape
-  dtype = {i: np.float64 if x64 else master_dtype(layout.dtypes[i]) for i in leaves_}
+  dtype = {i: np.float64 if x64 else master_dtype(layout.leaves[i].dtype) for i in leaves_}
 
   def tree(values, pad):
-    out = [None] * len(layout.shapes)
+    out = [None] * len(layout.leaves)
     for i, v in values.items():
       x = leaves_[i]
       if x.padded and pad:
@@ -241,9 +241,9 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
 def _shape_dependent_state(tx, layout: Layout) -> list[str]:
   """State leaves that are neither scalars nor shaped like a param as the optimizer sees it."""
   leaves_ = trainable_leaves(layout)
-  tree = [None] * len(layout.shapes)
+  tree = [None] * len(layout.leaves)
   for x in leaves_:
-    tree[x.index] = jax.ShapeDtypeStruct(x.seen, master_dtype(layout.dtypes[x.index]))
+    tree[x.index] = jax.ShapeDtypeStruct(x.seen, master_dtype(layout.leaves[x.index].dtype))
   state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, tree))
   shapes = {x.seen for x in leaves_}
   return [
@@ -377,16 +377,16 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
     >>> fuses(tx, layout), fuses(optax.lamb(1e-3), layout)
     (True, False)
   """
-  static = {layout.paths[i] for i in layout.static}
+  static = {leaf.path for leaf in layout.leaves if not leaf.trainable}
   shrunk = [
-    jax.ShapeDtypeStruct(tuple(min(d, _SHRINK) for d in shape), dtype)
-    for shape, dtype in zip(layout.shapes, layout.dtypes)
+    jax.ShapeDtypeStruct(tuple(min(d, _SHRINK) for d in leaf.shape), leaf.dtype)
+    for leaf in layout.leaves
   ]
   small = make_layout(
     jax.tree.unflatten(layout.treedef, shrunk),
     layout.dp,
     frozen=lambda path, _: path in static,
-    units=None if layout.units is None else dict(zip(layout.paths, layout.units)),
+    units=None if layout.units is None else {leaf.path: leaf.unit for leaf in layout.leaves},
   )
   try:
     return _fuses_small(tx, small)
@@ -416,7 +416,8 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
   """`fuses` on a small layout, in float64 (`x64`) or the master dtypes."""
   rng = np.random.default_rng(0)
   dtype = {
-    p.index: np.float64 if x64 else master_dtype(layout.dtypes[p.index]) for p in layout.params
+    p.index: np.float64 if x64 else master_dtype(layout.leaves[p.index].dtype)
+    for p in layout.params
   }
   draw = lambda scale: {
     p.index: _probe_values(rng, p.shape, scale).astype(dtype[p.index]) for p in layout.params
@@ -425,19 +426,22 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
   grads = [draw(1 / 4) for _ in range(_PROBE_STEPS)]
 
   def tree(values):
-    return [values.get(i) for i in range(len(layout.shapes))]
+    return [values.get(leaf.index) for leaf in layout.leaves]
 
   def flat(values):  # leaves of `{name: flat}`, in key order
     return jax.tree.leaves(
       {
-        name: bucket_ravel(
-          [values[p.index] for p in b.params], b, layout.dp, dtype[b.params[0].index]
+        named.name: bucket_ravel(
+          [values[p.index] for p in named.bucket.params],
+          named.bucket,
+          layout.dp,
+          dtype[named.bucket.params[0].index],
         )
-        for name, _, b in names
+        for named in names
       }
     )
 
-  flat_def = jax.tree.structure({name: 0 for name, _, _ in names})
+  flat_def = jax.tree.structure({named.name: 0 for named in names})
   true, fused = _run_both(
     tx,
     [(tree(params), [tree(g) for g in grads]), (flat(params), [flat(g) for g in grads])],
@@ -446,13 +450,13 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
   rtol = _PROBE_RTOL if x64 else _PROBE_RTOL_NATIVE
   for ut, uf in zip(true, fused):
     by_name = jax.tree.unflatten(flat_def, uf)
-    for name, _, b in names:
-      got = np.asarray(by_name[name])
-      parts = bucket_unravel(got, b, layout.dp)
-      if not np.array_equal(np.asarray(bucket_ravel(parts, b, layout.dp)), got):
-        _log.debug("fused update off: %s updates the padding of bucket %s", tx, name)
+    for named in names:
+      got = np.asarray(by_name[named.name])
+      parts = bucket_unravel(got, named.bucket, layout.dp)
+      if not np.array_equal(np.asarray(bucket_ravel(parts, named.bucket, layout.dp)), got):
+        _log.debug("fused update off: %s updates the padding of bucket %s", tx, named.name)
         return False
-      for p, x in zip(b.params, parts):
+      for p, x in zip(named.bucket.params, parts):
         a = np.asarray(ut[p.index], np.float64)
         scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
         err = float(np.max(np.abs(np.asarray(x, np.float64) - a), initial=0.0)) / scale
@@ -513,19 +517,23 @@ def fused_master(leaves, layout: Layout) -> dict[str, jax.Array]:
   """A fused state's `master` from the trainable params (tree order): one flat array per
   bucket in the master dtype, padding zero. (`no_shard`'s fused update sees its params so.)"""
   return {
-    name: bucket_ravel(
-      [leaves[p.index] for p in b.params], b, layout.dp, master_dtype(buf.param_dtype)
+    named.name: bucket_ravel(
+      [leaves[p.index] for p in named.bucket.params],
+      named.bucket,
+      layout.dp,
+      master_dtype(named.buffer.param_dtype),
     )
-    for name, buf, b in bucket_names(layout)
+    for named in bucket_names(layout)
   }
 
 
 def unravel_flat(flat: dict[str, jax.Array], layout: Layout) -> list[Any]:
   """Inverse of `fused_master` on whole buckets: the trainable leaves (tree order, None for
   the rest), in the flat arrays' dtype."""
-  out = [None] * len(layout.shapes)
-  for name, _, b in bucket_names(layout):
-    for p, x in zip(b.params, bucket_unravel(flat[name], b, layout.dp)):
+  out = [None] * len(layout.leaves)
+  for named in bucket_names(layout):
+    bucket = named.bucket
+    for p, x in zip(bucket.params, bucket_unravel(flat[named.name], bucket, layout.dp)):
       out[p.index] = x
   return out
 
@@ -553,7 +561,7 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
   if not state.fused:
     return state
   layout = state.layout
-  names = {name for name, _, _ in bucket_names(layout)}
+  names = {named.name for named in bucket_names(layout)}
   is_flat = lambda x: isinstance(x, dict) and set(x) == names
   flats = [
     x for x in jax.tree.leaves((state.master, state.opt_state), is_leaf=is_flat) if is_flat(x)
@@ -579,8 +587,10 @@ def _leaf_shard_specs(layout: Layout, axes) -> list[P | None]:
   """Each trainable leaf's padded per-leaf form as `shard_map` sees it: split over "data" on
   its shard dim (a fused state has no tensor- or expert-parallel leaf); None elsewhere."""
   return [
-    manual_spec(with_data(((),) * len(shape), axes, layout.shard_axes[i]), axes) if t else None
-    for i, (t, shape) in enumerate(zip(layout.trainable, layout.shapes))
+    manual_spec(with_data(((),) * len(leaf.shape), axes, leaf.shard_axis), axes)
+    if leaf.trainable
+    else None
+    for leaf in layout.leaves
   ]
 
 
@@ -593,9 +603,10 @@ def leaves_of_shards(flats: list[dict], layout: Layout, mesh) -> list[list[Any]]
   def local(flats):
     out = []
     for flat in flats:
-      leaves = [None] * len(layout.shapes)
-      for name, _, b in bucket_names(layout):
-        for p, x in zip(b.params, shard_unravel(flat[name], b, layout.dp)):
+      leaves = [None] * len(layout.leaves)
+      for named in bucket_names(layout):
+        bucket = named.bucket
+        for p, x in zip(bucket.params, shard_unravel(flat[named.name], bucket, layout.dp)):
           leaves[p.index] = x
       out.append(leaves)
     return out
@@ -620,13 +631,14 @@ def shards_of_leaves(trees: list[list[Any]], likes: list, layout: Layout, mesh):
     out = []
     for leaves, like in zip(trees, likes):
       flat = {}
-      for name, _, b in bucket_names(layout):
-        blocks = [leaves[p.index] for p in b.params]
-        shard = shard_ravel(blocks, b, blocks[0].dtype)
+      for named in bucket_names(layout):
+        bucket = named.bucket
+        blocks = [leaves[p.index] for p in bucket.params]
+        shard = shard_ravel(blocks, bucket, blocks[0].dtype)
         if like is not None:
-          used = sum(p.shard_size(layout.dp) for p in b.params)
-          shard = jnp.concatenate([shard[:used], like[name][used:].astype(shard.dtype)])
-        flat[name] = shard
+          used = sum(p.shard_size(layout.dp) for p in bucket.params)
+          shard = jnp.concatenate([shard[:used], like[named.name][used:].astype(shard.dtype)])
+        flat[named.name] = shard
       out.append(flat)
     return out
 
@@ -644,12 +656,14 @@ def shards_of_leaves(trees: list[list[Any]], likes: list, layout: Layout, mesh):
 def _ravel_whole(leaves, like: dict | None, layout: Layout, mesh) -> dict[str, jax.Array]:
   """`no_shard`'s flat buckets from whole leaves; every padding element `like`'s, else 0."""
   out = {}
-  for name, _, b in bucket_names(layout):
-    flat = bucket_ravel([constrain(leaves[p.index], mesh, P()) for p in b.params], b, layout.dp)
+  for named in bucket_names(layout):
+    bucket = named.bucket
+    whole = [constrain(leaves[p.index], mesh, P()) for p in bucket.params]
+    flat = bucket_ravel(whole, bucket, layout.dp)
     if like is not None:
-      real = bucket_ravel([np.ones(p.shape, bool) for p in b.params], b, layout.dp)
-      flat = jnp.where(real, flat, constrain(like[name], mesh, P()))
-    out[name] = flat
+      real = bucket_ravel([np.ones(p.shape, bool) for p in bucket.params], bucket, layout.dp)
+      flat = jnp.where(real, flat, constrain(like[named.name], mesh, P()))
+    out[named.name] = flat
   return out
 
 
@@ -673,17 +687,20 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
   gathered)."""
   layout = state.layout
   sharded = state.config.use_distributed_optimizer
-  trainable = [i for i, t in enumerate(layout.trainable) if t]
+  trainable = [leaf for leaf in layout.leaves if leaf.trainable]
   tree_def = jax.tree.structure(
-    jax.tree.unflatten(layout.treedef, [0 if t else None for t in layout.trainable])
+    jax.tree.unflatten(layout.treedef, [0 if leaf.trainable else None for leaf in layout.leaves])
   )
-  padded = {i: sharded_shape(layout, i)[0] if sharded else layout.shapes[i] for i in trainable}
+  padded = {
+    leaf.index: sharded_shape(layout, leaf.index)[0] if sharded else leaf.shape
+    for leaf in trainable
+  }
 
   def is_tree(x):
     if jax.tree.structure(x) != tree_def:
       return False
     xs = jax.tree.leaves(x)
-    return all(tuple(np.shape(v)) == padded[i] for v, i in zip(xs, trainable))
+    return all(tuple(np.shape(v)) == padded[leaf.index] for v, leaf in zip(xs, trainable))
 
   trees, likes = [], []
 
@@ -714,16 +731,16 @@ def grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
   """A fused step's grads per trainable leaf (tree order) for the NaN check: each leaf's
   columns of its bucket's `(dp, shard_size)` view, padding included (zeros, finite)."""
   blocks = {}
-  for name, _, b in bucket_names(layout):
-    shards = grads[name].reshape(layout.dp, b.shard_size)
-    for p in b.params:
+  for named in bucket_names(layout):
+    shards = grads[named.name].reshape(layout.dp, named.bucket.shard_size)
+    for p in named.bucket.params:
       blocks[p.index] = shards[:, p.offset : p.offset + p.shard_size(layout.dp)]
   return [blocks[i] for i in sorted(blocks)]
 
 
 def flat_master_specs(layout: Layout, axes) -> dict[str, P]:
   """A fused state's `master` as `shard_map` sees it: each flat bucket split over `axes`."""
-  return {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
+  return {named.name: manual_spec(((DATA,),), axes) for named in bucket_names(layout)}
 
 
 def own_specs(model_specs, shard_axes: Mapping[int, int], manual: Sequence[str]) -> dict[int, P]:
@@ -764,7 +781,8 @@ def own_specs(model_specs, shard_axes: Mapping[int, int], manual: Sequence[str])
 
 def layout_own_specs(layout: Layout, model_specs, mesh) -> dict[int, P]:
   """`own_specs` of a ZeRO (`no_shard`, `optim*`) layout: whole leaves on their shard dims."""
-  return own_specs(model_specs, dict(enumerate(layout.shard_axes)), data_axes(mesh))
+  shard_axes = {leaf.index: leaf.shard_axis for leaf in layout.leaves}
+  return own_specs(model_specs, shard_axes, data_axes(mesh))
 
 
 def layer_spec(spec: P) -> P:
@@ -781,7 +799,7 @@ def gather_master(
   state's flat buckets (`fused`); `stacks=False` leaves the params of the stacks' buckets
   out. `own`: `own_specs`, whose leaves each gather their own slice."""
   if fused:
-    shards = [master[name] for name, _, _ in bucket_names(layout)]
+    shards = [master[named.name] for named in bucket_names(layout)]
     return collectives.all_gather_shards(shards, layout, out, stacks)
   masters = master if isinstance(master, list) else leaves_of(master, layout)
   return collectives.all_gather_params(masters, layout, out, stacks, own)
@@ -792,13 +810,15 @@ def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
   stack's bucket; `master` as `gather_master` takes it."""
   out = {}
   leaves = None if fused else master if isinstance(master, list) else leaves_of(master, layout)
-  for name, _, b in bucket_names(layout):
-    if b.stack is None:
+  for named in bucket_names(layout):
+    bucket = named.bucket
+    if bucket.stack is None:
       continue
     if fused:
-      out.update(zip((p.index for p in b.params), shard_unravel(master[name], b, layout.dp)))
+      blocks = shard_unravel(master[named.name], bucket, layout.dp)
+      out.update(zip((p.index for p in bucket.params), blocks))
     else:
-      out.update((p.index, leaves[p.index]) for p in b.params)
+      out.update((p.index, leaves[p.index]) for p in bucket.params)
   return out
 
 
@@ -808,12 +828,13 @@ def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
 def pad_leaf(x, layout: Layout, i: int):
   """Leaf `i` (whole) as a sharded strategy stores it: zero rows added on its shard dim."""
   shape, axis = sharded_shape(layout, i)
-  return pad_dim(x, layout.shapes[i], axis, shape[axis])
+  return pad_dim(x, layout.leaves[i].shape, axis, shape[axis])
 
 
 def unpad_leaf(x, layout: Layout, i: int):
   """Inverse of `pad_leaf`."""
-  return unpad_dim(x, layout.shapes[i], layout.shard_axes[i])
+  leaf = layout.leaves[i]
+  return unpad_dim(x, leaf.shape, leaf.shard_axis)
 
 
 def unpad_view(x, shape: tuple[int, ...], axis: int, mesh, dims, sharded: bool, outer=False):
@@ -868,9 +889,10 @@ def check_model_rows(layout: Layout, model_specs, mesh, leaves):
     own = [a for a in (dims[axis] if dims else ()) if a not in data_axes(mesh)]
     ways = dp * math.prod(mesh.shape[a] for a in own)
     if own and shape[axis] % ways:
-      n = (layout.shapes[i] or (1,))[axis]
+      leaf = layout.leaves[i]
+      rows = (leaf.shape or (1,))[axis]
       raise ValueError(
-        f"params{layout.paths[i]} is split over {own} on dim {axis} ({n} rows), which the "
+        f"params{leaf.path} is split over {own} on dim {axis} ({rows} rows), which the "
         f"sharded optimizer also splits over {DATA!r}: padded to {shape[axis]} rows for "
         f"{dp} devices they do not divide over {DATA!r} x {' x '.join(map(repr, own))} "
         f"= {ways}; give that dim a size that is a multiple of {ways}, or split another "
@@ -885,7 +907,7 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
   own = layout_own_specs(layout, state.model_specs, mesh)
 
   def gather(master):
-    return gather_master(master, layout, [None] * len(layout.shapes), state.fused, own=own)
+    return gather_master(master, layout, [None] * len(layout.leaves), state.fused, own=own)
 
   axes = data_axes(mesh)
   if state.fused:
@@ -894,9 +916,11 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
     specs = [
       manual_spec(d, axes) if m is not None else None for m, d in zip(master, leaf_specs(state)[1])
     ]
-  dims = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-  out_specs = [manual_spec(d, axes) if t else None for t, d in zip(layout.trainable, dims)]
-  placed = [pspec(d) if t else None for t, d in zip(layout.trainable, dims)]
+  dims = [model_spec(state, leaf.index, len(leaf.shape)) for leaf in layout.leaves]
+  out_specs = [
+    manual_spec(d, axes) if leaf.trainable else None for leaf, d in zip(layout.leaves, dims)
+  ]
+  placed = [pspec(d) if leaf.trainable else None for leaf, d in zip(layout.leaves, dims)]
   if not runs_auto(mesh, state.model_specs):
     placed = None
   gathered = run_manual(gather, mesh, (specs,), out_specs, placed)(master)

@@ -237,17 +237,18 @@ def leaf_dims(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec
   layout = state.layout
   manual = data_axes_in(dict(state.mesh_shape))
   specs = param_specs(layout)
-  own = [model_spec(state, i, len(shape)) for i, shape in enumerate(layout.shapes)]
-  sharded = lambda i, outer=False: with_data(own[i], manual, layout.shard_axes[i], outer)
+  own = [model_spec(state, leaf.index, len(leaf.shape)) for leaf in layout.leaves]
+  sharded = lambda leaf, outer=False: with_data(own[leaf.index], manual, leaf.shard_axis, outer)
   params = [
-    None if x is None else sharded(i) if i in specs else own[i]
-    for i, x in enumerate(leaves_of(state.params, layout))
+    None if x is None else sharded(leaf) if leaf.index in specs else own[leaf.index]
+    for leaf, x in zip(layout.leaves, leaves_of(state.params, layout))
   ]
   if state.fused:
-    return params, [None] * len(layout.shapes)
+    return params, [None] * len(layout.leaves)
   outer = layout.outer > 1
   return params, [
-    None if m is None else sharded(i, outer) for i, m in enumerate(leaves_of(state.master, layout))
+    None if m is None else sharded(leaf, outer)
+    for leaf, m in zip(layout.leaves, leaves_of(state.master, layout))
   ]
 
 
@@ -257,7 +258,7 @@ def state_specs(state: TrainState) -> TrainState:
   param_dims, master_dims = leaf_dims(state)
   params = [None if d is None else pspec(d) for d in param_dims]
   if state.fused:
-    flat = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    flat = {named.name: (named.bucket.shard_size * layout.dp,) for named in bucket_names(layout)}
     return dataclasses.replace(
       state,
       step=P(),
@@ -287,7 +288,7 @@ def manual_specs(state: TrainState) -> tuple[PyTree, PyTree]:
   param_dims, master_dims = leaf_dims(state)
   params = tree_of(layout, [None if d is None else manual_spec(d, axes) for d in param_dims])
   if state.fused:
-    return params, {name: manual_spec(((DATA,),), axes) for name, _, _ in bucket_names(layout)}
+    return params, {named.name: manual_spec(((DATA,),), axes) for named in bucket_names(layout)}
   return params, tree_of(layout, [None if d is None else manual_spec(d, axes) for d in master_dims])
 
 
@@ -329,32 +330,29 @@ def init_state(
     fsdp=fsdp,
   )
 
-  def rows(i, x):
-    """Leaf `i` padded; HFSDP: placed over "data" on its shard dim first (the compute rows),
-    from where the master's placement over ("data", "replica") is a slice."""
-    x = _pad(x, specs[i])
+  def rows(leaf, x):
+    """`x`, the value of `leaf`, padded; HFSDP: placed over "data" on its shard dim first
+    (the compute rows), from where the master's placement over ("data", "replica") is a
+    slice."""
+    x = _pad(x, specs[leaf.index])
     if layout.outer == 1:
       return x
-    return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), layout.shard_axes[i])))
+    return constrain_auto(x, mesh, pspec(with_data(((),) * x.ndim, (), leaf.shard_axis)))
 
   def build(params):
-    leaves, trainable, outer = (
-      leaves_of(params, blank.layout),
-      blank.layout.trainable,
-      blank.layout.outer > 1,
-    )
+    leaves, outer = leaves_of(params, blank.layout), blank.layout.outer > 1
     if blank.fused:  # one flat array per unit bucket
       master = fused_master(leaves, blank.layout)
     else:
       master = [
-        rows(i, x).astype(master_dtype(x.dtype)) if trainable[i] else None
-        for i, x in enumerate(leaves)
+        rows(leaf, x).astype(master_dtype(x.dtype)) if leaf.trainable else None
+        for leaf, x in zip(blank.layout.leaves, leaves)
       ]
       master = tree_of(blank.layout, master)
     # HFSDP (`layout.outer`): the trainable params' compute rows too, in their own dtype
     stored = [
-      None if trainable[i] and not outer else rows(i, x) if i in specs else x
-      for i, x in enumerate(leaves)
+      None if leaf.trainable and not outer else rows(leaf, x) if leaf.index in specs else x
+      for leaf, x in zip(blank.layout.leaves, leaves)
     ]
     stored = tree_of(blank.layout, stored)
     return dataclasses.replace(blank, step=jnp.zeros((), jnp.int32), params=stored, master=master)
@@ -365,8 +363,8 @@ def init_state(
   # each leaf enters sharded over "data" where dp divides a dim (and over the caller's own
   # axes): no device receives or computes a whole leaf
   views = [
-    pspec(view_dims(shape, dims, mesh.shape[DATA], layout.shard_axes[i]))
-    for i, (shape, dims) in enumerate(zip(layout.shapes, model_specs))
+    pspec(view_dims(leaf.shape, dims, mesh.shape[DATA], leaf.shard_axis))
+    for leaf, dims in zip(layout.leaves, model_specs)
   ]
   return source.run(build, opt_params, tx, mesh, layout, views, state_specs)
 
@@ -375,22 +373,21 @@ def _check_model_specs(layout: Layout, model_specs, fsdp: FSDPConfig):
   """Raises for a caller's sharding FSDP cannot keep: of a frozen expert param, over the
   layer axis of a stacked leaf, or of a leaf gathered by row blocks."""
   chunked = chunked_leaves(layout, fsdp)
-  trainable = layout.trainable
-  for i, (path, dims) in enumerate(zip(layout.paths, model_specs)):
-    spec = pspec(dims)
-    if any(EXPERT in axes for axes in dims) and not trainable[i]:
+  for leaf, dims in zip(layout.leaves, model_specs):
+    path, spec = leaf.path, pspec(dims)
+    if any(EXPERT in axes for axes in dims) and not leaf.trainable:
       raise ValueError(
         f"params{path} is an expert param ({spec}) that is frozen (or not float): "
         "optim_grads_params shards only trainable expert params; train it, or use 'optim' "
         "(which keeps frozen params whole) for this model"
       )
-    if layout.layers[i] and dims[0]:
+    if leaf.layers and dims[0]:
       raise ValueError(
         f"params{path} is sharded {spec}: over its layer axis, which "
         "FSDPConfig(stacked=...) scans and gathers one layer at a time; split a dim of a "
         f"layer instead (e.g. P(None, {', '.join(repr(a) for a in dims[0])}))"
       )
-    if any(dims) and i in chunked:
+    if any(dims) and leaf.index in chunked:
       raise ValueError(
         f"FSDPConfig(chunks=...) names params{path}, which is sharded {spec}: a param "
         "gathered by row blocks must be replicated over the other mesh axes; leave it "
@@ -403,10 +400,10 @@ def _check_outer(layout: Layout, model_specs, fsdp: FSDPConfig):
   caller sharded over other mesh axes, params gathered by row blocks."""
   if layout.outer == 1:
     return
-  for path, dims in zip(layout.paths, model_specs):
+  for leaf, dims in zip(layout.leaves, model_specs):
     if any(dims):
       raise NotImplementedError(
-        f"params{path} is sharded {pspec(dims)} over another mesh axis (tensor or expert parallel): "
+        f"params{leaf.path} is sharded {pspec(dims)} over another mesh axis (tensor or expert parallel): "
         "outer_dp_sharding_strategy='optim' keeps params replicated over the other axes; "
         "place the params replicated, or use outer_dp_sharding_strategy='no_shard'"
       )
@@ -426,21 +423,21 @@ def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   layout = state.layout
   specs = param_specs(layout)
 
-  def whole(i, x, m):
-    shape, dims = layout.shapes[i], model_spec(state, i, len(layout.shapes[i]))
-    if m is not None or i in specs:  # stored padded and sharded
+  def whole(leaf, x, m):
+    shape, dims = leaf.shape, model_spec(state, leaf.index, len(leaf.shape))
+    if m is not None or leaf.index in specs:  # stored padded and sharded
       # HFSDP: the compute rows (over "data" alone), the master's cast to the param dtype
-      x = unpad_view(x if x is not None else m, shape, layout.shard_axes[i], mesh, dims, sharded)
-      return jnp.copy(x.astype(layout.dtypes[i]))
+      x = unpad_view(x if x is not None else m, shape, leaf.shard_axis, mesh, dims, sharded)
+      return jnp.copy(x.astype(leaf.dtype))
     view = view_dims(shape, dims, mesh.shape[DATA]) if sharded else dims
-    return constrain(jnp.copy(x.astype(layout.dtypes[i])), mesh, pspec(view))
+    return constrain(jnp.copy(x.astype(leaf.dtype)), mesh, pspec(view))
 
   return tree_of(
     layout,
     [
-      whole(i, x, m)
-      for i, (x, m) in enumerate(
-        zip(leaves_of(state.params, layout), leaves_of(state.master, layout))
+      whole(leaf, x, m)
+      for leaf, x, m in zip(
+        layout.leaves, leaves_of(state.params, layout), leaves_of(state.master, layout)
       )
     ],
   )
@@ -467,8 +464,10 @@ def call_with_units(
   # an expert param as this rank's experts (its `ParamSpec`'s shape)
   local = {p.index: p.shape for buf in layout.buffers if buf.expert for p in buf.params}
   leaf_avals = [
-    jax.ShapeDtypeStruct(local.get(i, s), compute_dtype(d, fsdp.param_dtype))
-    for i, (s, d) in enumerate(zip(layout.shapes, layout.dtypes))
+    jax.ShapeDtypeStruct(
+      local.get(leaf.index, leaf.shape), compute_dtype(leaf.dtype, fsdp.param_dtype)
+    )
+    for leaf in layout.leaves
   ]
   return fsdp_program.run_loss(
     lambda tree, a: call(tree, *a),
@@ -484,20 +483,50 @@ def call_with_units(
   )
 
 
-def flat_keys(layout: Layout) -> dict[str, int]:
+@dataclasses.dataclass(frozen=True)
+class FlatKey:
+  """The key of a fused state's flat master shard among the values `run_loss` takes
+  (`UnitIO.shards`), which leaf indices (ints) key otherwise: a type of its own, so that a
+  bucket is never taken for a leaf."""
+
+  number: int
+  """The bucket's position in `bucket_names`."""
+  name: str
+  """The bucket's name: its key in the fused state's `master`."""
+
+  # JAX sorts a dict's keys when it flattens it, and `run_loss`'s dicts hold these beside
+  # leaf indices, so they must compare with ints: a FlatKey sorts before every leaf index,
+  # the later buckets first. That order is the order of a program's arguments.
+  def _rank(self) -> tuple[int, int]:
+    return (0, -self.number)
+
+  def __lt__(self, other):
+    if isinstance(other, FlatKey):
+      return self._rank() < other._rank()
+    return True if isinstance(other, int) else NotImplemented
+
+  def __gt__(self, other):
+    if isinstance(other, FlatKey):
+      return self._rank() > other._rank()
+    return False if isinstance(other, int) else NotImplemented
+
+
+def flat_keys(layout: Layout) -> dict[str, FlatKey]:
   """A fused state's bucket name -> the key its flat master shard has among the leaves'
-  values in `run_loss` (`UnitIO.shards`): -1 - its number, apart from the leaf indices."""
-  return {name: -1 - n for n, (name, _, _) in enumerate(bucket_names(layout))}
+  values in `run_loss` (`UnitIO.shards`)."""
+  return {
+    named.name: FlatKey(number, named.name) for number, named in enumerate(bucket_names(layout))
+  }
 
 
 def unit_values(master, layout: Layout, fused: bool, params=None) -> dict:
   """Inside the step: this device's master shards as `call_with_units` takes them: leaf
-  index -> rows, or (`fused`) `flat_keys` -> flat shard. HFSDP (`layout.outer`): the
+  index -> rows, or (`fused`) `FlatKey` -> flat shard. HFSDP (`layout.outer`): the
   trainable leaves' compute rows in `params` (a tree like the state's), which the units
   gather (the master holds 1/replicas of them)."""
   if layout.outer > 1:
     stored = leaves_of(params, layout)
-    return {i: stored[i] for i, t in enumerate(layout.trainable) if t}
+    return {leaf.index: stored[leaf.index] for leaf in layout.leaves if leaf.trainable}
   if fused:
     keys = flat_keys(layout)
     return {keys[name]: m for name, m in master.items()}
@@ -526,11 +555,14 @@ def unit_collectives(
   units = units_of(layout, fsdp.param_dtype, config.grad_dtype is not None)
   grad_dtypes = lambda u: {p.index: jnp.dtype(dtype) for b, dtype in u.grad for p in b.params}
   if fused:
-    keys = {b: k for (_, _, b), k in zip(bucket_names(layout), flat_keys(layout).values())}
+    keys = {
+      named.bucket: key for named, key in zip(bucket_names(layout), flat_keys(layout).values())
+    }
     out = []
     for u in units:
       grad = tuple(
-        (b, dtype, master_dtype(layout.dtypes[b.params[0].index]), keys[b]) for b, dtype in u.grad
+        (b, dtype, master_dtype(layout.leaves[b.params[0].index].dtype), keys[b])
+        for b, dtype in u.grad
       )
       out.append(
         fsdp_program.UnitIO(
@@ -556,7 +588,7 @@ def unit_collectives(
   # automatic axes (an expert param's "expert" is one of the step's manual axes already);
   # a stacked unit's collectives see one layer
   specs = param_specs(layout)
-  layers = [dims[1:] if layout.layers[i] else dims for i, dims in enumerate(model_specs)]
+  layers = [dims[1:] if leaf.layers else dims for leaf, dims in zip(layout.leaves, model_specs)]
   own = own_specs(layers, {i: s.axis for i, s in specs.items()}, data_axes(mesh))
   # A table computed by rows sums its gradient over "data" alone, from params the loss sees
   # whole over the other axes (`FSDPConfig.vocab_parallel`).
@@ -570,7 +602,7 @@ def unit_collectives(
       collectives=collectives.unit_collectives(
         u.gather,
         u.grad,
-        {i: master_dtype(layout.dtypes[i]) for i in u.trainable},
+        {i: master_dtype(layout.leaves[i].dtype) for i in u.trainable},
         dp=dp_size(mesh),
         axes=data_axes(mesh),
         average=config.average_in_collective,
@@ -581,7 +613,7 @@ def unit_collectives(
       )._replace(**({} if tables and chunks_ok else {"table_rows": None})),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
       grad_dtypes=grad_dtypes(u),
-      shard_dims={i: layout.shard_axes[i] for i in u.leaves},
+      shard_dims={i: layout.leaves[i].shard_axis for i in u.leaves},
     )
     for u in units
   ]
@@ -622,7 +654,7 @@ class _UnitLoss:
   def whole(self, full, trained, micro_batch, number, model_state):
     """The loss on `full` (every leaf gathered whole), with `trained` (the trainable ones,
     differentiated) in place."""
-    leaves = [trained.get(i, full[i]) for i in range(len(self.layout.trainable))]
+    leaves = [trained.get(leaf.index, full[leaf.index]) for leaf in self.layout.leaves]
     tree = tree_of(self.layout, leaves)
     loss, extra = self._call(tree, micro_batch, loop.micro_key(self.key, number), model_state)
     return loss / self.step.grad_accum_steps, extra
@@ -698,7 +730,7 @@ class FSDPStep:
       values = dict(enumerate(stored))
       values.update(tmaster)
       full = {**values, **fsdp_program.gather_units(units, values)}
-      trained = {i: full[i] for i, t in enumerate(layout.trainable) if t}
+      trained = {leaf.index: full[leaf.index] for leaf in layout.leaves if leaf.trainable}
       whole_grad = jax.value_and_grad(functools.partial(unit_loss.whole, full), has_aux=True)
       zeros = {i: jnp.zeros(x.shape, jnp.float32) for i, x in trained.items()}
       each = step_lib.accumulate(
@@ -742,7 +774,7 @@ class FSDPStep:
     if fused:
       grads = {name: grads[key] for name, key in flat_keys(layout).items()}
     else:
-      grads = tree_of(layout, [grads.get(i) for i in range(len(layout.trainable))])
+      grads = tree_of(layout, [grads.get(leaf.index) for leaf in layout.leaves])
     return step_lib.LocalGrads(grads, loss, grad_norm, aux, model_state)
 
   def call_with_params(self, state: TrainState, inputs: step_lib.StepInputs, fn: Callable):
@@ -857,13 +889,12 @@ def _check_state(state, mesh, config: DDPConfig, fsdp: FSDPConfig):
   checks.check_state(state, mesh, config, fsdp)
   layout = state.layout
   abstract = jax.tree.unflatten(
-    layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+    layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
   )
   units, stacked = assign_units(abstract, fsdp)
-  if (
-    layout.units is None
-    or tuple(units[p] for p in layout.paths) != layout.units
-    or tuple(bool(n) for n in layout.layers) != tuple(p in stacked for p in layout.paths)
+  if layout.units is None or any(
+    leaf.unit != units[leaf.path] or bool(leaf.layers) != (leaf.path in stacked)
+    for leaf in layout.leaves
   ):
     raise ValueError(
       f"the state's units were made by another FSDPConfig than this step's {fsdp}; pass "

@@ -329,6 +329,40 @@ class BufferLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class Leaf:
+  """What a layout knows of one leaf of the param tree, trainable or not.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> params = {"w": jnp.zeros((300, 4)), "step": jnp.zeros((), jnp.int32)}
+    >>> step, w = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000).leaves
+    >>> w.index, w.path, w.shape, w.trainable, w.shard_axis
+    (1, "['w']", (300, 4), True, 0)
+    >>> step.dtype, step.trainable, step.unit, step.layers
+    (dtype('int32'), False, None, 0)
+  """
+
+  index: int
+  """Position of the leaf in `jax.tree.leaves(params)`."""
+  path: str
+  """`jax.tree_util.keystr` of the leaf."""
+  shape: tuple[int, ...]
+  """The whole leaf's shape (its layer axis leading if stacked)."""
+  dtype: np.dtype
+  trainable: bool
+  """Has a gradient buffer: floating point and not frozen."""
+  shard_axis: int
+  """The dim of the whole leaf a sharded strategy shards and pads (`ParamSpec.axis`; for a
+  stacked leaf, whose layers lead, that of a layer + 1; for a leaf without a gradient
+  buffer the leading dim, of a layer if stacked, unless `make_layout(shard_dims=)` gives
+  one)."""
+  unit: str | None = None
+  """Its unit name (layouts made with `units=`), else None."""
+  layers: int = 0
+  """Its leading layer axis size when stacked (`make_layout(stacked=)`), else 0."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Layout:
   """Buffers and buckets of a param tree for a data-parallel size `dp`.
 
@@ -338,33 +372,72 @@ class Layout:
     >>> layout = jaxdp.layout.make_layout(params, dp=8, bucket_size=2000)
     >>> layout.paths, layout.shapes, layout.num_buckets, layout.trainable
     (("['b']", "['w']"), ((3,), (300, 4)), 1, (True, True))
+    >>> [(leaf.path, leaf.shape) for leaf in layout.leaves]
+    [("['b']", (3,)), ("['w']", (300, 4))]
   """
 
   treedef: jax.tree_util.PyTreeDef
-  shapes: tuple[tuple[int, ...], ...]
-  """Shape of every leaf, in tree order."""
-  dtypes: tuple[np.dtype, ...]
-  paths: tuple[str, ...]
+  leaves: tuple[Leaf, ...]
+  """Every leaf of the param tree, in tree order."""
   dp: int
   bucket_size: int
   buffers: tuple[BufferLayout, ...]
-  static: tuple[int, ...]
-  """Leaves with no gradient buffer (frozen or not floating point), in tree order."""
-  units: tuple[str, ...] | None = None
-  """Per leaf in tree order: its unit name (layouts made with `units=`), else None."""
-  layers: tuple[int, ...] | None = None
-  """Per leaf in tree order: its leading layer axis size when stacked, else 0 (layouts made
-  with `stacked=`), else None."""
   shard_dims: tuple[tuple[str, int], ...] = ()
   """`(path, dim)` of every leaf `make_layout(shard_dims=)` gave its shard dim, sorted."""
   outer: int = 1
   """Outer shards of each device's block (`make_layout(outer=)`): rows are padded to a
   multiple of `dp * outer`."""
 
+  # The per-leaf tuples below are read off `leaves`, for callers that want one fact of
+  # every leaf at once.
+
+  @functools.cached_property
+  def shapes(self) -> tuple[tuple[int, ...], ...]:
+    """Shape of every leaf, in tree order."""
+    return tuple(leaf.shape for leaf in self.leaves)
+
+  @functools.cached_property
+  def dtypes(self) -> tuple[np.dtype, ...]:
+    return tuple(leaf.dtype for leaf in self.leaves)
+
+  @functools.cached_property
+  def paths(self) -> tuple[str, ...]:
+    return tuple(leaf.path for leaf in self.leaves)
+
+  @functools.cached_property
+  def static(self) -> tuple[int, ...]:
+    """Leaves with no gradient buffer (frozen or not floating point), in tree order."""
+    return tuple(leaf.index for leaf in self.leaves if not leaf.trainable)
+
+  @functools.cached_property
+  def trainable(self) -> tuple[bool, ...]:
+    """Per leaf in tree order: does it have a gradient buffer."""
+    return tuple(leaf.trainable for leaf in self.leaves)
+
+  @property
+  def units(self) -> tuple[str, ...] | None:
+    """Per leaf in tree order: its unit name (layouts made with `units=`), else None."""
+    if not self.leaves or self.leaves[0].unit is None:  # every leaf has a unit, or none
+      return None
+    return tuple(leaf.unit for leaf in self.leaves)
+
+  @property
+  def layers(self) -> tuple[int, ...] | None:
+    """Per leaf in tree order: its leading layer axis size when stacked, else 0 (layouts
+    made with `units=`, which `stacked=` needs), else None."""
+    if self.units is None:
+      return None
+    return tuple(leaf.layers for leaf in self.leaves)
+
+  @functools.cached_property
+  def shard_axes(self) -> tuple[int, ...]:
+    """Per leaf in tree order: `Leaf.shard_axis`."""
+    return tuple(leaf.shard_axis for leaf in self.leaves)
+
   @property
   def stacked(self) -> bool:
     """Whether some leaf is stacked (a bucket then describes one layer of its unit)."""
-    return any(self.layers or ())
+    return any(leaf.layers for leaf in self.leaves)
 
   @property
   def params(self) -> tuple[ParamSpec, ...]:
@@ -372,27 +445,8 @@ class Layout:
     return tuple(p for buf in self.buffers for p in buf.params)
 
   @property
-  def trainable(self) -> tuple[bool, ...]:
-    """Per leaf in tree order: does it have a gradient buffer."""
-    static = set(self.static)
-    return tuple(i not in static for i in range(len(self.shapes)))
-
-  @property
   def num_buckets(self) -> int:
     return sum(len(b.buckets) for b in self.buffers)
-
-  @functools.cached_property
-  def shard_axes(self) -> tuple[int, ...]:
-    """Per leaf in tree order: the dim of the whole leaf a sharded strategy shards and pads
-    (`ParamSpec.axis`; for a stacked leaf, whose layers lead, that of a layer + 1; for a
-    leaf without a gradient buffer the leading dim, of a layer if stacked)."""
-    axes = [1 if self.layers and self.layers[i] else 0 for i in range(len(self.shapes))]
-    given = dict(self.shard_dims)
-    for i, path in enumerate(self.paths):
-      axes[i] += given.get(path, 0)
-    for p in self.params:
-      axes[p.index] = p.axis + (1 if p.layers else 0)
-    return tuple(axes)
 
   def summary(self) -> str:
     """A table of buffers and buckets: params, elements, padding.
@@ -416,11 +470,12 @@ class Layout:
       f"{len(self.buffers)} buffer{'s' * (len(self.buffers) != 1)}, "
       f"{self.num_buckets} bucket{'s' * (self.num_buckets != 1)}, {n:,} param elements"
     ]
-    if self.static:
+    static = [leaf.path for leaf in self.leaves if not leaf.trainable]
+    if static:
       lines.append(
-        f"{len(self.static)} leaves without gradient buffer (frozen or not float): "
-        + ", ".join(self.paths[i] for i in self.static[:4])
-        + (" .." if len(self.static) > 4 else "")
+        f"{len(static)} leaves without gradient buffer (frozen or not float): "
+        + ", ".join(static[:4])
+        + (" .." if len(static) > 4 else "")
       )
     for buf in self.buffers:
       lines.append(f"buffer {buf.name}: {buf.size:,} elements ({buf.size - buf.numel:,} padding)")
@@ -453,12 +508,12 @@ class Layout:
 def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   """Leaf `i` as a sharded strategy stores it, and the axis its rows are padded on.
 
-  The leaf's shard dim (`layout.shard_axes[i]`: the dim that needs the least padding, the
+  The leaf's shard dim (`Leaf.shard_axis`: the dim that needs the least padding, the
   leading one on ties; for a stacked leaf, whose layers lead, a dim of a layer) is padded
   up to a multiple of dp; a scalar is stored `(rows,)`.
   """
-  shape = layout.shapes[i] or (1,)
-  axis = layout.shard_axes[i]
+  leaf = layout.leaves[i]
+  shape, axis = leaf.shape or (1,), leaf.shard_axis
   rows = round_up(shape[axis], layout.dp * layout.outer)
   return (*shape[:axis], rows, *shape[axis + 1 :]), axis
 
@@ -765,10 +820,10 @@ def make_layout(
   given = dict(shard_dims or {})
 
   by_key: dict[tuple[np.dtype, np.dtype, bool], list[int]] = {}
-  static = []
+  static = set()
   for i in reversed(range(len(keyed))):  # backprop order
     if frozen_leaves[i] or not _is_float(dtypes[i]):
-      static.append(i)
+      static.add(i)
       continue
     gdtype = np.dtype(grad_dtype) if grad_dtype is not None else dtypes[i]
     by_key.setdefault((dtypes[i], gdtype, expert_leaves[i]), []).append(i)
@@ -823,19 +878,25 @@ def make_layout(
         _buffer_name(pdtype, gdtype, expert), pdtype, gdtype, tuple(buckets), offset, expert
       )
     )
+  # a leaf's shard dim: its buffer's where it has one, else the leading dim (of a layer)
+  # unless `shard_dims` gives one
+  axis_of = {p.index: p.axis + (1 if p.layers else 0) for buf in buffers for p in buf.params}
+  leaves = []
+  for i, (path, shape, dtype) in enumerate(zip(paths, shapes, dtypes)):
+    layer_count = layers[i] if layers else 0
+    leaf = Leaf(
+      index=i,
+      path=path,
+      shape=shape,
+      dtype=dtype,
+      trainable=i not in static,
+      shard_axis=axis_of.get(i, (1 if layer_count else 0) + given.get(path, 0)),
+      unit=unit_of[i] if unit_of is not None else None,
+      layers=layer_count,
+    )
+    leaves.append(leaf)
   return Layout(
-    treedef,
-    tuple(shapes),
-    tuple(dtypes),
-    tuple(paths),
-    dp,
-    bucket_size,
-    tuple(buffers),
-    tuple(sorted(static)),
-    tuple(unit_of) if unit_of is not None else None,
-    tuple(layers) if layers is not None else None,
-    tuple(sorted(given.items())),
-    outer,
+    treedef, tuple(leaves), dp, bucket_size, tuple(buffers), tuple(sorted(given.items())), outer
   )
 
 

@@ -352,20 +352,22 @@ def memory_ledger(
     )
   leaves_ = trainable_leaves(layout)
 
-  model = sum(_nbytes(s, d) // w for s, d, w in zip(layout.shapes, layout.dtypes, ways))
-  trainable_model = sum(_nbytes(x.shape, layout.dtypes[x.index]) // ways[x.index] for x in leaves_)
+  dtypes = [leaf.dtype for leaf in layout.leaves]
+  model = sum(_nbytes(leaf.shape, leaf.dtype) // ways[leaf.index] for leaf in layout.leaves)
+  trainable_model = sum(_nbytes(x.shape, dtypes[x.index]) // ways[x.index] for x in leaves_)
   if fsdp_step:  # trainable params live only in `master`; frozen float params are sharded too
     model = 0
-    for i in layout.static:
-      shape, dtype = layout.shapes[i] or (1,), layout.dtypes[i]
-      if jnp.issubdtype(dtype, jnp.floating):
+    for leaf in layout.leaves:
+      if leaf.trainable:
+        continue
+      if jnp.issubdtype(leaf.dtype, jnp.floating):
         # this device's rows, padding included
-        shape = sharded_shape(layout, i)[0]
-        model += _nbytes(shape, dtype) // (dp * ways[i])
+        shape = sharded_shape(layout, leaf.index)[0]
+        model += _nbytes(shape, leaf.dtype) // (dp * ways[leaf.index])
       else:
-        model += _nbytes(shape, dtype) // ways[i]
+        model += _nbytes(leaf.shape or (1,), leaf.dtype) // ways[leaf.index]
     if outer > 1:  # HFSDP: the trainable params' compute rows too, in their own dtype
-      model += sum(_nbytes(x.seen, layout.dtypes[x.index]) // (dp * ways[x.index]) for x in leaves_)
+      model += sum(_nbytes(x.seen, dtypes[x.index]) // (dp * ways[x.index]) for x in leaves_)
   grads = sum(
     _bucket_elements(b, dp, own, tp_ways, padded=sharded) * buf.grad_dtype.itemsize
     for buf in layout.buffers
@@ -374,15 +376,15 @@ def memory_ledger(
   if config.shards_grads:
     grads //= dp
 
-  opt_tree = [None] * len(layout.shapes)
+  opt_tree = [None] * len(layout.leaves)
   master = 0
   for x in leaves_:
-    i, dtype = x.index, master_dtype(layout.dtypes[x.index])
+    i, dtype = x.index, master_dtype(dtypes[x.index])
     shape = x.seen if sharded else x.shape
     opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
     if sharded:
       master += _nbytes(shape, dtype) // (dp * outer * ways[i])
-    elif dtype != layout.dtypes[i]:
+    elif dtype != dtypes[i]:
       master += _nbytes(shape, dtype) // ways[i]
   if tx is None:
     tx = optax.scale_by_adam()
@@ -395,8 +397,10 @@ def memory_ledger(
     )
   if use_fused(tx, layout, config, specs, chunked=chunked):  # flat buckets, end padding
     flat = {
-      name: jax.ShapeDtypeStruct((b.shard_size * dp,), master_dtype(buf.param_dtype))
-      for name, buf, b in bucket_names(layout)
+      named.name: jax.ShapeDtypeStruct(
+        (named.bucket.shard_size * dp,), master_dtype(named.buffer.param_dtype)
+      )
+      for named in bucket_names(layout)
     }
     if sharded:  # no_shard fuses only params that need no master
       master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
@@ -555,7 +559,8 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   shape = dict(state.mesh_shape)
   n, replicas, ep = layout.dp, shape.get(REPLICA, 1), shape.get(EXPERT, 1)
   specs = state.model_specs
-  own = own_specs(specs, dict(enumerate(layout.shard_axes)), data_axes_in(shape))
+  shard_axes = {leaf.index: leaf.shard_axis for leaf in layout.leaves}
+  own = own_specs(specs, shard_axes, data_axes_in(shape))
   tp_ways = split_ways(specs, shape, (EXPERT,)) if specs else None
   # the data axes a bucket is reduced over besides "data": "replica" (unless HFSDP sums
   # across it after the backward), "expert" for a dense bucket

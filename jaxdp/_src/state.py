@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src.config import DDPConfig, FSDPConfig
-from jaxdp._src.layout import Layout, is_function
+from jaxdp._src.layout import Bucket, BufferLayout, Layout, is_function
 from jaxdp._src.mesh import (
   DATA,
   ModelSpec,
@@ -116,19 +116,31 @@ def tree_of(layout: Layout, leaves) -> PyTree:
 
 def opt_params_of(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
   """The tree the optax transformation sees: trainable leaves, None for the rest."""
-  trainable = layout.trainable
   return tree_of(
     layout,
     [
-      (m if m is not None else p) if t else None
-      for t, p, m in zip(trainable, leaves_of(params, layout), leaves_of(master, layout))
+      (m if m is not None else p) if leaf.trainable else None
+      for leaf, p, m in zip(layout.leaves, leaves_of(params, layout), leaves_of(master, layout))
     ],
   )
 
 
-def bucket_names(layout: Layout) -> list[tuple[str, Any, Any]]:
-  """`(name, buffer, bucket)` of every bucket: the keys of a fused state's `master`."""
-  return [(f"{buf.name}/bucket{b.index}", buf, b) for buf in layout.buffers for b in buf.buckets]
+class NamedBucket(NamedTuple):
+  """A bucket under the name a fused state keys its flat arrays by."""
+
+  name: str
+  """`<buffer name>/bucket<index>`: a key of a fused state's `master`."""
+  buffer: BufferLayout
+  bucket: Bucket
+
+
+def bucket_names(layout: Layout) -> list[NamedBucket]:
+  """Every bucket, buffer by buffer, with its name: the keys of a fused state's `master`."""
+  return [
+    NamedBucket(f"{buf.name}/bucket{b.index}", buf, b)
+    for buf in layout.buffers
+    for b in buf.buckets
+  ]
 
 
 FLAT_SPEC = P(DATA)
@@ -205,16 +217,14 @@ def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpe
     for i, x in enumerate(leaves_of(state.params, state.layout))
   ]
   if flat_master(state):
-    return params, [None] * len(state.layout.shapes)
+    return params, [None] * len(state.layout.leaves)
   master = [
     None
     if m is None
-    else with_data(
-      model_spec(state, i, len(state.layout.shapes[i])), manual, state.layout.shard_axes[i]
-    )
+    else with_data(model_spec(state, leaf.index, len(leaf.shape)), manual, leaf.shard_axis)
     if sharded
-    else model_spec(state, i, m.ndim)
-    for i, m in enumerate(leaves_of(state.master, state.layout))
+    else model_spec(state, leaf.index, m.ndim)
+    for leaf, m in zip(state.layout.leaves, leaves_of(state.master, state.layout))
   ]
   return params, master
 
@@ -229,13 +239,13 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
   """
   layout = state.layout
   views = {}  # trainable leaf -> (the shape the optimizer sees, its spec)
-  for i, (t, x, m) in enumerate(
-    zip(layout.trainable, leaves_of(state.params, layout), leaves_of(state.master, layout))
+  for leaf, x, m in zip(
+    layout.leaves, leaves_of(state.params, layout), leaves_of(state.master, layout)
   ):
-    if t:
-      views[i] = (
+    if leaf.trainable:
+      views[leaf.index] = (
         (m if m is not None else x).shape,
-        master_specs[i] if m is not None else model_spec(state, i, x.ndim),
+        master_specs[leaf.index] if m is not None else model_spec(state, leaf.index, x.ndim),
       )
 
   def spec_of(path, x):
@@ -267,7 +277,7 @@ def state_specs(state: TrainState) -> TrainState:
   layout = state.layout
   params, master = leaf_specs(state)
   if state.fused:
-    flat = {name: (b.shard_size * layout.dp,) for name, _, b in bucket_names(layout)}
+    flat = {named.name: (named.bucket.shard_size * layout.dp,) for named in bucket_names(layout)}
     spec = FLAT_SPEC if flat_master(state) else P()
     return dataclasses.replace(
       state,

@@ -98,16 +98,16 @@ def gather_layout(layout: Layout) -> Layout:
   Expert params (trainable: FSDP refuses frozen ones) keep their buffers of one
   expert-parallel rank's slice."""
   abstract = jax.tree.unflatten(
-    layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in zip(layout.shapes, layout.dtypes)]
+    layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
   )
   experts = {p.path: p for buf in layout.buffers if buf.expert for p in buf.params}
   # the expert axis size: a whole expert param's leading dim over one rank's
-  ep = [layout.shapes[p.index][0] // p.shape[0] for p in experts.values()][:1] or [1]
+  ep = [layout.leaves[p.index].shape[0] // p.shape[0] for p in experts.values()][:1] or [1]
   return make_layout(
     abstract,
     dp=layout.dp,
-    units=dict(zip(layout.paths, layout.units)),
-    stacked={p for p, n in zip(layout.paths, layout.layers) if n},
+    units={leaf.path: leaf.unit for leaf in layout.leaves},
+    stacked={leaf.path for leaf in layout.leaves if leaf.layers},
     shard_dims=dict(layout.shard_dims),
     outer=layout.outer,
     experts=lambda path, _: path in experts,
@@ -150,18 +150,17 @@ def units_of(layout: Layout, param_dtype=None, keep_grad_dtype: bool = True) -> 
     grad = buf.grad_dtype if keep_grad_dtype else compute_dtype(buf.grad_dtype, param_dtype)
     for b in buf.buckets:
       grads.setdefault(b.unit, []).append((b, grad))
-  trainable = layout.trainable
   units = []
   for name, gather in gathers.items():
-    leaves = sorted(p.index for b, _ in gather for p in b.params)
+    leaves = [layout.leaves[i] for i in sorted(p.index for b, _ in gather for p in b.params)]
     units.append(
       Unit(
         name,
-        specs[leaves[0]].layers,
+        specs[leaves[0].index].layers,
         tuple(gather),
         tuple(grads.get(name, ())),
-        tuple(i for i in leaves if trainable[i]),
-        tuple(i for i in leaves if not trainable[i]),
+        tuple(leaf.index for leaf in leaves if leaf.trainable),
+        tuple(leaf.index for leaf in leaves if not leaf.trainable),
       )
     )
   return tuple(units)
@@ -184,10 +183,10 @@ def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
     return {}
   specs = param_specs(layout)
   out = {}
-  for i, path in enumerate(layout.paths):
-    n = _chunks_of(path, fsdp)
-    if n > 1 and i in specs:
-      out[i] = min(n, specs[i].rows // layout.dp)
+  for leaf in layout.leaves:
+    blocks = _chunks_of(leaf.path, fsdp)
+    if blocks > 1 and leaf.index in specs:
+      out[leaf.index] = min(blocks, specs[leaf.index].rows // layout.dp)
   return out
 
 
