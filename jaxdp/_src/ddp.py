@@ -474,18 +474,19 @@ class _MicroLoss:
         leaves[p.index] = x
     return self(leaves, micro_batch, number, model_state, scanned)
 
+  def of_trainable(self, trained, full, micro_batch, number, model_state):
+    """The loss with `trained` (the trainable leaves, in `Layout.params` order, the ones
+    differentiated) in place of theirs in `full`."""
+    leaves = list(full)
+    for p, x in zip(self.layout.params, trained):
+      leaves[p.index] = x
+    return self(leaves, micro_batch, number, model_state)
+
   def local(self, full, sync: GradSync, micro_batch, number, model_state):
     """One micro-batch's local (unreduced) grads, ravelled into bucket buffers."""
     layout = self.layout
-
-    def loss_of_trainable(trained):
-      leaves = list(full)
-      for p, x in zip(layout.params, trained):
-        leaves[p.index] = x
-      return self(leaves, micro_batch, number, model_state)
-
-    (loss, extra), grads = jax.value_and_grad(loss_of_trainable, has_aux=True)(
-      [full[p.index] for p in layout.params]
+    (loss, extra), grads = jax.value_and_grad(self.of_trainable, has_aux=True)(
+      [full[p.index] for p in layout.params], full, micro_batch, number, model_state
     )
     grads = dict(zip((p.index for p in layout.params), grads))
     own = self.plan.own_of

@@ -35,6 +35,7 @@ program's `memory_analysis()` side by side, as rows a notebook can tabulate or p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any, Mapping
@@ -409,7 +410,9 @@ def memory_ledger(
     split = lambda path, x: dp if sharded and is_flat_leaf(path, x, sizes) else 1
   else:
     state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
-    split = lambda path, x: _state_split(path, x, layout, sharded, dp * outer, specs, ways)
+    split = functools.partial(
+      _state_split, layout=layout, sharded=sharded, shards=dp * outer, specs=specs, ways=ways
+    )
   opt = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state):
     opt += _nbytes(x.shape, x.dtype) // split(path, x)
