@@ -450,6 +450,8 @@ class _Instr:
 
 def _balanced(text: str, start: int) -> int:
   """Index just past the bracket group opening at text[start]."""
+  # A stack of the closers expected; brackets inside a quoted string (a backend_config's
+  # JSON, a metadata op_name) do not count, nor an escaped quote inside one.
   pairs = {"(": ")", "{": "}", "[": "]"}
   stack = []
   in_str = False
@@ -477,6 +479,8 @@ def _names(text: str) -> list[str]:
   """Instruction names in an operand list: `%a, %b` or (pre-optimization) `a, b`."""
   if "%" in text:
     return _NAME_REF.findall(text)
+  # Pre-optimization operands may carry their shapes (`f32[8]{0} Arg_0.1, f32[8]{0} b.2`):
+  # the name is the last word of each comma-separated part at bracket depth 0.
   names, depth, start = [], 0, 0
   for i, ch in enumerate(text + ","):
     if ch in "([{":
@@ -495,6 +499,8 @@ def _parse_instr(line: str) -> _Instr | None:
   m = _INSTR.match(line)
   if not m:
     return None
+  # `rest` is `shape opcode(operands), attrs`: a tuple shape `(f32[8], s32[])` runs to its
+  # closing parenthesis, an array shape `f32[8]{0}` to the first space.
   name, rest = m.group(2), m.group(3)
   if rest.startswith("("):
     end = _balanced(rest, 0)
@@ -538,6 +544,8 @@ class _Classified:
 
 
 def _parse_module(text: str) -> _Module:
+  # Line by line: a computation opens with a header line ending in "{" and closes with a
+  # line starting "}"; in between, one instruction per line.
   text = _COMMENT.sub("", text)
   comps: dict[str, list[_Instr]] = {}
   entry = None
@@ -571,11 +579,14 @@ def _parse_module(text: str) -> _Module:
 
 
 def _called(instr: _Instr) -> list[str]:
+  """The computations `instr` calls, named in its attributes."""
   names = []
+  # one computation: `to_apply=%add.1`, `body=%region_2.5`
   for key in ("calls", "to_apply", "body", "condition", "true_computation", "false_computation"):
     m = re.search(rf"\b{key}=%?([\w.\-]+)", instr.attrs)
     if m:
       names.append(m.group(1))
+  # several: `branch_computations={%branch_0, %branch_1}`, a fusion's `calls={...}`
   for key in ("branch_computations", "calls"):
     m = re.search(rf"\b{key}=\{{([^}}]*)\}}", instr.attrs)
     if m:
