@@ -857,7 +857,7 @@ def _run_scan(
     # prefetch chain, and its backward waits for its own cotangents only.
     token = [_whole_stand_in(_TOKEN, axes)]
     full = _unit_call(
-      lambda acts, full: [full[i] for u in whole for i in u.leaves],
+      lambda _acts, full: [full[i] for u in whole for i in u.leaves],  # no activations
       whole,
       [],
       shards,
