@@ -59,6 +59,8 @@ def gpu_compile_unavailable() -> str | None:
     >>> reason is None or "jax-cuda12" in reason
     True
   """
+  # A compile-only CUDA client needs both halves of JAX's CUDA plugin: the kernels' Python
+  # package and the PJRT plugin that XLA:GPU compiles through. No GPU is needed.
   for module, package in (
     ("jax_cuda12_plugin", "jax-cuda12-plugin"),
     ("jax_plugins.xla_cuda12", "jax-cuda12-pjrt"),
@@ -90,6 +92,9 @@ def gpu_compile_unavailable() -> str | None:
 def _topology(num_hosts: int, per_host: int, target_config: str | None):
   from jax.experimental import topologies  # noqa: PLC0415 - optional path.
 
+  # A topology built from a target description (`GpuTargetConfigProto`: the device's
+  # compute capability, memory, bandwidths) rather than from the devices of this machine:
+  # XLA compiles for it as for those GPUs. `topology` is "slices x hosts x devices per host".
   return topologies.get_topology_desc(
     platform="cuda",
     target_config=target_config or h100_target_config(),
@@ -261,8 +266,12 @@ def compile_for_gpu(
       f"give them shardings on a GPU mesh: "
       f"args = abstract_like(args, gpu_mesh(...))"
     )
+  # The caller's options win, then the cost model's (estimates written into the compiled
+  # text for `inspect.predict_step`), then jaxdp's GPU defaults.
   options = {**GPU_OPTIONS, **COST_MODEL_OPTIONS, **(compiler_options or {})}
   compiled = fn.lower(*args, **kwargs).compile(compiler_options=options)
+  # A function that places nothing on a GPU mesh itself compiles for the default backend
+  # (CPU here) without a word: the compiled shardings tell.
   compiled_platforms = _platforms_of((compiled.input_shardings, compiled.output_shardings))
   if compiled_platforms - {"gpu"}:
     raise ValueError(

@@ -185,6 +185,8 @@ def initialize(
     "num_processes": num_processes,
     "process_id": process_id,
   }
+  # Without a cluster to detect, `jax.distributed.initialize` needs all three values: none
+  # given means one process alone; some given, the rest is a mistake to name.
   cluster = _detected_cluster()
   if cluster is None and kwargs.get("cluster_detection_method") is None:
     if all(v is None for v in given.values()):
@@ -243,9 +245,13 @@ def _exit_on_uncaught_exception() -> None:
     return
   previous = sys.excepthook
 
+  # A normal exit runs `jax.distributed.shutdown` at interpreter exit, which waits at a
+  # barrier for every process: one failed process would hang until the others fail too.
+  # `os._exit` skips it (and every other exit handler), so the process ends now, and its
+  # launcher (or the cluster) sees the failure and stops the rest.
   def hook(exc_type, exc, tb):
     previous(exc_type, exc, tb)
-    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+    code = 130 if issubclass(exc_type, KeyboardInterrupt) else 1  # the shell's codes
     try:
       print(
         f"jaxdp: process {jax.process_index()} of {jax.process_count()}: uncaught "
@@ -257,7 +263,7 @@ def _exit_on_uncaught_exception() -> None:
       sys.stdout.flush()
       sys.stderr.flush()
     finally:
-      os._exit(code)
+      os._exit(code)  # no exit handlers: flushed by hand above
 
   sys.excepthook = hook
   _fail_fast_installed = True
@@ -280,6 +286,8 @@ def _local_extent(mesh: Mesh, axes: str | tuple[str, ...]) -> int:
   """How many distinct positions along `axes` this process's devices occupy."""
   axes = (axes,) if isinstance(axes, str) else tuple(axes)
   me = jax.process_index()
+  # this process's devices' mesh coordinates, projected onto `axes`: the distinct ones are
+  # the positions its devices hold along them
   mine = np.vectorize(lambda d: d.process_index == me, otypes=[bool])(mesh.devices)
   coords = np.argwhere(mine)[:, [mesh.axis_names.index(a) for a in axes]]
   return len({tuple(c) for c in coords})

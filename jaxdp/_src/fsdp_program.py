@@ -39,8 +39,9 @@ traced program (its jaxpr) in pieces:
   segment k later to start; its recomputation waits for its own cotangents. A unit's
   reduce-scatter must finish before the segment two earlier gets its cotangents (a second
   token), so it overlaps the backward of the segment before and its full-size gradient dies
-  there. Every tie uses all its barrier's results or is arithmetic (`x + zero token`): XLA
-  drops barrier operands whose results are unused.
+  there ([Note: token list]). Every tie uses all its barrier's results or is arithmetic
+  (`x + zero token`): XLA drops barrier operands whose results are unused ([Note: orderings
+  are data dependencies]).
 * What moves is what the loss reads: a param every use of which the loss casts to a
   narrower dtype (`w.astype(jnp.bfloat16)`) is gathered cast ([Note: gathered in the dtype
   the loss casts to]), and a vocabulary table the loss only reads by rows (`embed[ids]`,
@@ -66,9 +67,10 @@ ones included, are cut into units as they are.
   gradients and reduce-scatter the block's weight gradient at once. A row lookup on it
   (`w[ids]`) runs as `_chunked_take`: each block gathered once in the forward, nothing in
   the backward. Casts and transposes of it on the way (`w.astype(jnp.bfloat16).T`) are
-  recomputed on the blocks. The param and its gradient are never whole (GPT-2's 147 MiB
-  tied `wte`, a Llama's 2 GiB `embed` and `out`). A tied chunked param is so reduce-scattered
-  once per use, block by block: summing its uses first would hold its whole gradient.
+  recomputed on the blocks. The param and its gradient are never whole (GPT-2's tied `wte`,
+  a Llama's `embed` and `out`: [Note: row blocks of a chunked param]). A tied chunked param
+  is so reduce-scattered once per use, block by block: summing its uses first would hold its
+  whole gradient.
 
 What falls back (correct, but gathers more at once): a stacked unit whose leaves reach
 anything but the `xs` of one scan (e.g. `params["blocks"]["w"][3]`, a `fori_loop` indexing
@@ -80,7 +82,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +102,7 @@ class UnitIO:
   """One unit as `run_loss` needs it: its leaves and its collectives."""
 
   name: str
+  # Leaves with a gradient and leaves without: [Note: trainable and frozen shards].
   trainable: tuple[int, ...]
   frozen: tuple[int, ...]
   stacked: bool  # its leaves are stacked layers, sharded per layer: `(layers, rows / dp, ...)`
@@ -111,7 +114,7 @@ class UnitIO:
   shards (`fsdp.unit_collectives`; a fused state has no chunks)."""
   grad_dtypes: Mapping[int, Any] = dataclasses.field(default_factory=dict)
   """Trainable leaf -> the dtype `scatter` reduces its gradient in, where a tied unit's
-  uses are summed (`_Ties`; missing: the cotangent's own dtype)."""
+  uses are summed ([Note: tied units]; missing: the cotangent's own dtype)."""
   casts: Mapping[int, Any] = dataclasses.field(default_factory=dict)
   """Leaf -> the narrower float dtype every use of it in the loss casts it to (`run_loss`
   finds them, see [Note: gathered in the dtype the loss casts to]): gathered in it."""
@@ -255,25 +258,42 @@ def run_loss(
   return jax.tree.unflatten(program.out_tree, outs)
 
 
-_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type (a zero, see the docstring)
+_TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type: [Note: token list]
+
+
+# [Note: stand-ins]
+# A stand-in is zeros of a value's type, traced where the type matters and the value does
+# not: the activations of a backward's replayed vjp (every residual they feed is replaced
+# by a saved one: [Note: saved and replayed residuals]), the gathered params where no
+# residual left to recompute reads them, the tied units' links ([Note: tied units]), the
+# tokens of a forward ([Note: token list]), and the whole-shape params `_trace` traces the
+# loss on (`_whole_stand_in`). What it feeds is dead code XLA removes, or a zero output
+# nothing computes with. The type is the traced one (`_traced_avals`, `_avals`:
+# `jax.typeof`), not a shape and a dtype, because inside `shard_map` a type includes the
+# mesh axes a value varies over (a gathered param varies over the data axes): a stand-in
+# that varied over other axes would trace another program, whose residuals and cotangents
+# need not have the forward's types.
 
 
 def _whole_stand_in(aval, axes):
   """Zeros of `aval` varying over `axes`: a whole-shape value to trace with (dead code once
-  traced), or a token."""
-  x = jnp.zeros(aval.shape, aval.dtype)
-  return collectives.make_varying(x, tuple(axes)) if axes else x
+  traced), or a token ([Note: stand-ins])."""
+  zeros = jnp.zeros(aval.shape, aval.dtype)
+  return collectives.make_varying(zeros, tuple(axes)) if axes else zeros
 
 
 def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> _Program:
   """Step 1: `loss_fn` traced on whole-shape params, `jit`s inlined."""
+  # A unit's leaves are stand-ins of their whole shape ([Note: stand-ins]); the others (the
+  # integer leaves) their values.
   args = [
     _whole_stand_in(a, axes) if i in units.of_leaf else values[i] for i, a in enumerate(leaf_avals)
   ]
   closed, out_shape = jax.make_jaxpr(
-    lambda leaves, b: loss_fn(jax.tree.unflatten(treedef, leaves), b), return_shape=True
+    lambda leaves, batch: loss_fn(jax.tree.unflatten(treedef, leaves), batch), return_shape=True
   )(args, batch)
-  flat = jax.make_jaxpr(lambda *a: _inline_jits(closed.jaxpr, closed.consts, a))(
+  # Traced again with its `jit`s inlined, so that `_cut` sees their equations one by one.
+  flat = jax.make_jaxpr(lambda *flat_args: _inline_jits(closed.jaxpr, closed.consts, flat_args))(
     *args, *jax.tree.leaves(batch)
   )
   n_leaves = len(leaf_avals)
@@ -285,7 +305,7 @@ def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> 
 # A mixed-precision loss keeps fp32 params and casts each where it is used
 # (`w.astype(jnp.bfloat16)`, flax's `dtype=` with `param_dtype=float32`). Where every use of a
 # param is such a cast, to one narrower float dtype, the cast commutes with the all-gather:
-# the unit gathers the shard cast to it (half the bytes for bf16) and the program reads
+# the unit gathers the shard cast to it (fewer bytes to move) and the program reads
 # `gathered.astype(param dtype)`, whose cast back XLA folds into the loss's own (a widening
 # cast is exact, so `convert(convert(x, f32), bf16)` is `x`). The loss computes on the same
 # values bit for bit, and the cotangent reaching the reduce-scatter is the same, in the grad
@@ -349,12 +369,13 @@ def _find_lazy(program: _Program, units: _Units) -> _Lazy:
   static = set(program.param_var) | set(program.jaxpr.constvars)
   for eqn in program.jaxpr.eqns:
     ins = [v for v in eqn.invars if isinstance(v, jcore.Var)]
-    us = set().union(*[var_units.get(v, set()) for v in ins]) if ins else set()
-    if us and all(v in static for v in ins) and not eqn.effects:
+    names = set().union(*[var_units.get(v, set()) for v in ins]) if ins else set()
+    # computed from params and consts alone (and read by no effect): a lazy value
+    if names and all(v in static for v in ins) and not eqn.effects:
       defs.update((v, eqn) for v in eqn.outvars)
       static.update(eqn.outvars)
       for v in eqn.outvars:
-        var_units[v] = us
+        var_units[v] = names
   return _Lazy(defs, var_units)
 
 
@@ -376,14 +397,24 @@ class _ChunkRule:
     x, block = invals[1 - self.pos], invals[self.pos]
     if self.perm is not None:  # the block as the leaf holds it (`eqn` reads it so)
       block = jnp.transpose(block, tuple(int(k) for k in np.argsort(self.perm)))
-    n = self.unit.chunks[self.leaf]
+    n_blocks = self.unit.chunks[self.leaf]
     if self.eqn.primitive is prims.gather_p:
-      return [_chunked_take(self.eqn, self.unit, self.leaf, n, self.size, self.dtype, x, block)]
-    return [
-      _chunked_dot(
-        self.eqn, self.pos, self.unit, self.leaf, n, self.size, self.x_grad, x, block, self.dtype
-      )
-    ]
+      return [
+        _chunked_take(self.eqn, self.unit, self.leaf, n_blocks, self.size, self.dtype, x, block)
+      ]
+    dot = _chunked_dot(
+      self.eqn,
+      w_pos=self.pos,
+      unit=self.unit,
+      leaf=self.leaf,
+      n_blocks=n_blocks,
+      size=self.size,
+      x_grad=self.x_grad,
+      x=x,
+      block=block,
+      dtype=self.dtype,
+    )
+    return [dot]
 
 
 def _is_row_lookup(eqn) -> bool:
@@ -445,13 +476,24 @@ class _RowUse:
     return 0 not in contract[self.pos] and has_free
 
 
-def _row_uses(program: _Program, lazy: _Lazy, leaves) -> tuple[dict, set, set]:
-  """`({leaf: [_RowUse]}, views, returned)` for `leaves`: every eqn of the top level that
-  reads one of them or a cast or transpose of one (`w.astype(jnp.bfloat16).T`: a view, by
-  `id(eqn)` in `views`, recomputed on the rows); `returned`: those the program outputs."""
+@dataclasses.dataclass(frozen=True)
+class _RowUses:
+  """The uses of the leaves read by rows where used (`_row_uses`)."""
+
+  by_leaf: dict[int, list[_RowUse]]
+  returned: set[int]  # the leaves the program outputs (a view of them included)
+
+
+def _row_uses(program: _Program, lazy: _Lazy, leaves) -> _RowUses:
+  """Every eqn of the top level that reads one of `leaves` or a cast or transpose of one
+  (`w.astype(jnp.bfloat16).T`: a *view*, recomputed on the rows, not a use), by leaf; and
+  the leaves the program outputs."""
   jaxpr = program.jaxpr
   of_var = {v: i for v, i in program.param_var.items() if i in leaves}
   param = {v: v for v in of_var}  # a view's leaf var
+  # The views, in program order: a cast or a transpose of a leaf or of a view. `perms`
+  # composes the transposes, so that each view knows which permutation of its leaf it is
+  # (None: the leaf's own order).
   views, perms = set(), {v: None for v in of_var}
   for eqn in jaxpr.eqns:
     v = eqn.invars[0] if eqn.invars else None
@@ -473,6 +515,9 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> tuple[dict, set, set]:
   for eqn in jaxpr.eqns:
     if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
       floats.update(v for v in eqn.outvars if _is_float(v.aval))
+  # Every other eqn that reads a leaf or a view is a use: a matmul (its other operand no
+  # leaf, the leaf's rows no batch dim, its product not a value of the params alone), a
+  # row lookup, or another use (`kind` None, which rules the leaf out of being read by rows).
   uses: dict[int, list[_RowUse]] = {i: [] for i in set(of_var.values())}
   for eqn in jaxpr.eqns:
     if id(eqn) in views:
@@ -511,7 +556,7 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> tuple[dict, set, set]:
         )
       )
   returned = {of_var[v] for v in jaxpr.outvars if isinstance(v, jcore.Var) and v in of_var}
-  return uses, views, returned
+  return _RowUses(uses, returned)
 
 
 def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
@@ -522,14 +567,14 @@ def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict
   (its value is never whole)."""
   unit_of = units.of_leaf
   chunked = {i for i in program.param_var.values() if i in unit_of[i].chunks}
-  uses, _, returned = _row_uses(program, lazy, chunked)
-  if returned:
+  found = _row_uses(program, lazy, chunked)
+  if found.returned:
     raise ValueError(
       "FSDPConfig(chunks=...) names a param the loss returns; a param gathered by row "
       "blocks can only be used by matmuls and row lookups: leave it out of chunks="
     )
   rules = {}
-  for i, leaf_uses in uses.items():
+  for i, leaf_uses in found.by_leaf.items():
     for use in leaf_uses:
       if use.kind is None:
         paths = jax.tree_util.tree_flatten_with_path(
@@ -568,10 +613,10 @@ def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping)
     and _is_float(v.aval)
     and v.aval.ndim >= 2
   }
-  uses, _, returned = _row_uses(program, lazy, candidates)
+  found = _row_uses(program, lazy, candidates)
   picked = set()
-  for i, leaf_uses in uses.items():
-    if i in returned or not leaf_uses or not all(u.rows_free for u in leaf_uses):
+  for i, leaf_uses in found.by_leaf.items():
+    if i in found.returned or not leaf_uses or not all(u.rows_free for u in leaf_uses):
       continue
     unit = units.of_leaf[i]
     trainable = i in unit.trainable
@@ -604,10 +649,10 @@ def _table_rules(program: _Program, lazy: _Lazy, units: _Units) -> dict:
   """`{id(eqn): rule}` for `_eval`: each use of a table (`UnitIO.tables`) as `_TableDot`
   or `_TableTake`."""
   tables = {i for i in program.param_var.values() if i in units.of_leaf[i].tables}
-  uses, _, _ = _row_uses(program, lazy, tables)
+  found = _row_uses(program, lazy, tables)
   return {
     id(use.eqn): _TableRule(use, units.of_leaf[i], i, program.jaxpr.invars[i].aval.shape[0])
-    for i, leaf_uses in uses.items()
+    for i, leaf_uses in found.by_leaf.items()
     for use in leaf_uses
   }
 
@@ -643,8 +688,10 @@ def _cut(program: _Program, lazy: _Lazy, units: _Units) -> list[_Piece]:
     if eqn.outvars and all(v in lazy.defs for v in eqn.outvars):
       continue
     xs = _scan_xs(eqn, program, units)
-    us = set().union(*[lazy.units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)])
-    if eqns is not None and (xs is not None or (us and names and not us <= names)):
+    reads = set().union(
+      *[lazy.units.get(v, set()) for v in eqn.invars if isinstance(v, jcore.Var)]
+    )  # the units the eqn reads, itself or through lazy values
+    if eqns is not None and (xs is not None or (reads and names and not reads <= names)):
       pieces.append(_Piece(tuple(eqns), None))
       eqns = None
     if xs is not None:
@@ -653,7 +700,7 @@ def _cut(program: _Program, lazy: _Lazy, units: _Units) -> list[_Piece]:
     if eqns is None:
       eqns, names = [], set()
     eqns.append(eqn)
-    names |= us
+    names |= reads
   if eqns is not None:
     pieces.append(_Piece(tuple(eqns), None))
   return pieces
@@ -683,10 +730,10 @@ def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -
     while stack:
       v = stack.pop()
       if v in lazy.defs and id(lazy.defs[v]) not in need:
-        e = lazy.defs[v]
-        need[id(e)] = e
-        stack.extend(w for w in e.invars if isinstance(w, jcore.Var))
-    lazy_eqns = tuple(sorted(need.values(), key=lambda e: order[id(e)]))
+        defining = lazy.defs[v]
+        need[id(defining)] = defining
+        stack.extend(w for w in defining.invars if isinstance(w, jcore.Var))
+    lazy_eqns = tuple(sorted(need.values(), key=lambda eqn: order[id(eqn)]))
     defined = {v for e in lazy_eqns + piece.eqns for v in e.outvars}
     lazy_reads = [v for e in lazy_eqns for v in e.invars if isinstance(v, jcore.Var)]
     reads = direct + lazy_reads if piece.scan_xs is not None else lazy_reads + direct
@@ -764,8 +811,10 @@ def _execute(
       )
     elif op.units:
       op_units = [by_name[u] for u in op.units]
-      fn = _SegmentFn(program, op, rules)
-      outs, tokens = _unit_call(fn, op_units, acts, op_shards[n], tokens, ties, reshard=reshard)
+      segment = _SegmentFn(program, op, rules)
+      outs, tokens = _unit_call(
+        segment, op_units, acts, op_shards[n], tokens, ties, reshard=reshard
+      )
     else:  # a segment that reads no unit
       local = dict(zip(op.acts, acts))
       _eval(op.lazy + op.eqns, local)
@@ -804,9 +853,11 @@ def _run_scan(
   local.update(zip(program.jaxpr.constvars, program.consts))
   whole = [by_name[u] for u in op.scan_consts]
   if whole:  # params the scan reads as consts or carry: gathered whole, once
+    # A token list of its own, k = 0 ([Note: token list]): this gather is outside the
+    # prefetch chain, and its backward waits for its own cotangents only.
     token = [_whole_stand_in(_TOKEN, axes)]
     full = _unit_call(
-      lambda a, full: [full[i] for u in whole for i in u.leaves],
+      lambda _acts, full: [full[i] for u in whole for i in u.leaves],  # no activations
       whole,
       [],
       shards,
@@ -814,9 +865,9 @@ def _run_scan(
       ties,
       reshard=False,
     )[0]
-    it = iter(full)
+    gathered = iter(full)
     local.update(
-      (v, _as_param(next(it), v.aval))
+      (v, _as_param(next(gathered), v.aval))
       for u in whole
       for i in u.leaves
       for v, j in program.param_var.items()
@@ -843,10 +894,31 @@ def _run_scan(
 # ----------------------------------------------------------------------------- a tied unit
 
 
+# [Note: tied units]
+# A unit that more than one op gathers (GPT-2's `wte`: the embedding at the start, the logits
+# at the end) has its gradient reduce-scattered once per step: the sum over its uses, as
+# torch FSDP2 and Megatron-FSDP reduce a param's gradient once (one reduce-scatter of the
+# summed cotangent, not one per use), summed in the dtype the unit's bucket reduces in
+# (`UnitIO.grad_dtypes`: fp32 with `grad_reduce_in_fp32`, as Megatron accumulates a param's
+# gradient in its fp32 `main_grad`).
+#
+# Autodiff does the summing, through *links*. The first call that gathers a tied unit (first
+# in the forward, so last in the backward) outputs a link per summed leaf: a zero stand-in of
+# the whole param's type ([Note: stand-ins]). Each later call of the unit takes the links as
+# inputs (`links_in`) and never computes with them: dead code in the forward. In the
+# backward, the cotangent of a link is what the later calls hand back for it (each its
+# whole-size gradient of the unit, cast to the link's dtype), summed by autodiff where the
+# link fans out; the first call (`links_out`) adds it to its own gradient and
+# reduce-scatters the sum. The later calls reduce-scatter nothing of the unit, so one
+# whole-size gradient of the unit stays alive from the last use's backward to the first's.
+# Chunked and table leaves are left out (`_summed_leaves`): each use reduces them by row
+# blocks or by rows where it runs, so that their gradient is never whole.
+
+
 def _summed_leaves(unit: UnitIO) -> tuple[int, ...]:
   """The leaves of `unit` whose gradients a tied unit sums over its uses before its one
-  reduce-scatter: its trainable leaves but the chunked ones (each row block of those is
-  reduce-scattered where it is used, so that the leaf's gradient is never whole)."""
+  reduce-scatter ([Note: tied units]): its trainable leaves but those reduced where used
+  (chunked ones, each row block reduce-scattered in its matmul, and tables)."""
   return tuple(i for i in unit.trainable if i not in unit.apart)
 
 
@@ -858,20 +930,8 @@ def _tied_units(ops: Sequence[_Op], units: _Units) -> frozenset[str]:
 
 
 class _Ties:
-  """Each tied unit's gradient, reduce-scattered once per step: the sum over its uses, as
-  torch FSDP2 and Megatron-FSDP reduce a param's gradient once (one reduce-scatter of the
-  summed cotangent, not one per use), summed in the dtype the unit's bucket reduces in
-  (fp32 with `grad_reduce_in_fp32`, as Megatron accumulates a param's gradient in its fp32
-  `main_grad`).
-
-  The first call that gathers a tied unit (`_unit_call`, first in the forward, so last in
-  the backward) outputs a *link* per summed leaf: a zero stand-in of the whole param's type,
-  which each later call of the unit takes as an input and never computes with (dead code in
-  the forward). The cotangent of the link is what the later calls hand back for it, each its
-  whole-size gradient of the unit, summed by autodiff; the first call's backward adds it to
-  its own gradient and reduce-scatters the sum. The later calls reduce-scatter nothing of
-  the unit (the chunked leaves aside): one whole-size gradient of the unit stays alive from
-  the last use's backward to the first's."""
+  """The links of the tied units while `_execute` builds the forward: each tied unit's
+  gradient is reduce-scattered once per step, by its first call ([Note: tied units])."""
 
   def __init__(self, tied: frozenset[str]):
     self.tied = tied
@@ -888,12 +948,60 @@ class _Ties:
 
   def add(self, units: Sequence[UnitIO], links: dict):
     """Records the `links` of the summed leaves `first(units)` named."""
-    for u in units:
-      if u.name in self.tied and u.name not in self.links:
-        self.links[u.name] = {i: links[i] for i in _summed_leaves(u)}
+    for unit in units:
+      if unit.name in self.tied and unit.name not in self.links:
+        self.links[unit.name] = {i: links[i] for i in _summed_leaves(unit)}
 
 
 # ----------------------------------------------------------------------------- a segment
+
+# [Note: trainable and frozen shards]
+# A unit's `custom_vjp` takes its shards as two dicts, `trainable` and `frozen`, because the
+# two get different cotangents: a trainable shard's is its reduce-scattered gradient, a
+# frozen one's is None (a zero: nothing reduces it). A segment's `trainable` is keyed by
+# `UnitIO.shard_keys` (a leaf, or a fused state's flat bucket shard), a scanned unit's and
+# every `frozen` by leaf. A segment's shards are one block per leaf; a scanned unit's are
+# stacked over the layers, `(layers, rows / dp, ...)`, and an iteration reads its layer's
+# (`_at`). `_gather` takes the two merged, to gather the unit in one go.
+
+# [Note: token list]
+# The order between the backwards of different ops is carried by zeros, *tokens*, that each
+# op's backward hands to the op before it as cotangents: the one channel from a segment's
+# backward to an earlier one's that XLA keeps (a data dependency). Every op takes and
+# returns a list of k + 1 tokens (k = `FSDPConfig(prefetch=)`). In the forward they are
+# stand-ins nothing computes with; in the backward (`ct_tokens`, what an op's backward
+# receives, and the list it returns):
+# * positions 0 .. k - 1, prefetch tokens: a backward makes a fresh zero once its
+#   cotangents exist (it has started) and hands it on at position 0, and passes the token
+#   it received at j on at j + 1. So the token at k - 1 was made by the backward of the
+#   segment k later, and a segment's backward all-gather waits for it: the gather starts
+#   k segments ahead of the compute that reads it, not earlier.
+# * position k, the last, "reduce-scatter done": a zero made once the segment after has
+#   reduce-scattered its gradients. A segment's gradient buckets are assembled after it
+#   (`_bucket_after`), and the cotangents it hands on wait for it, so each unit's
+#   reduce-scatter finishes before the segment two earlier starts its backward: it overlaps
+#   the backward of the segment before, and one full-size gradient bucket is in flight.
+# With k = 0 the list is the done token alone, and a backward gathers once its own
+# cotangents exist. A scanned unit returns its own fresh token in every position, made once
+# its backward loop is done (its layers' reduce-scatters run inside the loop). How the zeros
+# order anything: [Note: orderings are data dependencies].
+
+# [Note: saved and replayed residuals]
+# A unit's backward is not written by hand: both passes of its `custom_vjp` trace `jax.vjp`
+# of the same function (`_UnitCall.fn`, a scanned unit's `_ScanLayer`) on values of the
+# same types, so the residuals (the leaves of the vjp function, a pytree) come in the same
+# order in both. The forward runs `jax.vjp` on the activations and the gathered params and
+# saves the leaves marked in `keep`. The backward traces `jax.vjp` again, on stand-ins for
+# the activations ([Note: stand-ins]) and the params gathered again, and `_swap`s the
+# saved leaves in: what remains of its own trace are the residuals not saved, computed
+# from the params and consts alone, or from integer inputs that were saved instead (a
+# one-hot of the token ids), which it so recomputes. Whatever the stand-ins feed is
+# replaced by a saved residual: dead code. `keep` comes from one trace of the vjp before
+# either pass (`_residual_masks`): a segment saves a residual that depends on a float
+# activation, or on an integer input and a param both; a scanned layer, one that depends
+# on the carry or the other xs. Where no residual left to recompute reads a param, the
+# backward gathers nothing and traces on stand-ins for the params too. Without `reshard`
+# every residual is saved, the gathered params included.
 
 
 def _unit_call(
@@ -907,8 +1015,9 @@ def _unit_call(
   reshard: bool,
 ):
   """`fn(acts, full) -> outs` on `units` gathered from `shards`, as one `custom_vjp` (see the
-  module docstring). `tokens` (k + 1 zeros) carry the backward prefetch order; `ties` links
-  the calls of a tied unit (`_Ties`). Returns `(outs, tokens for the next segment)`."""
+  module docstring). `tokens` (k + 1 zeros) carry the backward prefetch order ([Note: token
+  list]); `ties` links the calls of a tied unit ([Note: tied units]). Returns `(outs, tokens
+  for the next segment)`."""
   trainable = {i: shards[i] for u in units for i in u.shard_keys}
   frozen = {i: shards[i] for u in units for i in u.frozen}
   token_avals = _avals(tokens)
@@ -917,22 +1026,27 @@ def _unit_call(
   # The gathered params' types (varying axes included), to trace the backward with when it
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
   full_avals = _traced_avals(
-    lambda t, f: _gather(units, {**t, **f}, layer_axis=True), trainable, frozen
+    lambda trainable, frozen: _gather(units, {**trainable, **frozen}, layer_axis=True),
+    trainable,
+    frozen,
   )
   # What the forward saves (the residuals that depend on the activations; None: all) and
-  # which residuals the params feed: one trace of the segment's vjp, for both passes.
-  # Residuals computed from integer inputs alone (a one-hot of the token ids) are recomputed
-  # in the backward from the integers, which are saved instead.
+  # which residuals the params feed: one trace of the segment's vjp, for both passes ([Note:
+  # saved and replayed residuals]). Residuals computed from integer inputs alone (a one-hot
+  # of the token ids) are recomputed in the backward from the integers, saved instead.
   ints = [jnp.issubdtype(a.dtype, jnp.integer) for a in act_avals]
   keep = of_params = None
   if reshard:
+    # one flag per arg of `fn` (a list: one per activation): which inputs taint a residual
     of_floats, of_ints, of_params = _residual_masks(
       fn,
       (_stand_ins(act_avals), _stand_ins(full_avals)),
-      ([not i for i in ints], False),
+      ([not is_int for is_int in ints], False),
       (ints, False),
       (False, True),
     )
+    # Saved: what depends on a float activation, or on the integers and the params together
+    # (`w[ids]`: an activation); recomputed: what the params alone or the integers alone give.
     keep = [a or (i and p) for a, i, p in zip(of_floats, of_ints, of_params)]
     if not any(i and not k for i, k in zip(of_ints, keep)):
       ints = [False] * len(ints)  # nothing to recompute from them
@@ -965,6 +1079,19 @@ def _unit_call(
   return outs, tokens
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _UnitResiduals:
+  """What a segment's forward saves for its backward ([Note: saved and replayed
+  residuals])."""
+
+  saved: list  # the vjp's residuals marked in `keep`
+  int_acts: list  # the integer activations the backward recomputes residuals from
+  trainable: dict  # the unit's shards, to gather it again ([Note: trainable and frozen shards])
+  frozen: dict
+  full: dict | None  # without `reshard`: the forward's gathered params, else None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _UnitCall:
   """A segment's `custom_vjp` (`_unit_call`): what its two passes need, fixed before they
@@ -973,57 +1100,62 @@ class _UnitCall:
   fn: Callable  # (acts, full) -> outs: the segment
   units: tuple[UnitIO, ...]
   reshard: bool  # gather again for the backward (else keep the forward's gather)
-  token_avals: list  # k prefetch tokens, then the "reduce-scatter done" token
+  token_avals: list  # k prefetch tokens, then the "reduce-scatter done" token ([Note: token list])
   act_avals: list
   full_avals: dict  # the gathered params' types
   ints: list[bool]  # the integer inputs the backward recomputes residuals from
   keep: list[bool] | None  # the residuals the forward saves (None: all)
   of_params: list[bool] | None  # the residuals the params feed
+  # [Note: tied units]
   links_out: tuple[int, ...] = ()  # tied leaves whose gradients this call sums and scatters
-  links_in: tuple[int, ...] = ()  # tied leaves whose gradients it hands back (`_Ties`)
+  links_in: tuple[int, ...] = ()  # tied leaves whose gradients it hands back
   link_avals: Mapping[int, Any] = dataclasses.field(default_factory=dict)  # their links' types
 
   @property
   def k(self) -> int:  # the prefetch depth
     return len(self.token_avals) - 1
 
-  def full_of(self, t, f):
-    return _gather(self.units, {**t, **f}, layer_axis=True)
+  def full_of(self, trainable, frozen):
+    return _gather(self.units, {**trainable, **frozen}, layer_axis=True)
 
   def links(self):
     return {i: _stand_in(self.link_avals[i]) for i in self.links_out}
 
-  def link_ct(self, i, ct):
-    """Tied leaf `i`'s cotangent as its link's type: summed over uses in the reduce dtype."""
-    return _ct_or_none(self.link_avals[i], ct.astype(self.link_avals[i].dtype))
+  def link_ct(self, leaf, cotangent):
+    """Tied `leaf`'s cotangent as its link's type: summed over uses in the reduce dtype."""
+    return _ct_or_none(self.link_avals[leaf], cotangent.astype(self.link_avals[leaf].dtype))
 
-  def call(self, acts, t, f, tokens, links):
-    return self.fn(acts, self.full_of(t, f)), _stand_ins(self.token_avals), self.links()
+  def call(self, acts, trainable, frozen, tokens, links):
+    outs = self.fn(acts, self.full_of(trainable, frozen))
+    return outs, _stand_ins(self.token_avals), self.links()
 
-  def fwd(self, acts, t, f, tokens, links):
+  def fwd(self, acts, trainable, frozen, tokens, links):
     # The gathered params through a barrier (with the inputs, which the forward waits for
     # anyway): the backward reads the saved residuals, never the gathered bucket. Else XLA
     # moves a cheap residual's computation (`x @ w + b`) into the backward's fusions, which
     # read `b` from the gathered bucket, alive from this forward to that backward.
-    full, acts = _together(self.full_of(t, f), acts)
+    full, acts = _together(self.full_of(trainable, frozen), acts)
     outs, vjp = jax.vjp(self.fn, acts, full)
     leaves = jax.tree.leaves(vjp)
     saved = [x for x, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
     zeros = _stand_ins(self.token_avals)
-    int_acts = [a for a, i in zip(acts, self.ints) if i]
-    return (outs, zeros, self.links()), (saved, int_acts, t, f, None if self.reshard else full)
+    int_acts = [a for a, is_int in zip(acts, self.ints) if is_int]
+    residuals = _UnitResiduals(saved, int_acts, trainable, frozen, None if self.reshard else full)
+    return (outs, zeros, self.links()), residuals
 
-  def bwd(self, res, cts):
-    saved, int_acts, t, f, full = res
+  def bwd(self, res: _UnitResiduals, cts):
+    saved, trainable, frozen, full = res.saved, res.trainable, res.frozen, res.full
     ct_outs, ct_tokens, ct_links = cts
     k, keep, token_aval = self.k, self.keep, self.token_avals[0]
+    # The vjp is traced again on stand-ins for the activations: every residual they feed is
+    # replaced by a saved one ([Note: saved and replayed residuals]).
     acts0 = _stand_ins(self.act_avals)
-    if int_acts:
+    if res.int_acts:
       # The integers, recomputed from once this backward starts (plus a zero tied to its
       # cotangents): else XLA merges the recomputation with the forward's, alive until here.
       zero, ct_outs = _together(_stand_in(token_aval), ct_outs)
-      it = iter(int_acts)
-      acts0 = [_tie(next(it), zero) if i else x for i, x in zip(self.ints, acts0)]
+      int_acts = iter(res.int_acts)
+      acts0 = [_tie(next(int_acts), zero) if is_int else x for is_int, x in zip(self.ints, acts0)]
     # This segment's backward has started: release the gather of the segment k earlier.
     fresh, ct_outs = _together(_stand_in(token_aval), ct_outs) if k else (None, ct_outs)
     if self.reshard and not any(p and not s for p, s in zip(self.of_params, keep)):
@@ -1033,16 +1165,17 @@ class _UnitCall:
       # Gather once the backward of the segment k later has started (its token), or, with
       # k = 0, once this segment's own cotangents exist.
       if k:
-        t, f = _after(t, ct_tokens[k - 1]), _after(f, ct_tokens[k - 1])
+        trainable = _after(trainable, ct_tokens[k - 1])
+        frozen = _after(frozen, ct_tokens[k - 1])
       else:
-        (t, f), ct_outs = _together((t, f), ct_outs)
+        (trainable, frozen), ct_outs = _together((trainable, frozen), ct_outs)
       # ... and recompute nothing from it before this segment's cotangents exist (else XLA
       # runs the recomputation of the segment k earlier as soon as its gather lands).
-      full, ct_outs = _together(self.full_of(t, f), ct_outs)
+      full, ct_outs = _together(self.full_of(trainable, frozen), ct_outs)
     _, vjp = jax.vjp(self.fn, acts0, full)
     d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
     # A tied unit's gradient: handed back to its first call, or summed with what its later
-    # calls handed back, then reduce-scattered once (`_Ties`).
+    # calls handed back, then reduce-scattered once ([Note: tied units]).
     d_links = {i: self.link_ct(i, d_full[i]) for i in self.links_in}
     d_full = {**d_full, **{i: self.link_ct(i, d_full[i]) + ct_links[i] for i in self.links_out}}
     handed = {u.name for u in self.units if set(_summed_leaves(u)) & set(self.links_in)}
@@ -1052,30 +1185,33 @@ class _UnitCall:
     # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
     # that reduce-scatter still overlaps this segment's backward matmuls).
     d_full = _bucket_after(scattered, d_full, ct_tokens[k])
-    d_t = _scatter(scattered, d_full, layer_axis=True)
+    d_trainable = _scatter(scattered, d_full, layer_axis=True)
     # A handed-back unit's chunked leaves: reduce-scattered by row blocks already.
-    d_t.update(
+    d_trainable.update(
       (i, d_full[i]) for u in self.units if u.name in handed for i in u.trainable if i in u.apart
     )
-    d_t = {key: d_t.get(key) for key in t}  # None: a zero cotangent
+    d_trainable = {key: d_trainable.get(key) for key in trainable}  # None: a zero cotangent
     # This unit's gradients are reduce-scattered before the segment two earlier starts its
     # backward: the segment before gets a token that exists once they are, and adds it to the
     # cotangents it hands on (else XLA leaves every weight-gradient matmul and reduce-scatter
     # to the end of the backward, each unit's full-size gradient and activations live until
     # then; tying this segment's own cotangents to them would leave the reduce-scatter
     # nothing to overlap).
-    done, d_t = _together(_stand_in(self.token_avals[-1]), d_t)
+    done, d_trainable = _together(_stand_in(self.token_avals[-1]), d_trainable)
     d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
     d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
+    # [Note: token list]: a fresh prefetch token first, the received ones one place on, and
+    # this unit's "reduce-scatter done" last.
     d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
-    return d_acts, d_t, None, d_tokens, d_links
+    # cotangents of (acts, trainable, frozen, tokens, links): a frozen shard gets none
+    return d_acts, d_trainable, None, d_tokens, d_links
 
 
-def _tie(a, zero):
-  """`a + zero`: `a` computed once `zero` exists (an input that varies over fewer axes than
-  the zero is left as it is)."""
-  ok = _varying(jax.typeof(a)) >= _varying(jax.typeof(zero))
-  return a + zero.astype(a.dtype) if ok else a
+def _tie(value, zero):
+  """`value + zero`: `value` computed once `zero` exists (an input that varies over fewer
+  axes than the zero is left as it is): [Note: orderings are data dependencies]."""
+  varies_as_much = _varying(jax.typeof(value)) >= _varying(jax.typeof(zero))
+  return value + zero.astype(value.dtype) if varies_as_much else value
 
 
 # ----------------------------------------------------------------------------- a scanned unit
@@ -1084,7 +1220,7 @@ def _tie(a, zero):
 def _scan_unit(
   eqn,
   units: Sequence[UnitIO],
-  ops: list,
+  operands: list,
   shard_pos: dict,
   shards: dict,
   tokens: list,
@@ -1092,31 +1228,35 @@ def _scan_unit(
   reshard: bool,
 ):
   """A `lax.scan` over the layers of stacked `units`, as one `custom_vjp` over their layer
-  shards (see the module docstring). `ops` are the scan's operands with the stacked params'
-  `xs` left out (None); `shard_pos` maps an xs position to its leaf."""
-  p = eqn.params
-  n_c, n_carry = p["num_consts"], p["num_carry"]
-  consts, init, xs = ops[:n_c], ops[n_c : n_c + n_carry], ops[n_c + n_carry :]
+  shards (see the module docstring). `operands` are the scan's operands with the stacked
+  params' `xs` left out (None); `shard_pos` maps an xs position to its leaf."""
+  params = eqn.params
+  n_consts, n_carry = params["num_consts"], params["num_carry"]
+  consts = operands[:n_consts]
+  init = operands[n_consts : n_consts + n_carry]
+  xs = operands[n_consts + n_carry :]
   other = [x for j, x in enumerate(xs) if j not in shard_pos]
+  # [Note: trainable and frozen shards], stacked over the layers
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  layer = _ScanLayer(p["jaxpr"], n_carry, len(xs), shard_pos, tuple(units))
+  layer = _ScanLayer(params["jaxpr"], n_carry, len(xs), shard_pos, tuple(units))
   init_avals = _avals(init)
   other_avals = [jax.typeof(x).update(shape=jax.typeof(x).shape[1:]) for x in other]
 
   # What each iteration saves: the residuals that depend on the carry or the other xs
-  # (None: all), from one trace of the body's vjp on one layer's types.
+  # (None: all), from one trace of the body's vjp on one layer's types ([Note: saved and
+  # replayed residuals]).
   keep = None
   if reshard:
-    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    full = _stand_ins(_traced_avals(layer.gather, first(trainable), first(frozen)))
+    layer_0 = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    full = _stand_ins(_traced_avals(layer.gather, layer_0(trainable), layer_0(frozen)))
     args = (consts, _stand_ins(init_avals), _stand_ins(other_avals), full)
     (keep,) = _residual_masks(layer, args, (False, True, True, False))
 
   scan = _ScanUnit(
     layer=layer,
-    length=p["length"],
-    reverse=p["reverse"],
+    length=params["length"],
+    reverse=params["reverse"],
     token_avals=_avals(tokens),
     init_avals=init_avals,
     other_avals=other_avals,
@@ -1156,15 +1296,41 @@ class _ScanLayer:
     )
 
   def __call__(self, consts, carry, x_other, full):
-    it = iter(x_other)
-    x = [full[self.shard_pos[j]] if j in self.shard_pos else next(it) for j in range(self.n_xs)]
+    # the body's xs in order: a stacked param's place takes its gathered layer
+    other = iter(x_other)
+    x = [full[self.shard_pos[j]] if j in self.shard_pos else next(other) for j in range(self.n_xs)]
     args = [*consts, *carry, *x]
     narrowed = [jnp.dtype(a.dtype) != v.aval.dtype for a, v in zip(args, self.body.jaxpr.invars)]
     outs = _eval_jaxpr(self.body.jaxpr, self.body.consts, args, narrowed)
     return outs[: self.n_carry], outs[self.n_carry :]
 
-  def gather(self, t_i, f_i):
-    return _gather(self.units, {**t_i, **f_i}, layer_axis=False, each=True)
+  def gather(self, trainable, frozen):
+    """One layer's params from its shards, one all-gather per param."""
+    return _gather(self.units, {**trainable, **frozen}, layer_axis=False, each=True)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _ScanResiduals:
+  """What a scanned unit's forward loop saves for its backward: the consts and the stacked
+  shards once, the residuals of every layer stacked ([Note: saved and replayed residuals])."""
+
+  consts: list
+  saved: list  # each leaf `(layers, ...)`
+  trainable: dict  # [Note: trainable and frozen shards]
+  frozen: dict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _LayerGrads:
+  """What one layer's backward hands on: the cotangents of its other xs, its reduce-scattered
+  trainable gradients, and the whole-size gradients of its `late` leaves, which `scatter`
+  reduce-scatters in the next iteration ([Note: a layer gathered one iteration ahead])."""
+
+  d_other: list
+  d_trainable: dict
+  late: dict  # {} once scattered
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -1175,7 +1341,7 @@ class _ScanUnit:
   layer: _ScanLayer
   length: int
   reverse: bool
-  token_avals: list  # k prefetch tokens, then the "reduce-scatter done" token
+  token_avals: list  # k prefetch tokens, then the "reduce-scatter done" token ([Note: token list])
   init_avals: list
   other_avals: list  # one iteration's other xs
   keep: list[bool] | None  # the residuals each iteration saves (None: all)
@@ -1184,115 +1350,155 @@ class _ScanUnit:
   def k(self) -> int:  # the prefetch depth
     return len(self.token_avals) - 1
 
-  def gather_at(self, t, f_, pos, after=None):
+  def gather_at(self, trainable, frozen, pos, after=None):
     """Layer `pos`'s params, gathered from the stacked shards once `after` exists (None:
     whenever); returns them and `after` (its value through the barrier that orders them)."""
-    shards = (_at(t, pos), _at(f_, pos))
+    shards = (_at(trainable, pos), _at(frozen, pos))
     if after is not None:
       shards, after = _together(shards, after)
     return self.layer.gather(*shards), after
 
-  def call(self, consts, init, other, t, f_, tokens):
+  def call(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
       return self.layer(consts, carry, _at(other, pos), full)
 
-    gather = functools.partial(self.gather_at, t, f_)
+    gather = functools.partial(self.gather_at, trainable, frozen)
     carry, ys = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
     return (carry, ys), _stand_ins(self.token_avals)
 
-  def fwd(self, consts, init, other, t, f_, tokens):
+  def fwd(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
       (carry, ys), vjp = jax.vjp(self.layer, consts, carry, _at(other, pos), full)
       leaves = jax.tree.leaves(vjp)
       saved = [r for r, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
       return carry, (ys, saved)
 
-    gather = functools.partial(self.gather_at, t, f_)
+    gather = functools.partial(self.gather_at, trainable, frozen)
     carry, (ys, saved) = _layer_loop(
       self.length, self.reverse, gather, step, init, ahead=self.k > 0
     )
     zeros = _stand_ins(self.token_avals)
-    return ((carry, ys), zeros), (consts, saved, t, f_)
+    return ((carry, ys), zeros), _ScanResiduals(consts, saved, trainable, frozen)
 
-  def bwd(self, res, cts):
-    consts, saved, t, f_ = res
+  def bwd(self, res: _ScanResiduals, cts):
+    consts, trainable, frozen = res.consts, res.trainable, res.frozen
     (d_carry, d_ys), ct_tokens = cts
     d_carry = [_ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
     d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
     # The first layer the backward gathers (the forward's last) is gathered once the
     # backward of the op k later has started (its token), or with k = 0 once this scan's
-    # cotangents exist; its shards alone are tied so (a tie on the stacked shards would copy
-    # them all).
+    # cotangents exist ([Note: token list]); its shards alone are tied so (a tie on the
+    # stacked shards would copy them all).
     first = 0 if self.reverse else self.length - 1
-    shards = (_at(t, first), _at(f_, first))
+    first_shards = (_at(trainable, first), _at(frozen, first))
     if self.k:
-      shards = _after(shards, ct_tokens[self.k - 1])
+      first_shards = _after(first_shards, ct_tokens[self.k - 1])
     else:
-      shards, d_carry = _together(shards, d_carry)
+      first_shards, d_carry = _together(first_shards, d_carry)
 
-    full_avals = _traced_avals(lambda t, f_: self.gather_at(t, f_, 0)[0], t, f_)
-
-    def step(acc, pos, full, landed):
-      if full is None:  # every residual saved: the params' values are not read
-        full = _stand_ins(full_avals)
-      return self.bwd_layer(consts, acc, full, _at(saved, pos), _at(d_ys, pos), landed)
-
+    full_avals = _traced_avals(
+      lambda trainable, frozen: self.gather_at(trainable, frozen, 0)[0], trainable, frozen
+    )
+    layers = _ScanBackward(
+      scan=self,
+      consts=consts,
+      saved=res.saved,
+      d_ys=d_ys,
+      full_avals=full_avals,
+      trainable=trainable,
+      frozen=frozen,
+      first=first,
+      first_shards=first_shards,
+    )
     # Only the params whose values the backward reads are gathered (a bias's gradient needs
     # none): the others are stand-ins, so that chaining each gather after the layer before
     # does not keep their gathers alive.
-    read = _reads(lambda full: step((d_carry, d_consts0), 0, full, None), full_avals)
-
-    def gather(pos, after):
-      if isinstance(pos, int) and pos == first:
-        full = self.layer.gather(*shards)
-      else:
-        full, after = self.gather_at(t, f_, pos, after)
-      return {i: x if read[i] else _stand_in(jax.typeof(x)) for i, x in full.items()}, after
+    read = _reads(lambda full: layers.step((d_carry, d_consts0), 0, full, None), full_avals)
+    layers = dataclasses.replace(layers, read=read)
 
     # Without resharding the forward saved every residual, the gathered params included.
-    gather = gather if self.keep is not None else None
-    (d_init, d_consts), (d_other, d_t) = _layer_loop(
+    gather = layers.gather if self.keep is not None else None
+    (d_init, d_consts), grads = _layer_loop(
       self.length,
       not self.reverse,
       gather,
-      step,
+      layers.step,
       (d_carry, d_consts0),
       finish=self.scatter,
       ahead=self.k > 0,
     )
+    # The carry's cotangent leaves once the op after has reduce-scattered; this scan's own
+    # fresh token, made then, goes back in every position ([Note: token list]).
     d_init = list(_after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
     fresh, d_init = _together(_stand_in(self.token_avals[0]), d_init)
-    return d_consts, d_init, d_other, d_t, None, [fresh] * (self.k + 1)
+    # cotangents of (consts, init, other, trainable, frozen, tokens)
+    return d_consts, d_init, grads.d_other, grads.d_trainable, None, [fresh] * (self.k + 1)
 
   def bwd_layer(self, consts, acc, full, saved_i, d_ys_i, landed=None):
     """The backward of one layer: its vjp on the layer gathered again (`full`); the
     gradients it computes early are reduce-scattered here, the `late` ones by `scatter` in
     the next iteration (see [Note: a layer gathered one iteration ahead])."""
     d_carry, d_consts = acc
+    # the vjp replayed on stand-ins and the saved residuals ([Note: saved and replayed
+    # residuals])
     init0, other0 = _stand_ins(self.init_avals), _stand_ins(self.other_avals)
     _, vjp = jax.vjp(self.layer, consts, init0, other0, full)
     keep_i = self.keep or [True] * len(saved_i)
-    dc, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
-    d_consts = [None if a is None else a + b for a, b in zip(d_consts, dc)]
+    d_consts_i, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
+    d_consts = [None if a is None else a + b for a, b in zip(d_consts, d_consts_i)]
     d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
     d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
     units, late = self.layer.units, self.layer.late
     early = [i for u in units for i in u.trainable if i not in late]
     if landed is not None:  # reduce-scattered once the next layer's gather has landed
       d_full = {**d_full, **_after({i: d_full[i] for i in early if i in d_full}, landed)}
-    d_t = _scatter(units, d_full, layer_axis=False, each=True, only=early)
+    d_trainable = _scatter(units, d_full, layer_axis=False, each=True, only=early)
     # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
     # layer's whole-size grads (the backward's peak). The barrier with the carry's
     # cotangent keeps these reduce-scatters in their own iteration: else XLA's collective
     # pipeliner moves them into the next one, which then holds two layers' grads.
-    if d_t and any(u.collectives.scatter_each for u in units):  # (DDP's scatter per layer)
-      d_t, d_carry = _together(d_t, d_carry)
-    return (d_carry, d_consts), (d_x, d_t, {i: d_full[i] for i in late if i in d_full})
+    if d_trainable and any(u.collectives.scatter_each for u in units):  # (DDP's: per layer)
+      d_trainable, d_carry = _together(d_trainable, d_carry)
+    grads = _LayerGrads(d_x, d_trainable, {i: d_full[i] for i in late if i in d_full})
+    return (d_carry, d_consts), grads
 
-  def scatter(self, pending):
+  def scatter(self, pending: _LayerGrads) -> _LayerGrads:
     """The late gradients of a layer reduce-scattered, one collective per param."""
-    d_x, d_t, late = pending
-    return d_x, {**d_t, **_scatter(self.layer.units, late, False, each=True, only=self.layer.late)}
+    late = _scatter(self.layer.units, pending.late, False, each=True, only=self.layer.late)
+    return _LayerGrads(pending.d_other, {**pending.d_trainable, **late}, {})
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ScanBackward:
+  """A scanned unit's backward loop as `_layer_loop` runs it: its `step` and `gather`, and
+  what every iteration reads, fixed before the loop."""
+
+  scan: _ScanUnit
+  consts: list
+  saved: list  # every layer's saved residuals, stacked
+  d_ys: list  # the cotangents of every layer's ys, stacked
+  full_avals: dict  # one layer's gathered params' types
+  trainable: dict  # the stacked shards ([Note: trainable and frozen shards])
+  frozen: dict
+  first: int  # the position of the layer the backward runs first (the forward's last)
+  first_shards: tuple  # its shards, `(trainable, frozen)`, tied to what releases them
+  read: Any = None  # {leaf: whether the backward reads the gathered param's value}
+
+  def step(self, acc, pos, full, landed):
+    """Layer `pos`'s backward (`_ScanUnit.bwd_layer`) on its saved residuals."""
+    if full is None:  # every residual saved: the params' values are not read
+      full = _stand_ins(self.full_avals)
+    saved, d_ys = _at(self.saved, pos), _at(self.d_ys, pos)
+    return self.scan.bwd_layer(self.consts, acc, full, saved, d_ys, landed)
+
+  def gather(self, pos, after):
+    """Layer `pos`'s params gathered again once `after` exists, those the backward does not
+    read as stand-ins ([Note: stand-ins])."""
+    if isinstance(pos, int) and pos == self.first:  # peeled, before the loop
+      full = self.scan.layer.gather(*self.first_shards)
+    else:
+      full, after = self.scan.gather_at(self.trainable, self.frozen, pos, after)
+    return {i: x if self.read[i] else _stand_in(jax.typeof(x)) for i, x in full.items()}, after
 
 
 # [Note: a layer gathered one iteration ahead]
@@ -1301,13 +1507,107 @@ class _ScanUnit:
 # layer i on the params the previous iteration gathered, handed on in the loop's carry. The
 # gather then has a whole layer's compute to hide under, where one started in its own
 # iteration could only overlap the compute of the params before it (the first ones
-# waited for). In the backward, layer i's whole-size gradients are handed on too and
-# reduce-scattered in the iteration of layer i - 1, under its compute: in their own
-# iteration they could only start once the layer's last weight gradient exists, at its end.
-# The first layer's gather runs before the loop, the last layer after it (peeled, so that
-# no iteration gathers a layer nobody uses): about two layers gathered at once, as FSDP2's
-# and Megatron-FSDP's prefetch of the next unit holds, and one layer's gradients waiting.
+# waited for). In the backward, the whole-size gradients of layer i's `late` params (those
+# the forward uses in its first half, whose gradients the backward computes last) are
+# handed on too and reduce-scattered in the iteration of layer i - 1, under its compute: in
+# their own iteration they could only start at its end; the others are reduce-scattered in
+# their own iteration. About two layers are gathered at once, as FSDP2's and
+# Megatron-FSDP's prefetch of the next unit holds, and one layer's late gradients wait.
+#
+# In `_layer_loop`'s terms:
+# * `gather(pos, after)` starts layer `pos`'s all-gather once `after` (the gathered params of
+#   the layer before) exists: chained so, XLA's all-gather combiner cannot merge two
+#   layers' gathers into one collective, which would hold both layers ahead.
+# * `step(carry, pos, full, landed)` runs layer `pos` on `full`, gathered the iteration before.
+# * `finish(out)` (the backward: `_ScanUnit.scatter`) runs one iteration later on what
+#   `step` handed on (`pending`, the late gradients), once that iteration's gather has
+#   landed. `landed` is a zero that exists then; `step`'s own reduce-scatters wait for it
+#   too. On the GPU XLA runs one collective at a time, so that the gather goes first and the
+#   next layer's compute is not kept waiting behind reduce-scatters.
+# * Peeled: the first layer's gather runs before the loop (with `finish`, its step too: it
+#   has nothing to finish), the last layer's step after the loop (with the last pending
+#   `out` finished before it), so that no iteration gathers a layer nobody uses.
+# * Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers its own layer and
+#   finishes its own `out`: no layer held ahead, nothing hidden but what XLA overlaps
+#   within a layer.
 # The outputs of each layer are written into buffers stacked over the layers, in place.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _LoopState:
+  """`_layer_loop`'s `fori_loop` carry at the start of an iteration."""
+
+  carry: Any  # `step`'s carry
+  full: Any  # this iteration's layer, gathered by the iteration before (None without `ahead`)
+  pending: Any  # with `finish`: the layer before's `out`, to finish here; else None
+  outs: Any  # the finished outs, stacked over the layers
+
+
+class _Ahead(NamedTuple):
+  """The next layer's gather, started (`_LayerLoop.ahead_of`)."""
+
+  full_next: Any  # layer k + 1's params, gathered (None: the layers need no params)
+  full: Any  # layer k's params, through the barrier that orders the gather after them
+  landed: Any  # with `finish`: a zero that exists once `full_next` has landed; else None
+
+
+def _no_gather(pos, after):
+  """A `gather` for `_layer_loop` whose layers need no params."""
+  return None, after
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LayerLoop:
+  """`_layer_loop`'s fixed parts: the iteration bodies of its `fori_loop`s ([Note: a layer
+  gathered one iteration ahead])."""
+
+  length: int
+  reverse: bool
+  gather: Callable  # (pos, after) -> (full, after)
+  step: Callable  # (carry, pos, full, landed) -> (carry, out)
+  finish: Callable | None  # out -> finished out, one iteration later; None: out as it is
+
+  def position(self, k):
+    """The layer the k-th iteration runs (in run order)."""
+    return self.length - 1 - k if self.reverse else k
+
+  def done(self, out):
+    return out if self.finish is None else self.finish(out)
+
+  def put(self, outs, out, pos):
+    """`outs` with layer `pos`'s `out` written in, in place."""
+    return jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, pos, 0), outs, out)
+
+  def ahead_of(self, k, full) -> _Ahead:
+    """Layer k + 1's gather, once layer k's has landed (chained: XLA's all-gather combiner
+    cannot merge two layers' gathers), and with `finish` a zero that exists once it has
+    landed."""
+    full_next, full = self.gather(self.position(k + 1), full)
+    if self.finish is None or full_next is None:
+      return _Ahead(full_next, full, None)
+    leaf = jax.typeof(jax.tree.leaves(full_next)[0])  # a zero varying as the gathered params
+    landed, full_next = _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), full_next)
+    return _Ahead(full_next, full, landed)
+
+  def body(self, k, state: _LoopState) -> _LoopState:
+    """Layer k on the params gathered the iteration before; layer k + 1 gathered; with
+    `finish`, layer k - 1 finished."""
+    ahead = self.ahead_of(k, state.full)
+    pending, outs = state.pending, state.outs
+    if self.finish is not None:
+      pending = pending if ahead.landed is None else _after(pending, ahead.landed)
+      outs = self.put(outs, self.finish(pending), self.position(k - 1))
+    carry, out = self.step(state.carry, self.position(k), ahead.full, ahead.landed)
+    if self.finish is None:
+      return _LoopState(carry, ahead.full_next, None, self.put(outs, out, self.position(k)))
+    return _LoopState(carry, ahead.full_next, out, outs)
+
+  def own(self, k, state: _LoopState) -> _LoopState:
+    """Layer k, gathered and finished in its own iteration (without `ahead`)."""
+    full = self.gather(self.position(k), None)[0]
+    carry, out = self.step(state.carry, self.position(k), full, None)
+    return _LoopState(carry, None, None, self.put(state.outs, self.done(out), self.position(k)))
 
 
 def _layer_loop(
@@ -1330,61 +1630,34 @@ def _layer_loop(
   whatever the order). Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
   its own layer and finishes its own `out`: no layer held ahead, nothing hidden behind a
   layer's compute but what XLA overlaps within it."""
-  at = lambda k: length - 1 - k if reverse else k
-  done = finish or (lambda out: out)
-  gather = gather or (lambda pos, after: (None, after))  # the layers need no params
-  trace = lambda c, f: step(c, at(0), f, None)[1]
-  out0 = _stand_ins(_traced_avals(trace, carry, gather(at(0), None)[0]))
-  stacked = jax.tree.map(lambda a: a.update(shape=(length, *a.shape)), _traced_avals(done, out0))
+  loop = _LayerLoop(length, reverse, gather or _no_gather, step, finish)
+  position = loop.position
+  # The stacked outputs' buffers, from one trace of the first layer's step (and finish).
+  first_out = lambda carry, full: step(carry, position(0), full, None)[1]
+  out0 = _stand_ins(_traced_avals(first_out, carry, loop.gather(position(0), None)[0]))
+  stacked = jax.tree.map(
+    lambda a: a.update(shape=(length, *a.shape)), _traced_avals(loop.done, out0)
+  )
   outs = _stand_ins(stacked)
 
-  def put(outs, out, pos):
-    return jax.tree.map(lambda b, o: jax.lax.dynamic_update_index_in_dim(b, o, pos, 0), outs, out)
-
-  def ahead_of(k, full):
-    """Layer k + 1's gather, once layer k's has landed (chained: XLA's all-gather combiner
-    cannot merge two layers' gathers), and with `finish` a zero that exists once it has
-    landed."""
-    ahead, full = gather(at(k + 1), full)
-    if finish is None or ahead is None:
-      return ahead, full, None
-    leaf = jax.typeof(jax.tree.leaves(ahead)[0])  # a zero varying as the gathered params
-    landed, ahead = _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), ahead)
-    return ahead, full, landed
-
-  def body(k, state):  # layer k, layer k + 1 gathered, layer k - 1 finished
-    carry, full, pending, outs = state
-    ahead, full, landed = ahead_of(k, full)
-    if finish is not None:
-      pending = pending if landed is None else _after(pending, landed)
-      outs = put(outs, finish(pending), at(k - 1))
-    carry, out = step(carry, at(k), full, landed)
-    if finish is None:
-      return carry, ahead, None, put(outs, out, at(k))
-    return carry, ahead, out, outs
-
   if not ahead:
+    state = jax.lax.fori_loop(0, length, loop.own, _LoopState(carry, None, None, outs))
+    return state.carry, state.outs
 
-    def own(k, state):  # layer k, gathered and finished in its own iteration
-      carry, outs = state
-      carry, out = step(carry, at(k), gather(at(k), None)[0], None)
-      return carry, put(outs, done(out), at(k))
-
-    return jax.lax.fori_loop(0, length, own, (carry, outs))
-
-  full, pending, first = gather(at(0), None)[0], None, 0
+  # Peeled first layer: gathered before the loop; with `finish`, run before it too.
+  full, pending, first = loop.gather(position(0), None)[0], None, 0
   if finish is not None and length > 1:  # the first layer has none to finish
-    ahead, full, landed = ahead_of(0, full)
-    carry, pending = step(carry, at(0), full, landed)
-    full, first = ahead, 1
+    ahead_0 = loop.ahead_of(0, full)
+    carry, pending = step(carry, position(0), ahead_0.full, ahead_0.landed)
+    full, first = ahead_0.full_next, 1
   if length - 1 > first:
-    carry, full, pending, outs = jax.lax.fori_loop(
-      first, length - 1, body, (carry, full, pending, outs)
-    )
+    state = jax.lax.fori_loop(first, length - 1, loop.body, _LoopState(carry, full, pending, outs))
+    carry, full, pending, outs = state.carry, state.full, state.pending, state.outs
+  # Peeled last layer: run after the loop, on the params its last iteration gathered.
   if pending is not None:
-    outs = put(outs, done(pending), at(length - 2))
-  carry, out = step(carry, at(length - 1), full, None)
-  return carry, put(outs, done(out), at(length - 1))
+    outs = loop.put(outs, loop.done(pending), position(length - 2))
+  carry, out = step(carry, position(length - 1), full, None)
+  return carry, loop.put(outs, loop.done(out), position(length - 1))
 
 
 def _first_uses(jaxpr: jcore.Jaxpr) -> dict:
@@ -1424,18 +1697,38 @@ def _at(tree, pos):
 
 # ----------------------------------------------------------------------------- a chunked matmul
 
+# [Note: row blocks of a chunked param]
+# A chunked param (`UnitIO.chunks`) is gathered and reduce-scattered n row blocks at a time,
+# inside each use, and is never whole. Each device holds r of the padded param's rows (rows
+# `d * r + [0, r)` on device d); row block c is rows `[lo, hi)` of every device's rows
+# (`lo = c * r // n`, `_row_blocks`), i.e. rows `d * r + [lo, hi)` of the padded param for
+# every d. So a block's all-gather (`gather_rows`) is one collective of `block[lo:hi]` from
+# every device, and the reduce-scatter of its gradient (`scatter_rows`) lands on this
+# device's rows `[lo, hi)`, where its shard keeps them: the blocks' gradients concatenated in
+# order are the shard's gradient. Block c's rows of the gathered block are not contiguous
+# in the param: `rows_of` and `_ChunkedTake.where` map them. A block is gathered one block
+# ahead: block c's gather waits for block c - 2's result, through a barrier
+# ([Note: orderings are data dependencies]), so about two blocks and two block gradients
+# are alive at a time.
+
 
 def _chunked_dot(
-  eqn, w_pos: int, unit: UnitIO, leaf: int, n: int, size: int, x_grad: bool, x, block, dtype
+  eqn,
+  w_pos: int,
+  unit: UnitIO,
+  leaf: int,
+  n_blocks: int,
+  size: int,
+  x_grad: bool,
+  x,
+  block,
+  dtype,
 ):
   """`eqn` (a `dot_general` with the chunked `leaf` as operand `w_pos`) on this device's
-  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
+  `block` of the leaf's padded rows, the leaf gathered `n_blocks` row blocks at a time, as one
   `custom_vjp`.
 
-  Row block c is rows `[lo, hi)` of every device's block (`lo = c * r // n` for `r` rows
-  per device), i.e. rows `d * r + [lo, hi)` of the padded param for every device d: its
-  `gather_rows` is one all-gather of `block[lo:hi]`, and the reduce-scatter of its gradient
-  (`scatter_rows`) lands on this device's rows `[lo, hi)`. Where the leaf's rows are a free
+  Row blocks as [Note: row blocks of a chunked param]. Where the leaf's rows are a free
   dim of the product (logits `h @ wte.T`), block c computes the output's columns of those
   rows; where they are contracted (`one_hot @ wte`) it computes a partial sum over them.
   Forward: block c's gather waits for block c - 2's product (one block gathered ahead);
@@ -1451,6 +1744,9 @@ def _chunked_dot(
   if 0 in batch[w_pos]:
     raise AssertionError("jaxdp FSDP: a chunked param used with its rows as a batch dim")
   r = block.shape[0]
+  # Where the param's rows go: contracted with `x`'s dim `x_dim` (`one_hot @ wte`), or a
+  # dim of the product, `out_dim` (`dot_general`'s product dims: the batch dims, then the
+  # lhs's free dims, the rhs's).
   x_dim = contract[1 - w_pos][list(contract[w_pos]).index(0)] if 0 in contract[w_pos] else None
   w_free = [d for d in range(block.ndim) if d not in contract[w_pos] and d not in batch[w_pos]]
   x_free = x.ndim - len(contract[1 - w_pos]) - len(batch[1 - w_pos])
@@ -1466,7 +1762,7 @@ def _chunked_dot(
     x_grad=x_grad,
     dp=jax.lax.axis_size(DATA),
     r=r,
-    bounds=_row_blocks(r, n),
+    bounds=_row_blocks(r, n_blocks),
     x_dim=x_dim,
     out_dim=out_dim,
     dtype=dtype,
@@ -1477,7 +1773,8 @@ def _chunked_dot(
 
 
 def _row_blocks(r: int, n: int) -> tuple[tuple[int, int], ...]:
-  """`[lo, hi)` of each of `n` row blocks of a device's `r` rows of a chunked param."""
+  """`[lo, hi)` of each of `n` row blocks of a device's `r` rows of a chunked param ([Note:
+  row blocks of a chunked param])."""
   return tuple((c * r // n, (c + 1) * r // n) for c in range(n))
 
 
@@ -1582,14 +1879,14 @@ class _ChunkedDot:
 def _lookup_ids(eqn, size: int, ids):
   """The row each output row of the lookup `eqn` reads from a table of `size` rows, and
   where it reads none (`mode`'s out-of-range ids; None: nowhere)."""
-  g = ids[..., 0]
+  row_ids = ids[..., 0]
   mode = eqn.params["mode"]
   if mode == jax.lax.GatherScatterMode.CLIP:
-    return jnp.clip(g, 0, size - 1), None
-  outside = (g < 0) | (g >= size)
+    return jnp.clip(row_ids, 0, size - 1), None
+  outside = (row_ids < 0) | (row_ids >= size)
   if mode == jax.lax.GatherScatterMode.FILL_OR_DROP:
-    return jnp.where(outside, 0, g), outside
-  return g, None  # PROMISE_IN_BOUNDS: the caller's promise
+    return jnp.where(outside, 0, row_ids), outside
+  return row_ids, None  # PROMISE_IN_BOUNDS: the caller's promise
 
 
 def _fill(eqn, out, outside):
@@ -1604,9 +1901,9 @@ def _expand(mask, ndim):
   return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
 
 
-def _chunked_take(eqn, unit: UnitIO, leaf: int, n: int, size: int, dtype, ids, block):
+def _chunked_take(eqn, unit: UnitIO, leaf: int, n_blocks: int, size: int, dtype, ids, block):
   """`eqn` (a row lookup `w[ids]` of the chunked `leaf`, `_is_row_lookup`) on this device's
-  `block` of the leaf's padded rows, the leaf gathered `n` row blocks at a time, as one
+  `block` of the leaf's padded rows, the leaf gathered `n_blocks` row blocks at a time, as one
   `custom_vjp` (`_ChunkedTake`)."""
   r = block.shape[0]
   take = _ChunkedTake(
@@ -1616,7 +1913,7 @@ def _chunked_take(eqn, unit: UnitIO, leaf: int, n: int, size: int, dtype, ids, b
     size=size,
     dp=jax.lax.axis_size(DATA),
     r=r,
-    bounds=_row_blocks(r, n),
+    bounds=_row_blocks(r, n_blocks),
     dtype=dtype,
   )
   lookup = jax.custom_vjp(take.take)
@@ -1627,8 +1924,8 @@ def _chunked_take(eqn, unit: UnitIO, leaf: int, n: int, size: int, dtype, ids, b
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ChunkedTake:
   """A chunked row lookup's `custom_vjp`: row block c holds rows `d * r + [lo, hi)` of the
-  padded param for every device d (`_chunked_dot`), so id `g` is in it where `lo <= g % r <
-  hi`, at row `(g // r) * (hi - lo) + g % r - lo` of the gathered block. Forward: gather
+  padded param for every device d ([Note: row blocks of a chunked param]), so id `g` is in
+  it where `lo <= g % r < hi`, at row `(g // r) * (hi - lo) + g % r - lo` of the gathered block. Forward: gather
   each block (one block ahead) and select the rows of the ids it holds; each output row is
   one row of the param, as the lookup reads it, bit for bit. Backward: nothing to gather
   (the lookup is linear in the param); each block's gradient is the cotangent rows of its
@@ -1692,12 +1989,26 @@ class _ChunkedTake:
 
 # ----------------------------------------------------------------------------- a table by rows
 
+# [Note: a table's uses on this device's rows]
+# The program's side of [Note: a table computed by rows] (in `collectives`). `_table_leaves`
+# picks the leaves: every use a row lookup or a matmul that keeps the leaf's rows in its
+# product, and fewer bytes to move that way than to gather the leaf. `_table_rules` makes
+# each use an `_eval` rule (`_TableRule`) that the segment runs in place of the eqn. Its
+# unit never gathers such a leaf (`UnitIO.tables`, part of `apart`): `_gather` hands the
+# segment this device's shard, and `_scatter` passes its gradient on as it is, reduced
+# already by the rule's backward (`table_rows`). The rule reads that shard, not the view
+# the eqn reads (a cast, a transpose: recomputed on the rows, the transpose folded into the
+# matmul's dimension numbers), so that the gradient reaches the shard in its own dtype.
+# The table's rows are padded to `dp * r`, r rows per device: device d holds rows
+# `d * r + [0, r)`. A product's dim over the rows is cut back to the table's rows, its
+# cotangent padded again; a lookup's id is here where `0 <= id - d * r < r`.
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TableRule:
   """An `_eval` rule: one use of a table (`UnitIO.tables`) on this device's rows of it, as
   `_TableDot` (a matmul) or `_TableTake` (a row lookup): see [Note: a table computed by
-  rows]. The rule reads the leaf's rows from the segment's values (`use.var`), not the view
+  rows] and [Note: a table's uses on this device's rows]. The rule reads the leaf's rows from the segment's values (`use.var`), not the view
   the eqn reads, so that its gradient reaches them in the master's dtype."""
 
   use: _RowUse
@@ -1711,7 +2022,14 @@ class _TableRule:
     dp = jax.lax.axis_size(DATA)
     if use.kind == "lookup":
       take = _TableTake(
-        use.eqn, self.unit, self.leaf, self.size, dp, rows.shape[0], use.cast, use.out_cast
+        eqn=use.eqn,
+        unit=self.unit,
+        leaf=self.leaf,
+        size=self.size,
+        dp=dp,
+        r=rows.shape[0],
+        cast=use.cast,
+        moved=use.out_cast,
       )
       lookup = jax.custom_vjp(take.take)
       lookup.defvjp(take.fwd, take.bwd)
@@ -1720,22 +2038,23 @@ class _TableRule:
     w_pos = use.pos
     free = lambda ndim, j: [d for d in range(ndim) if d not in contract[j] and d not in batch[j]]
     x_free, w_free = free(x.ndim, 1 - w_pos), free(rows.ndim, w_pos)
+    # `dot_general`'s product dims: the batch dims, then the lhs's free dims, the rhs's
     n_batch = len(batch[0])
     y_x = n_batch + (0 if w_pos else len(w_free))  # the product's dim over `x_free[0]`
     y_w = n_batch + (len(x_free) if w_pos else 0) + w_free.index(0)  # ... over the rows
     dot = _TableDot(
-      use.read,
-      w_pos,
-      self.unit,
-      self.leaf,
-      self.size,
-      use.x_grad,
-      use.cast,
-      dp,
-      rows.shape[0],
-      x_free[0],
-      y_x,
-      y_w,
+      eqn=use.read,
+      w_pos=w_pos,
+      unit=self.unit,
+      leaf=self.leaf,
+      size=self.size,
+      x_grad=use.x_grad,
+      cast=use.cast,
+      dp=dp,
+      r=rows.shape[0],
+      x_dim=x_free[0],
+      y_x=y_x,
+      y_w=y_w,
     )
     matmul = jax.custom_vjp(dot.dot)
     matmul.defvjp(dot.fwd, dot.bwd)
@@ -1798,6 +2117,15 @@ class _TableDot:
     return _ct_or_none(x, d_x), grad
 
 
+class _IdsHere(NamedTuple):
+  """Every device's ids of a lookup, as this device's rows of the table read them
+  (`_TableTake.where`)."""
+
+  local: jax.Array  # the row of this device's block each id reads (0 where not here)
+  here: jax.Array  # whether this device holds the id's row
+  outside: jax.Array | None  # where an id reads no row (`mode`'s out-of-range ids), or None
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TableTake:
   """A row lookup on a table's rows (`w[ids]`): every device's ids gathered (along their
@@ -1817,21 +2145,22 @@ class _TableTake:
   cast: Any  # the dtype the loss casts the table to before the lookup, or None
   moved: Any = None  # the dtype every use of the rows read casts them to, or None
 
-  def where(self, ids):
-    """Every device's ids: the row of this device's block each reads, whether it is
-    here, and where it reads none (`mode`'s out-of-range ids)."""
-    g, outside = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
-    local = g - collectives.data_index((DATA,)) * self.r
+  def where(self, ids) -> _IdsHere:
+    """Every device's ids, as this device's block of the table reads them."""
+    row_ids, outside = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+    # device d holds the padded table's rows d * r + [0, r): [Note: a table's uses on
+    # this device's rows]
+    local = row_ids - collectives.data_index((DATA,)) * self.r
     here = (local >= 0) & (local < self.r)
     if outside is not None:
       here = here & ~outside
-    return jnp.where(here, local, 0), here, outside
+    return _IdsHere(local=jnp.where(here, local, 0), here=here, outside=outside)
 
   def take(self, ids, block):
-    local, here, outside = self.where(ids)
+    ids_here = self.where(ids)
     rows = block.astype(self.cast) if self.cast is not None else block
-    got = jnp.take(rows, local, axis=0)
-    got = jnp.where(_expand(here, got.ndim), got, jnp.zeros((), got.dtype))
+    got = jnp.take(rows, ids_here.local, axis=0)
+    got = jnp.where(_expand(ids_here.here, got.ndim), got, jnp.zeros((), got.dtype))
     # Summed in the dtype the loss casts the rows to (each sum is one row and zeros: the
     # row's cast, exactly), handed on in their own dtype, which the loss's cast undoes.
     out = collectives.scatter_batch(got.astype(self.moved or got.dtype), 0).astype(got.dtype)
@@ -1843,11 +2172,11 @@ class _TableTake:
 
   def bwd(self, res, d_out):
     ids, block = res
-    local, here, _ = self.where(ids)
+    ids_here = self.where(ids)
     # The cotangent of rows cast by every use is the cast's (the loss's dtype), exactly.
     every = collectives.gather_batch(d_out.astype(self.moved or d_out.dtype), 0)
-    every = jnp.where(_expand(here, every.ndim), every, 0).astype(block.dtype)
-    grad = jnp.zeros_like(block).at[local].add(every)
+    every = jnp.where(_expand(ids_here.here, every.ndim), every, 0).astype(block.dtype)
+    grad = jnp.zeros_like(block).at[ids_here.local].add(every)
     if self.leaf in self.unit.trainable:
       grad = self.unit.collectives.table_rows(self.leaf, grad).astype(block.dtype)
     else:
@@ -1862,14 +2191,19 @@ def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool 
   """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
   one all-gather per param)."""
   full = {}
-  for u in units:
-    t = {i: shards[i] for i in u.shard_keys}
-    f = {i: shards[i] for i in u.frozen}
-    gather = u.collectives.gather_each if each else u.collectives.gather
-    if u.casts or u.apart:
-      gather = functools.partial(gather, casts=u.casts, apart=u.apart)
-    full.update(jax.vmap(gather)(t, f) if layer_axis and u.stacked else gather(t, f))
-    full.update((i, shards[i]) for i in u.apart)  # by row blocks, or by rows, where used
+  for unit in units:
+    # [Note: trainable and frozen shards]
+    trainable = {i: shards[i] for i in unit.shard_keys}
+    frozen = {i: shards[i] for i in unit.frozen}
+    gather = unit.collectives.gather_each if each else unit.collectives.gather
+    if unit.casts or unit.apart:
+      gather = functools.partial(gather, casts=unit.casts, apart=unit.apart)
+    # a stacked unit's shards outside a scan: every layer, one gather vmapped over them
+    stacked = layer_axis and unit.stacked
+    full.update(jax.vmap(gather)(trainable, frozen) if stacked else gather(trainable, frozen))
+    # by row blocks, or by rows, where used ([Note: row blocks of a chunked param], [Note: a
+    # table's uses on this device's rows])
+    full.update((i, shards[i]) for i in unit.apart)
   return full
 
 
@@ -1880,18 +2214,18 @@ def _scatter(
   from their whole-size cotangents `cts`; the leaves reduced where used (`UnitIO.apart`)
   pass as they are."""
   grads = {}
-  for u in units:
-    leaves = [i for i in u.trainable if only is None or i in only]
+  for unit in units:
+    leaves = [i for i in unit.trainable if only is None or i in only]
     if leaves:
-      skip = u.apart | frozenset(i for i in u.trainable if i not in leaves)
-      c = {i: cts[i] for i in leaves if i not in skip}
-      scatter = (
-        u.collectives.scatter_each if each and u.collectives.scatter_each else u.collectives.scatter
-      )
+      skip = unit.apart | frozenset(i for i in unit.trainable if i not in leaves)
+      unit_cts = {i: cts[i] for i in leaves if i not in skip}
+      collective = unit.collectives
+      scatter = collective.scatter_each if each and collective.scatter_each else collective.scatter
       if skip:
         scatter = functools.partial(scatter, apart=skip)
-      grads.update(jax.vmap(scatter)(c) if layer_axis and u.stacked else scatter(c))
-      grads.update((i, cts[i]) for i in leaves if i in u.apart)  # reduced already
+      stacked = layer_axis and unit.stacked
+      grads.update(jax.vmap(scatter)(unit_cts) if stacked else scatter(unit_cts))
+      grads.update((i, cts[i]) for i in leaves if i in unit.apart)  # reduced already
   return grads
 
 
@@ -1901,17 +2235,36 @@ def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
   concatenation, which reads it, waits for it (adding it to every cotangent costs a pass
   over each on XLA:CPU, where the add does not fuse into the concatenation)."""
   picks = {}
-  for u in units:
-    for i in u.trainable:
-      x = cts.get(i)
-      if x is not None and _is_float(x) and i not in u.apart:
-        key = (u.name, jnp.dtype(x.dtype))
-        if key not in picks or x.size < cts[picks[key]].size:
+  for unit in units:
+    for i in unit.trainable:
+      cotangent = cts.get(i)
+      if cotangent is not None and _is_float(cotangent) and i not in unit.apart:
+        key = (unit.name, jnp.dtype(cotangent.dtype))
+        if key not in picks or cotangent.size < cts[picks[key]].size:
           picks[key] = i
   return {**cts, **_after({i: cts[i] for i in picks.values()}, token)}
 
 
 # ----------------------------------------------------------------------------- ordering
+
+# [Note: orderings are data dependencies]
+# XLA's scheduler may move any computation as far as its data dependencies allow, so every
+# order this file needs (a gather not before some point, a reduce-scatter done before
+# another starts) is written as one:
+# * `_together(a, b)` passes `a` and `b` through one `optimization_barrier`: nothing
+#   computed from either result starts before both exist. The caller uses both results:
+#   XLA drops a barrier's operands whose results are unused, and the order with them. It is
+#   the identity on cotangents (`_barrier_vjp`): JAX's transpose of a barrier would put
+#   them through one too, with zeros materialized for unused results.
+# * `_after(x, token)` and `_tie(x, zero)` add a zero: `x` (or the gather that reads it)
+#   waits for the zero, an add XLA keeps, since the zero comes out of a barrier, where XLA
+#   cannot see that it is zero.
+# The zeros are tokens ([Note: token list]), or made through a barrier: `_together(
+# _stand_in(type), x)` gives a zero that exists once `x` does. The GPU scheduler keeps
+# these orders (barriers are expanded only after scheduling). Megatron orders its
+# collectives by when it launches them and waits on their handles
+# (`param_and_grad_buffer.py`'s `start_grad_sync` / `finish_grad_sync`); a JAX program
+# has only its data flow.
 
 
 def _together(a, b):
@@ -1924,20 +2277,21 @@ def _together(a, b):
 
   Differentiated, it is the identity on the cotangents (JAX's own rule for the barrier would
   put them through one too, with zeros materialized for unused results)."""
-  la, ta = jax.tree.flatten(a)
-  lb, tb = jax.tree.flatten(b)
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
   vma = lambda x: _varying(jax.typeof(x))
-  every = frozenset().union(*[vma(x) for x in la + lb if _is_float(x)])
-  ia = [n for n, x in enumerate(la) if _is_float(x) and vma(x) == every]
-  ib = [n for n, x in enumerate(lb) if _is_float(x) and vma(x) == every]
-  if not ia or not ib:
+  every = frozenset().union(*[vma(x) for x in leaves_a + leaves_b if _is_float(x)])
+  # the leaves that go through the barrier: float, varying over every axis
+  picked_a = [n for n, x in enumerate(leaves_a) if _is_float(x) and vma(x) == every]
+  picked_b = [n for n, x in enumerate(leaves_b) if _is_float(x) and vma(x) == every]
+  if not picked_a or not picked_b:
     return a, b
-  xa, xb = _barrier_vjp([la[n] for n in ia], [lb[n] for n in ib])
-  for n, x in zip(ia, xa):
-    la[n] = x
-  for n, x in zip(ib, xb):
-    lb[n] = x
-  return jax.tree.unflatten(ta, la), jax.tree.unflatten(tb, lb)
+  out_a, out_b = _barrier_vjp([leaves_a[n] for n in picked_a], [leaves_b[n] for n in picked_b])
+  for n, x in zip(picked_a, out_a):
+    leaves_a[n] = x
+  for n, x in zip(picked_b, out_b):
+    leaves_b[n] = x
+  return jax.tree.unflatten(tree_a, leaves_a), jax.tree.unflatten(tree_b, leaves_b)
 
 
 @jax.custom_vjp
@@ -1958,7 +2312,7 @@ _barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
 
 def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
-  shards cannot start before `token` exists."""
+  shards cannot start before `token` exists ([Note: orderings are data dependencies])."""
   return jax.tree.map(lambda x: x + token.astype(x.dtype) if _is_float(x) else x, shards)
 
 
@@ -1996,8 +2350,8 @@ def _eval(eqns, env, rules=None, narrowed=frozenset()):
       outs = _bind_narrowed(eqn, invals, flags)
     else:
       outs = _bind(eqn, invals)
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
+    for var, value in zip(eqn.outvars, outs):
+      env[var] = value
 
 
 def _eval_jaxpr(jaxpr, consts, args, narrowed: Sequence[bool]) -> list:
@@ -2041,8 +2395,8 @@ def _inline_jits(jaxpr, consts, args):
       outs = _inline_jits(inner.jaxpr, inner.consts, invals)
     else:
       outs = _bind(eqn, invals)
-    for v, x in zip(eqn.outvars, outs):
-      env[v] = x
+    for var, value in zip(eqn.outvars, outs):
+      env[var] = value
   return [_read(env, v) for v in jaxpr.outvars]
 
 
@@ -2050,14 +2404,14 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _residual_masks(f, args, *taints: Sequence[bool]) -> list[list[bool]]:
-  """For each of `taints` (a flag per arg): which leaves of `jax.vjp(f, *args)`'s residuals
+def _residual_masks(fn, args, *taints: Sequence[bool]) -> list[list[bool]]:
+  """For each of `taints` (a flag per arg): which leaves of `jax.vjp(fn, *args)`'s residuals
   depend on the tainted args, from one trace of the vjp.
 
   A residual computed from untainted args alone (params, consts) is one a unit's backward
   recomputes instead of saving.
   """
-  closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(f, *a)[1]))(*args)
+  closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]))(*args)
   sizes = [len(jax.tree.leaves(a)) for a in args]
   masks = []
   for tainted in taints:
@@ -2084,17 +2438,18 @@ def _ct_or_none(x, ct):
   return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
 
 
-def _traced_avals(f, *args):
-  """The types (varying axes included) of `f(*args)`'s outputs, from one trace."""
-  closed, shape = jax.make_jaxpr(f, return_shape=True)(*args)
+def _traced_avals(fn, *args):
+  """The types (varying axes included) of `fn(*args)`'s outputs, from one trace ([Note:
+  stand-ins])."""
+  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   return jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
 
 
-def _reads(f, avals) -> Any:
-  """Which leaves of `avals` (a tree of `jax.typeof`s) the outputs of `f` depend on, from one
+def _reads(fn, avals) -> Any:
+  """Which leaves of `avals` (a tree of `jax.typeof`s) the outputs of `fn` depend on, from one
   trace: a tree of bools. An equation that computes a live output, or has effects, reads all
   of its inputs (a conservative answer for calls and loops)."""
-  jaxpr = jax.make_jaxpr(f)(_stand_ins(avals)).jaxpr
+  jaxpr = jax.make_jaxpr(fn)(_stand_ins(avals)).jaxpr
   live = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
   for eqn in reversed(jaxpr.eqns):
     if eqn.effects or any(v in live for v in eqn.outvars):
@@ -2113,7 +2468,7 @@ def _varying(aval) -> frozenset:
 
 def _stand_in(aval):
   """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
-  residuals are saved, so only dead code reads it."""
+  residuals are saved, so only dead code reads it ([Note: stand-ins])."""
   x = jnp.zeros(aval.shape, aval.dtype)
   vma = tuple(sorted(_varying(aval)))
   return collectives.make_varying(x, vma) if vma else x
@@ -2124,12 +2479,13 @@ def _stand_ins(avals):
 
 
 def _swap(vjp, saved, keep):
-  """`vjp` with the residual leaves marked in `keep` replaced by `saved`."""
+  """`vjp` with the residual leaves marked in `keep` replaced by `saved` ([Note: saved and
+  replayed residuals]): the vjp function is a pytree whose leaves are its residuals."""
   leaves, tree = jax.tree.flatten(vjp)
   if len(leaves) != len(keep) or sum(keep) != len(saved):
     raise AssertionError(
       f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
       f"forward {len(keep)}; please report this with the model"
     )
-  it = iter(saved)
-  return jax.tree.unflatten(tree, [next(it) if s else x for x, s in zip(leaves, keep)])
+  saved_leaves = iter(saved)
+  return jax.tree.unflatten(tree, [next(saved_leaves) if s else x for x, s in zip(leaves, keep)])

@@ -76,12 +76,20 @@ _FREE_OPCODES = frozenset(
 _CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 _GEMM_TARGET = re.compile(r"gemm|matmul|\$conv", re.IGNORECASE)
 
+# The `/*index=5*/` markers XLA prints inside long operand and tuple lists.
 _COMMENT = re.compile(r"/\*.*?\*/")
 # Names print with a "%" in compiled text and without one in pre-optimization HLO
 # (`lowered.as_text(dialect="hlo")`, whose computations also have no signature).
+# A computation's first line, `ENTRY %main.12 (p.0: f32[8]) -> f32[8] {` or `%region_0.3 {`:
+# groups (ENTRY, name).
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
+# An instruction, `  ROOT %add.3 = f32[8]{0} add(%a, %b), metadata={...}`: groups (ROOT,
+# name, everything after the "=", which `_parse_instr` splits into shape, opcode, operands).
 _INSTR = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+# An array in a shape, `bf16[8,1024]{1,0}`, `pred[]`, `s32[<=16]` (a dynamic dim: its bound):
+# groups (element type, dims); a tuple shape holds several.
 _ARRAY = re.compile(r"\b(pred|token|[a-z]+[0-9]+[a-z0-9]*)\[([^\]]*)\]")
+# An operand named in compiled text: `%param.1`.
 _NAME_REF = re.compile(r"%([\w.\-]+)")
 
 
@@ -346,6 +354,7 @@ def _dtype_bits(name: str) -> int:
     return 8
   if name == "token":
     return 0
+  # the first number in the type's name: f32 -> 32, bf16 -> 16, f8e4m3fn -> 8, s4 -> 4
   m = re.match(r"[a-z]+?(\d+)", name)
   if not m:
     raise ValueError(f"unknown HLO element type {name!r}")
@@ -355,6 +364,7 @@ def _dtype_bits(name: str) -> int:
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
   out = []
   for dtype, dims in _ARRAY.findall(shape):
+    # a dynamic dim `<=16` counts at its bound: the buffer XLA allocates
     sizes = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
     out.append((dtype, sizes))
   return out
@@ -365,13 +375,16 @@ def _bytes(shape: str) -> int:
 
 
 def _parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
+  # Explicit form: replica_groups={{0,1,2,3},{4,5,6,7}}, one {...} per group.
   m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
   if m:
     return tuple(
       tuple(int(x) for x in g.split(",") if x.strip())
       for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
     )
-  # Iota form: [groups,size]<=[dims] or [groups,size]<=[dims]T(perm).
+  # Iota form: [groups,size]<=[dims] or [groups,size]<=[dims]T(perm): the device ids
+  # 0 .. prod(dims) - 1 laid out as `dims`, transposed by `perm`, read row-major into
+  # `groups` rows of `size` (e.g. [2,4]<=[4,2]T(1,0) is {{0,2,4,6},{1,3,5,7}}).
   m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
   if m:
     import numpy as np  # noqa: PLC0415
@@ -397,12 +410,14 @@ def _parse_mesh_groups(attrs: str):
   open_at = at + len("replica_groups=mesh")
   close = _balanced(attrs, open_at)
   mesh = attrs[open_at + 1 : close - 1]
+  # the axes reduced over, after the mesh: `{'a'}`, `{'a', 'b'}`
   m = re.match(r"\s*\{([^}]*)\}", attrs[close:])
   if not m:
     return None
-  names_sizes = re.findall(r"'([^']+)'=(\d+)", mesh)
+  names_sizes = re.findall(r"'([^']+)'=(\d+)", mesh)  # [('a', '4'), ('b', '2')]
   names = [a for a, _ in names_sizes]
   sizes = [int(n) for _, n in names_sizes]
+  # each reduced axis, or a sub-axis of one, `'a':(1)2` (pre-size 1, size 2): (name, pre, size)
   reduced = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(1))
   size = 1
   for axis, _, sub in reduced:
@@ -411,6 +426,8 @@ def _parse_mesh_groups(attrs: str):
     return size, ()
   import numpy as np  # noqa: PLC0415
 
+  # A group is the devices that differ only in the reduced axes: move those axes last and
+  # read the ids row-major in rows of `size`.
   axes = [names.index(a) for a, _, _ in reduced]
   rest = [i for i in range(len(names)) if i not in axes]
   ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + axes)
@@ -433,6 +450,8 @@ class _Instr:
 
 def _balanced(text: str, start: int) -> int:
   """Index just past the bracket group opening at text[start]."""
+  # A stack of the closers expected; brackets inside a quoted string (a backend_config's
+  # JSON, a metadata op_name) do not count, nor an escaped quote inside one.
   pairs = {"(": ")", "{": "}", "[": "]"}
   stack = []
   in_str = False
@@ -460,6 +479,8 @@ def _names(text: str) -> list[str]:
   """Instruction names in an operand list: `%a, %b` or (pre-optimization) `a, b`."""
   if "%" in text:
     return _NAME_REF.findall(text)
+  # Pre-optimization operands may carry their shapes (`f32[8]{0} Arg_0.1, f32[8]{0} b.2`):
+  # the name is the last word of each comma-separated part at bracket depth 0.
   names, depth, start = [], 0, 0
   for i, ch in enumerate(text + ","):
     if ch in "([{":
@@ -478,6 +499,8 @@ def _parse_instr(line: str) -> _Instr | None:
   m = _INSTR.match(line)
   if not m:
     return None
+  # `rest` is `shape opcode(operands), attrs`: a tuple shape `(f32[8], s32[])` runs to its
+  # closing parenthesis, an array shape `f32[8]{0}` to the first space.
   name, rest = m.group(2), m.group(3)
   if rest.startswith("("):
     end = _balanced(rest, 0)
@@ -521,6 +544,8 @@ class _Classified:
 
 
 def _parse_module(text: str) -> _Module:
+  # Line by line: a computation opens with a header line ending in "{" and closes with a
+  # line starting "}"; in between, one instruction per line.
   text = _COMMENT.sub("", text)
   comps: dict[str, list[_Instr]] = {}
   entry = None
@@ -554,11 +579,14 @@ def _parse_module(text: str) -> _Module:
 
 
 def _called(instr: _Instr) -> list[str]:
+  """The computations `instr` calls, named in its attributes."""
   names = []
+  # one computation: `to_apply=%add.1`, `body=%region_2.5`
   for key in ("calls", "to_apply", "body", "condition", "true_computation", "false_computation"):
     m = re.search(rf"\b{key}=%?([\w.\-]+)", instr.attrs)
     if m:
       names.append(m.group(1))
+  # several: `branch_computations={%branch_0, %branch_1}`, a fusion's `calls={...}`
   for key in ("branch_computations", "calls"):
     m = re.search(rf"\b{key}=\{{([^}}]*)\}}", instr.attrs)
     if m:
@@ -650,6 +678,8 @@ class _Parser:
       for instr in self.comps.get(comp, []):
         yield instr, comp, trips
         if instr.opcode == "while":
+          # `body=%region_1.2`, and the trip count XLA knows, in the while's backend_config
+          # (`"known_trip_count":{"n":"8"}`); unknown: counted once
           m = re.search(r"\bbody=%([\w.\-]+)", instr.attrs)
           n = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
           if m:
@@ -712,6 +742,7 @@ class _Parser:
     result_bytes = _bytes(r["result"])
     pairs: tuple[tuple[int, int], ...] = ()
     if r["kind"] == "collective-permute":
+      # source_target_pairs={{0,1},{1,2},{2,3}}: (source, target) device pairs
       m = re.search(r"source_target_pairs=\{(.*?)\}\}", r["attrs"])
       if m:
         pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}"))
@@ -1047,6 +1078,9 @@ class StepPrediction:
     return "\n".join(lines)
 
 
+# XLA:GPU's cost model writes its estimates of an instruction into its backend_config:
+# `"reification_cost":[{"name":"sol","exec_time_us":12.5,...}]` ("sol": speed of light, the
+# analytical model's time for the kernel or the collective).
 _REIFICATION = re.compile(r'"reification_cost":\[')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
@@ -1131,6 +1165,8 @@ class _Replay:
     self.t = end
 
   def issue(self, instr: _Instr, kind: str, comp: str) -> int:
+    """Queues a collective on the communication stream: it starts once both its issue (the
+    compute stream's clock) and the collective before it are done. Returns its slot."""
     us = _estimate_us(instr.attrs)
     if us is None:  # an async-start: the estimate is the collective's it wraps
       us = self.wrapped.get(instr.name)
@@ -1145,9 +1181,13 @@ class _Replay:
     return len(self.slots) - 1
 
   def wait(self, slot: int) -> None:
+    """The compute stream waits for collective `slot` to finish (its done, or a
+    synchronous collective): the wait, `[t, end]`, is exposed communication."""
     end = self.slots[slot].end
     if end <= self.t:
       return
+    # Charge the wait to the collectives that run in it, newest first: the stream runs one
+    # at a time, so each is charged only its overlap with the wait, at most its own length.
     for i in reversed(self.comm):  # the stream is busy all through [t, end]
       s = self.slots[i]
       if s.end <= self.t:
@@ -1170,6 +1210,7 @@ class _Replay:
 
   def branches(self, instr: _Instr, depth: int) -> None:
     """A conditional: the longest branch (each replayed from the same state)."""
+    # the replay's state before the branches: both clocks, and how many slots exist
     before = (self.t, self.comm_free, len(self.slots), len(self.comm))
     longest = None
     for comp in _called(instr):

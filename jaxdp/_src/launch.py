@@ -179,8 +179,11 @@ def _pump(
         return
     write(line)
 
+  # `os.read` returns what the pipe holds now (a buffered `readline` would wait for a whole
+  # line), so a progress bar's partial line still counts as output for the hang check.
   pending = b""
   while chunk := os.read(pipe.fileno(), 65536):
+    # the chunk's whole lines; the bytes after its last newline wait for the next chunk
     *lines, pending = (pending + chunk).split(b"\n")
     if not lines:
       on_line(b"")  # Output, but no complete line yet.
@@ -217,9 +220,10 @@ def _binary(stream: IO) -> IO[bytes]:
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
   """Sends `sig` to the process group the worker leads (it and its children)."""
   try:
+    # The worker was started with `start_new_session=True`: its pid is its group's id.
     os.killpg(proc.pid, sig)
   except (ProcessLookupError, PermissionError):
-    pass
+    pass  # the group has exited already (or only a zombie is left of its leader)
 
 
 # Runs first in each worker (Linux): ask the kernel to SIGKILL it when the launcher dies,
@@ -231,6 +235,8 @@ try:
     ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 except (OSError, AttributeError):
     pass
+# The death signal is armed only from here on: a launcher that died before it would leave
+# this process orphaned (reparented, so its parent is no longer the launcher's pid).
 if os.getppid() != int(sys.argv[1]):
     sys.exit("jaxdp.launch: the launcher died before this process started")
 os.execv(sys.executable, [sys.executable] + sys.argv[2:])
@@ -343,6 +349,8 @@ def launch(
   in_main_thread = threading.current_thread() is threading.main_thread()
   previous_handlers = {}
   if in_main_thread:
+    # The handler only records the signal; the poll loop below acts on it, so that the
+    # stop runs once, in `finally`, and never inside a handler that interrupted it.
     for sig in (signal.SIGINT, signal.SIGTERM):
       previous_handlers[sig] = signal.signal(sig, lambda s, _: received.append(s))
 
@@ -367,6 +375,8 @@ def launch(
         start_new_session=True,
       )
       worker = _Worker(i, proc, [])
+      # One thread per pipe: a worker blocked writing a full stderr pipe while the launcher
+      # read only its stdout would never finish.
       worker.threads = [
         threading.Thread(
           target=_pump,
@@ -385,6 +395,8 @@ def launch(
       + f"): pids {' '.join(str(w.proc.pid) for w in workers)}"
     )
 
+    # Poll every worker until all exit 0, one fails (the others are then stopped: a
+    # collective would wait for the failed one forever), a signal arrives, or time runs out.
     start = time.monotonic()
     failed: _Worker | None = None
     code = 0
@@ -462,8 +474,9 @@ def _last_progress(last_output: float, heartbeats: pathlib.Path) -> float:
   """`time.monotonic()` of the latest output line or train step of any process."""
   latest = last_output
   now_wall, now = time.time(), time.monotonic()
-  for beat in heartbeats.iterdir():
+  for beat in heartbeats.iterdir():  # one file per process, touched at each train step
     try:
+      # an mtime is wall-clock time: moved onto the monotonic clock by its age
       latest = max(latest, now - (now_wall - beat.stat().st_mtime))
     except OSError:
       pass

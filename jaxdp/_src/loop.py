@@ -47,6 +47,15 @@ PyTree = Any
 
 # ----------------------------------------------------------------------------- init
 
+# The state keeps a key as raw data, `uint32[2]`, not as a typed key: raw data is an
+# ordinary array that checkpoints, shardings and `jax.tree` handle like any other leaf.
+# Each step derives its keys from it, and no key is carried from step to step: step s's
+# key is `fold_in(key, s)`, the same on every device (`step_key`); each device folds in its
+# index over the data axes (`device_key`), so that devices draw different dropout masks for
+# their different shards, and each micro-batch its number (`micro_key`). A step's keys
+# depend on the state's key and step alone: a run resumed from a checkpoint draws what the
+# uninterrupted run would have.
+
 
 def key_data(rng) -> jax.Array | None:
   """The raw data (`uint32[2]`, threefry) of a key given as a typed key, raw key data or an
@@ -87,6 +96,7 @@ def device_key(data: jax.Array | None, index: jax.Array):
 
 
 def micro_key(key, j):
+  """The key of micro-batch `j` of a device's shard (None without a key)."""
   return None if key is None else jax.random.fold_in(key, j)
 
 
@@ -109,6 +119,7 @@ def describe_value(x) -> str:
     return "None"
   if isinstance(x, (tuple, list)):
     return f"a {type(x).__name__} of length {len(x)}"
+  # an array, a tracer or a ShapeDtypeStruct: described by its type alone
   if hasattr(x, "shape") and hasattr(x, "dtype"):
     dtype = np.dtype(x.dtype).name
     article = "an" if dtype[0] in "aeiou" else "a"
@@ -184,6 +195,7 @@ def mean_micro(stacked: PyTree, last: PyTree, k: int) -> PyTree:
   axis and `last` the last one; or `stacked` all k and `last` is None; or (k = 1) `stacked`
   is None."""
 
+  # integer aux (a count of tokens) is averaged as a float: its mean need not be whole
   def f32(x):
     return x if jnp.issubdtype(x.dtype, jnp.inexact) else x.astype(jnp.float32)
 

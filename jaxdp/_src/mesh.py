@@ -87,6 +87,8 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
     traced = isinstance(x, jax.core.Tracer)
     sharding = jax.typeof(x).sharding if traced else getattr(x, "sharding", None)
     entries = sharding.spec if isinstance(sharding, NamedSharding) else P()
+    # One tuple of axis names per dim (`ModelSpec`): a spec's None, "model" and ("a", "b")
+    # become (), ("model",), ("a", "b"), and a short spec is padded with unsharded dims.
     dims = tuple(
       () if e is None else (e,) if isinstance(e, str) else tuple(e)
       for e in tuple(entries) + (None,) * (ndim - len(entries))
@@ -94,6 +96,8 @@ def model_specs_of(params: PyTree, mesh) -> tuple[ModelSpec, ...]:
     if not any(dims):
       out.append(((),) * ndim)
       continue
+    # A sharded leaf must be on the train mesh: the step's `shard_map` places it by spec
+    # alone. A traced leaf's mesh is abstract, with no devices to compare.
     other = sharding.mesh
     if (
       tuple(other.axis_names) != tuple(mesh.axis_names)
@@ -176,6 +180,7 @@ def view_dims(shape: tuple[int, ...], dims: ModelSpec, dp: int, prefer: int = 0)
     (((), ('data',)), ((), ()))
   """
   dims = tuple(dims) if dims else ((),) * len(shape)
+  # `prefer` first, then every other dim in order
   order = [prefer] + [d for d in range(len(shape)) if d != prefer] if shape else []
   for d in order:
     if shape[d] % dp == 0 and not dims[d]:
@@ -243,6 +248,8 @@ class EagerProgram:
 
   def __call__(self, tree, mesh, *static):
     leaves, treedef = jax.tree.flatten(tree)
+    # One program per mesh, static arguments, tree structure and leaf types (shardings
+    # included): `_build` fixes the outputs' shardings for them.
     key = (
       mesh,
       static,
@@ -251,7 +258,7 @@ class EagerProgram:
     )
     program = self._programs.get(key)
     if program is None:
-      if len(self._programs) >= self._MAX_PROGRAMS:
+      if len(self._programs) >= self._MAX_PROGRAMS:  # a bound on what the cache holds
         self._programs.clear()
       program = self._programs[key] = self._build(tree, mesh, static)
     return program(tree)
@@ -293,6 +300,8 @@ def on_auto_mesh(tree: PyTree) -> PyTree:
       twins[sharding.mesh] = auto_mesh(sharding.mesh)
     twin = twins[sharding.mesh]
     auto = NamedSharding(twin, sharding.spec)
+    # The same per-device buffers under a new sharding: the twin mesh has the same devices
+    # in the same order, so each shard is where the new sharding expects it.
     return jax.make_array_from_single_device_arrays(
       x.shape, auto, [s.data for s in x.addressable_shards]
     )
@@ -334,6 +343,7 @@ def run_manual(fn, mesh, in_specs, out_specs, placed=None):
   outputs come back placed there.
   """
   axes = data_axes(mesh)
+  # `axis_names`: manual over the data axes alone; every other axis stays the compiler's.
   if placed is None or not explicit_axes(mesh):
     return jax.shard_map(
       fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(axes)

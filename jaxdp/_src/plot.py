@@ -26,6 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from jaxdp._src.layout import Layout
 
+# A path's first key (`['blocks']`, or an attribute `.blocks`) and, if one follows, its first
+# list index (`['blocks'][3]`): the group `param_group` colours by.
 _GROUP = re.compile(r"^((?:\[[^\]]*\]|\.\w+)(?:\[\d+\])?)")
 _LAYER = re.compile(r"\[(\d+)\]$")  # a group label that ends in a list index: a layer
 _PAD_COLOR = "0.85"
@@ -79,6 +81,8 @@ def _colors(labels: Sequence[str], model: Sequence[str]) -> dict[str, Any]:
   import matplotlib  # noqa: PLC0415
 
   layers = matplotlib.colormaps["tab10"].colors
+  # the groups that are no layer, in the model's order: their index picks their grey, so
+  # that a group keeps its colour in a figure that shows only some of them
   others = [label for label in dict.fromkeys(model) if not _LAYER.search(label)]
   tints = matplotlib.colormaps["tab20"].colors[1::2]
   colors = {}
@@ -108,6 +112,9 @@ def _fmt_bytes(n: float) -> str:
 
 def _real_elements(spec, dp: int, d: int) -> int:
   """Elements of `spec`'s shard `d` that are real rows (the rest is row padding)."""
+  # The padded rows split evenly over the shards, padding at the end: shard d holds rows
+  # `[d * rows_per_shard, (d + 1) * rows_per_shard)`, of which those below the real count
+  # `n` are real; each row is `shard_size / rows_per_shard` elements.
   rows_per_shard = spec.rows // dp
   n = (spec.shape or (1,))[spec.axis]
   real_rows = min(max(n - d * rows_per_shard, 0), rows_per_shard)
@@ -170,9 +177,13 @@ def plot_layout(
   colors = _colors(groups, groups)
   pad_total = 0
   for ax, buf in zip(axes, layout.buffers):
+    # (offset, length) runs of each group's elements and of padding, for `broken_barh`
     spans: dict[str, list[tuple[int, int]]] = {}
     pads: list[tuple[int, int]] = []
     for b in buf.buckets:
+      # A bucket is shard-major: shard d of every param in it, then shard d + 1. Within a
+      # shard a param's real elements come first, its row padding after; the bucket's end
+      # padding follows its last param.
       for d in range(dp):
         start = b.offset + d * b.shard_size
         used = 0
@@ -370,7 +381,10 @@ def plot_timeline(schedule, ax=None, *, title: str | None = None, legend: bool =
     for op in s.ops
     if op.category in ("gemm", "compute", "collective", "collective-start", "collective-done")
   ]
+  # The x axis is an op's place among the kept ops, not time: a text schedule has no times.
   pos = {op.index: x for x, op in enumerate(keep)}
+  # Row 0 is the compute stream; each collective gets a row of its own, in issue order,
+  # spanning its start to its done.
   colls = sorted(s.collectives, key=lambda c: c.start_index)
   ax = _axes(ax, (11, 1.2 + 0.32 * (len(colls) + 1)))
   gemms = [(pos[op.index], 1) for op in keep if op.category == "gemm"]
@@ -381,6 +395,8 @@ def plot_timeline(schedule, ax=None, *, title: str | None = None, legend: bool =
   for y, c in enumerate(colls, start=1):
     x0, x1 = pos[c.start_index], pos[c.done_index] + 1
     color = _KIND_COLOR.get(c.kind, "tab:gray")
+    # exposed (nothing runs under it): hatched red; some compute under it but no GEMM: its
+    # kind's colour in a red frame; a GEMM under it: its kind's colour alone
     if c.exposed:
       ax.broken_barh(
         [(x0, x1 - x0)],
