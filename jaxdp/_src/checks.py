@@ -296,14 +296,19 @@ def finish_step(
 ):
   """The end of every strategy's step: the new state placed as `specs` say (as
   `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
-  the NaN check on one "finite" flag per grad leaf (read on the host by `TrainStep`)."""
+  the NaN check on one flag per grad leaf under `FINITE` (read and removed on the host by
+  `TrainStep`)."""
   new_state = jax.tree.map(lambda x, s: constrain(x, mesh, s), new_state, specs)
   metrics = {"loss": loss, "grad_norm": grad_norm}
   if aux is not None:
     metrics["aux"] = aux
   if config.check_for_nan_in_grad:
-    return new_state, metrics, finite_leaves(grads)
+    metrics[FINITE] = finite_leaves(grads)
   return new_state, metrics
+
+
+FINITE = "finite"
+"""The metric that carries the NaN check's flags out of the jitted step to `TrainStep`."""
 
 
 def place_host_leaves(state, mesh):
@@ -363,9 +368,7 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
     # flags), replicated, on the mesh with Auto axes: values for the caller's code, like
     # the views (`mesh.EagerProgram`), at no cost.
     replicated = jax.sharding.NamedSharding(auto_mesh(mesh), jax.sharding.PartitionSpec())
-    placed["out_shardings"] = (None, replicated) + (
-      (replicated,) if config.check_for_nan_in_grad else ()
-    )
+    placed["out_shardings"] = (None, replicated)
   jitted = jax.jit(step, donate_argnums=donate, compiler_options=options, **placed)
   return TrainStep(jitted, mesh, config, nests=not options)
 
@@ -426,7 +429,9 @@ class TrainStep(StepFunction):
     heartbeat()  # Progress, for the launcher's hang guard.
     if not self._config.check_for_nan_in_grad:
       return self._jitted(state, batch)
-    new_state, metrics, finite = self._jitted(state, batch)
+    new_state, metrics = self._jitted(state, batch)
+    metrics = dict(metrics)
+    finite = metrics.pop(FINITE)
     if isinstance(finite, jax.core.Tracer):
       raise TypeError(
         "check_for_nan_in_grad=True reads the gradients' finiteness on the "
