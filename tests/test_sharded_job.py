@@ -326,6 +326,19 @@ def test_abstract_state_is_init_states_shapes_and_shardings():
         assert (x.shape, x.dtype, x.sharding) == (y.shape, y.dtype, y.sharding)
 
 
+def test_abstract_state_on_a_mesh_built_by_hand():
+  """`jax.sharding.Mesh(devices, names)`, which `init_state` takes too: every leaf placed
+  as `init_state` places it (the same devices and layout of shards)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  for strategy in STRATEGIES:
+    config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+    want = jaxdp.init_state(_init, TX, mesh, config, rng=jax.random.key(1))
+    got = jaxdp.abstract_state(_init, TX, mesh, config, rng=jax.random.key(1))
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert (x.shape, x.dtype) == (y.shape, y.dtype)
+      assert x.sharding.is_equivalent_to(y.sharding, len(x.shape)), (x.sharding, y.sharding)
+
+
 def test_abstract_state_keeps_tensor_parallel_placements():
   """From arrays or their `jax.ShapeDtypeStruct`s, a param's split over "model" is read."""
   mesh = jax.make_mesh((4, 2), ("data", "model"))

@@ -155,12 +155,17 @@ def abstract_state(
     state = jax.eval_shape(lambda: init_state(params, tx, mesh, config, **kwargs))
   else:  # traced, so only shapes, dtypes and placements (a tensor-parallel split) are read
     state = jax.eval_shape(lambda p: init_state(p, tx, mesh, config, **kwargs), params)
-  # eval_shape places on the abstract mesh; a restore needs the devices
+  # On the mesh's devices (a restore needs them; eval_shape places on the abstract mesh),
+  # with eval_shape's specs, or where `init_state` places each leaf (`state_specs`) for a
+  # `jax.sharding.Mesh` built by hand, whose leaves eval_shape leaves unplaced.
   return jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(mesh, x.sharding.spec)
+    lambda x, spec: jax.ShapeDtypeStruct(
+      x.shape,
+      x.dtype,
+      sharding=jax.sharding.NamedSharding(mesh, spec if x.sharding is None else x.sharding.spec),
     ),
     state,
+    state_specs(state),
   )
 
 
