@@ -184,13 +184,13 @@ def check_not_donated(state, where: str) -> None:
     ValueError: some leaf is deleted, naming the first ones and the fix.
   """
   leaves = jax.tree.leaves(state)
-  # Leaves of one state are all traced or all concrete, so the first one tells
+  # A state traced by an outer jit has tracers for leaves: the first leaf tells
   if not leaves or isinstance(leaves[0], jax.core.Tracer):
     return
   # Host values (a learning rate set as a Python float) have no `is_deleted`.
   if not any(getattr(x, "is_deleted", _alive)() for x in leaves):
     return
-  # Only on the way to the error: flattening with key paths costs more than the check
+  # Key paths only on the way to the error: the common path above flattens without them
   keyed = jax.tree_util.tree_flatten_with_path(state)[0]
   gone = [jax.tree_util.keystr(path) for path, x in keyed if getattr(x, "is_deleted", _alive)()]
   shown = ", ".join(f"state{p}" for p in gone[:3])
@@ -442,8 +442,8 @@ class TrainStep(StepFunction):
         "lax.scan or another transformation"
       )
     # The order matters: a donated array must be refused before anything touches it (a
-    # compiled program given one crashes the process), and host leaves are placed before the
-    # jitted call, whose cache would otherwise see a new placement.
+    # compiled program given one crashes the process), and host-set scalars are put on the
+    # mesh before the jitted call, which would otherwise get arrays off the step's devices.
     check_not_donated(state, "train_step(state, batch)")
     self._check_devices(state)
     state = place_host_leaves(state, self._mesh)
