@@ -181,10 +181,9 @@ def _bucket_elements(
   with `sliced` (the all-reduce of a reduce-scattered shard across "replica" or "expert",
   elementwise: the shard keeps its split over "model") 1/`tp_ways` of its padded rows."""
   # Three shapes of what moves: per param, elementwise (no_shard's all-reduce of a bucket
-  # with tensor-parallel leaves: no padding),
-  # the whole padded bucket (`shard_size * dp`: every device's shard, end padding
-  # included), or per param its padded rows (`p.shard_size(dp) * dp`), 1/tp of them where
-  # the device moves its own slice.
+  # with tensor-parallel leaves: no padding), the whole padded bucket (`shard_size * dp`:
+  # every device's shard, end padding included), or per param its padded rows
+  # (`p.shard_size(dp) * dp`), 1/tp of them where the device moves its own slice.
   if holds_own(bucket, own) and not padded:
     return sum(p.size // tp_ways[p.index] for p in bucket.params)
   layered = bucket.stack is not None or any(p.layers for p in bucket.params)
