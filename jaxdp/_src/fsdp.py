@@ -737,8 +737,9 @@ class FSDPStep:
     unit_grad = jax.value_and_grad(unit_loss, has_aux=True)
     tmaster = unit_values(inputs.master, layout, fused, inputs.params)
     if layout.outer > 1:
-      # HFSDP ([Note: HFSDP compute rows]): the compute rows, differentiated in the master dtype (the reduce-scatter's
-      # shard is fp32) and varying over "replica", so that no implicit psum over it runs
+      # HFSDP ([Note: HFSDP compute rows]): the compute rows, differentiated in the master
+      # dtype (the reduce-scatter's shard is fp32) and varying over "replica", so that no
+      # implicit psum over it runs
       tmaster = collectives.make_varying(
         {i: x.astype(master_dtype(x.dtype)) for i, x in tmaster.items()}, (REPLICA,)
       )

@@ -64,6 +64,7 @@ PyTree = Any
 # and back, with no key lookups; `_check_like` checks the structure first, so that a wrong
 # tree is refused by name rather than matched to the wrong leaves.
 
+
 def _check_like(
   params: PyTree,
   template: PyTree,
