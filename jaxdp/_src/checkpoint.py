@@ -416,6 +416,11 @@ def _first_mismatch(saved: _Description, want: _Description) -> str | None:
   def leaf(kind, saved_rows, like_rows):
     # Paired by path: a leaf only one side has is named as such, not compared with
     # whatever leaf sits at its position on the other side.
+    # Stored keys are numbered by position (`params_<i>`, `opt_<j>`), so a leaf added or
+    # removed shifts every key after it: compared by position, the error would name the
+    # first shifted leaf (a shape mismatch far from the change), or, where shapes happen
+    # to agree, none at all. By path, the added or removed leaf itself is named, and an
+    # order that differs is refused last, since the keys would then fill the wrong leaves.
     saved_paths, like_paths = [row.path for row in saved_rows], [row.path for row in like_rows]
     extra = [path for path in saved_paths if path not in set(like_paths)]
     missing = [path for path in like_paths if path not in set(saved_paths)]
@@ -453,6 +458,7 @@ def _first_mismatch(saved: _Description, want: _Description) -> str | None:
   role = lambda trainable: "trainable" if trainable else "frozen"
   if msg := leaf("params", saved.params, want.params):
     return msg
+  # Same paths in the same order here, so the rows pair by position
   for saved_row, like_row in zip(saved.params, want.params):
     if saved_row.trainable != like_row.trainable:
       return (
@@ -591,6 +597,20 @@ def _per_leaf_program(state: TrainState, mesh) -> TrainState:
   return per_leaf_state(state, mesh)
 
 
+# [Note: a leaf moved between layouts]
+# A stored leaf and the `like` leaf it fills may differ in padding (another dp pads the
+# shard dim to another multiple) and in form (a block of a flat bucket, a padded scalar).
+# Both hold the leaf's logical region first on every dim and padding after it, so moving a
+# leaf takes three cuts, each at the end of a dim and never inside the logical region:
+# 1. orbax reads the stored key straight into the target's shape and sharding
+#    (`_read_args`, `strict=False`: cut or zero-extended at each dim's end, shard by shard);
+#    a key inside a flat bucket is read as its whole bucket instead (`restore`);
+# 2. `_value` cuts a flat bucket's key out (`_FlatSlice`): the leaf in its saved padded shape;
+# 3. `_fit` puts that into `like`'s shape and keeps `like`'s own elements past the logical
+#    region (the padding rows `init_state` computed, e.g. an optimizer's initial state),
+#    or, where nothing of `like` is kept (`_keeps`), `_cut` drops the saved padding.
+# Each step is elementwise or a slice at dims' ends, so a resume on the same layout reads
+# every element back unchanged (bitwise).
 def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...]) -> jax.Array:
   """Traced: a stored leaf `x` in `like`'s shape and dtype. The stored leaf holds its logical
   region `logical` first on every dim, then padding rows; every element outside the logical
@@ -601,17 +621,22 @@ def _fit(x: jax.Array, like: jax.Array, logical: tuple[int, ...]) -> jax.Array:
   leaf cut from a flat bucket (in its saved padded shape) is cut or extended here, and a
   scalar stored as one padded dim (or the other way round) is reshaped."""
   if x.ndim != like.ndim or not logical:  # a scalar: its one element
+    # Its logical region is the one element: stored first, so element 0 of `x`, and
+    # placed at index 0 of a padded `like`, whose other elements are `like`'s padding
     value = x.reshape(-1)[0].astype(like.dtype)
     if like.ndim == 0:
       return value
     first = jax.lax.broadcasted_iota(jnp.int32, like.shape, 0) == 0
     return jnp.where(first, value, like)
   x = x.astype(like.dtype)
+  # Step 3 of [Note: a leaf moved between layouts]: same rank, cut or zero-extended at the
+  # end of each dim (a no-op where orbax already read it in `like`'s shape)
   if tuple(x.shape) != tuple(like.shape):
     x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, like.shape))]
     x = jnp.pad(x, [(0, b - a) for a, b in zip(x.shape, like.shape)])
   if tuple(like.shape) == tuple(logical):
     return x
+  # The logical region as a mask over the dims that have padding; `x` inside, `like` outside
   inside = functools.reduce(
     jnp.logical_and,
     [
@@ -890,6 +915,10 @@ def _groups(targets: list[_Target]) -> list[list[_Target]]:
     size += target.bytes
   if current:
     groups.append(current)
+  # One orbax read takes a dict keyed by stored key, one shape each: a key that two targets
+  # of a group read per leaf (an fp32 param is its own master, stored once, read into the
+  # param's and the master's shapes) goes to a group of its own right after. Keys cut from
+  # a flat bucket all read the same whole bucket, so they may share a read.
   out = []
   for group in groups:
     seen, first, again = set(), [], []
@@ -908,10 +937,14 @@ def _value(stored: dict[str, jax.Array], target: _Target) -> jax.Array:
   if target.source is None:
     return stored[target.key]
   piece = target.source
+  # Step 2 of [Note: a leaf moved between layouts]. A bucket is stored shard-major: device
+  # d's shard holds its rows of every param of the bucket, one block after another.
   # (dp, shard length): row d is device d's shard of the bucket, the block its columns
   shards = stored[piece.bucket_key].reshape(piece.dp, -1)
   block = shards[:, piece.offset : piece.offset + math.prod(piece.local_shape)]
   blocks = block.reshape(piece.dp, *piece.local_shape)  # (dp, *local_shape)
+  # Device d's block is rows [d r, (d+1) r) of the shard dim: moving the device axis next
+  # to it and merging the two lays the blocks end to end, the leaf's padded shape as saved
   return jnp.moveaxis(blocks, 0, piece.axis).reshape(target.stored)
 
 
@@ -1030,12 +1063,17 @@ class _LikeLeaves:
         )
         for target in group
       ]
+    # A group read in `like`'s very shapes, dtypes and shardings needs no program: orbax's
+    # arrays are the restored leaves, and `like`'s are deleted at once
     if all(_as_read(target, old, stored[target.read]) for target, old in zip(group, olds)):
       for target, old in zip(group, olds):  # read as they are, into like's very shardings
         if not self.abstract:
           old.delete()
         self._set(target, stored[target.read])
       return
+    # Otherwise one program for the group (step 2 and 3 of [Note: a leaf moved between
+    # layouts]), which writes each leaf that keeps padding from `like` into that leaf's
+    # donated buffer: no second copy of those leaves
     specs = [x.sharding.spec for x in olds]
     fit = jax.jit(
       run_auto(functools.partial(_fitted, targets=tuple(group)), self.mesh, specs),
@@ -1345,6 +1383,7 @@ class CheckpointManager:
     for group in _groups(targets):
       abstract = {}
       for target in group:
+        # How orbax reads each key (step 1 of [Note: a leaf moved between layouts])
         if target.source is not None:  # its whole flat bucket, split over "data" if it divides
           length = target.source.bucket_length
           divides = length % mesh.shape[DATA] == 0

@@ -93,6 +93,12 @@ class NonFiniteGradError(FloatingPointError):
     )
 
 
+# [Note: one flag per trainable leaf]
+# The NaN check's flags travel by position: `finite_leaves` stacks one flag per non-None leaf
+# of the grads the strategy's `update` hands back, in tree order, and `TrainStep` pairs flag
+# `i` with the `i`-th trainable leaf of the layout. So those grads must have exactly the
+# trainable leaves, in tree order: a per-leaf grad tree holds None for the others, and a
+# fused state's flat shards are first cut into per-leaf blocks (`grad_blocks`).
 def finite_leaves(grads: PyTree) -> jax.Array:
   """Traced: one bool per gradient leaf (tree order, None leaves skipped): all finite?"""
   return jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)])
@@ -178,11 +184,13 @@ def check_not_donated(state, where: str) -> None:
     ValueError: some leaf is deleted, naming the first ones and the fix.
   """
   leaves = jax.tree.leaves(state)
+  # A state traced by an outer jit has tracers for leaves: the first leaf tells
   if not leaves or isinstance(leaves[0], jax.core.Tracer):
     return
   # Host values (a learning rate set as a Python float) have no `is_deleted`.
   if not any(getattr(x, "is_deleted", _alive)() for x in leaves):
     return
+  # Key paths only on the way to the error: the common path above flattens without them
   keyed = jax.tree_util.tree_flatten_with_path(state)[0]
   gone = [jax.tree_util.keystr(path) for path, x in keyed if getattr(x, "is_deleted", _alive)()]
   shown = ", ".join(f"state{p}" for p in gone[:3])
@@ -298,6 +306,9 @@ def finish_step(
   `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
   the NaN check on one flag per grad leaf under `FINITE` (read and removed on the host by
   `TrainStep`)."""
+  # The output placed exactly as the input was: the jit cache keys on the sharding of its
+  # arguments, so a state placed otherwise (even `P(None, None)` for `P()`) would compile
+  # the step a second time when it comes back.
   new_state = jax.tree.map(lambda x, s: constrain(x, mesh, s), new_state, specs)
   metrics = {"loss": loss, "grad_norm": grad_norm}
   if aux is not None:
@@ -336,6 +347,9 @@ def place_host_leaves(state, mesh):
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   placed = []
   for path, x in leaves:
+    # A scalar can be placed without asking where: every strategy keeps the optax state's
+    # scalars replicated. A larger array has a sharding the step expects (1/dp rows of a
+    # master, say), which this function cannot guess, so it is refused.
     if on_mesh(x):
       placed.append(x)
     elif np.ndim(x) == 0:
@@ -361,6 +375,10 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   With the NaN check on, the state is not donated: a step that fails the check leaves the
   caller's state valid and unchanged (at the cost of holding two states during the step).
   """
+  # Donating argument 0 (the state) lets XLA write the new state into the old one's buffers:
+  # one state's memory during the step, and the caller's arrays deleted afterwards
+  # (`check_not_donated` catches their reuse). The NaN check needs the old state alive to
+  # hand back after a failed step, so it turns donation off.
   donate = () if config.check_for_nan_in_grad else 0
   placed = {}
   if explicit_axes(mesh):
@@ -423,6 +441,9 @@ class TrainStep(StepFunction):
         "jax.jit takes only at the top level: call it from Python, not inside jax.jit, "
         "lax.scan or another transformation"
       )
+    # The order matters: a donated array must be refused before anything touches it (a
+    # compiled program given one crashes the process), and host-set scalars are put on the
+    # mesh before the jitted call, which would otherwise get arrays off the step's devices.
     check_not_donated(state, "train_step(state, batch)")
     self._check_devices(state)
     state = place_host_leaves(state, self._mesh)

@@ -350,8 +350,13 @@ def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> l
   gathers them, each trainable one varying over the data axes it is not itself sharded
   over (`own_axes[i]`, e.g. "expert"), so that `jax.grad` leaves the reduction to the hooks."""
   full = leaves_of(params, layout)
+  # With `gather_in_step` the trainable leaves of `params` are None: the step starts from the
+  # master rows. Under `in_scan` the stack buckets are left out (`stacks=False`): their
+  # layers are gathered one per iteration inside the scan instead (`scanned_units`).
   if plan.gather_in_step:
     full = gather_master(master, layout, full, plan.fused, stacks=not plan.in_scan, own=plan.own_of)
+  # See [Note: varying values] in collectives.py. An expert leaf already varies over
+  # "expert" (each rank holds other experts), so only the remaining data axes are added.
   return [
     collectives.make_varying(x, [a for a in plan.axes if a not in own_axes[leaf.index]])
     if leaf.trainable
@@ -392,6 +397,9 @@ def register_grad_ready_hooks(layout: Layout, plan: _Plan, master) -> GradSync:
       )
     else:
       hooks.append(collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, **kwargs))
+  # See [Note: the sink] in collectives.py. A sink is the reduced buffer's shape: whole
+  # under no_shard, this device's shard when sharded (varying over "data"). An expert
+  # bucket is not reduced over "expert", so its sink varies over that axis as well.
   sinks = [
     collectives.sink_for(
       b,
@@ -461,9 +469,20 @@ class _MicroLoss:
     """The loss with every bucket's params passed through its hook: its grad w.r.t. the
     sinks is the reduced buckets (plus `accs`). A stack bucket's sink is split into its
     params' blocks, which the scans' backward loops reduce into (`scanned_units`)."""
+    # The flow, per bucket (See [Note: the sink] in collectives.py): the hook is the identity
+    # on the bucket's params in the forward and takes two more arguments, `sink` (the
+    # argument `jax.value_and_grad` differentiates, see `forward_backward`) and `acc` (the
+    # bucket's local grads of the earlier micro-batches, raveled, or zeros). In the backward
+    # the hook ravels the params' cotangents, adds `acc`, reduces the sum and returns it as
+    # the sink's cotangent. So the gradient w.r.t. `sinks` is the list of reduced buckets,
+    # and the params' own cotangents are zeros nobody reads.
     leaves, scanned = list(full), {}
     for (_, b), hook, sink, acc in zip(sync.buckets, sync.hooks, sinks, accs):
       if self.plan.in_scan and b.stack is not None:  # (master block or whole param, sink block)
+        # A stack bucket gets no hook: the scan's backward loop reduce-scatters each layer
+        # into its param's block of the sink (`scanned_units`), and `run_loss` reads the
+        # pairs from `scanned`. Nothing is accumulated before it (`_Plan.in_scan`), so
+        # `acc` is not needed here.
         sunk = sink if isinstance(sink, tuple) else shard_unravel(sink, b, self.layout.dp)
         for p, block in zip(b.params, sunk):
           value = sync.blocks[p.index] if self.plan.gather_in_step else leaves[p.index]
@@ -512,9 +531,17 @@ def forward_backward(
   k = plan.grad_accum_steps
   micro = step_lib.micro_batches(batch, k)
   last = jax.tree.map(lambda x: x[-1], micro)
+  # The zero accumulators, one per bucket in the local (unreduced) form: raveled, or per
+  # param for a bucket with a tensor-parallel leaf of `plan.own`. They meet varying grads
+  # in the hooks, so they are varying too ([Note: varying values] in collectives.py).
   acc_zero = [collectives.acc_for(b, buf.grad_dtype, plan.own_of) for buf, b in sync.buckets]
   acc_zero = collectives.make_varying(acc_zero, plan.axes)
+  # Differentiated w.r.t. its first argument only, the sinks: the grads it returns are the
+  # reduced buckets ([Note: the sink] in collectives.py).
   reduced_grad = jax.value_and_grad(micro_loss.hooked, has_aux=True)
+  # Three modes: optim_grads reduces every micro-batch (the sinks' cotangents, shards, are
+  # summed by `accumulate`); the others keep the first k-1 micro-batches local and hand
+  # their sum to the last micro-batch's hooks as `accs`, which reduce it once.
   if plan.scatter_each_microbatch:
     if k == 1:
       (loss, (aux, model_state)), reduced = reduced_grad(
@@ -530,6 +557,7 @@ def forward_backward(
       plan.axes,
     )
     return Backward(each.loss, each.grads, loop.mean_micro(each.auxs, None, k), each.model_state)
+  # no_shard and optim: one reduction per step, at the last micro-batch
   loss, accs, first_aux = None, acc_zero, None
   if k > 1:  # Megatron's `no_sync`: the first k-1 micro-batches' grads stay local
     first = step_lib.accumulate(
@@ -639,6 +667,12 @@ def grad_metrics(backward: Backward, layout: Layout, plan: _Plan, buckets):
   """
   sizes = dict(plan.axis_sizes)
 
+  # How many devices hold the same reduced element: the devices of the buffer's reduction
+  # group all hold the whole reduced buffer under no_shard; sharded, each holds a distinct
+  # 1/dp of it over "data", so only the group's other axes ("replica", "expert" for a dense
+  # buffer) hold copies.
+  # Summing every device's norm² over the data axes then counts each element `copies`
+  # times; dividing by it first makes the sum the norm² of the grads.
   def copies(buf):
     return math.prod(sizes[a] for a in plan.reduce_axes(buf)) // (layout.dp if plan.sharded else 1)
 
@@ -647,8 +681,12 @@ def grad_metrics(backward: Backward, layout: Layout, plan: _Plan, buckets):
     for (buf, _), reduced in zip(buckets, backward.reduced)
     for x in jax.tree.leaves(reduced)
   )
+  # Sharded, or with expert buffers (reduced without "expert"), devices hold different
+  # grads, so the norm² needs the sum over devices, which rides with the loss's.
   if plan.sharded or any(buf.expert for buf in layout.buffers):
     return step_lib.global_loss_and_norm(backward.loss, squares, plan.axes, plan.dp)
+  # Dense no_shard: every device holds the whole reduced grads, and `copies` is dp for each
+  # bucket, so `squares * dp` is the norm² with no collective but the loss's.
   loss = collectives.mean_over(backward.loss, plan.axes)
   return loss, jnp.sqrt(squares * plan.dp)
 
@@ -770,9 +808,14 @@ class BucketedStep:
       full = gather_master(inputs.master, layout, full, state.fused, own=own)
     return fn(tree_of(layout, full), inputs.batch, inputs.model_state)
 
+  # Two updates, by the state's form (`TrainState.fused`): per leaf on the optimizer's tree,
+  # or one `tx.update` on the flat bucket tree. Both end the same way for the sharded
+  # strategies: the new master rows are all-gathered into the params here, unless the next
+  # step gathers them at its start (`overlap_param_gather`, `start_param_sync`).
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
     if not state.fused:
       return self._update_leaves(tx, state, out.grads), out.grads
+    # The NaN check flags each leaf: it reads the flat shards cut back into per-leaf blocks
     checked = grad_blocks(out.grads, state.layout) if self.config.check_for_nan_in_grad else None
     return self._update_buckets(tx, state, out.grads), checked
 
@@ -802,6 +845,9 @@ class BucketedStep:
     updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, self.mesh)
     new = leaves_of(optax.apply_updates(opt_params, updates), layout)
     params, master = leaves_of(state.params, layout), leaves_of(state.master, layout)
+    # A trainable leaf's new value goes to its master where it has one; under no_shard the
+    # param itself is updated too, cast back to its dtype (sharded, `params` holds the
+    # gathered copy, replaced below, or None under `overlap_param_gather`).
     for leaf in layout.leaves:
       if not leaf.trainable:
         continue

@@ -221,6 +221,8 @@ def layout_for(
 def _pad(x, spec: ParamSpec):
   """A whole leaf padded on its shard dim (an expert leaf's spec is of one rank's slice; its
   shard dim is the same in the whole leaf)."""
+  # A stacked leaf's spec is of one layer (`spec.axis` counts in a layer's dims): pad each
+  # layer under `vmap` over the leading layer axis.
   pad = lambda y: pad_dim(y, y.shape, spec.axis, spec.rows)
   return jax.vmap(pad)(x) if spec.layers else pad(x)
 
@@ -330,6 +332,16 @@ def init_state(
     fsdp=fsdp,
   )
 
+  # [Note: HFSDP compute rows]
+  # Under HFSDP (`layout.outer` > 1) a trainable param is held twice: its compute rows in
+  # `params` (1/dp of the padded leaf, over "data" alone, in the param's own dtype), which
+  # the units all-gather over "data" as FSDP gathers its master, and its master in `master`
+  # (1/(dp * replicas), over "data" then "replica", in the master dtype), which the optimizer
+  # updates. The rows are padded to a multiple of dp * replicas, so that each device's
+  # block over "data" splits `replicas` ways again: the master is a slice of the compute
+  # rows. A step differentiates w.r.t. the rows, reduce-scatters across "replica" once
+  # (`scatter_outer`), updates the master and all-gathers it back into the rows
+  # (`gather_outer`). docs/design.md, "HFSDP", gives the why.
   def rows(leaf, x):
     """`x`, the value of `leaf`, padded; HFSDP: placed over "data" on its shard dim first
     (the compute rows), from where the master's placement over ("data", "replica") is a
@@ -350,6 +362,8 @@ def init_state(
       ]
       master = tree_of(blank.layout, master)
     # HFSDP (`layout.outer`): the trainable params' compute rows too, in their own dtype
+    # ([Note: HFSDP compute rows]); otherwise a trainable leaf's `params` entry is None, a
+    # frozen float leaf keeps its padded rows and an integer leaf (no spec) stays whole
     stored = [
       None if leaf.trainable and not outer else rows(leaf, x) if leaf.index in specs else x
       for leaf, x in zip(blank.layout.leaves, leaves)
@@ -458,6 +472,9 @@ def call_with_units(
 ):
   """Inside the step: `call(params, *args)` with every unit gathered where the traced program
   uses it and released after (`fsdp_program.run_loss`); `call` may return any pytree."""
+  # One dict of every leaf's value, as `run_loss` takes them: the state's `params` leaves by
+  # index (frozen rows, whole integer leaves, None for trainable ones), with the shards the
+  # units gather from laid over them (`unit_values`: by leaf index, or by `FlatKey`)
   values = dict(enumerate(stored))
   values.update(tmaster)
   # the loss receives every float param in `fsdp.param_dtype` (what the gathers return),
@@ -497,6 +514,10 @@ class FlatKey:
   # JAX sorts a dict's keys when it flattens it, and `run_loss`'s dicts hold these beside
   # leaf indices, so they must compare with ints: a FlatKey sorts before every leaf index,
   # the later buckets first. That order is the order of a program's arguments.
+  # Only `<` and `>` are defined: they are what sorting needs. Against an int they answer
+  # without looking at the int's value; against anything else they return NotImplemented,
+  # so Python tries the other operand and raises TypeError if that fails too. Equality and
+  # hashing are the dataclass's (by `number` and `name`), so a key finds its dict entry.
   def _rank(self) -> tuple[int, int]:
     return (0, -self.number)
 
@@ -716,22 +737,32 @@ class FSDPStep:
     unit_grad = jax.value_and_grad(unit_loss, has_aux=True)
     tmaster = unit_values(inputs.master, layout, fused, inputs.params)
     if layout.outer > 1:
-      # HFSDP: the compute rows, differentiated in the master dtype (the reduce-scatter's
-      # shard is fp32) and varying over "replica", so that no implicit psum over it runs
+      # HFSDP ([Note: HFSDP compute rows]): the compute rows, differentiated in the master
+      # dtype (the reduce-scatter's shard is fp32) and varying over "replica", so that no
+      # implicit psum over it runs
       tmaster = collectives.make_varying(
         {i: x.astype(master_dtype(x.dtype)) for i, x in tmaster.items()}, (REPLICA,)
       )
+    # Three micro-batch modes. k == 1: one pass, the units' own gathers and reduce-scatters
+    # (`run_loss`). k > 1 with `reshard_after_backward=False`: every unit is gathered once,
+    # outside any custom_vjp, the k micro-batches differentiate the whole params and
+    # accumulate whole-size fp32 grads locally (no collective per micro-batch, at the cost
+    # of holding the gathered params and whole grads for the step), then one reduce-scatter
+    # per unit. Otherwise: each micro-batch runs as k == 1 does and the reduced shards add
+    # up; the memory stays FSDP's, and the collectives run k times.
     if k == 1:
       (loss, (aux, model_state)), grads = unit_grad(tmaster, inputs.batch, 0, inputs.model_state)
       model_state = collectives.sync_model_state(model_state, axes)
       aux = loop.mean_micro(None, aux, 1)
     elif not fsdp.reshard_after_backward:  # one gather and one reduce-scatter per step
       micro = step_lib.micro_batches(inputs.batch, k)
+      # The same values as `call_with_units`'s, each unit gathered whole here instead
       values = dict(enumerate(stored))
       values.update(tmaster)
       full = {**values, **fsdp_program.gather_units(units, values)}
       trained = {leaf.index: full[leaf.index] for leaf in layout.leaves if leaf.trainable}
       whole_grad = jax.value_and_grad(functools.partial(unit_loss.whole, full), has_aux=True)
+      # fp32 whole-size accumulators, varying: each device sums its own micro-batches' grads
       zeros = {i: jnp.zeros(x.shape, jnp.float32) for i, x in trained.items()}
       each = step_lib.accumulate(
         lambda mb, j, ms: whole_grad(trained, mb, j, ms),
@@ -768,6 +799,8 @@ class FSDPStep:
       jnp.sum(jnp.square(g.astype(jnp.float32))) * (ep if i in experts else 1)
       for i, g in grads.items()
     )
+    # `squares` is summed together with the loss, which varies over every data axis: mark it
+    # varying over the axes its shards do not ([Note: varying values] in collectives.py)
     if replicas > 1:
       squares = collectives.make_varying(squares, [a for a in axes if a != DATA])
     loss, grad_norm = step_lib.global_loss_and_norm(loss, squares, axes, dp, replicas)
@@ -804,6 +837,7 @@ class FSDPStep:
     new_state = dataclasses.replace(state, master=master, opt_state=opt_state)
     if layout.outer > 1:  # HFSDP: the updated params back into the compute rows
       new_state = dataclasses.replace(new_state, params=gather_outer(new_state, self.mesh))
+    # The NaN check names leaves: a fused state's flat shards are cut into per-leaf blocks
     nan_check = state.fused and self.config.check_for_nan_in_grad
     return new_state, grad_blocks(out.grads, layout) if nan_check else out.grads
 
@@ -853,6 +887,8 @@ def gather_outer(state: TrainState, mesh) -> PyTree:
   layout = state.layout
   params_spec, master_spec = manual_specs(state)
 
+  # A `shard_map` of its own: the step's `shard_map` ends with `run_local_grads`, and the
+  # optax update before this runs in the global view
   def local(master, params):
     blocks, out = leaves_of(master, layout), leaves_of(params, layout)
     for buf in layout.buffers:

@@ -180,6 +180,10 @@ def _bucket_elements(
   no padding, no gather) each param of an `own` bucket moves 1/`tp_ways` of its size, and
   with `sliced` (the all-reduce of a reduce-scattered shard across "replica" or "expert",
   elementwise: the shard keeps its split over "model") 1/`tp_ways` of its padded rows."""
+  # Three shapes of what moves: per param, elementwise (no_shard's all-reduce of a bucket
+  # with tensor-parallel leaves: no padding), the whole padded bucket (`shard_size * dp`:
+  # every device's shard, end padding included), or per param its padded rows
+  # (`p.shard_size(dp) * dp`), 1/tp of them where the device moves its own slice.
   if holds_own(bucket, own) and not padded:
     return sum(p.size // tp_ways[p.index] for p in bucket.params)
   layered = bucket.stack is not None or any(p.layers for p in bucket.params)
@@ -200,6 +204,8 @@ def _state_split(path, x, layout: Layout, sharded: bool, shards: int, specs, way
   shape where they are all split alike (the data shards: where it has a padded param
   shape), else replicated.
   """
+  # The shapes the optimizer sees: padded rows under a sharded strategy, so that an optax
+  # leaf of a param's padded shape is matched to it as `init_state` matches it
   seen = {p.index: (p.seen if sharded else p.shape) for p in trainable_leaves(layout)}
   match = match_opt_leaf(path, x.shape, layout.paths, seen)
   if match.param is not None:
@@ -353,6 +359,13 @@ def memory_ledger(
     )
   leaves_ = trainable_leaves(layout)
 
+  # [Note: bytes per device]
+  # Every count below is a whole leaf's (or bucket's) bytes divided by the ways it is split
+  # on one device: `ways[i]` for the caller's own axes ("model", "expert"), `dp` for the
+  # "data" shards, `outer` for HFSDP's "replica" split of the master. The sizes divided are
+  # the padded ones wherever the state stores padded rows (`x.seen`, `sharded_shape`,
+  # buckets' `shard_size`), so that each quotient is what one device's `addressable_shards`
+  # hold (`measured_bytes`).
   dtypes = [leaf.dtype for leaf in layout.leaves]
   model = sum(_nbytes(leaf.shape, leaf.dtype) // ways[leaf.index] for leaf in layout.leaves)
   trainable_model = sum(_nbytes(x.shape, dtypes[x.index]) // ways[x.index] for x in leaves_)
@@ -369,6 +382,9 @@ def memory_ledger(
         model += _nbytes(leaf.shape or (1,), leaf.dtype) // ways[leaf.index]
     if outer > 1:  # HFSDP: the trainable params' compute rows too, in their own dtype
       model += sum(_nbytes(x.seen, dtypes[x.index]) // (dp * ways[x.index]) for x in leaves_)
+  # The reduced grads as the step holds them: whole buckets, padded under the sharded
+  # strategies (the reduce-scatter's input), then 1/dp under `optim_grads` and FSDP
+  # (`shards_grads`), which keep only their shard of each micro-batch's reduction
   grads = sum(
     _bucket_elements(b, dp, own, tp_ways, padded=sharded) * buf.grad_dtype.itemsize
     for buf in layout.buffers
@@ -379,6 +395,9 @@ def memory_ledger(
 
   opt_tree = [None] * len(layout.leaves)
   master = 0
+  # A master exists for every trainable param when sharded (the rows the optimizer updates)
+  # and under no_shard only where the master dtype differs (bf16 params, fp32 master);
+  # `opt_tree` is what `tx.init` sees, for the optax state's shapes
   for x in leaves_:
     i, dtype = x.index, master_dtype(dtypes[x.index])
     shape = x.seen if sharded else x.shape
@@ -413,6 +432,7 @@ def memory_ledger(
     split = functools.partial(
       _state_split, layout=layout, sharded=sharded, shards=dp * outer, specs=specs, ways=ways
     )
+  # Each optax leaf whole, divided by how the state splits it ([Note: bytes per device])
   opt = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state):
     opt += _nbytes(x.shape, x.dtype) // split(path, x)
@@ -492,6 +512,8 @@ def _bucket_bytes(
 def _outer_bytes(layout, bucket, dtype) -> int:
   """Bytes of HFSDP's reduce-scatter (and all-gather) of one bucket across "replica": each
   device's block of every param (`layout.outer_bucket`), no end padding."""
+  # The buffer across "replica" is the device's 1/dp block over "data" (`p.shard_size(dp)`
+  # per param), not the whole bucket: the "data" reduce-scatter has run already
   layers = max((p.layers for p in bucket.params), default=0) or 1
   return sum(p.shard_size(layout.dp) for p in bucket.params) * layers * np.dtype(dtype).itemsize
 
@@ -558,6 +580,15 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     >>> {k: v / 2**20 for k, v in ring_formula(state).items()}
     {'reduce-scatter': 0.75, 'all-reduce': 0.25, 'all-gather': 0.75}
   """
+  # [Note: ring traffic]
+  # Bytes a device sends with the ring algorithm (Patarasuk and Yuan, "Bandwidth optimal
+  # all-reduce algorithms for clusters of workstations", JPDC 2009; NCCL's rings:
+  # https://developer.nvidia.com/blog/massively-scale-deep-learning-training-nccl-2-4/):
+  # the buffer B is cut into N chunks and each of the N-1 ring steps sends one chunk to the
+  # next device, so a reduce-scatter or an all-gather sends (N-1)/N · B and an all-reduce,
+  # a reduce-scatter followed by an all-gather, 2(N-1)/N · B (`inspect.ring_bytes`). B is
+  # the full buffer: the reduce-scatter's input, the all-gather's output. A collective over
+  # a group of one sends nothing (`add` skips it).
   layout, config = state.layout, state.config
   shape = dict(state.mesh_shape)
   n, replicas, ep = layout.dp, shape.get(REPLICA, 1), shape.get(EXPERT, 1)
@@ -582,7 +613,10 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
       grad = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, padded=False)
       add("all-reduce", grad, n * other(buf))
     return out
+  # Collectives per step: `optim_grads` and FSDP reduce every micro-batch, `optim` once
   k = grad_accum_steps if config.shards_grads else 1
+  # ZeRO-1/2: the reduce-scatter over "data" of the whole bucket, then its 1/n shard
+  # all-reduced across the other data axes, and one all-gather of the updated params
   if not config.shards_params:
     for buf, b in buckets:
       add("reduce-scatter", _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways), n, k)
@@ -591,6 +625,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     for buf, b in buckets:
       add("all-gather", _bucket_bytes(layout, b, buf.param_dtype, own, tp_ways), n)
     return out
+  # FSDP: per unit, the forward's all-gather (and the backward's again with
+  # `reshard_after_forward`) and the reduce-scatter, each per micro-batch; an expert
+  # unit's shard is not all-reduced over "expert"
   fsdp = fsdp or FSDPConfig()
   gathers = 2 if fsdp.reshard_after_forward else 1
   experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
@@ -666,6 +703,7 @@ def memory_report(
   strategy = config.data_parallel_sharding_strategy
   fsdp_step = config.shards_params
   ledger = memory_ledger(params, tx, dp, config, frozen=frozen, fsdp=fsdp if fsdp_step else None)
+  # the step counter: one int32 scalar on every device
   predicted_state = {**ledger.state, "step": 4}
 
   measured = None

@@ -56,6 +56,14 @@ from jaxdp._src.units import sharded_paths
 
 PyTree = Any
 
+# [Note: pure dicts by position]
+# A pure dict (`nnx.to_pure_dict`) and the `nnx.State` it came from flatten to their leaves
+# in the same order: both sort their keys, and a State's leaf is its Variable's `.value`
+# (key path `...['kernel'].value` against `...['kernel']`). So a pure dict of the right
+# structure becomes a State by `jax.tree.unflatten(state_treedef, jax.tree.leaves(pure))`,
+# and back, with no key lookups; `_check_like` checks the structure first, so that a wrong
+# tree is refused by name rather than matched to the wrong leaves.
+
 
 def _check_like(
   params: PyTree,
@@ -129,6 +137,8 @@ def nnx_split(
     >>> bool(loss_fn(params, batch) == model_loss(model, batch))
     True
   """
+  # A Variable goes to the first filter it matches: the params, then the RNG streams, then
+  # (`...`) everything else. The same filters split the rebuilt model in `_SplitLoss`.
   graphdef, param_state, rng_state, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
   params = nnx.to_pure_dict(param_state)
   rng_leaves, rng_def = jax.tree.flatten(rng_state)
@@ -180,6 +190,7 @@ class _SplitLoss:
     )
     # Fresh Variables on every call, so whatever model_loss writes into the rebuilt
     # model (stats, RNG counts) dies with it and never leaks out, not even tracers.
+    # [Note: pure dicts by position]
     state = jax.tree.unflatten(self.params.treedef, jax.tree.leaves(params))
     rng_leaves = self.rngs.leaves
     rngs = jax.tree.unflatten(
@@ -199,6 +210,10 @@ class _SplitLoss:
     )
     model = nnx.merge(self.graphdef, state, rngs, rest)
     out = self.model_loss(model, batch)
+    # Split again after the forward: a stream the forward drew from, or a variable it wrote,
+    # now holds another array than the one it was rebuilt with (`_refuse_frozen` compares
+    # by identity). With `model_state`, what the forward left is returned as the new model
+    # state, in the caller's pure-dict structure ([Note: pure dicts by position]).
     _, _, drawn, written = nnx.split(model, nnx.Param, nnx.RngState, ...)
     if rng is None:
       _refuse_frozen(drawn, rng_leaves, RNG_FROZEN)
@@ -232,6 +247,8 @@ def _refuse_frozen(variables: nnx.State, before: Sequence, message: str) -> None
   """Raise ValueError if the forward wrote any of `variables` (a leaf is no longer the array
   the model was rebuilt with): what it wrote would be dropped, the state frozen."""
   after = jax.tree_util.tree_leaves_with_path(variables)
+  # `before` holds the leaves the model was rebuilt with, in the same tree order; a Variable
+  # the forward assigned holds a new array object, one it only read holds the same one
   paths = [
     jax.tree_util.keystr(p).removesuffix(".value") for (p, x), b in zip(after, before) if x is not b
   ]
@@ -254,6 +271,8 @@ def _shapes(tree: PyTree) -> PyTree:
 def _reseed(leaves: Sequence, rng) -> list:
   """RNG stream leaves (keys and counts, in tree order) restarted from `rng`: stream `j`'s
   key is `fold_in(rng, j)` (split to the stream's shape for batched keys), counts 0."""
+  # `j` numbers the key leaves only, so a stream's key does not depend on how many count
+  # leaves come before it; a batched stream (keys of shape `x.shape`) gets one key each
   out, j = [], 0
   for x in leaves:
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -315,6 +334,8 @@ def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> 
     params = get_params(state)  # first: it refuses a donated state
     if model_state is None and state.model_state is not None:
       model_state = _copied(state.model_state, state.step.sharding.mesh)
+  # The model's Variables are updated in place from States built by position ([Note: pure
+  # dicts by position]); `_check_like` first, against the model's own shapes and dtypes
   param_state = nnx.state(model, nnx.Param)
   _check_like(params, nnx.to_pure_dict(param_state), "nnx_merge")
   state = jax.tree.unflatten(jax.tree.structure(param_state), jax.tree.leaves(params))
@@ -464,6 +485,9 @@ def nnx_train_step(
   def train_step(model: nnx.Module, optimizer: NNXOptimizer, batch: PyTree):
     graphdef = nnx.graphdef(model)
     steps = cache.setdefault(optimizer, {})
+    # One step per model structure: the split loss closes over the graphdef, so a model
+    # whose graphdef differs (other submodules, or a static attribute such as a layer's
+    # `deterministic`) needs a step of its own
     if graphdef not in steps:
       _, loss_fn = nnx_split(model, model_loss)
       steps[graphdef] = make_train_step(

@@ -110,6 +110,11 @@ class _Step:
   grad_accum_steps: int
   has_aux: bool
 
+  # The skeleton's order. The checks run while tracing (once per compile), before anything
+  # is built from the state. The step count and the model state are set before `update`,
+  # so that a strategy's `update` replaces only the fields the optimizer changes;
+  # `finish_step` comes last because it places the state `update` made, as `init_state`
+  # placed it, for the next call to hit the same compiled program.
   def __call__(self, state: TrainState, batch):
     strategy = self.strategy
     strategy.check_state(state)
@@ -151,6 +156,8 @@ def make_train_step(
 def run_local_grads(strategy: StepStrategy, mesh, state: TrainState, batch) -> LocalGrads:
   """`strategy.local_grads` on every device (`shard_map` over the data axes), the batch
   split over them: the step's `LocalGrads` in the global view."""
+  # The batch's leading dim split over every data axis at once ("replica", "expert", "data"
+  # where present), the spec `in_specs` gives it inside the `shard_map`
   batch_spec = P(data_axes(mesh))
   batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
   out_specs, placed = strategy.out_specs(state)
@@ -201,6 +208,9 @@ def accumulate(
   (`collectives.sync_model_state`).
   """
 
+  # One scan, whatever the mode: the carry holds the running sums and the model state, the
+  # scanned output the aux, stacked. `xs` is (micro-batch, its number), the number feeding
+  # the micro-batch's key (`loop.micro_key`).
   def body(carry, xs):
     loss_sum, grad_sum, state_before = carry
     (loss, (aux, state_after)), grads = micro_grad(*xs, state_before)
@@ -221,5 +231,7 @@ def global_loss_and_norm(loss, squares, axes, dp: int, copies: int = 1):
   """`(loss, grad_norm)` from every device's share in one scalar all-reduce: the mean of
   the `dp` devices' losses, and the root of the summed `squares` (each device's part of the
   grads' norm²) divided by how many `copies` of each grad element the devices hold."""
+  # Stacked into one array so that both ride one all-reduce (a psum of a scalar costs its
+  # latency, not its bytes); the squares are divided by `copies` after the sum.
   loss, squares = collectives.sum_over(jnp.stack([loss, squares]), axes)
   return loss / dp, jnp.sqrt(squares / copies)
