@@ -22,6 +22,7 @@ def pad_dim(x: jax.Array, shape: tuple[int, ...], axis: int, rows: int) -> jax.A
   x = x.reshape(shape or (1,))
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, rows - x.shape[axis])
+  # no pad op where the dim needs none
   return jnp.pad(x, pad) if rows > x.shape[axis] else x
 
 
@@ -40,6 +41,10 @@ def unpad_rows(x: jax.Array, spec: ParamSpec) -> jax.Array:
   return unpad_dim(x, spec.shape, spec.axis)
 
 
+# See [Note: shard-major buckets] in layout.py. `_split` cuts a padded param into its dp
+# blocks, one per row: the shard dim becomes `(dp, rows / dp)`, the dp axis moves first and
+# the rest is flattened row-major, so row `d` is device `d`'s block in the order
+# `ParamSpec.local_shape` gives it. `_merge` undoes these steps one by one.
 def _split(padded: jax.Array, spec: ParamSpec, dp: int) -> jax.Array:
   """`(dp, shard elements)`: row `d` is block `d` of the shard dim, flattened."""
   a, shape = spec.axis, padded.shape
@@ -59,6 +64,9 @@ def bucket_ravel(leaves: Sequence[jax.Array], bucket: Bucket, dp: int, dtype=Non
   `leaves` are the bucket's params in `bucket.params` order, full shapes.
   """
   dtype = dtype or leaves[0].dtype
+  # Each param as `(dp, its block size)`; side by side, in bucket order, row `d` is shard `d`
+  # with every block at its `ParamSpec.offset`. The zero columns are the tail up to
+  # `bucket.shard_size`; flattened row by row, this is the shard-major bucket.
   cols = [_split(pad_rows(x.astype(dtype), p), p, dp) for x, p in zip(leaves, bucket.params)]
   used = sum(c.shape[1] for c in cols)
   cols.append(jnp.zeros((dp, bucket.shard_size - used), dtype))
@@ -67,6 +75,7 @@ def bucket_ravel(leaves: Sequence[jax.Array], bucket: Bucket, dp: int, dtype=Non
 
 def bucket_unravel(flat: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
   """Inverse of `bucket_ravel`: the bucket's params in their full shapes."""
+  # row `d` is shard `d`: a param's blocks are the columns `[p.offset, p.offset + n)`
   shards = flat.reshape(dp, bucket.shard_size)
   out = []
   for p in bucket.params:
@@ -78,6 +87,7 @@ def bucket_unravel(flat: jax.Array, bucket: Bucket, dp: int) -> list[jax.Array]:
 def shard_ravel(local: Sequence[jax.Array], bucket: Bucket, dtype=None) -> jax.Array:
   """One device's shard of the bucket from its blocks (`ParamSpec.local_shape`)."""
   dtype = dtype or local[0].dtype
+  # one row of `bucket_ravel`'s `(dp, shard_size)` array: this device's blocks, then the tail
   parts = [x.astype(dtype).reshape(-1) for x in local]
   used = sum(x.shape[0] for x in parts)
   parts.append(jnp.zeros((bucket.shard_size - used,), dtype))
@@ -156,6 +166,7 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
       raise ValueError(f"unravel: buffer {buf.name!r} must have shape ({buf.size},), got {got}")
     for b in buf.buckets:
       size = b.shard_size * layout.dp
+      # a buffer is its buckets one after the other (`Bucket.offset`)
       chunk = flat[buf.name][b.offset : b.offset + size]
       for p, x in zip(b.params, bucket_unravel(chunk, b, layout.dp)):
         out[p.index] = x
@@ -163,6 +174,8 @@ def unravel(flat: dict[str, jax.Array], layout: Layout, like: PyTree | None = No
 
 
 def _refuse_stacked(layout: Layout):
+  # A stacked param's `ParamSpec` describes one layer while its leaf has a layer axis in
+  # front, so the whole-leaf ravel here would not match it.
   if layout.stacked:
     raise ValueError(
       "the layout has stacked params (a bucket is one layer of its unit); "

@@ -1,10 +1,10 @@
 """The distributed optimizer (ZeRO-1 `optim`, ZeRO-2 `optim_grads`; FSDP's optimizer too).
 
 The sharded strategies run the user's optax transformation in the global view on the
-*row shards* of the layout (see `layout.py`): a trainable leaf of shape `(n, *rest)` is seen
-as `(rows, *rest)` with `rows` = `n` padded up to a multiple of dp, sharded over "data" on
-dim 0, its padding rows zero. Elementwise transformations, global norms, schedules and
-per-leaf masks are exact on such leaves by construction. A transformation whose result
+*row shards* of the layout (see `layout.py`): a trainable leaf is seen with its shard dim
+(`Leaf.shard_axis`) padded up to a multiple of dp and sharded over "data" on that dim, its
+padding rows zero. Elementwise transformations, global norms, schedules and per-leaf
+masks are exact on such leaves by construction. A transformation whose result
 depends on a leaf's *shape* (a mean over elements, factored moments, an element count) is
 exact on leaves that need no padding and silently different on padded ones, so
 `check_exact` probes it before training and refuses it with a message that says what to do.
@@ -111,6 +111,17 @@ anyway; they only take part so that cross-leaf terms such as global norms exist)
 # ----------------------------------------------------------------------------- exactness
 
 
+# [Note: exact on padded leaves]
+# The sharded optimizer hands `tx` every trainable leaf padded with zero rows on its shard
+# dim (`sharded_shape`), where a single device hands it the leaf itself. A transformation
+# that works element by element (adamw, sgd) or only sums over elements (global norms,
+# lamb's per-leaf norms) gives the real rows the same updates either way, and the padding
+# rows zero updates (zero params with zero grads). One that reads the leaf's shape (a mean
+# over elements, factored moments, an element count) or moves zero entries (added noise)
+# does not, and nothing downstream would notice: training would just differ. So
+# `check_exact` runs `tx` on both forms before training and refuses it when the real rows'
+# updates differ or a padding row's update is non-zero. A layout with no padded leaf needs
+# no probe.
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
   """A trainable leaf as a single device has it and as the sharded optimizer sees it."""
@@ -163,6 +174,7 @@ def _run_both(tx, runs, treedefs):
   """
 
   def run(treedef, tree, grads):
+    # the scan carries `(params, optax state)` and emits each step's updates as leaves
     unflat = lambda leaves: jax.tree.unflatten(treedef, leaves)
 
     def step(carry, g):
@@ -173,12 +185,14 @@ def _run_both(tx, runs, treedefs):
     params = unflat(tree)
     return jax.lax.scan(step, (params, tx.init(params)), grads)[1]
 
+  # per run, each leaf's grads stacked over the steps (the scan's xs); None where no grad
   args = [
     (tree, [None if g[0] is None else np.stack(g) for g in zip(*grads)]) for tree, grads in runs
   ]
   both = lambda args: [run(d, *a) for d, a in zip(treedefs, args)]
   compiled = jax.jit(both).lower(args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
   out = jax.device_get(compiled(args))
+  # back as run -> step -> leaf
   return [[[None if u is None else u[s] for u in o] for s in range(_PROBE_STEPS)] for o in out]
 
 
@@ -187,6 +201,9 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
 
   Returns `[(step, leaf, rel_err, padding_nonzero)]` for every trainable leaf.
   """
+  # See [Note: exact on padded leaves]. A padded leaf is drawn at its true shape and padded
+  # with zeros for the second run. A leaf that needs no padding is the same in both runs, so
+  # it may be shrunk: it is there only for cross-leaf terms such as a global norm.
   leaves_ = {x.index: x for x in trainable_leaves(layout)}
   rng = np.random.default_rng(0)
   shapes = {}  # the shape values are drawn in
@@ -201,6 +218,7 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
     out = [None] * len(layout.leaves)
     for i, v in values.items():
       x = leaves_[i]
+      # padded leaves: zero rows on the shard dim, or the true shape (a scalar drawn as `(1,)`)
       if x.padded and pad:
         widths = [(0, 0)] * v.ndim
         widths[x.axis] = (0, x.seen[x.axis] - v.shape[x.axis])
@@ -210,6 +228,7 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
       out[i] = np.asarray(v, dtype[i])
     return out
 
+  # the same draws feed both runs, so any difference is `tx`'s
   params = {i: _probe_values(rng, shapes[i], 1 / 16) for i in leaves_}
   grads = [{i: _probe_values(rng, shapes[i], 1 / 4) for i in leaves_} for _ in range(_PROBE_STEPS)]
 
@@ -221,12 +240,16 @@ def _probe(tx, layout: Layout, shrink: bool, x64: bool):
   results = []
   for step, (ut, up) in enumerate(zip(true, pad)):
     for i, x in leaves_.items():
+      # Shard dim first: the padded run's first `n` rows are the real ones, compared with the
+      # true run; the rest are padding, whose updates must be zero.
       a = np.asarray(ut[i], np.float64).reshape(shapes[i])
       b = np.moveaxis(np.asarray(up[i], np.float64), x.axis, 0)
       a = np.moveaxis(a, x.axis, 0)
       real, rest = b[: a.shape[0]], b[a.shape[0] :]
       scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
       err = float(np.max(np.abs(real - a), initial=0.0)) / scale
+      # non-finite updates agree only with NaNs at the same places and equal values elsewhere
+      # (infs included, which `nan_to_num` makes large finite numbers)
       if not np.all(np.isfinite(real)) or not np.all(np.isfinite(a)):
         err = (
           0.0
@@ -256,8 +279,8 @@ def _shape_dependent_state(tx, layout: Layout) -> list[str]:
 def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
   """Refuses an optax transformation that the sharded optimizer would run inexactly.
 
-  The sharded strategies feed `tx` each trainable leaf with its rows (leading dim; the
-  dim after the layer axis of a stacked FSDP leaf) padded to a multiple of dp with zeros.
+  The sharded strategies feed `tx` each trainable leaf with its shard dim
+  (`Leaf.shard_axis`) padded to a multiple of dp with zeros.
   Leaves that need no padding see exactly what a single device sees, whatever `tx` does
   with shapes. When some leaf is padded this runs `tx` for a few steps on one host device
   twice, on the true and on the padded shapes with the same values (leaves that need no
@@ -282,13 +305,18 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
     ...
     NotImplementedError: optax transformation is not exact on padded leaves ...
   """
+  # See [Note: exact on padded leaves]. No padded leaf: `tx` sees what one device sees.
   if not any(x.padded for x in trainable_leaves(layout)):
     return
+  # on a host CPU device where there is one, else on the default device
   try:
     cpu = jax.local_devices(backend="cpu")[0]
   except RuntimeError:
     cpu = None
   results = error = None
+  # Cheapest first: unpadded leaves shrunk, in float64. A `tx` that fails there (on float64,
+  # or on the cut shapes) is probed in the master dtype, then both again at the true shapes;
+  # only when every probe fails is the last error raised.
   for shrink in (True, False):
     for x64 in (True, False):
       try:
@@ -301,7 +329,10 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
       break
   if results is None:
     raise error
+  # `x64` is still the flag of the probe that ran: float32 gets the looser tolerance
   rtol = _PROBE_RTOL if x64 else _PROBE_RTOL_NATIVE
+  # a leaf fails on its real rows' mismatch or on any non-zero update of its padding rows;
+  # the message names the first failure (earliest step, then tree order)
   bad = [(s, x, err, pad) for s, x, err, pad in results if err > rtol or pad]
   if not bad:
     return
@@ -356,6 +387,18 @@ def check_exact(tx: optax.GradientTransformation, layout: Layout) -> None:
 # ----------------------------------------------------------------------------- the fused update
 
 
+# [Note: flat and per-leaf forms]
+# A fused state keeps `master` and every per-element optax leaf as `{bucket name: flat}`
+# (`state.bucket_names`), each flat array a whole bucket in shard-major order (see [Note:
+# shard-major buckets] in layout.py), split over "data" so that device `d` holds shard `d`
+# (`no_shard`: replicated, and its params are not padded per leaf). Shard `d` is block `d`
+# of every param of the bucket, so a device converts between the two forms alone:
+# `shard_unravel` cuts its shard into its blocks of the padded leaves, `shard_ravel` packs
+# them back, and nothing is gathered. The per-leaf form has no place for a bucket's tail
+# (`no_shard`: for any of its padding): flat -> per-leaf drops it, per-leaf -> flat takes
+# it from `like`, what `init_state` put there (adagrad's initial accumulator value, say),
+# else zeros. `per_leaf_state` and `fused_state` are the one pair of conversions; `fuses`
+# decides whether `tx` may run on the flat form at all.
 def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
   """Does `tx` update the flat buckets exactly as it updates the param tree?
 
@@ -377,6 +420,9 @@ def fuses(tx: optax.GradientTransformation, layout: Layout) -> bool:
     >>> fuses(tx, layout), fuses(optax.lamb(1e-3), layout)
     (True, False)
   """
+  # The probe runs on a copy of the layout with every dim cut to at most `_SHRINK`: the same
+  # paths, ndims, dtypes, frozen leaves and units, so that a mask by path or ndim acts on the
+  # tree run as on the real params (and differently on the flat run), on small arrays.
   static = {leaf.path for leaf in layout.leaves if not leaf.trainable}
   shrunk = [
     jax.ShapeDtypeStruct(tuple(min(d, _SHRINK) for d in leaf.shape), leaf.dtype)
@@ -400,6 +446,7 @@ def _fuses_small(tx, small: Layout) -> bool:
   (a state and the `like` of a restore, a config sweep) asks again, and the probe compiles
   a program (~1 s)."""
   names = bucket_names(small)
+  # float64 first, then the master dtypes; failing both, the per-leaf update (logged at debug)
   for x64 in (True, False):
     try:
       # eagerly, also where init_state is traced (`jax.eval_shape` of aot)
@@ -441,6 +488,8 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
       }
     )
 
+  # run 1: the param tree; run 2: the same values raveled into `{bucket name: flat}`, padding
+  # zero, as a fused state holds them
   flat_def = jax.tree.structure({named.name: 0 for named in names})
   true, fused = _run_both(
     tx,
@@ -452,6 +501,8 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
     by_name = jax.tree.unflatten(flat_def, uf)
     for named in names:
       got = np.asarray(by_name[named.name])
+      # Ravel writes zeros into every padding element (rows and tail), so unravel + ravel gives
+      # back `got` exactly iff `tx` left all of the bucket's padding at zero.
       parts = bucket_unravel(got, named.bucket, layout.dp)
       if not np.array_equal(np.asarray(bucket_ravel(parts, named.bucket, layout.dp)), got):
         _log.debug("fused update off: %s updates the padding of bucket %s", tx, named.name)
@@ -460,6 +511,7 @@ def _fused_probe(tx, layout: Layout, names, x64: bool) -> bool:
         a = np.asarray(ut[p.index], np.float64)
         scale = max(float(np.max(np.abs(a), initial=0.0)), np.finfo(np.float64).tiny)
         err = float(np.max(np.abs(np.asarray(x, np.float64) - a), initial=0.0)) / scale
+        # `not <=`, so that a NaN error fails too
         if not err <= rtol:
           _log.debug("fused update off: params%s differs by %.2g (relative)", p.path, err)
           return False
@@ -481,6 +533,7 @@ def use_fused(tx, layout: Layout, config: DDPConfig, model_specs=(), chunked=Fal
   sharded = config.use_distributed_optimizer
   if config.fused_update is False or (not sharded and config.fused_update is None):
     return False
+  # the first reason that applies, in this order; `fuses`, which compiles a probe, last
   why = None
   if any(any(dims) for dims in model_specs) or any(buf.expert for buf in layout.buffers):
     why = "some params are sharded over other mesh axes (tensor or expert parallel)"
@@ -562,6 +615,8 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
     return state
   layout = state.layout
   names = {named.name for named in bucket_names(layout)}
+  # See [Note: flat and per-leaf forms]. A flat tree is a dict keyed by exactly the bucket
+  # names: the master and each per-element optax leaf group (`mu`, `nu`).
   is_flat = lambda x: isinstance(x, dict) and set(x) == names
   flats = [
     x for x in jax.tree.leaves((state.master, state.opt_state), is_leaf=is_flat) if is_flat(x)
@@ -572,6 +627,8 @@ def per_leaf_state(state: TrainState, mesh) -> TrainState:
     trees = iter(
       unravel_flat({k: constrain(x, mesh, P()) for k, x in f.items()}, layout) for f in flats
     )
+  # `flats` were collected master first, then `opt_state` in `jax.tree` order; the same
+  # traversal below takes the converted trees from `trees` in that order
   tree = lambda flat: jax.tree.unflatten(layout.treedef, next(trees)) if is_flat(flat) else flat
   master = tree(state.master)
   out = dataclasses.replace(
@@ -661,6 +718,7 @@ def _ravel_whole(leaves, like: dict | None, layout: Layout, mesh) -> dict[str, j
     whole = [constrain(leaves[p.index], mesh, P()) for p in bucket.params]
     flat = bucket_ravel(whole, bucket, layout.dp)
     if like is not None:
+      # True at every real element: the ravel puts False at every padding element (rows and tail)
       real = bucket_ravel([np.ones(p.shape, bool) for p in bucket.params], bucket, layout.dp)
       flat = jnp.where(real, flat, constrain(like[named.name], mesh, P()))
     out[named.name] = flat
@@ -691,6 +749,9 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
   tree_def = jax.tree.structure(
     jax.tree.unflatten(layout.treedef, [0 if leaf.trainable else None for leaf in layout.leaves])
   )
+  # See [Note: flat and per-leaf forms]. A per-leaf tree is recognised by its structure
+  # (trainable leaves only) and the shapes the optimizer sees: the shard dim padded when
+  # sharded, the leaf's own shape under `no_shard`.
   padded = {
     leaf.index: sharded_shape(layout, leaf.index)[0] if sharded else leaf.shape
     for leaf in trainable
@@ -710,6 +771,8 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
       likes.append(pad)
     return x
 
+  # master first, then `opt_state` (with `like`'s alongside), in the order `flat` below
+  # takes the converted trees
   if like is None:
     collect(state.master)
     jax.tree.map(collect, state.opt_state, is_leaf=is_tree)
@@ -734,6 +797,7 @@ def grad_blocks(grads: dict[str, jax.Array], layout: Layout) -> list[jax.Array]:
   for named in bucket_names(layout):
     shards = grads[named.name].reshape(layout.dp, named.bucket.shard_size)
     for p in named.bucket.params:
+      # column block `p.offset` of the `(dp, shard_size)` view: the leaf's block on every device
       blocks[p.index] = shards[:, p.offset : p.offset + p.shard_size(layout.dp)]
   return [blocks[i] for i in sorted(blocks)]
 
@@ -773,6 +837,7 @@ def own_specs(model_specs, shard_axes: Mapping[int, int], manual: Sequence[str])
   """
   out = {}
   for i, axis in shard_axes.items() if model_specs else ():
+    # the caller's spec of the leaf without the manual (data) axes: what automatic axes split
     auto = tuple(tuple(a for a in axes if a not in manual) for axes in model_specs[i])
     if any(auto) and not auto[axis]:
       out[i] = pspec(auto)
@@ -868,6 +933,7 @@ def check_expert_rows(layout: Layout, mesh):
   evenly."""
   for buf in layout.buffers:
     for p in buf.params if buf.expert else ():
+      # sharded on its expert dim, and that dim padded: dp does not divide the rank's experts
       if p.axis == 0 and p.rows != p.shape[0]:
         raise ValueError(
           f"params{p.path}: {p.shape[0]} experts per expert-parallel rank do not divide "
@@ -887,6 +953,8 @@ def check_model_rows(layout: Layout, model_specs, mesh, leaves):
     dims = model_specs[i] if model_specs else ()
     shape, axis = sharded_shape(layout, i)
     own = [a for a in (dims[axis] if dims else ()) if a not in data_axes(mesh)]
+    # the padded shard dim splits over "data" and over the caller's own axes on that dim: it
+    # must divide by their product
     ways = dp * math.prod(mesh.shape[a] for a in own)
     if own and shape[axis] % ways:
       leaf = layout.leaves[i]
@@ -924,4 +992,5 @@ def gather_params(master, layout: Layout, mesh, params, state: TrainState):
   if not runs_auto(mesh, state.model_specs):
     placed = None
   gathered = run_manual(gather, mesh, (specs,), out_specs, placed)(master)
+  # leaves without a gathered param (frozen, not float) keep their value from `params`
   return [g if g is not None else x for g, x in zip(gathered, params)]

@@ -106,6 +106,7 @@ def round_up(n: int, k: int) -> int:
     >>> round_up(10, 8), round_up(16, 8), round_up(0, 8)
     (16, 16, 0)
   """
+  # ceil(n / k) * k in integer arithmetic
   return -(-n // k) * k
 
 
@@ -119,6 +120,39 @@ def master_dtype(dtype) -> np.dtype:
   return np.dtype(jnp.promote_types(dtype, jnp.float32))
 
 
+# [Note: shard-major buckets]
+# A bucket of `dp * shard_size` elements is `dp` shards of `shard_size` elements one after
+# the other, and shard `d` is what device `d` owns: block `d` of every param of the bucket,
+# in bucket order, each block starting at its `ParamSpec.offset` inside the shard. A param's
+# block `d` is rows `[d * rows / dp, (d + 1) * rows / dp)` of its shard dim
+# (`ParamSpec.axis`, see [Note: shard dim]) with every other dim whole, flattened row-major
+# (`ParamSpec.local_shape`). Hence:
+# * `rows` is the shard dim padded with zero rows to a multiple of dp (of `dp * outer`, so
+#   that each block splits `outer` ways again): every device gets the same number of rows
+#   of every param, and a param's blocks sit at the same offset in every shard;
+# * `ParamSpec.shard_size(dp)` is one block's elements, and `Bucket.shard_size` their sum
+#   rounded up to a multiple of `lcm(dp, 128) // dp`, so that the bucket is a multiple of
+#   `lcm(dp, 128)` elements; the zeros after the last block of a shard are the bucket's tail;
+# * element `j` of param `p`'s block `d` sits at
+#   `bucket.offset + d * bucket.shard_size + p.offset + j` of its buffer.
+# In this order a tiled `psum_scatter` of the flat bucket hands device `d` its blocks and a
+# tiled `all_gather` rebuilds the bucket, with no reshuffle, and the sharded optimizer sees
+# each leaf as an ordinary array padded on its shard dim and split over "data" on it.
+# `buffer.bucket_ravel` / `bucket_unravel` move whole params into and out of this order,
+# `shard_ravel` / `shard_unravel` one device's blocks. (A stacked FSDP bucket describes one
+# layer of its params: `ParamSpec.layers`.)
+#
+# [Note: shard dim]
+# Each param is split over "data" on one dim, its *shard dim*, and padded there only. It is
+# the dim whose padding to a multiple of dp is the smallest fraction of its size, the
+# leading one on ties (`shard_axis`): each device then holds `ceil(n / dp)` rows, 1/dp of
+# the leaf plus at most one row, and a small leading dim (a `(2, d, ffn)` gate, 4 layers on
+# 8 devices) is not padded to dp where another dim pads less. Dims that other mesh axes
+# split (tensor or expert parallel) are passed over where the leaf has another, so that
+# "data" splits each device's own slice. `make_layout` picks the dim for a size bucket's
+# params; FSDP passes its own in `shard_dims` (`unit_shard_dims`). The choice is recorded
+# in `ParamSpec.axis` (of a layer for stacked params) and `Leaf.shard_axis` (of the whole
+# leaf), which everything downstream (collectives, views, checkpoints, the ledger) reads.
 @dataclasses.dataclass(frozen=True)
 class ParamSpec:
   """One param's place in its bucket (Megatron's `param_index_map` entry).
@@ -138,7 +172,8 @@ class ParamSpec:
   """Position of the leaf in `jax.tree.leaves(params)`."""
   shape: tuple[int, ...]
   rows: int
-  """Leading dim (1 for a scalar) padded up to a multiple of dp."""
+  """The shard dim's size (1 for a scalar) padded up to a multiple of dp (of `dp * outer`
+  with `make_layout(outer=)`)."""
   offset: int
   """Start of this param's rows inside every shard of its bucket."""
   layers: int = 0
@@ -181,6 +216,8 @@ def shard_axis(shape: tuple[int, ...], dp: int, taken: Collection[int] = ()) -> 
     >>> shard_axis((64, 8), 4, taken={0}), shard_axis((64,), 4, taken={0})
     (1, 0)
   """
+  # See [Note: shard dim]. The padding as a fraction of the dim, so that a dim dp divides
+  # costs 1 and a dim of size 0 is never picked; `taken` dims only when every dim is taken.
   padded = [round_up(n, dp) / n if n else math.inf for n in shape]
   free = [k for k in range(len(shape)) if k not in taken] or list(range(len(shape)))
   return min(free, key=lambda k: (padded[k], k)) if shape else 0
@@ -258,6 +295,8 @@ def unit_shard_dims(
     if path in leading:
       out[path] = 0
       continue
+    # `dims` counts the layer axis and the shard dim is of a layer: shift by `lead`, and
+    # ignore a split layer axis
     taken = {d - lead for d, axes in enumerate(dims) if axes and d >= lead}
     out[path] = shard_axis(tuple(shape[lead:]), dp, taken)
   return out
@@ -514,6 +553,7 @@ def sharded_shape(layout: Layout, i: int) -> tuple[tuple[int, ...], int]:
   """
   leaf = layout.leaves[i]
   shape, axis = leaf.shape or (1,), leaf.shard_axis
+  # `Leaf.shard_axis` counts a stacked leaf's layer axis: this is the whole leaf as stored
   rows = round_up(shape[axis], layout.dp * layout.outer)
   return (*shape[:axis], rows, *shape[axis + 1 :]), axis
 
@@ -535,6 +575,11 @@ def outer_bucket(bucket: Bucket, dp: int, outer: int) -> Bucket:
     >>> (w.shape, w.axis, w.rows, w.local_shape(2)), (s.shape, s.axis, s.local_shape(2))
     (((4, 3), 0, 4, (2, 3)), ((2, 2, 5), 1, (2, 1, 5)))
   """
+  # Each param's block on one device (`local_shape(dp)`, the layer axis kept in front) becomes
+  # a param whose rows are the block's `rows / dp`; rows were padded to a multiple of
+  # `dp * outer`, so these split `outer` ways without more padding. Offsets restart at 0 and
+  # there is no tail: one device's shard, laid out shard-major for the `outer` devices (see
+  # [Note: shard-major buckets]).
   specs, offset = [], 0
   for p in bucket.params:
     lead = (p.layers,) if p.layers else ()
@@ -560,6 +605,8 @@ def layer_bucket(bucket: Bucket, dp: int) -> Bucket:
     >>> w.shape, w.axis, w.local_shape(8), layer_bucket(b, 8).params[0].local_shape(8)
     ((4, 12, 20), 2, (4, 12, 3), (12, 3))
   """
+  # Drop the layer axis of each (scanned) param and pack one layer's blocks back to back from
+  # offset 0, with no tail: the operand of one layer's reduce-scatter inside the scan.
   specs, offset = [], 0
   for p in bucket.params:
     spec = dataclasses.replace(p, shape=p.shape[1:], axis=p.axis - 1, offset=offset)
@@ -608,6 +655,7 @@ def _frozen_mask(
   if is_function(frozen):  # a boolean pytree may be callable (an eqx.Module): never called
     return [bool(frozen(path, leaf)) for path, leaf in zip(paths, leaves)]
   try:
+    # a prefix of params: one bool covers the whole subtree under it
     mask = jax.tree.leaves(jax.tree.broadcast(frozen, params))
   except (ValueError, TypeError) as e:
     raise ValueError(
@@ -676,6 +724,8 @@ def _layer_counts(
       )
     else:
       layers.append(shape[0])
+  # Every leaf of a unit must have the same layer count (0: not stacked), since a unit's
+  # bucket describes one layer of each of its params.
   per_unit: dict[str, set[int]] = {}
   for name, n in zip(unit_of, layers):
     per_unit.setdefault(name, set()).add(n)
@@ -810,15 +860,22 @@ def make_layout(
   frozen_leaves = _frozen_mask(params, frozen, paths)
   expert_leaves = _frozen_mask(params, experts, paths, "experts")
   leading_leaves = _frozen_mask(params, leading, paths, "leading")
+  # A scanned stack (ZeRO's `DDPConfig(stacked=)`): only params of two dims or more, neither
+  # expert nor `leading`, of a size-bucket layout belong to one; None for every other param.
   stack_of = [
     scanned(path) if scanned and len(shape) >= 2 and units is None and not (e or lead) else None
     for path, shape, e, lead in zip(paths, shapes, expert_leaves, leading_leaves)
   ]
+  # An expert param is laid out as one expert-parallel rank's slice (its leading dim / ep):
+  # what that rank holds and its expert-data-parallel group reduces.
   local_shapes = _expert_shapes(expert_leaves, expert_parallel, paths, shapes)
   unit_of = _unit_names(units, paths)
   layers = _layer_counts(stacked, paths, shapes, unit_of)
   given = dict(shard_dims or {})
 
+  # The trainable leaves by buffer key, each list in reverse tree order: the backward produces
+  # the last layers' grads first, so the first bucket is the first whose grads are complete.
+  # Frozen and non-float leaves get no buffer; they are only recorded in `static`.
   by_key: dict[tuple[np.dtype, np.dtype, bool], list[int]] = {}
   static = set()
   for i in reversed(range(len(keyed))):  # backprop order
@@ -828,18 +885,29 @@ def make_layout(
     gdtype = np.dtype(grad_dtype) if grad_dtype is not None else dtypes[i]
     by_key.setdefault((dtypes[i], gdtype, expert_leaves[i]), []).append(i)
 
+  # See [Note: shard-major buckets].
   align = math.lcm(dp, 128) // dp  # shard-size multiple that makes a bucket lcm(dp, 128)
   buffers = []
+  # One buffer per key, in name order: first cut its leaves into groups, a bucket each, then
+  # lay each group out shard-major.
   for (pdtype, gdtype, expert), leaves in sorted(
     by_key.items(), key=lambda kv: _buffer_name(*kv[0])
   ):
     groups: list[list[int]] = []
+    # FSDP: one group per unit, the units in the order of their first leaf in backprop order;
+    # `bucket_size` plays no part.
     if unit_of is not None:
       by_unit: dict[str, list[int]] = {}
       for i in leaves:
         by_unit.setdefault(unit_of[i], []).append(i)
       groups = list(by_unit.values())
     else:
+      # Size buckets: add leaves until the group holds `bucket_size` elements or more, so that a
+      # bucket may overshoot by one param but never splits one. The params of one scanned stack
+      # form a group of their own whatever its size (it is reduced layer by layer inside the
+      # scan). With `alone_over`, a larger param closes the open group and starts its own (its
+      # ravel is then a bitcast); `alone_size` sets `alone_over` to `bucket_size`, so the size
+      # check closes that group right after it.
       group, count = [], 0
       for i in leaves:
         n = math.prod(local_shapes[i])
@@ -854,21 +922,32 @@ def make_layout(
           group, count = [], 0
       if group:
         groups.append(group)
+    # Lay each group out (see [Note: shard-major buckets]): `shard` counts the elements of one
+    # shard (each param's block starts at its value), `offset` those of the buffer (each
+    # bucket starts at its value).
     buckets, offset = [], 0
     for b, group in enumerate(groups):
       specs, shard = [], 0
       for i in group:
+        # A stacked FSDP param is described per layer: `shape` without its layer axis, `n` the
+        # number of layers (`ParamSpec.layers`).
         n = layers[i] if layers else 0
         shape = local_shapes[i][1:] if n else local_shapes[i]
+        # The shard dim (see [Note: shard dim]): picked here for a size bucket's ordinary params;
+        # dim 0 by default for units, expert params (whose leading dim is the experts) and
+        # `leading` ones; for a scanned param a dim of a layer, never the layer axis, so that one
+        # layer's grads are a slice of every device's block; `shard_dims` overrides all of these.
         free = unit_of is None and not (expert_leaves[i] or leading_leaves[i])
         axis = shard_axis(shape, dp) if free else 0
         if stack_of[i] is not None:
           axis = 1 + shard_axis(shape[1:], dp)
         axis = given.get(paths[i], axis)
+        # a scalar is one row
         rows = round_up(shape[axis] if shape else 1, dp * outer)
         spec = ParamSpec(paths[i], i, shape, rows, shard, n, axis)
         specs.append(spec)
         shard += spec.shard_size(dp)
+      # the bucket's tail: zeros after the last block of every shard
       shard = round_up(shard, align)
       unit = unit_of[group[0]] if unit_of is not None else None
       buckets.append(Bucket(b, tuple(specs), offset, shard, unit, stack_of[group[0]]))
@@ -879,7 +958,8 @@ def make_layout(
       )
     )
   # a leaf's shard dim: its buffer's where it has one, else the leading dim (of a layer)
-  # unless `shard_dims` gives one
+  # unless `shard_dims` gives one. `ParamSpec.axis` of a stacked FSDP param is of a layer;
+  # `Leaf.shard_axis` counts the layer axis, hence the + 1.
   axis_of = {p.index: p.axis + (1 if p.layers else 0) for buf in buffers for p in buf.params}
   leaves = []
   for i, (path, shape, dtype) in enumerate(zip(paths, shapes, dtypes)):

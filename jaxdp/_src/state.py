@@ -31,6 +31,8 @@ from jaxdp._src.mesh import (
 PyTree = Any
 
 
+# The meta fields are static, part of the treedef: two states of different layouts or
+# configs are different pytrees, and `jit` retraces for them.
 @functools.partial(
   jax.tree_util.register_dataclass,
   data_fields=["step", "params", "master", "opt_state", "rng", "model_state"],
@@ -119,6 +121,7 @@ def opt_params_of(layout: Layout, params: PyTree, master: PyTree) -> PyTree:
   return tree_of(
     layout,
     [
+      # the master where there is one (fp32 or row-sharded), else the param itself
       (m if m is not None else p) if leaf.trainable else None
       for leaf, p, m in zip(layout.leaves, leaves_of(params, layout), leaves_of(master, layout))
     ],
@@ -197,6 +200,11 @@ def match_opt_leaf(
     >>> match_opt_leaf(path, (16, 4), ["['b']", "['w']"], {0: (16, 4), 1: (16, 4)}).param
     1
   """
+  # optax nests per-param state under keys of its own (`[0].mu`, `.nu`), so a per-param
+  # leaf's keystr ends with its param's keystr. A suffix alone is ambiguous (`['w']` is also
+  # a suffix of `['a']['w']`'s state), hence the shape check and the longest path. `under`
+  # without a shape match is per-param state of another shape (factored moments);
+  # `same_shape` is the fallback for state not keyed by param path at all.
   name, shape = jax.tree_util.keystr(path), tuple(shape)
   under = [i for i in shapes if name.endswith(paths[i])]
   matches = [i for i in under if tuple(shapes[i]) == shape]
@@ -210,6 +218,8 @@ def match_opt_leaf(
 def leaf_specs(state: TrainState) -> tuple[list[ModelSpec | None], list[ModelSpec | None]]:
   """`(params, master)`: each leaf's full spec as a `ModelSpec` (None where the leaf is;
   master all None in a fused state, whose master is not a param tree)."""
+  # A sharded master is split over the data axes on the leaf's shard dim on top of the
+  # caller's own axes; DDP's master (fp32 copies) is placed as its param.
   manual = data_axes_in(dict(state.mesh_shape))
   sharded = state.config.use_distributed_optimizer
   params = [
@@ -238,6 +248,8 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
   spec that every param of its shape shares; anything else (step counts) is replicated.
   """
   layout = state.layout
+  # The optimizer sees the master (padded rows under a sharded strategy) where there is one,
+  # else the param; a per-param optax leaf is placed like it.
   views = {}  # trainable leaf -> (the shape the optimizer sees, its spec)
   for leaf, x, m in zip(
     layout.leaves, leaves_of(state.params, layout), leaves_of(state.master, layout)
@@ -256,6 +268,8 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
     if match.under_param:
       # a per-param leaf of another shape (adafactor's factored moments): replicated
       return pspec(((),) * len(shape))
+    # not keyed by param path: the spec every param of its shape shares, if they agree;
+    # replicated otherwise
     specs = {views[i][1] for i in match.same_shape}
     return pspec(next(iter(specs)) if len(specs) == 1 else ((),) * len(shape))
 
@@ -277,6 +291,9 @@ def state_specs(state: TrainState) -> TrainState:
   layout = state.layout
   params, master = leaf_specs(state)
   if state.fused:
+    # Each flat bucket is `dp * shard_size` elements (see [Note: shard-major buckets] in
+    # layout.py), split over "data" shard by shard when sharded. Per-element optax leaves
+    # (`mu[name]`) go with them; everything else (counts) is replicated.
     flat = {named.name: (named.bucket.shard_size * layout.dp,) for named in bucket_names(layout)}
     spec = FLAT_SPEC if flat_master(state) else P()
     return dataclasses.replace(
@@ -304,6 +321,8 @@ def state_specs(state: TrainState) -> TrainState:
 
 def is_flat_leaf(path, x, flat: Mapping[str, tuple[int, ...]]) -> bool:
   """Is a fused state's optax leaf one bucket's per-element state (Adam's `mu[name]`)?"""
+  # optax keeps per-element state in a tree like the one it updates, here
+  # `{bucket name: flat}`: the leaf's last key is the bucket's name
   key = path[-1] if path else None
   name = getattr(key, "key", None)
   return name in flat and tuple(x.shape) == flat[name]
@@ -345,6 +364,7 @@ class InitSource:
       state = build(params)
       return dataclasses.replace(state, opt_state=tx.init(opt_params(state)))
 
+    # every leaf's placement, read off the abstract state: nothing is computed
     specs = state_specs(jax.eval_shape(whole, self.abstract))
     if self.fn is None:  # each device receives its slice of each host array, nothing more
       leaves = [
@@ -354,6 +374,9 @@ class InitSource:
     else:  # computed where they go: each device runs the init of its shards only
       shardings = [NamedSharding(mesh, v) for v in views]
       leaves = jax.jit(lambda: jax.tree.leaves(self.fn()), out_shardings=shardings)()
+    # Program 1: the state without its optimizer state. The arrays sent in for it are dropped
+    # before program 2 runs `tx.init` on the state, so that they are not alive beside the
+    # optimizer state (unless the caller keeps them).
     state_program = run_auto(program, mesh, dataclasses.replace(specs, opt_state=None))
     state = jax.jit(state_program)(tree_of(layout, leaves))
     del leaves  # (the caller's arrays, where the transfer kept them, stay the caller's)

@@ -30,10 +30,14 @@ ROOT_UNIT = "<root>"
 
 
 def _under(path: str, prefix: str) -> bool:
+  # a prefix matches at key boundaries only: `['blocks'][1]` is not a prefix of
+  # `['blocks'][10]`
   return path == prefix or (path.startswith(prefix) and path[len(prefix)] in "[.")
 
 
 def _default_unit(keys) -> str:
+  # the path up to its first sequence index (a layer of a list of layers, or of a dict keyed
+  # by layer number), else its first key
   for n, k in enumerate(keys):
     if isinstance(k, jax.tree_util.SequenceKey) or (
       isinstance(k, jax.tree_util.DictKey) and isinstance(k.key, int)
@@ -55,6 +59,9 @@ def assign_units(params: PyTree, fsdp: FSDPConfig) -> tuple[dict[str, str], set[
   units, stacked = {}, set()
   for keys, _ in keyed:
     path = jax.tree_util.keystr(keys)
+    # First match wins: a stacked prefix (the stack is the unit and its leaves carry a layer
+    # axis), then `units=` (its function, or the longest prefix, else the root unit), then the
+    # default unit of one layer.
     layer_axis = [s for s in fsdp.stacked if _under(path, s)]
     if layer_axis:
       units[path] = max(layer_axis, key=len)
@@ -97,6 +104,9 @@ def gather_layout(layout: Layout) -> Layout:
   """The layout of every float param (frozen too), unit by unit: what the gathers carry.
   Expert params (trainable: FSDP refuses frozen ones) keep their buffers of one
   expert-parallel rank's slice."""
+  # The grad layout's units, stacked leaves, shard dims and `outer`, with the frozen float
+  # params too: a frozen param is gathered for the forward like any other, it only has no
+  # grad to reduce.
   abstract = jax.tree.unflatten(
     layout.treedef, [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]
   )
@@ -142,6 +152,9 @@ def units_of(layout: Layout, param_dtype=None, keep_grad_dtype: bool = True) -> 
   specs = {}
   gathers: dict[str, list] = {}
   grads: dict[str, list] = {}
+  # Gathers from `gather_layout` (every float param), grads from `layout` (trainable ones):
+  # a unit of frozen params only has gathers. Units come in the order their first bucket
+  # appears, buffer by buffer.
   for buf in gather_layout(layout).buffers:
     for b in buf.buckets:
       gathers.setdefault(b.unit, []).append((b, compute_dtype(buf.param_dtype, param_dtype)))
@@ -156,6 +169,7 @@ def units_of(layout: Layout, param_dtype=None, keep_grad_dtype: bool = True) -> 
     units.append(
       Unit(
         name,
+        # every leaf of a unit has the same layer count (`make_layout` checks): the first tells
         specs[leaves[0].index].layers,
         tuple(gather),
         tuple(grads.get(name, ())),
@@ -186,6 +200,7 @@ def chunked_leaves(layout: Layout, fsdp: FSDPConfig) -> dict[int, int]:
   for leaf in layout.leaves:
     blocks = _chunks_of(leaf.path, fsdp)
     if blocks > 1 and leaf.index in specs:
+      # a block is at least one of the `rows / dp` rows each device holds
       out[leaf.index] = min(blocks, specs[leaf.index].rows // layout.dp)
   return out
 
