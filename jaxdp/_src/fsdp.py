@@ -794,7 +794,7 @@ class FSDPStep:
     # times fewer replicas).
     replicas = 1 if layout.outer > 1 else dp // self.mesh.shape[DATA]
     ep = self.mesh.shape.get(EXPERT, 1)
-    experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
+    experts = {leaf.index for leaf in layout.leaves if leaf.expert}
     squares = sum(
       jnp.sum(jnp.square(g.astype(jnp.float32))) * (ep if i in experts else 1)
       for i, g in grads.items()

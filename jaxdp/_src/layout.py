@@ -399,6 +399,11 @@ class Leaf:
   """Its unit name (layouts made with `units=`), else None."""
   layers: int = 0
   """Its leading layer axis size when stacked (`make_layout(stacked=)`), else 0."""
+  expert: bool = False
+  """An expert param (`make_layout(experts=)`): in a buffer of expert params, described
+  there as one expert-parallel rank's slice."""
+  grad_dtype: np.dtype | None = None
+  """The dtype its grads are reduced in (its buffer's); None without a gradient buffer."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -961,6 +966,7 @@ def make_layout(
   # unless `shard_dims` gives one. `ParamSpec.axis` of a stacked FSDP param is of a layer;
   # `Leaf.shard_axis` counts the layer axis, hence the + 1.
   axis_of = {p.index: p.axis + (1 if p.layers else 0) for buf in buffers for p in buf.params}
+  buffer_of = {p.index: buf for buf in buffers for p in buf.params}
   leaves = []
   for i, (path, shape, dtype) in enumerate(zip(paths, shapes, dtypes)):
     layer_count = layers[i] if layers else 0
@@ -973,6 +979,8 @@ def make_layout(
       shard_axis=axis_of.get(i, (1 if layer_count else 0) + given.get(path, 0)),
       unit=unit_of[i] if unit_of is not None else None,
       layers=layer_count,
+      expert=i in buffer_of and buffer_of[i].expert,
+      grad_dtype=buffer_of[i].grad_dtype if i in buffer_of else None,
     )
     leaves.append(leaf)
   return Layout(

@@ -630,7 +630,7 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   # unit's shard is not all-reduced over "expert"
   fsdp = fsdp or FSDPConfig()
   gathers = 2 if fsdp.reshard_after_forward else 1
-  experts = {p.index for buf in layout.buffers if buf.expert for p in buf.params}
+  experts = {leaf.index for leaf in layout.leaves if leaf.expert}
   for u in units_of(layout, fsdp.param_dtype, config.grad_dtype is not None):
     for b, dtype in u.gather:
       add("all-gather", _bucket_bytes(layout, b, dtype, own, tp_ways), n, k * gathers)
