@@ -33,6 +33,7 @@ Step 1 is a sequence of named phases (`start_param_sync`, `register_grad_ready_h
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any, Callable
@@ -550,7 +551,7 @@ def forward_backward(
       model_state = collectives.sync_model_state(model_state, plan.axes)
       return Backward(loss, reduced, loop.mean_micro(None, aux, 1), model_state)
     each = step_lib.accumulate(
-      lambda mb, j, ms: reduced_grad(sync.sinks, acc_zero, full, sync, mb, j, ms),
+      functools.partial(reduced_grad, sync.sinks, acc_zero, full, sync),
       jax.tree.map(jnp.zeros_like, sync.sinks),
       micro,
       model_state,
@@ -561,7 +562,7 @@ def forward_backward(
   loss, accs, first_aux = None, acc_zero, None
   if k > 1:  # Megatron's `no_sync`: the first k-1 micro-batches' grads stay local
     first = step_lib.accumulate(
-      lambda mb, j, ms: micro_loss.local(full, sync, mb, j, ms),
+      functools.partial(micro_loss.local, full, sync),
       acc_zero,
       jax.tree.map(lambda x: x[:-1], micro),
       model_state,

@@ -765,7 +765,7 @@ class FSDPStep:
       # fp32 whole-size accumulators, varying: each device sums its own micro-batches' grads
       zeros = {i: jnp.zeros(x.shape, jnp.float32) for i, x in trained.items()}
       each = step_lib.accumulate(
-        lambda mb, j, ms: whole_grad(trained, mb, j, ms),
+        functools.partial(whole_grad, trained),
         collectives.make_varying(zeros, axes),
         micro,
         inputs.model_state,
@@ -776,7 +776,7 @@ class FSDPStep:
       grads = fsdp_program.scatter_units(units, each.grads)
     else:  # every micro-batch gathers and reduce-scatters; the shards add up
       each = step_lib.accumulate(
-        lambda mb, j, ms: unit_grad(tmaster, mb, j, ms),
+        functools.partial(unit_grad, tmaster),
         jax.tree.map(jnp.zeros_like, tmaster),
         step_lib.micro_batches(inputs.batch, k),
         inputs.model_state,
