@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, fsdp_program, loop
 from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import bucket_unravel, shard_unravel
+from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
@@ -747,6 +748,9 @@ class BucketedStep:
 
   def state_specs(self, state: TrainState) -> TrainState:
     return state_specs(state)
+
+  def compiler_options(self) -> dict[str, Any]:
+    return compiler_options(self.mesh.devices.flat[0].platform)
 
   def _manual(self, dims):
     """`shard_map` specs (the data axes only) of leaves placed `dims` (None: no leaf)."""

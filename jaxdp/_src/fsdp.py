@@ -698,6 +698,9 @@ class FSDPStep:
   def state_specs(self, state: TrainState) -> TrainState:
     return state_specs(state)
 
+  def compiler_options(self) -> dict[str, Any]:
+    return compiler_options(self.mesh.devices.flat[0].platform, self.fsdp)
+
   def in_specs(self, state: TrainState) -> step_lib.StepInputs:
     specs = state_specs(state)
     params, master = manual_specs(state)

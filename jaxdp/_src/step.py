@@ -81,6 +81,10 @@ class StepStrategy(Protocol):
   def state_specs(self, state: TrainState) -> TrainState:
     """Where `init_state` places each field of `state` (the step's output goes there too)."""
 
+  def compiler_options(self) -> dict[str, Any]:
+    """The XLA options the step is jitted with (`compiler.compiler_options` and the
+    strategy's own)."""
+
   def in_specs(self, state: TrainState) -> StepInputs: ...
 
   def out_specs(self, state: TrainState) -> tuple[LocalGrads, LocalGrads | None]:
@@ -142,7 +146,6 @@ def make_train_step(
   *,
   grad_accum_steps: int,
   has_aux: bool,
-  compiler_options: dict[str, Any],
 ) -> checks.TrainStep:
   """The jitted step of `strategy` (see the module docstring)."""
   run = _Step(strategy, tx, mesh, config, grad_accum_steps, has_aux)
@@ -150,7 +153,7 @@ def make_train_step(
   def step(state: TrainState, batch):  # named: the compiled program is "jit_step"
     return run(state, batch)
 
-  return checks.jit_step(step, mesh, config, compiler_options)
+  return checks.jit_step(step, mesh, config, strategy.compiler_options())
 
 
 def run_local_grads(strategy: StepStrategy, mesh, state: TrainState, batch) -> LocalGrads:

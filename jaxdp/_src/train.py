@@ -16,7 +16,6 @@ import optax
 
 from jaxdp._src import checks, ddp, fsdp as fsdp_lib, loop, state as state_lib
 from jaxdp._src import step as step_lib
-from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import Frozen, is_function
 from jaxdp._src.mesh import eager_program
@@ -313,18 +312,8 @@ def make_train_step(
   strategy = step_strategy(
     loss_fn, mesh, config, grad_accum_steps=grad_accum_steps, fsdp=fsdp, has_aux=has_aux
   )
-  if config.shards_params:
-    options = fsdp_lib.compiler_options(mesh.devices.flat[0].platform, fsdp)
-  else:
-    options = compiler_options(mesh.devices.flat[0].platform)
   return step_lib.make_train_step(
-    strategy,
-    tx,
-    mesh,
-    config,
-    grad_accum_steps=grad_accum_steps,
-    has_aux=has_aux,
-    compiler_options=options,
+    strategy, tx, mesh, config, grad_accum_steps=grad_accum_steps, has_aux=has_aux
   )
 
 
