@@ -723,6 +723,11 @@ def local_grads(
 # ----------------------------------------------------------------------------- step
 
 
+def _model_dims(state: TrainState) -> list:
+  """Each leaf's placement over the caller's mesh axes, as the step sees it (`model_spec`)."""
+  return [model_spec(state, leaf.index, len(leaf.shape)) for leaf in state.layout.leaves]
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketedStep:
   """`no_shard`, `optim` and `optim_grads` as a `step.StepStrategy` (see the module
@@ -759,7 +764,7 @@ class BucketedStep:
   def _grad_dims(self, state: TrainState):
     """Where each reduced grad lands: over "data" on its shard dim when sharded."""
     layout = state.layout
-    model_dims = [model_spec(state, leaf.index, len(leaf.shape)) for leaf in layout.leaves]
+    model_dims = _model_dims(state)
     return [
       (with_data(d, self.plan.axes, leaf.shard_axis) if self.plan.sharded else d)
       if leaf.trainable
@@ -799,7 +804,7 @@ class BucketedStep:
 
   def local_grads(self, state: TrainState, inputs: step_lib.StepInputs) -> step_lib.LocalGrads:
     layout = state.layout
-    model_dims = [model_spec(state, leaf.index, len(leaf.shape)) for leaf in layout.leaves]
+    model_dims = _model_dims(state)
     own = tuple(own_axes(d, self.plan.axes) for d in model_dims)
     return local_grads(self.loss_fn, self.plan_for(state), inputs, layout, own)
 
