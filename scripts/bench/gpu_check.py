@@ -5,11 +5,19 @@ the device's peak-memory counter belongs to that variant alone, and gathers the 
 
     python scripts/bench/gpu_check.py --model medium --variant jit
     python scripts/bench/gpu_check.py --model 350m --variant optim_grads_params
+    python scripts/bench/gpu_check.py --model llama --variant optim_grads_params
 
 Variants: `jit` is the program a JAX user writes on one device (`jax.jit` of
 `value_and_grad` + clip + AdamW, state donated); the others are jaxdp's train step for
 that strategy on a 1-device mesh. At dp = 1 every collective is a no-op, so what a jaxdp
 step costs over `jit` is jaxdp's own machinery (bucket ravel/unravel, hooks, master copies).
+
+`llama` is models/llama.py at Llama-3-8B's width (d 4096, GQA 32 / 8, SwiGLU 14336, untied
+128,256-token embed and out, f32 params cast to bf16, blocks scanned under remat) with 2
+layers and 1 x 2048 tokens: the shape scripts/bench/fsdp_overlap.py compares with the
+MaxText-style GSPMD program, whose compute on one device is `jit`'s. Its measured against
+predicted step says how far that bench's cost-model numbers are from a real GPU; its FSDP
+variant uses the bench's `FSDPConfig(stacked=["blocks"])`.
 
 Prints one JSON line: median step time over `--repeats` timed blocks of `--steps` steps,
 compile time, the compiled program's memory analysis (`peak_memory_in_bytes` and parts),
@@ -30,6 +38,7 @@ import time
 MODELS = {  # GPT sizes, vocabulary 256 bytes
   "medium": dict(n_layer=4, n_head=8, d_model=256, block_size=256, batch=32),  # 3.2M
   "350m": dict(n_layer=28, n_head=16, d_model=1024, block_size=512, batch=8),  # 352M
+  "llama": dict(n_layer=2, block_size=2048, batch=1),  # 1.5B: models/llama.py, 8B's width
 }
 VARIANTS = ("jit", "no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -53,17 +62,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)  # the repo root
 import jaxdp  # noqa: E402
 from jaxdp import inspect  # noqa: E402
+from models import llama  # noqa: E402
 from models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 
 spec = dict(MODELS[args.model])
-batch_size = spec.pop("batch")
-config = GPTConfig(vocab_size=256, **spec)
-params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(0)), gpt_loss)
-params = jax.tree.map(np.asarray, params)  # on the host; each variant places its own
+batch_size, seq = spec.pop("batch"), spec.pop("block_size")
+fsdp = None
+if args.model == "llama":
+  config = llama.LlamaConfig.llama3_8b(**spec)
+  vocab, loss_fn = config.vocab, llama.llama_loss(config)
+  params = jax.tree.map(np.asarray, llama.init_params(config, jax.random.key(0)))
+  fsdp = jaxdp.FSDPConfig(stacked=["blocks"]) if args.variant == "optim_grads_params" else None
+else:
+  config, vocab = GPTConfig(vocab_size=256, block_size=seq, **spec), 256
+  params, loss_fn = jaxdp.nnx_split(GPT(config, rngs=nnx.Rngs(0)), gpt_loss)
+  params = jax.tree.map(np.asarray, params)  # on the host; each variant places its own
 n_params = sum(x.size for x in jax.tree.leaves(params))
-tokens = np.random.default_rng(0).integers(
-  0, 256, (batch_size, config.block_size + 1), dtype=np.int32
-)
+tokens = np.random.default_rng(0).integers(0, vocab, (batch_size, seq + 1), dtype=np.int32)
 batch = {"x": jnp.asarray(tokens[:, :-1]), "y": jnp.asarray(tokens[:, 1:])}
 tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
 device = jax.devices()[0]
@@ -82,8 +97,8 @@ if args.variant == "jit":
   fn = jax.jit(step, donate_argnums=0)
 else:
   ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy=args.variant)
-  carry = jaxdp.init_state(params, tx, mesh, ddp)
-  fn = jaxdp.make_train_step(loss_fn, tx, mesh, ddp)
+  carry = jaxdp.init_state(params, tx, mesh, ddp, fsdp=fsdp)
+  fn = jaxdp.make_train_step(loss_fn, tx, mesh, ddp, fsdp=fsdp)
   batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
 
 t0 = time.perf_counter()
@@ -129,7 +144,7 @@ print(
       variant=args.variant,
       params=int(n_params),
       batch=batch_size,
-      seq=config.block_size,
+      seq=seq,
       device=device.device_kind,
       jax=jax.__version__,
       step_ms=1e3 * statistics.median(times),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One real GPU, one run (<= 8 minutes): jaxdp's dp = 1 overhead against plain jax.jit on a
-# GPT of 3.2M and of 352M params, the real peak memory against the compiled estimate, the
-# measured step against the one XLA's cost model predicts (jaxdp.inspect.predict_step), and
+# GPT of 3.2M and of 352M params and on a 2-layer Llama at 8B's width (1.5B), the real peak
+# memory against the compiled estimate, the measured step against the one XLA's cost model predicts (jaxdp.inspect.predict_step), and
 # the device's target description. Output (to $OUT, else ./out/gpu_check): gpu_check.jsonl
 # (one line per model x variant, from scripts/bench/gpu_check.py), gpu_check.md (the table),
 # <device>_target_config.txtpb, nvidia-smi.txt, versions.txt.
@@ -21,14 +21,19 @@ jaxlib.__version__, 'flax', flax.__version__, 'optax', optax.__version__); print
   > "$out/versions.txt" 2>&1
 cat "$out/versions.txt"
 python3 scripts/bench/gpu_target_config.py > "$out/target_config.txtpb" 2> "$out/target_config.err"
-for model in medium 350m; do
-  for variant in jit no_shard optim optim_grads_params optim_grads; do
-    if (( SECONDS - start > budget )); then echo "skip $model $variant: budget"; continue; fi
-    echo "== $model $variant ($((SECONDS - start)) s)"
-    timeout 240 python3 scripts/bench/gpu_check.py --model "$model" --variant "$variant" \
-      >> "$out/gpu_check.jsonl" 2>> "$out/gpu_check.err" || echo "   failed: $?"
-    tail -n 1 "$out/gpu_check.jsonl"
-  done
+# The Llama (2 layers at 8B's width) only as jit and FSDP: the pair scripts/bench/fsdp_overlap.py
+# compares on 8 GPUs, here at dp = 1, so its measured / predicted says how far that bench's
+# cost-model numbers are from the GPU.
+runs="medium:jit medium:no_shard medium:optim medium:optim_grads_params medium:optim_grads
+      llama:jit llama:optim_grads_params
+      350m:jit 350m:no_shard 350m:optim 350m:optim_grads_params 350m:optim_grads"
+for run in $runs; do
+  model=${run%%:*} variant=${run#*:}
+  if (( SECONDS - start > budget )); then echo "skip $model $variant: budget"; continue; fi
+  echo "== $model $variant ($((SECONDS - start)) s)"
+  timeout 240 python3 scripts/bench/gpu_check.py --model "$model" --variant "$variant" \
+    >> "$out/gpu_check.jsonl" 2>> "$out/gpu_check.err" || echo "   failed: $?"
+  tail -n 1 "$out/gpu_check.jsonl"
 done
 python3 - "$out" <<'PY'
 import json, sys
