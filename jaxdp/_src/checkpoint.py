@@ -43,6 +43,9 @@ import dataclasses
 import functools
 import math
 import os
+import signal
+import threading
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -50,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import FixedIntervalPolicy
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdp._src import __version__
@@ -1154,6 +1158,135 @@ def _check_shards_fit(arrays: dict[str, jax.Array], concurrent_gb: float) -> Non
       )
 
 
+# ----------------------------------------------------------------------------- preemption
+#
+# [Note: preemption] A scheduler that needs a job's machines back sends it a signal (SLURM,
+# Kubernetes: SIGTERM) and kills it a grace period later. `CheckpointManager.
+# reached_preemption(step)` turns that signal into one step at which every process saves:
+#
+# * One process (`jax.distributed` not running): a Python handler for the signal sets a
+#   flag, and the first step boundary after it is the step.
+# * Several processes: JAX's preemption sync manager, which `jax.distributed.initialize`
+#   starts, catches SIGTERM itself (a C handler, not a Python one), tells the coordination
+#   service, and every process reports the last step it asked about; the step is the
+#   largest of those plus one (`multihost_utils.reached_preemption_sync_point`). So a
+#   process signalled later than another, or never, still saves at the same step. A
+#   Python handler for SIGTERM would replace JAX's handler and the other processes would
+#   never hear, so none is installed for SIGTERM; another signal (SLURM's `--signal=USR1`)
+#   gets a Python handler that raises SIGTERM in its own process, for JAX's handler.
+#
+# The handler is installed at the first `reached_preemption` call, not before: a loop that
+# never asks keeps the signal's previous behaviour (SIGTERM ends the process), and before
+# the first step boundary there is nothing newer than the restored state to save. One
+# handler per signal serves every open manager that listens on it; the handler that was
+# there before comes back when the last of them is closed (or collected).
+
+
+@dataclasses.dataclass
+class _Notice:
+  """What one manager heard of its preemption signal."""
+
+  received: bool = False
+  """The signal arrived (one process; under `jax.distributed`, JAX keeps its own record)."""
+  step: int | None = None
+  """The step at which `reached_preemption` answered True."""
+
+
+@dataclasses.dataclass
+class _Listener:
+  """The one Python handler of a signal, shared by the managers that listen on it."""
+
+  previous: Any
+  """The handler it replaced (`signal.signal`'s return value), put back by the last one."""
+  notices: list[_Notice]
+  forward_to_jax: bool
+  """Raise SIGTERM on receipt, for JAX's preemption sync manager ([Note: preemption])."""
+
+
+_listeners: dict[signal.Signals, _Listener] = {}
+
+
+def _on_signal(signum: int, frame) -> None:
+  listener = _listeners.get(signal.Signals(signum))
+  if listener is None:  # removed while this signal was pending
+    return
+  for notice in listener.notices:
+    notice.received = True
+  if listener.forward_to_jax:
+    signal.raise_signal(signal.SIGTERM)
+
+
+def _listen(sig: signal.Signals, notice: _Notice, forward_to_jax: bool) -> None:
+  if sig not in _listeners:
+    if threading.current_thread() is not threading.main_thread():
+      raise ValueError(
+        f"CheckpointManager(preemption_signal={sig.name}): Python handles signals in the "
+        "main thread only; call reached_preemption from the main thread, or construct the "
+        "manager with preemption_signal=None"
+      )
+    previous = signal.signal(sig, _on_signal)
+    _listeners[sig] = _Listener(previous=previous, notices=[], forward_to_jax=forward_to_jax)
+  _listeners[sig].notices.append(notice)
+
+
+def _unlisten(sig: signal.Signals, notice: _Notice) -> None:
+  listener = _listeners.get(sig)
+  if listener is None or not any(n is notice for n in listener.notices):
+    return
+  listener.notices = [n for n in listener.notices if n is not notice]
+  if listener.notices:
+    return
+  del _listeners[sig]
+  # None: the previous handler was not set from Python; the default is what Python knew
+  previous = signal.SIG_DFL if listener.previous is None else listener.previous
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(sig, previous)
+
+
+def _check_signal(preemption_signal) -> signal.Signals | None:
+  """`preemption_signal` as a `signal.Signals`, or a clear error."""
+  if preemption_signal is None:
+    return None
+  if isinstance(preemption_signal, bool) or not isinstance(preemption_signal, int):
+    raise TypeError(
+      f"preemption_signal={preemption_signal!r}: expected a signal such as signal.SIGTERM "
+      "or signal.SIGUSR1 (a signal.Signals or its number), or None to never stop for one"
+    )
+  try:
+    sig = signal.Signals(preemption_signal)
+  except ValueError:
+    raise ValueError(
+      f"preemption_signal={preemption_signal!r}: no such signal on this system; use one "
+      "of signal.SIGTERM, signal.SIGUSR1, ..., or None"
+    ) from None
+  if sig in (signal.SIGKILL, signal.SIGSTOP):
+    raise ValueError(
+      f"preemption_signal={sig.name}: a process cannot catch {sig.name}; use the signal "
+      "the scheduler sends first (SIGTERM, or the one given to SLURM's --signal)"
+    )
+  return sig
+
+
+def _check_jax_hears(sig: signal.Signals) -> None:
+  """Under `jax.distributed`: refuses what would keep JAX's preemption sync from hearing
+  the signal ([Note: preemption])."""
+  if not jax.config.jax_enable_preemption_service:
+    raise ValueError(
+      f"CheckpointManager(preemption_signal={sig.name}): the processes agree on the step "
+      "to save at through JAX's preemption service, which is off "
+      "(jax_enable_preemption_service=False); turn it on before jax.distributed starts, or "
+      "pass preemption_signal=None"
+    )
+  if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+    raise ValueError(
+      f"CheckpointManager(preemption_signal={sig.name}): a handler set from Python "
+      f"({signal.getsignal(signal.SIGTERM)!r}) holds SIGTERM, in place of the one "
+      "jax.distributed installs for its preemption sync, so no process would hear of a "
+      "preemption; remove it (signal.signal(signal.SIGTERM, signal.SIG_DFL) before "
+      "jax.distributed.initialize), or pass preemption_signal=None"
+    )
+
+
 # ----------------------------------------------------------------------------- manager
 
 
@@ -1173,6 +1306,9 @@ class CheckpointManager:
       writes hold, at the price of fewer writes in flight. None: orbax's default (no bound
       below the state's own size). Each device's shard of every array must be smaller,
       since a shard is written in one piece; `save` refuses a state with a larger one.
+    preemption_signal: the signal a scheduler sends before it stops the job (SIGTERM by
+      default; SLURM's `--signal=USR1@90`: `signal.SIGUSR1`); `reached_preemption` says
+      at which step every process saves after it. None: never stop for a signal.
 
   Examples:
     >>> import tempfile, jax, jax.numpy as jnp, optax, jaxdp
@@ -1190,7 +1326,23 @@ class CheckpointManager:
     Array(15., dtype=float32)
     >>> mgr.data_position()
     0
-    >>> mgr.close(); folder.cleanup()
+    >>> mgr.close()
+
+    On preemption, a loop saves at the next step boundary and stops (`reached_preemption`):
+
+    >>> import os, signal
+    >>> train_step = jaxdp.make_train_step(lambda p, b: jnp.sum(p["w"]) * jnp.mean(b), tx, mesh, config)
+    >>> mgr = jaxdp.CheckpointManager(folder.name + "/run", save_interval_steps=100)
+    >>> for step in range(1, 1000):
+    ...   state, _ = train_step(state, jnp.ones((8, 3)))
+    ...   if step == 3:
+    ...     os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends
+    ...   if mgr.reached_preemption(step):
+    ...     saved = mgr.save(step, state, force=True)
+    ...     break
+    >>> mgr.wait_until_finished(); mgr.all_steps()
+    [3]
+    >>> mgr.close(); folder.cleanup()  # SIGTERM's previous handler is back
   """
 
   def __init__(
@@ -1200,7 +1352,11 @@ class CheckpointManager:
     max_to_keep: int | None = None,
     save_interval_steps: int = 1,
     save_concurrent_gb: float | None = None,
+    preemption_signal: int | signal.Signals | None = signal.SIGTERM,
   ):
+    self.preemption_signal = _check_signal(preemption_signal)
+    self._notice = _Notice()
+    self._listening = False
     if max_to_keep is not None and (
       isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
     ):
@@ -1292,6 +1448,51 @@ class CheckpointManager:
       ),
       force=force,
     )
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether to save now and stop: True at the one step where every process saves after
+    the `preemption_signal` reached any of them.
+
+    Call it at every step boundary, on every process, with the step counter that `save`
+    takes (increasing by one per step): after a signal, it answers True at one step, the
+    same on every process (under `jax.distributed`, JAX's preemption sync point: the step
+    after the furthest any process had asked about; alone, the first call after the
+    signal), and False before and after it. See [Note: preemption] in the source.
+
+    The first call installs the handler (none for SIGTERM under `jax.distributed`, whose
+    own handler hears it); `close` puts the previous one back. From then on the signal no
+    longer ends the process: the loop must stop itself.
+
+    Args:
+      step: the step just taken.
+
+    Returns:
+      True: save `step` now (`save(step, state, force=True)`) and stop.
+
+    Raises:
+      ValueError: the handler cannot be installed here (not the main thread), or, under
+        `jax.distributed`, JAX's preemption service could not hear the signal (turned off,
+        or SIGTERM taken by a Python handler).
+    """
+    sig = self.preemption_signal
+    if sig is None:
+      return False
+    step = int(step)
+    synced = jax.distributed.is_initialized()
+    if not self._listening:
+      if synced:
+        _check_jax_hears(sig)
+      if not (synced and sig == signal.SIGTERM):
+        _listen(sig, self._notice, forward_to_jax=synced)
+        weakref.finalize(self, _unlisten, sig, self._notice)
+      self._listening = True
+    if self._notice.step is None:
+      reached = (
+        multihost_utils.reached_preemption_sync_point(step) if synced else self._notice.received
+      )
+      if reached:
+        self._notice.step = step
+    return self._notice.step == step
 
   def wait_until_finished(self) -> None:
     """Blocks until every started save is written and committed."""
@@ -1424,7 +1625,10 @@ class CheckpointManager:
   # -- lifetime
 
   def close(self) -> None:
-    """Waits for pending saves and releases orbax's resources."""
+    """Waits for pending saves, releases orbax's resources and gives the preemption signal
+    back to the handler it had before `reached_preemption` was first called."""
+    if self.preemption_signal is not None:
+      _unlisten(self.preemption_signal, self._notice)
     self._mgr.close()
 
   def __enter__(self) -> CheckpointManager:
