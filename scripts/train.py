@@ -16,6 +16,7 @@ Usage:
     python scripts/train.py --dropout 0.1            # embedding dropout: a key per step and device
     python scripts/train.py --save-every 100         # checkpoint to <out>/checkpoints
     python scripts/train.py --save-every 100 --resume  # continue after a crash, any strategy
+    python scripts/train.py --save-every 100 --preemption-signal SIGUSR1  # SLURM --signal=USR1@90
     python -m jaxdp.launch -n 2 -d 4 -- scripts/train.py  # 2 processes x 4 CPU devices
 
 Strategies (Megatron's `data_parallel_sharding_strategy`): no_shard (DDP), optim
@@ -28,13 +29,17 @@ padding) at start. With `--save-every N`, `checkpoints/` holds a checkpoint ever
 (and at the end); `--resume` continues from the latest one, on any device count and
 strategy, exactly where the data left off (step k's batch depends on seed and k alone) and
 with the run's own learning-rate schedule (a larger `--steps` trains on at its final rate).
-A bad flag is refused at once, before JAX is imported.
+With checkpoints on, a SIGTERM (`--preemption-signal`) from the scheduler, to any process
+or to `python -m jaxdp.launch`, makes every process save at the same next step boundary and
+exit with 128 + the signal's number (143 for SIGTERM: the job was stopped, not finished),
+to be continued with `--resume`. A bad flag is refused at once, before JAX is imported.
 """
 
 import argparse
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
 import time
@@ -67,6 +72,7 @@ seed = 0
 out = "out/train"
 cpu_devices = 8  # simulated devices when JAX has no accelerator
 save_every = 0  # steps between checkpoints (0: none)
+preemption_signal = "SIGTERM"  # with checkpoints: save at the next step and stop on it
 # -----------------------------------------------------------------------------
 
 
@@ -105,6 +111,21 @@ def rate(text: str) -> float:
   if not 0.0 <= value < 1.0:
     raise argparse.ArgumentTypeError(f"{value:g}: use a rate in [0, 1)")
   return value
+
+
+def signal_name(text: str) -> signal.Signals | None:
+  """An argparse type: a signal a process can catch, by name (SIGUSR1 or USR1), or none."""
+  if text.lower() == "none":
+    return None
+  name = text.upper() if text.upper().startswith("SIG") else "SIG" + text.upper()
+  sig = getattr(signal.Signals, name, None)
+  if sig is None:
+    raise argparse.ArgumentTypeError(
+      f"{text!r} is not a signal; use a name such as SIGTERM or SIGUSR1, or none"
+    )
+  if sig in (signal.SIGKILL, signal.SIGSTOP):
+    raise argparse.ArgumentTypeError(f"{sig.name} cannot be caught; use SIGTERM or SIGUSR1")
+  return sig
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -218,6 +239,14 @@ parser.add_argument(
   type=at_least(0),
   default=save_every,
   help="steps between checkpoints in <out>/checkpoints (0: none)",
+)
+parser.add_argument(
+  "--preemption-signal",
+  type=signal_name,
+  default=preemption_signal,
+  help="with checkpoints (--save-every or --resume): on this signal, to any process or to "
+  "the launcher, every process saves at the same next step boundary and exits with 128 + "
+  "its number (SIGTERM: 143); none: the signal's own behaviour",
 )
 parser.add_argument(
   "--resume",
@@ -352,6 +381,7 @@ if args.save_every or args.resume:
     os.path.join(args.out, "checkpoints"),
     max_to_keep=3,
     save_interval_steps=max(args.save_every, 1),
+    preemption_signal=args.preemption_signal,
   )
   resume_step = mgr.latest_step() if args.resume else None
   if args.resume and resume_step is None:
@@ -513,6 +543,7 @@ first_step_cpu = 0.0
 bar = tqdm(
   range(first_step, args.steps + 1), desc=args.strategy, dynamic_ncols=True, disable=not is_main
 )
+preempted = False
 for step in bar:
   batch = to_mesh(get_batch(train_data, np.random.default_rng([args.seed, step])))
   t0 = time.perf_counter()
@@ -544,17 +575,31 @@ for step in bar:
     record(step=step, val_loss=v)
     if is_main:
       bar.write(f"step {step}: loss {loss:.3f} (this step), val loss {v:.3f}")
-  if mgr is not None and args.save_every:  # async: the write overlaps the next steps
+  # After a preemption signal every process answers True at the same step (with several
+  # processes, JAX's preemption sync point): save it and stop.
+  preempted = mgr is not None and mgr.reached_preemption(step)
+  if mgr is not None and (args.save_every or preempted):  # async: overlaps the next steps
     mgr.save(
       step,
       state,
       data_position={"next_step": step + 1, "schedule": run_schedule},
-      force=step == args.steps,
+      force=step == args.steps or preempted,
     )
+  if preempted:
+    break
 bar.close()
 log.close()
 if mgr is not None:
   mgr.wait_until_finished()
+  mgr.close()  # the preemption signal's previous handler back
+if preempted:
+  # Every process says it; a scheduler reads 128 + N as "stopped by signal N", not "done".
+  print(
+    f"preempted ({args.preemption_signal.name}): saved checkpoint {step} at step {step} in "
+    f"{args.out}/checkpoints; continue with --resume",
+    flush=True,
+  )
+  sys.exit(128 + args.preemption_signal)
 elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
 
 # ----------------------------------------------------------------------------- report

@@ -6,6 +6,12 @@ process gets the `JAXDP_*` environment that `jaxdp.initialize` reads (coordinato
 `[pI]` prefix, and when one process fails the others are stopped: SIGTERM, then SIGKILL
 after a grace period. The launcher exits 0 only if every process exits 0.
 
+A SIGTERM to the launcher (a scheduler taking the machines back: Kubernetes signals only
+the container's first process) is forwarded to every process, which may save a checkpoint
+before it exits (`CheckpointManager.reached_preemption`); they have `preemption_grace_s`
+for it, or until a second signal, before they are SIGKILLed. Ctrl-C (SIGINT) is forwarded
+too, with the short `grace_period_s`.
+
 A job that stops making progress is ended too: when no process has written any output or
 started a train step (`jaxdp.make_train_step`'s steps touch the file named by
 `JAXDP_HEARTBEAT`) for `hang_timeout_s` seconds, the launcher asks every process for its
@@ -50,6 +56,10 @@ _POLL_S = 0.05
 PROG = "python -m jaxdp.launch"
 HANG_TIMEOUT_S = 300.0
 """Default `hang_timeout_s`: seconds without output or train step before a job counts as hung."""
+PREEMPTION_GRACE_S = 120.0
+"""Default `preemption_grace_s`: after a SIGTERM to the launcher, seconds the processes have
+to save and exit before they are SIGKILLed (longer than a scheduler's own grace period, so
+that the scheduler, not the launcher, decides when a save is cut short)."""
 _DUMP_WAIT_S = 10.0  # How long a hung process may take to write its stacks and die.
 
 
@@ -250,6 +260,7 @@ def launch(
   *,
   port: int | None = None,
   grace_period_s: float = 5.0,
+  preemption_grace_s: float = PREEMPTION_GRACE_S,
   timeout_s: float | None = None,
   hang_timeout_s: float | None = HANG_TIMEOUT_S,
   stdout: IO | None = None,
@@ -266,6 +277,9 @@ def launch(
     port: coordinator port on 127.0.0.1; None picks a free one.
     grace_period_s: after SIGTERM (or SIGINT on Ctrl-C), how long a process may take
       to exit before it is SIGKILLed.
+    preemption_grace_s: after a SIGTERM to the launcher, forwarded to every process, how
+      long they may take to save and exit before they are SIGKILLed (a second signal
+      SIGKILLs them at once).
     timeout_s: stop everything and fail if the job runs longer than this; None: no limit.
     hang_timeout_s: stop everything and fail if no process writes any output or starts a
       train step for this long; the launcher first collects every process's Python stacks
@@ -304,6 +318,8 @@ def launch(
     raise ValueError(f"num_processes={num_processes}: must be at least 1")
   if devices_per_process is not None and devices_per_process < 1:
     raise ValueError(f"devices_per_process={devices_per_process}: must be at least 1")
+  if preemption_grace_s < 0:
+    raise ValueError(f"preemption_grace_s={preemption_grace_s}: must be 0 or more")
   if hang_timeout_s is not None and hang_timeout_s < 0:
     raise ValueError(f"hang_timeout_s={hang_timeout_s}: must be positive (0 or None: off)")
   if not command:
@@ -403,7 +419,13 @@ def launch(
     while True:
       if received:
         sig = received[0]
-        say(f"received {signal.Signals(sig).name}; stopping all processes")
+        if sig == signal.SIGTERM:
+          say(
+            f"received SIGTERM; forwarding it to every process, which may save before it "
+            f"exits (SIGKILL in {preemption_grace_s:g} s, or at a second signal)"
+          )
+        else:
+          say(f"received {signal.Signals(sig).name}; stopping all processes")
         code = 128 + sig
         break
       for w in workers:
@@ -434,13 +456,19 @@ def launch(
         break
       time.sleep(_POLL_S)
   finally:
+    preempted = bool(received) and received[0] == signal.SIGTERM
     _stop(
       workers,
       signal.SIGINT if signal.SIGINT in received else signal.SIGTERM,
-      grace_period_s,
+      preemption_grace_s if preempted else grace_period_s,
       say,
       received,
     )
+    if preempted:
+      say(
+        "after SIGTERM: "
+        + ", ".join(f"p{w.index} {describe_exit(w.proc.returncode)}" for w in workers)
+      )
     shutil.rmtree(heartbeats, ignore_errors=True)
     for sig, handler in previous_handlers.items():
       signal.signal(sig, handler)
@@ -605,6 +633,14 @@ def _parser() -> argparse.ArgumentParser:
     help="after SIGTERM, seconds before SIGKILL (default: 5)",
   )
   parser.add_argument(
+    "--preemption-grace",
+    type=float,
+    default=PREEMPTION_GRACE_S,
+    metavar="SECONDS",
+    help="after a SIGTERM to the launcher, forwarded to every process, seconds they have "
+    f"to save and exit before SIGKILL (default: {PREEMPTION_GRACE_S:g})",
+  )
+  parser.add_argument(
     "--timeout",
     type=float,
     default=None,
@@ -644,6 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       args.devices_per_process,
       port=args.port,
       grace_period_s=args.grace_period,
+      preemption_grace_s=args.preemption_grace,
       timeout_s=args.timeout,
       hang_timeout_s=args.hang_timeout,
     )
