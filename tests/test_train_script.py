@@ -126,6 +126,11 @@ BAD_FLAGS = [
   (["--save-every", "-1"], "argument --save-every: -1: must be at least 0"),
   (["--cpu-devices", "0"], "argument --cpu-devices: 0: must be at least 1"),
   (["--n-layer", "2.5"], "argument --n-layer: '2.5' is not an integer"),
+  (
+    ["--preemption-signal", "SIGFOO"],
+    "argument --preemption-signal: 'SIGFOO' is not a signal; use a name such as SIGTERM",
+  ),
+  (["--preemption-signal", "KILL"], "argument --preemption-signal: SIGKILL cannot be caught"),
 ]
 
 
