@@ -108,6 +108,25 @@ def test_listening_off_the_main_thread_is_refused(tmp_path):
   assert raised and "main thread only" in raised[0] and "preemption_signal=None" in raised[0]
 
 
+def test_a_manager_closed_off_the_main_thread_hands_the_signal_back(tmp_path):
+  """`close` on another thread cannot put the handler back (Python sets handlers on the
+  main thread only): the signal, when it comes, reaches the previous handler all the same."""
+  heard = []
+  mine = lambda signum, frame: heard.append(signum)
+  before = signal.signal(signal.SIGUSR2, mine)
+  try:
+    mgr = jaxdp.CheckpointManager(tmp_path, preemption_signal=signal.SIGUSR2)
+    assert not mgr.reached_preemption(1)
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    closer.join()
+    os.kill(os.getpid(), signal.SIGUSR2)
+    assert heard == [signal.SIGUSR2] and signal.getsignal(signal.SIGUSR2) is mine
+    assert not mgr.reached_preemption(2)
+  finally:
+    signal.signal(signal.SIGUSR2, before)
+
+
 # --- the launcher ------------------------------------------------------------------------
 
 

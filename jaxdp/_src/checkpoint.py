@@ -1207,8 +1207,13 @@ _listeners: dict[signal.Signals, _Listener] = {}
 
 
 def _on_signal(signum: int, frame) -> None:
-  listener = _listeners.get(signal.Signals(signum))
+  sig = signal.Signals(signum)
+  listener = _listeners.get(sig)
   if listener is None:  # removed while this signal was pending
+    return
+  if not listener.notices:  # its last manager was collected off the main thread
+    _unlisten(sig, None)
+    signal.raise_signal(sig)  # to the handler it had before
     return
   for notice in listener.notices:
     notice.received = True
@@ -1229,18 +1234,18 @@ def _listen(sig: signal.Signals, notice: _Notice, forward_to_jax: bool) -> None:
   _listeners[sig].notices.append(notice)
 
 
-def _unlisten(sig: signal.Signals, notice: _Notice) -> None:
+def _unlisten(sig: signal.Signals, notice: _Notice | None) -> None:
+  """Stops `notice` hearing `sig`; with no notice left, puts the previous handler back (on
+  the main thread: elsewhere the handler does it when the signal comes)."""
   listener = _listeners.get(sig)
-  if listener is None or not any(n is notice for n in listener.notices):
+  if listener is None:
     return
   listener.notices = [n for n in listener.notices if n is not notice]
-  if listener.notices:
+  if listener.notices or threading.current_thread() is not threading.main_thread():
     return
   del _listeners[sig]
   # None: the previous handler was not set from Python; the default is what Python knew
-  previous = signal.SIG_DFL if listener.previous is None else listener.previous
-  if threading.current_thread() is threading.main_thread():
-    signal.signal(sig, previous)
+  signal.signal(sig, signal.SIG_DFL if listener.previous is None else listener.previous)
 
 
 def _check_signal(preemption_signal) -> signal.Signals | None:
