@@ -1462,7 +1462,7 @@ class CheckpointManager:
     takes (increasing by one per step): after a signal, it answers True at one step, the
     same on every process (under `jax.distributed`, JAX's preemption sync point: the step
     after the furthest any process had asked about; alone, the first call after the
-    signal), and False before and after it. See [Note: preemption] in the source.
+    signal), and False before and after it (docs/multi-host.md, "Preemption").
 
     The first call installs the handler (none for SIGTERM under `jax.distributed`, whose
     own handler hears it); `close` puts the previous one back. From then on the signal no
