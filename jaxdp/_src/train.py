@@ -115,7 +115,7 @@ def init_state(
     state = fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
   else:
     state = ddp.init_state(params, tx, mesh, config, frozen=frozen)
-  return loop.with_extras(state, mesh, rng, model_state)
+  return checks.with_spike_window(loop.with_extras(state, mesh, rng, model_state), mesh)
 
 
 def abstract_state(
