@@ -1151,15 +1151,19 @@ class _LikeLeaves:
     return out
 
   def _spike_window(self):
-    """The restored spike window; an abstract `like`'s, where the checkpoint had none to
-    read into it, made empty on the mesh (`like` as `init_state` would make it)."""
+    """The restored spike window, placed as the step places it; an abstract `like`'s,
+    where the checkpoint had none to read into it, made empty on the mesh (as `init_state`
+    makes it)."""
     window = self.like.spike_window
     if window is None:
       return None
     leaves = self.values["spike_window"]
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
       return checks.empty_spike_window(self.like.config, self.mesh)
-    return jax.tree.unflatten(jax.tree.structure(window), leaves)
+    # as the step places it: orbax's read of a replicated 1-D leaf has another spec
+    return checks.place_spike_window(
+      jax.tree.unflatten(jax.tree.structure(window), leaves), self.mesh
+    )
 
 
 def _abstract_fits(like: TrainState, targets: list[_Target], same_flat: bool) -> str | None:

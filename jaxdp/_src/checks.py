@@ -447,11 +447,17 @@ def with_spike_window(state: TrainState, mesh) -> TrainState:
 
 
 def empty_spike_window(config: DDPConfig, mesh) -> SpikeWindow:
-  """A `SpikeWindow` of `config.skip_step_interval` entries holding no norm, replicated on
-  `mesh` as the step places its output (so that step 2 reuses step 1's program)."""
-
-  replicated = jax.sharding.PartitionSpec()
+  """A `SpikeWindow` of `config.skip_step_interval` entries holding no norm, placed as the
+  step places it (`place_spike_window`)."""
   window = SpikeWindow(np.zeros((config.skip_step_interval,), np.float32), np.zeros((), np.int32))
+  return place_spike_window(window, mesh)
+
+
+def place_spike_window(window: SpikeWindow, mesh) -> SpikeWindow:
+  """A copy of `window` replicated on `mesh` as the step places its output (on an Explicit
+  mesh a jitted constraint gives a 1-D array another spec than `device_put` does), so that
+  a step given it reuses the program of the step before."""
+  replicated = jax.sharding.PartitionSpec()
   window = jax.device_put(window, jax.sharding.NamedSharding(mesh, replicated), may_alias=False)
   return jax.jit(lambda w: jax.tree.map(lambda x: constrain(x, mesh, replicated), w))(window)
 
