@@ -74,11 +74,13 @@ def reference(params, loss_fn, batches, tx, skip, bound=None):
   return params, opt_state, losses, norms
 
 
-def run(params, loss_fn, batches, config, mesh=None):
+def run(params, loss_fn, batches, config, mesh=None, grad_accum_steps=1):
   """`(state, step, metrics per step)` of jaxdp's step over `batches`."""
   mesh = mesh or jax.make_mesh((8,), ("data",))
   state = jaxdp.init_state(params, adamw_clip(), mesh, config)
-  step = jaxdp.make_train_step(loss_fn, adamw_clip(), mesh, config)
+  step = jaxdp.make_train_step(
+    loss_fn, adamw_clip(), mesh, config, grad_accum_steps=grad_accum_steps
+  )
   history = []
   for batch in batches:
     state, metrics = step(state, batch)
@@ -90,9 +92,12 @@ def int_leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.integer)]
 
 
-@pytest.mark.parametrize("guard", ["threshold", "spikes"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_a_spike_is_skipped_as_by_the_single_device_program(strategy, guard):
+@pytest.mark.parametrize(
+  "strategy, guard, grad_accum_steps",
+  [(strategy, guard, 1) for strategy in STRATEGIES for guard in ("threshold", "spikes")]
+  + [("optim_grads", "spikes", 2), ("optim_grads_params", "threshold", 2)],
+)
+def test_a_spike_is_skipped_as_by_the_single_device_program(strategy, guard, grad_accum_steps):
   params, loss_fn, batches = problem()
   # MLP: 32 x 5 squared errors per loss, 3 layers of 30 products per output
   loss_rtol, norm_rtol, bound = step_tolerances(params, 32 * 5, 3 * 30, LR, clip=1.0)
@@ -107,7 +112,7 @@ def test_a_spike_is_skipped_as_by_the_single_device_program(strategy, guard):
   else:  # the last 2 norms: judged from the third step on
     config = dict(skip_step_on_spikes=True, skip_step_interval=2)
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, **config)
-  state, step, history = run(params, loss_fn, batches, config)
+  state, step, history = run(params, loss_fn, batches, config, grad_accum_steps=grad_accum_steps)
 
   assert [bool(m["skipped"]) for m in history] == [i == SPIKE for i in range(4)]
   assert int(state.step) == 4  # the skipped step is counted
@@ -303,3 +308,23 @@ def test_the_window_mean_and_deviation_are_bessels():
   assert not bool(is_spike(window, jnp.float32(limit * (1 - rtol)), 2.0))
   early = SpikeWindow(jnp.asarray(norms), jnp.asarray(2, jnp.int32))  # 2 < 6 // 2
   assert not bool(is_spike(early, jnp.float32(1e9), 2.0))
+
+
+def test_the_nnx_optimizer_keeps_its_state_through_a_nan_check_error():
+  """`nnx_train_step`: the optimizer's state was donated to the failed step; the optimizer
+  takes the state the error hands back, so the next batch trains on from it."""
+  model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+  mesh = jax.make_mesh((8,), ("data",))
+  config = jaxdp.DDPConfig(check_for_nan_in_grad=True)
+  optimizer = jaxdp.NNXOptimizer(model, optax.sgd(0.1), mesh, config)
+  train_step = jaxdp.nnx_train_step(lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2))
+  good = {"x": jnp.ones((16, 3)), "y": jnp.zeros((16, 1))}
+  train_step(model, optimizer, good)
+  before = _host_copy(jaxdp.get_params(optimizer.state))
+  with pytest.raises(jaxdp.NonFiniteGradError):
+    train_step(model, optimizer, {**good, "y": jnp.full((16, 1), jnp.inf)})
+  assert int(optimizer.step) == 1
+  for x, y in zip(jax.tree.leaves(jaxdp.get_params(optimizer.state)), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(np.asarray(x), y)
+  train_step(model, optimizer, good)
+  assert int(optimizer.step) == 2
