@@ -216,16 +216,18 @@ def test_nan_check_names_leaf_and_step_and_keeps_state(strategy):
   step = jaxdp.make_train_step(_loss, TX, mesh, config)
   state, _ = step(_state(mesh, config), _batch())
   before = _copy(state)
-  message = r"step 1: NaN or Inf in the reduced gradient of params\['b'\]\. The state"
+  message = r"step 1: NaN or Inf in the reduced gradient of params\['b'\]\. The step skipped"
   with pytest.raises(jaxdp.NonFiniteGradError, match=message) as err:
     step(state, _batch(y=np.inf))
   assert err.value.paths == ("['b']",) and err.value.step == 1
-  after = _copy(state)  # still readable: not donated
+  assert state.step.is_deleted()  # donated, as every step's state
+  after = _copy(err.value.state)  # the state the step handed back: the one it was given
   assert jax.tree.structure(after) == jax.tree.structure(before)
   for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(x, y)
-  state, metrics = step(state, _batch())  # and usable
+  state, metrics = step(err.value.state, _batch())  # and usable
   assert int(state.step) == 2 and np.isfinite(float(metrics["loss"]))
+  assert not bool(metrics["skipped"])
 
 
 def test_nan_check_off_keeps_donation_and_plain_outputs(ddp8):

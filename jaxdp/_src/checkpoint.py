@@ -15,6 +15,9 @@ each process its addressable shards) and nothing is gathered:
   per-leaf form first, every device converting its own shard);
 * `model_state_<j>` (BatchNorm statistics) and `rng` (the key's raw data), replicated, so
   that a resumed run draws the keys of the uninterrupted one;
+* `spike_window_<j>`: the spike guard's recent grad norms (`TrainState.spike_window`),
+  replicated; restored where `like` has a window of the same size, else `like`'s (empty)
+  window is kept and the guard fills it again;
 * the state's step counter and the caller's data position (any JSON value).
 
 Each stored leaf holds its logical region first on every dim and padding rows after it, so
@@ -86,7 +89,16 @@ _STATE, _META = "state", "meta"
 
 # ----------------------------------------------------------------------------- stored keys
 
-_KEY_KINDS = ("params", "master", "opt", "model_state", "rng", "flat_master", "flat_opt")
+_KEY_KINDS = (
+  "params",
+  "master",
+  "opt",
+  "model_state",
+  "rng",
+  "flat_master",
+  "flat_opt",
+  "spike_window",
+)
 
 
 def _key(kind: str, index: int | None = None, item: int | None = None) -> str:
@@ -95,8 +107,8 @@ def _key(kind: str, index: int | None = None, item: int | None = None) -> str:
   Args:
     kind: "params" or "master" (leaf `index` of the layout: a trainable low-precision
       param is stored as its "master", `_stores_master`), "opt" (leaf `index` of the
-      per-leaf optax state, `jax.tree.leaves` order), "model_state" (leaf `index`), "rng"
-      (no index), "flat_master" (bucket `index` of a fused state's master), "flat_opt"
+      per-leaf optax state, `jax.tree.leaves` order), "model_state" and "spike_window"
+      (leaf `index`), "rng" (no index), "flat_master" (bucket `index` of a fused state's master), "flat_opt"
       (bucket `index` of the `item`-th flat tree of a fused optax state).
     index: the leaf's or bucket's number.
     item: "flat_opt" only: the optax state item (`_flat_items`) the bucket belongs to.
@@ -242,9 +254,11 @@ class _Description:
   model_state: tuple[_LeafRow, ...] = ()
   rng: bool = False
   """Does the state hold a key."""
+  spike_window: tuple[_LeafRow, ...] = ()
+  """The spike guard's window (`TrainState.spike_window`) leaves; () without one."""
 
   def to_json(self) -> dict[str, Any]:
-    return {
+    out = {
       "params": [row.to_json() for row in self.params],
       "master": list(self.master),
       "opt_state": [row.to_json() for row in self.opt_state],
@@ -252,6 +266,9 @@ class _Description:
       "model_state": [row.to_json() for row in self.model_state],
       "rng": self.rng,
     }
+    if self.spike_window:  # written only where there is one: other metadata as before
+      out["spike_window"] = [row.to_json() for row in self.spike_window]
+    return out
 
   @classmethod
   def from_json(cls, entries: dict[str, Any]) -> _Description:
@@ -263,6 +280,7 @@ class _Description:
       # the first format-1 checkpoints were written before states held these two
       model_state=tuple(_LeafRow.from_json(row) for row in entries.get("model_state", [])),
       rng=entries.get("rng", False),
+      spike_window=tuple(_LeafRow.from_json(row) for row in entries.get("spike_window", [])),
     )
 
 
@@ -411,6 +429,7 @@ def _describe(state: TrainState) -> _Description:
       for path, leaf in keyed_model
     ),
     rng=state.rng is not None,
+    spike_window=_describe_window(state),
   )
 
 
@@ -526,11 +545,13 @@ def _stored_arrays(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, A
 
 
 def _stored_extras(state: TrainState) -> dict[str, jax.Array]:
-  """The stored arrays besides params and optimizer state: the model state's leaves and
-  the key, both replicated."""
+  """The stored arrays besides params and optimizer state: the model state's leaves, the
+  key and the spike guard's window, all replicated."""
   out = {}
   for index, leaf in enumerate(jax.tree.leaves(state.model_state)):
     out[_key("model_state", index)] = leaf
+  for index, leaf in enumerate(jax.tree.leaves(state.spike_window)):
+    out[_key("spike_window", index)] = leaf
   if state.rng is not None:
     out[_key("rng")] = state.rng
   return out
@@ -752,7 +773,8 @@ class _Target:
 
   field: str
   """"params", "master", "opt" (`jax.tree.leaves` order of the per-leaf form), "flat" (a
-  fused state's flat bucket, `index` a `_BucketIndex`), "model_state" or "rng"."""
+  fused state's flat bucket, `index` a `_BucketIndex`), "model_state", "rng" or
+  "spike_window"."""
   index: int | _BucketIndex
   key: str
   shape: tuple[int, ...]
@@ -807,6 +829,8 @@ def _saved_leaves(description: _Description) -> dict[str, _LeafRow]:
     out[_key("model_state", index)] = row
   if description.rng:  # a key's raw data: two uint32 words
     out[_key("rng")] = _LeafRow(path="", shape=(2,), dtype="uint32")
+  for index, row in enumerate(description.spike_window):
+    out[_key("spike_window", index)] = row
   return out
 
 
@@ -902,7 +926,21 @@ def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_
     out.append(target("model_state", index, _key("model_state", index), leaf, P()))
   if per_leaf.rng is not None:
     out.append(target("rng", 0, _key("rng"), per_leaf.rng, P()))
+  # The spike guard's window, where the checkpoint has one of `like`'s very shapes; else
+  # `like`'s own (an empty window) is kept: the guard's statistic, not the training state
+  if meta.description.spike_window == _describe_window(like):
+    for index, leaf in enumerate(jax.tree.leaves(per_leaf.spike_window)):
+      out.append(target("spike_window", index, _key("spike_window", index), leaf, P()))
   return out
+
+
+def _describe_window(state: TrainState) -> tuple[_LeafRow, ...]:
+  """The metadata rows of `state`'s spike window (`_Description.spike_window`)."""
+  keyed = jax.tree_util.tree_flatten_with_path(state.spike_window)[0]
+  return tuple(
+    _LeafRow(path=jax.tree_util.keystr(path), shape=tuple(leaf.shape), dtype=leaf.dtype.name)
+    for path, leaf in keyed
+  )
 
 
 def _groups(targets: list[_Target]) -> list[list[_Target]]:
@@ -1036,6 +1074,7 @@ class _LikeLeaves:
       "master": None if same_flat else leaves_of(like.master, like.layout),
       "model_state": jax.tree.leaves(like.model_state),
       "rng": [like.rng],
+      "spike_window": jax.tree.leaves(like.spike_window),
     }
     self.master_flat = dict(like.master) if same_flat else None
 
@@ -1108,11 +1147,27 @@ class _LikeLeaves:
         jax.tree.structure(like.model_state), self.values["model_state"]
       ),
       rng=self.values["rng"][0],
+      spike_window=self._spike_window(),
     )
     if self.given.fused and not self.flat:
       out = jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
       jax.tree.map(lambda x: x.delete(), self.given)  # consumed, as every other `like`
     return out
+
+  def _spike_window(self):
+    """The restored spike window, placed as the step places it; an abstract `like`'s,
+    where the checkpoint had none to read into it, made empty on the mesh (as `init_state`
+    makes it)."""
+    window = self.like.spike_window
+    if window is None:
+      return None
+    leaves = self.values["spike_window"]
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+      return checks.empty_spike_window(self.like.config, self.mesh)
+    # as the step places it: orbax's read of a replicated 1-D leaf has another spec
+    return checks.place_spike_window(
+      jax.tree.unflatten(jax.tree.structure(window), leaves), self.mesh
+    )
 
 
 def _abstract_fits(like: TrainState, targets: list[_Target], same_flat: bool) -> str | None:

@@ -1,11 +1,18 @@
-"""What a train step checks outside the compiled program: its inputs, and NaN/Inf in grads.
+"""What a train step checks outside the compiled program (its inputs), and what it decides
+inside it: whether to skip its update (the spike guards and the NaN check).
 
 Megatron's `check_for_nan_in_grad` asserts inside the step. In JAX an error raised from
 inside a compiled step (`jax.debug.callback`) breaks the effect bookkeeping, so the step
-instead returns one "all finite" flag per trainable leaf and `TrainStep` reads them on the
-host after the step and raises `NonFiniteGradError`. The step does not donate its state
-while the check is on, so the state the caller passed in is still valid and unchanged when
-the error comes: skip the batch, lower the learning rate or restore, and go on.
+instead returns one "all finite" flag per trainable leaf, skips its update on the device
+when one is False (`guard_step`: the state it returns is the one it was given), and
+`TrainStep` reads the flags on the host after the step and raises `NonFiniteGradError`
+carrying that returned state (`e.state`): the state stays donated, so the caller's own
+arrays are gone, and `e.state` is the one to go on with (skip the batch, lower the
+learning rate or restore).
+
+The spike guards (`DDPConfig.grad_norm_skip_threshold`, `skip_step_on_spikes`) skip the
+update the same way, on the device, without raising: the step is counted and
+`metrics["skipped"]` says so.
 
 Also the two ends every strategy's step shares: `jit_step` (jit, donation, the host-side
 `TrainStep` wrapper) and `finish_step` (the new state placed, the metrics, the NaN flags);
@@ -17,6 +24,7 @@ compiled program is handed a deleted multi-device array.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -28,7 +36,14 @@ import numpy as np
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import sharded_shape
 from jaxdp._src.mesh import DATA, REPLICA, auto_mesh, constrain, explicit_axes
-from jaxdp._src.state import TrainState, bucket_names, flat_master, leaves_of, tree_of
+from jaxdp._src.state import (
+  SpikeWindow,
+  TrainState,
+  bucket_names,
+  flat_master,
+  leaves_of,
+  tree_of,
+)
 
 PyTree = Any
 
@@ -61,9 +76,14 @@ def heartbeat() -> None:
 class NonFiniteGradError(FloatingPointError):
   """A reduced gradient held NaN or Inf (`check_for_nan_in_grad=True`).
 
+  The step skipped its update on the device, and, as every step, consumed (donated) the
+  state it was given: go on with `e.state`, the state as it was before the step (its step
+  counter too), to skip the batch, retry it with a lower learning rate, or save it.
+
   Attributes:
     step: the state's step counter when the step was attempted.
     paths: key paths of the params whose reduced gradient is not finite.
+    state: the state the step returned: the one it was given, unchanged.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -74,23 +94,31 @@ class NonFiniteGradError(FloatingPointError):
     >>> step = jaxdp.make_train_step(lambda p, x: jnp.sum(jnp.log(p["a"] * x) + p["b"]),
     ...                              tx, mesh, config)
     >>> try:
-    ...   step(state, jnp.zeros((8, 2)))
+    ...   state, metrics = step(state, jnp.zeros((8, 2)))
     ... except jaxdp.NonFiniteGradError as e:
     ...   print(e.step, e.paths)
+    ...   state = e.state  # the state passed in was donated: go on with this one
     0 ("['a']",)
-    >>> float(state.params["b"][0])  # the state passed in is kept
-    1.0
+    >>> int(state.step), float(state.params["b"][0])  # as before the step
+    (0, 1.0)
+    >>> state, metrics = step(state, jnp.ones((8, 2)))  # the next batch
+    >>> int(state.step), bool(metrics["skipped"])
+    (1, False)
   """
 
-  def __init__(self, step: int, paths: Sequence[str]):
-    self.step, self.paths = step, tuple(paths)
+  def __init__(self, step: int, paths: Sequence[str], state: Any = None):
+    self.step, self.paths, self.state = step, tuple(paths), state
     shown = ", ".join(f"params{p}" for p in self.paths[:8])
     more = f" and {len(self.paths) - 8} more" if len(self.paths) > 8 else ""
     super().__init__(
-      f"step {step}: NaN or Inf in the reduced gradient of {shown}{more}. The state "
-      "passed to the step is unchanged (it is not donated while check_for_nan_in_grad is "
-      "on): skip this batch, lower the learning rate or restore a checkpoint"
+      f"step {step}: NaN or Inf in the reduced gradient of {shown}{more}. The step skipped "
+      "its update; the state passed to it was donated, and this error's `state` "
+      "attribute is that state unchanged: continue with `state = e.state` (skip this "
+      "batch, lower the learning rate) or restore a checkpoint"
     )
+
+  def __reduce__(self):  # pickled (a process pool) without the state's device arrays
+    return (type(self), (self.step, self.paths))
 
 
 # [Note: one flag per trainable leaf]
@@ -299,13 +327,15 @@ def finish_step(
   config: DDPConfig,
   loss,
   grad_norm,
-  grads,
+  finite=None,
   aux=None,
+  skipped=None,
 ):
   """The end of every strategy's step: the new state placed as `specs` say (as
-  `init_state` placed it), the metrics (`aux` under "aux" when the step has one), and with
-  the NaN check on one flag per grad leaf under `FINITE` (read and removed on the host by
-  `TrainStep`)."""
+  `init_state` placed it), the metrics (`aux` under "aux" when the step has one), with the
+  NaN check the `finite` flags (`finite_leaves`) under `FINITE` (read and removed on the
+  host by `TrainStep`), and with a guard (`DDPConfig.skips_steps`) whether the step
+  `skipped` its update under `SKIPPED`."""
   # The output placed exactly as the input was: the jit cache keys on the sharding of its
   # arguments, so a state placed otherwise (even `P(None, None)` for `P()`) would compile
   # the step a second time when it comes back.
@@ -314,12 +344,129 @@ def finish_step(
   if aux is not None:
     metrics["aux"] = aux
   if config.check_for_nan_in_grad:
-    metrics[FINITE] = finite_leaves(grads)
+    metrics[FINITE] = finite
+  if skipped is not None:
+    metrics[SKIPPED] = skipped
   return new_state, metrics
+
+
+# ----------------------------------------------------------------------------- skipping a step
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardedStep:
+  """What `guard_step` decided."""
+
+  state: TrainState
+  """The state the step returns: the updated one, or the one before it (see `guard_step`)."""
+  skipped: jax.Array
+  """bool scalar: did the step skip its update."""
+
+
+def guard_step(
+  config: DDPConfig,
+  before: TrainState,
+  after: TrainState,
+  specs: TrainState,
+  mesh,
+  grad_norm,
+  finite,
+) -> GuardedStep:
+  """Traced, with `config.skips_steps`: `after` (the optimizer's update of `before`), or,
+  where a guard says skip, `before` with its step counted (the NaN check: `before` as it
+  is, for `TrainStep` to hand back in `NonFiniteGradError`).
+
+  A select, leaf by leaf, inside the step (no host round trip, no branch): XLA fuses it
+  into the update's elementwise loops, so the donated state's buffers are still written in
+  place. `specs` places both sides alike first (an Explicit mesh selects only between
+  arrays of one sharding).
+
+  Args:
+    config: the step's config: which guards are on.
+    before: the state the step was given.
+    after: the state after the update, its step counted.
+    specs: where `init_state` places each leaf of both.
+    mesh: the step's mesh.
+    grad_norm: the global grad norm (float32 scalar, replicated).
+    finite: the NaN check's flags (`finite_leaves`), None without it.
+  """
+  place = lambda state: jax.tree.map(lambda x, s: constrain(x, mesh, s), state, specs)
+  before, after = place(before), place(after)
+  bad_grads = ~jnp.isfinite(grad_norm)
+  raises = None
+  if finite is not None:
+    raises = ~jnp.all(finite)
+    bad_grads = bad_grads | raises
+  skipped = bad_grads
+  if config.grad_norm_skip_threshold != math.inf:
+    skipped = skipped | (grad_norm > config.grad_norm_skip_threshold)
+  window = before.spike_window
+  if config.skip_step_on_spikes:
+    skipped = skipped | is_spike(window, grad_norm, config.skip_step_scaling_factor)
+  step = before.step + 1
+  if raises is not None:  # handed back by the error as it was given: not counted
+    step = jnp.where(raises, before.step, step)
+  kept = dataclasses.replace(before, step=step)
+  state = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), kept, after)
+  if config.skip_step_on_spikes:
+    # a skipped step's norm stays out of the window: a spike must not raise the mean
+    # and the deviation that the next steps are judged by
+    pushed = push_norm(window, grad_norm)
+    window = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), window, pushed)
+    state = dataclasses.replace(state, spike_window=window)
+  return GuardedStep(state, skipped)
+
+
+def is_spike(window: SpikeWindow, grad_norm, scaling_factor: float) -> jax.Array:
+  """Traced: is `grad_norm` more than `scaling_factor` standard deviations (Bessel's) above
+  the mean of the norms in `window` (MaxText's `skip_step_on_spikes`, on the grad norm)?
+  False until the window holds `max(2, interval // 2)` norms."""
+  interval = window.norms.shape[0]
+  held = jnp.minimum(window.count, interval)
+  used = jnp.arange(interval) < held  # the ring's written entries
+  mean = jnp.sum(jnp.where(used, window.norms, 0.0)) / jnp.maximum(held, 1)
+  squares = jnp.sum(jnp.where(used, (window.norms - mean) ** 2, 0.0))
+  deviation = jnp.sqrt(squares / jnp.maximum(held - 1, 1))
+  judged = held >= max(2, interval // 2)
+  return judged & (grad_norm - mean > scaling_factor * deviation)
+
+
+def push_norm(window: SpikeWindow, grad_norm) -> SpikeWindow:
+  """Traced: `window` with `grad_norm` written over its oldest entry."""
+  interval = window.norms.shape[0]
+  norms = window.norms.at[window.count % interval].set(grad_norm.astype(window.norms.dtype))
+  return SpikeWindow(norms, window.count + 1)
+
+
+def with_spike_window(state: TrainState, mesh) -> TrainState:
+  """`state` (from `init_state`) with an empty `SpikeWindow` when its config has the spike
+  guard (`skip_step_on_spikes`), placed as the step places it; else `state` as it is."""
+  if not state.config.skip_step_on_spikes:
+    return state
+  return dataclasses.replace(state, spike_window=empty_spike_window(state.config, mesh))
+
+
+def empty_spike_window(config: DDPConfig, mesh) -> SpikeWindow:
+  """A `SpikeWindow` of `config.skip_step_interval` entries holding no norm, placed as the
+  step places it (`place_spike_window`)."""
+  window = SpikeWindow(np.zeros((config.skip_step_interval,), np.float32), np.zeros((), np.int32))
+  return place_spike_window(window, mesh)
+
+
+def place_spike_window(window: SpikeWindow, mesh) -> SpikeWindow:
+  """A copy of `window` replicated on `mesh` as the step places its output (on an Explicit
+  mesh a jitted constraint gives a 1-D array another spec than `device_put` does), so that
+  a step given it reuses the program of the step before."""
+  replicated = jax.sharding.PartitionSpec()
+  window = jax.device_put(window, jax.sharding.NamedSharding(mesh, replicated), may_alias=False)
+  return jax.jit(lambda w: jax.tree.map(lambda x: constrain(x, mesh, replicated), w))(window)
 
 
 FINITE = "finite"
 """The metric that carries the NaN check's flags out of the jitted step to `TrainStep`."""
+
+SKIPPED = "skipped"
+"""The metric that says a guarded step skipped its update (`DDPConfig.skips_steps`)."""
 
 
 def place_host_leaves(state, mesh):
@@ -372,14 +519,12 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   """`step` jitted with `options`, the state donated, wrapped in the host-side checks; the
   metrics come back on `auto_mesh(mesh)`, for the caller's code.
 
-  With the NaN check on, the state is not donated: a step that fails the check leaves the
-  caller's state valid and unchanged (at the cost of holding two states during the step).
+  The NaN check keeps donation too: a step whose grads are not finite skips its update on
+  the device and returns the state it was given, which `NonFiniteGradError` carries.
   """
   # Donating argument 0 (the state) lets XLA write the new state into the old one's buffers:
   # one state's memory during the step, and the caller's arrays deleted afterwards
-  # (`check_not_donated` catches their reuse). The NaN check needs the old state alive to
-  # hand back after a failed step, so it turns donation off.
-  donate = () if config.check_for_nan_in_grad else 0
+  # (`check_not_donated` catches their reuse).
   placed = {}
   if explicit_axes(mesh):
     # The state where the step placed it (None: unspecified); the metrics (and the NaN
@@ -387,7 +532,7 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
     # the views (`mesh.EagerProgram`), at no cost.
     replicated = jax.sharding.NamedSharding(auto_mesh(mesh), jax.sharding.PartitionSpec())
     placed["out_shardings"] = (None, replicated)
-  jitted = jax.jit(step, donate_argnums=donate, compiler_options=options, **placed)
+  jitted = jax.jit(step, donate_argnums=0, compiler_options=options, **placed)
   return TrainStep(jitted, mesh, config, nests=not options)
 
 
@@ -425,7 +570,8 @@ class TrainStep(StepFunction):
   Calls straight through to the `jax.jit` function (`.lower`, `.trace`, `.eval_shape` and
   the rest are the jitted function's own). Before the call it checks that no array of the
   state was donated to an earlier step and that the state lives on the step's devices;
-  after it, with `check_for_nan_in_grad`, that every reduced gradient is finite.
+  after it, with `check_for_nan_in_grad`, that every reduced gradient is finite (else
+  `NonFiniteGradError`, carrying the state the step returned: the one it was given).
   """
 
   def __init__(self, jitted, mesh, config, nests=True):
@@ -465,8 +611,11 @@ class TrainStep(StepFunction):
     if not finite.all():
       layout = state.layout
       paths = [leaf.path for leaf in layout.leaves if leaf.trainable]
+      # `state` was donated; the step returned it unchanged (`guard_step`) as `new_state`
       raise NonFiniteGradError(
-        int(jax.device_get(state.step)), [paths[i] for i in np.flatnonzero(~finite)]
+        int(jax.device_get(new_state.step)),
+        [paths[i] for i in np.flatnonzero(~finite)],
+        new_state,
       )
     return new_state, metrics
 

@@ -5,6 +5,7 @@ three of its defaults changed, a few fields of jaxdp's own) and `FSDPConfig` (th
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax.numpy as jnp
@@ -54,7 +55,17 @@ class DDPConfig:
     average_in_collective: average inside the collective (pmean) instead of scaling by
       1/dp and summing. Default False.
     check_for_nan_in_grad: raise `NonFiniteGradError` naming the param whose reduced grad
-      holds NaN or Inf; the state is kept (not donated). Default False.
+      holds NaN or Inf; the step skips its update and the error carries the state as it
+      was (`e.state`). Default False.
+    grad_norm_skip_threshold: Megatron's `OptimizerConfig` field: skip the update of a step
+      whose global grad norm is above it (or not finite). Default inf: off.
+    skip_step_on_spikes: MaxText's: skip the update of a step whose grad norm is above the
+      mean of the last `skip_step_interval` steps' by more than `skip_step_scaling_factor`
+      standard deviations (or not finite). Default False.
+    skip_step_interval: MaxText's: how many recent steps' grad norms the spike guard
+      keeps. Default 128.
+    skip_step_scaling_factor: MaxText's: how many standard deviations above the mean a
+      spike is. Default 6.0.
     num_distributed_optimizer_instances: copies of the sharded state: shard within "data",
       replicate across a "replica" axis of this size (HSDP). Default 1.
     outer_dp_sharding_strategy: FSDP across "replica": `"no_shard"` (HSDP) keeps whole
@@ -99,7 +110,9 @@ class DDPConfig:
   average_in_collective: bool = False
   """Average inside the collective (pmean) instead of scaling by 1/dp and summing."""
   check_for_nan_in_grad: bool = False
-  """Raise (naming the parameter) when a reduced gradient holds NaN or Inf; the state is kept."""
+  """Raise (naming the parameter) when a reduced gradient holds NaN or Inf: the step skips its
+  update on the device and `NonFiniteGradError.state` is the state as it was (the state is
+  donated all the same)."""
   num_distributed_optimizer_instances: int = 1
   """Copies of the sharded optimizer: shard within the "data" axis, replicate across "replica"."""
   outer_dp_sharding_strategy: Literal["no_shard", "optim"] = "no_shard"
@@ -110,6 +123,22 @@ class DDPConfig:
   the same updates on the flat buckets (probed at init) and no FSDP unit is stacked or
   chunked, `no_shard` updates per leaf; True: require it (no_shard: params that need no fp32
   copy); False: per-leaf update."""
+  grad_norm_skip_threshold: float = math.inf
+  """Megatron's `OptimizerConfig.grad_norm_skip_threshold` (jaxdp has one config): a step
+  whose global grad norm (`metrics["grad_norm"]`, before clipping) is above it, or not
+  finite, skips its update on the device: params, master params, optimizer state and model
+  state stay as they were, the step is counted and `metrics["skipped"]` says so. inf: off."""
+  skip_step_on_spikes: bool = False
+  """MaxText's spike guard, on the grad norm: a step whose global grad norm is above the
+  mean of the last `skip_step_interval` norms the guard let through by more than
+  `skip_step_scaling_factor` of their standard deviations, or not finite, skips its update
+  as with `grad_norm_skip_threshold`. The norms live in the state (`TrainState.spike_window`,
+  checkpointed); a skipped step's norm is not added to them, and the guard judges only once
+  it holds `max(2, skip_step_interval // 2)` of them."""
+  skip_step_interval: int = 128
+  """MaxText's: how many recent grad norms the spike guard's mean and deviation are over."""
+  skip_step_scaling_factor: float = 6.0
+  """MaxText's: how many standard deviations above the mean a grad norm is a spike."""
   stacked: Sequence[Prefix] = ()
   """`optim` and `optim_grads` (not a Megatron field; FSDP's is `FSDPConfig.stacked`):
   prefixes, as `FSDPConfig.stacked`, of subtrees whose leaves carry a leading layer axis
@@ -173,9 +202,35 @@ class DDPConfig:
       "overlap_param_gather",
       "average_in_collective",
       "check_for_nan_in_grad",
+      "skip_step_on_spikes",
     ):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+    object.__setattr__(
+      self,
+      "grad_norm_skip_threshold",
+      _positive(
+        "grad_norm_skip_threshold",
+        self.grad_norm_skip_threshold,
+        "a grad norm above which a step skips its update; inf (the default) turns it off",
+        allow_inf=True,
+      ),
+    )
+    object.__setattr__(
+      self,
+      "skip_step_scaling_factor",
+      _positive(
+        "skip_step_scaling_factor",
+        self.skip_step_scaling_factor,
+        "how many standard deviations above the recent mean a grad norm is a spike (6.0)",
+      ),
+    )
+    interval = self.skip_step_interval
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 2:
+      raise ValueError(
+        f"skip_step_interval={interval!r}: must be an int >= 2, the number of recent grad "
+        "norms the spike guard's mean and standard deviation are over (128)"
+      )
     if self.grad_reduce_dtype is not None:
       object.__setattr__(
         self,
@@ -232,6 +287,25 @@ class DDPConfig:
     if self.grad_reduce_dtype is not None:
       return self.grad_reduce_dtype
     return np.dtype(np.float32) if self.grad_reduce_in_fp32 else None
+
+  @property
+  def skips_steps(self) -> bool:
+    """Does the step decide on the device whether to skip its update: a guard is on
+    (`grad_norm_skip_threshold`, `skip_step_on_spikes`) or the NaN check is.
+
+    Examples:
+      >>> DDPConfig().skips_steps, DDPConfig(grad_norm_skip_threshold=10.0).skips_steps
+      (False, True)
+      >>> DDPConfig(grad_norm_skip_threshold=0.0)
+      Traceback (most recent call last):
+      ...
+      ValueError: grad_norm_skip_threshold=0.0: must be a number > 0, a grad norm above which a step skips its update; inf (the default) turns it off
+    """
+    return (
+      self.check_for_nan_in_grad
+      or self.skip_step_on_spikes
+      or self.grad_norm_skip_threshold != math.inf
+    )
 
   @property
   def use_distributed_optimizer(self) -> bool:
@@ -432,6 +506,18 @@ class FSDPConfig:
         f"FSDPConfig: prefetch={self.prefetch!r}: must be an int >= 0 (how "
         "many units ahead an all-gather may start; 1 is the default)"
       )
+
+
+def _positive(name: str, value, meaning: str, allow_inf: bool = False) -> float:
+  """`value` as a float > 0 (finite unless `allow_inf`), or a ValueError naming `name`."""
+  number = None
+  if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool):
+    number = float(value)
+  if number is None or not number > 0 or (number == math.inf and not allow_inf):
+    raise ValueError(
+      f"{name}={value!r}: must be a {'number' if allow_inf else 'finite number'} > 0, {meaning}"
+    )
+  return number
 
 
 def _float_dtype(what: str, value, meaning: str) -> np.dtype:

@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdp._src.checks import NonFiniteGradError
 from jaxdp._src.mesh import eager_program
 from jaxdp._src.state import TrainState
 from jaxdp._src.train import get_params, init_state, make_train_step
@@ -499,7 +500,13 @@ def nnx_train_step(
         fsdp=optimizer.fsdp,
         has_aux=has_aux,
       )
-    optimizer.state, metrics = steps[graphdef](optimizer.state, batch)
+    try:
+      optimizer.state, metrics = steps[graphdef](optimizer.state, batch)
+    except NonFiniteGradError as e:
+      # The step consumed the optimizer's state (donated) and skipped its update: the
+      # error holds that state unchanged, which the optimizer keeps, usable after the raise
+      optimizer.state = e.state
+      raise
     if update_model:
       optimizer.update_model(model)
     return metrics

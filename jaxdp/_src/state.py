@@ -31,11 +31,23 @@ from jaxdp._src.mesh import (
 PyTree = Any
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpikeWindow:
+  """The grad norms of the last steps the spike guard let through
+  (`DDPConfig.skip_step_on_spikes`), replicated: a ring of `skip_step_interval` entries."""
+
+  norms: jax.Array
+  """float32[skip_step_interval]: norm `i` of those written is at `i % skip_step_interval`."""
+  count: jax.Array
+  """int32 scalar: how many norms were written (the ring holds the last of them)."""
+
+
 # The meta fields are static, part of the treedef: two states of different layouts or
 # configs are different pytrees, and `jit` retraces for them.
 @functools.partial(
   jax.tree_util.register_dataclass,
-  data_fields=["step", "params", "master", "opt_state", "rng", "model_state"],
+  data_fields=["step", "params", "master", "opt_state", "rng", "model_state", "spike_window"],
   meta_fields=["layout", "config", "mesh_shape", "model_specs", "fused", "fsdp"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +113,9 @@ class TrainState:
   fsdp: FSDPConfig | None = None
   """`optim_grads_params`: the `FSDPConfig` `init_state` was given (None there: the default
   `FSDPConfig()`), which the step's must equal; None under the other strategies."""
+  spike_window: SpikeWindow | None = None
+  """`DDPConfig(skip_step_on_spikes=True)`: the recent grad norms the spike guard compares
+  each step's with, updated by the step on the device; None otherwise."""
 
 
 def leaves_of(tree, layout: Layout) -> list[Any]:
@@ -277,11 +292,12 @@ def opt_state_specs(state: TrainState, master_specs: list[ModelSpec | None]) -> 
 
 
 def extra_specs(state: TrainState) -> dict[str, Any]:
-  """The specs of the fields every strategy places alike: `rng` and `model_state`,
-  replicated."""
+  """The specs of the fields every strategy places alike: `rng`, `model_state` and
+  `spike_window`, replicated."""
   return {
     "rng": None if state.rng is None else P(),
     "model_state": jax.tree.map(lambda _: P(), state.model_state),
+    "spike_window": jax.tree.map(lambda _: P(), state.spike_window),
   }
 
 

@@ -13,7 +13,10 @@ sync, optimizer step):
    and its spec are paired by name, never by position;
 3. in the global view, the strategy's `update`: the optax update and whatever the
    strategy does after it (gather the params back, HFSDP's gather across "replica");
-4. `checks.finish_step`: the new state placed as `init_state` placed it
+4. with a guard (`DDPConfig.skips_steps`: the spike guards, the NaN check),
+   `checks.guard_step`: on the device, the updated state or, where the grad norm says
+   skip, the state before the step;
+5. `checks.finish_step`: the new state placed as `init_state` placed it
    (`StepStrategy.state_specs`), the metrics.
 
 What differs between strategies is a `StepStrategy`: `ddp.BucketedStep` (`no_shard`,
@@ -116,25 +119,33 @@ class _Step:
 
   # The skeleton's order. The checks run while tracing (once per compile), before anything
   # is built from the state. The step count and the model state are set before `update`,
-  # so that a strategy's `update` replaces only the fields the optimizer changes;
-  # `finish_step` comes last because it places the state `update` made, as `init_state`
-  # placed it, for the next call to hit the same compiled program.
+  # so that a strategy's `update` replaces only the fields the optimizer changes; a guard
+  # then picks between that state and the one before the step; `finish_step` comes last
+  # because it places the state the step returns, as `init_state` placed it, for the next
+  # call to hit the same compiled program.
   def __call__(self, state: TrainState, batch):
-    strategy = self.strategy
+    strategy, config = self.strategy, self.config
     strategy.check_state(state)
     checks.check_batch(batch, dp_size(self.mesh) * self.grad_accum_steps)
     out = run_local_grads(strategy, self.mesh, state, batch)
     counted = dataclasses.replace(state, step=state.step + 1, model_state=out.model_state)
     new_state, checked = strategy.update(self.tx, counted, out)
+    specs = strategy.state_specs(new_state)
+    finite = checks.finite_leaves(checked) if config.check_for_nan_in_grad else None
+    skipped = None
+    if config.skips_steps:
+      guarded = checks.guard_step(config, state, new_state, specs, self.mesh, out.grad_norm, finite)
+      new_state, skipped = guarded.state, guarded.skipped
     return checks.finish_step(
       new_state,
-      strategy.state_specs(new_state),
+      specs,
       self.mesh,
-      self.config,
+      config,
       out.loss,
       out.grad_norm,
-      checked,
+      finite,
       out.aux if self.has_aux else None,
+      skipped,
     )
 
 

@@ -115,7 +115,7 @@ def init_state(
     state = fsdp_lib.init_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
   else:
     state = ddp.init_state(params, tx, mesh, config, frozen=frozen)
-  return loop.with_extras(state, mesh, rng, model_state)
+  return checks.with_spike_window(loop.with_extras(state, mesh, rng, model_state), mesh)
 
 
 def abstract_state(
@@ -276,10 +276,14 @@ def make_train_step(
     `batch` is a pytree of global arrays whose leading dim (the same for every leaf,
     divisible by data-parallel size × `grad_accum_steps`) is split over the data axes.
     `metrics` holds the global mean `loss` and the global `grad_norm` (before any
-    clipping), and `aux` with `has_aux`. With `config.check_for_nan_in_grad` the state is
-    not donated, each step waits for its grads to be checked, and a NaN/Inf raises
-    `NonFiniteGradError` naming the params and the step, the state passed in left as it was
-    (the jitted function then also returns one "finite" flag per trainable leaf).
+    clipping), and `aux` with `has_aux`. With a spike guard (`config.grad_norm_skip_threshold`,
+    `config.skip_step_on_spikes`) a step whose grad norm it judges a spike, or not finite,
+    skips its update on the device (the state as before, its step counted) and
+    `metrics["skipped"]` says whether it did. With `config.check_for_nan_in_grad` each
+    step waits for its grads to be checked, and a NaN/Inf skips the update and raises
+    `NonFiniteGradError` naming the params and the step; the state passed in is donated
+    all the same, and the error's `state` is that state unchanged, to continue with (the
+    jitted function then also returns one "finite" flag per trainable leaf).
 
   Raises:
     ValueError: (when called) a batch whose leading dims differ or do not divide; a state
@@ -287,7 +291,8 @@ def make_train_step(
       `init_state`, or that was donated to an earlier step.
     TypeError: (when called) `loss_fn` returns other than described above, or a loss that
       is not a float scalar (an integer loss has no gradient).
-    NonFiniteGradError: (when called, `check_for_nan_in_grad`) a reduced grad is NaN/Inf.
+    NonFiniteGradError: (when called, `check_for_nan_in_grad`) a reduced grad is NaN/Inf;
+      `e.state` is the state to continue with.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
