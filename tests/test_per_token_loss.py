@@ -100,7 +100,7 @@ def reference():
   return params, losses, norms, history
 
 
-def train(loss_fn, batch, strategy, mesh=None, **step_kw):
+def train(loss_fn, batch, strategy, mesh=None, fsdp=None, **step_kw):
   """`STEPS` jaxdp steps from the problem's params: (final params, losses, grad norms)."""
   params = problem()[0]
   mesh = mesh or jax.make_mesh((8,), ("data",))
@@ -109,8 +109,8 @@ def train(loss_fn, batch, strategy, mesh=None, **step_kw):
     num_distributed_optimizer_instances=mesh.shape.get("replica", 1),
   )
   tx = adamw_clip()
-  state = jaxdp.init_state(params, tx, mesh, config)
-  step = jaxdp.make_train_step(loss_fn, tx, mesh, config, **step_kw)
+  state = jaxdp.init_state(params, tx, mesh, config, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, config, fsdp=fsdp, **step_kw)
   losses, norms = [], []
   for _ in range(STEPS):
     state, metrics = step(state, batch)
@@ -140,6 +140,21 @@ def test_per_token_equals_single_device(strategy, grad_accum_steps):
   _, loss_fn, batch = problem()
   params, losses, norms = train(
     loss_fn, batch, strategy, grad_accum_steps=grad_accum_steps, per_token_loss=True
+  )
+  check_against_reference(params, losses, norms)
+
+
+def test_per_token_fsdp_with_units_gathered_once():
+  """FSDP's third micro-batch mode (`reshard_after_backward=False`): whole grads of both
+  micro-batches summed locally, one reduce-scatter per unit, then the division."""
+  _, loss_fn, batch = problem()
+  params, losses, norms = train(
+    loss_fn,
+    batch,
+    "optim_grads_params",
+    fsdp=jaxdp.FSDPConfig(reshard_after_backward=False),
+    grad_accum_steps=2,
+    per_token_loss=True,
   )
   check_against_reference(params, losses, norms)
 
@@ -257,3 +272,14 @@ def test_per_token_loss_must_be_a_bool():
     jaxdp.make_train_step(
       lambda p, b: (0.0, 1.0), optax.sgd(0.1), mesh, jaxdp.DDPConfig(), per_token_loss="yes"
     )
+
+
+def test_nnx_train_step_takes_a_per_token_loss():
+  """The NNX loop passes `per_token_loss` on: its first step's loss is the global one."""
+  _, _, batch = problem()
+  model = MLP(6, WIDTH, 3, n_layers=N_LAYERS, rngs=nnx.Rngs(0))
+  mesh = jax.make_mesh((8,), ("data",))
+  optimizer = jaxdp.NNXOptimizer(model, adamw_clip(), mesh, jaxdp.DDPConfig())
+  train_step = jaxdp.nnx_train_step(sum_and_count, per_token_loss=True, update_model=False)
+  metrics = train_step(model, optimizer, batch)
+  np.testing.assert_allclose(float(metrics["loss"]), reference()[1][0], rtol=1e-5)

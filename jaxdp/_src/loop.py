@@ -30,6 +30,11 @@ Every strategy's step calls `loss_fn` through `call_loss`, which is where the th
 
 With both, `loss_fn` returns `(loss, (aux, new_model_state))`: whatever the step carries,
 `jax.value_and_grad(loss_fn, has_aux=True)` takes `loss_fn` as it is.
+
+* **Per-token loss** (`make_train_step(per_token_loss=True)`): `(loss_sum, token_count)`
+  stands where the loss does in each of these shapes. The step differentiates the sum; the
+  count rides beside the aux (`Counted`) until the step's all-reduce divides by it
+  ([Note: per-token loss] in step.py).
 """
 
 from __future__ import annotations
