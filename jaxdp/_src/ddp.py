@@ -325,6 +325,8 @@ class _Plan:
   average: bool
   has_aux: bool = False
   """`loss_fn` returns `(loss, aux)` (see `loop`)."""
+  per_token: bool = False
+  """`loss_fn` returns `(loss_sum, token_count)` (see [Note: per-token loss] in step.py)."""
   fused: bool = False
   """The state keeps flat buckets (`TrainState.fused`): the grads stay the reduced buckets
   (shards)."""
@@ -444,7 +446,9 @@ class _MicroLoss:
 
   def __call__(self, leaves, micro_batch, number, model_state, scanned=None):
     plan = self.plan
-    call = lambda tree, args: loop.call_loss(self.loss_fn, plan.has_aux, tree, *args)
+    call = lambda tree, args: loop.call_loss(
+      self.loss_fn, plan.has_aux, tree, *args, per_token=plan.per_token
+    )
     args = (micro_batch, loop.micro_key(self.key, number), model_state)
     if scanned:
       values = {**dict(enumerate(leaves)), **scanned}
@@ -660,8 +664,12 @@ def finish_grad_sync(reduced, layout: Layout, plan: _Plan, buckets) -> PyTree:
   return tree_of(layout, grads)
 
 
-def grad_metrics(backward: Backward, layout: Layout, plan: _Plan, buckets):
-  """`(loss, grad_norm)`: the global mean loss and the global norm of the reduced grads.
+def grad_metrics(
+  backward: Backward, layout: Layout, plan: _Plan, buckets, count=None
+) -> step_lib.GlobalScalars:
+  """The global mean loss and the global norm of the reduced grads; with `count` (this
+  device's token count of a per-token loss) the loss and norm per token, and the count the
+  grads are divided by ([Note: per-token loss] in step.py).
 
   The norm² of the reduced buckets (zero padding) rides in the loss's psum, each bucket's
   divided by the number of devices that hold the same copy of it (those it was psum'd
@@ -684,13 +692,15 @@ def grad_metrics(backward: Backward, layout: Layout, plan: _Plan, buckets):
     for x in jax.tree.leaves(reduced)
   )
   # Sharded, or with expert buffers (reduced without "expert"), devices hold different
-  # grads, so the norm² needs the sum over devices, which rides with the loss's.
-  if plan.sharded or any(buf.expert for buf in layout.buffers):
-    return step_lib.global_loss_and_norm(backward.loss, squares, plan.axes, plan.dp)
+  # grads, so the norm² needs the sum over devices, which rides with the loss's (and with
+  # a per-token loss's count: under dense no_shard too, where each device's `squares` is
+  # the same 1/dp of the norm², so their sum is the norm²).
+  if plan.sharded or count is not None or any(buf.expert for buf in layout.buffers):
+    return step_lib.global_loss_and_norm(backward.loss, squares, plan.axes, plan.dp, count=count)
   # Dense no_shard: every device holds the whole reduced grads, and `copies` is dp for each
   # bucket, so `squares * dp` is the norm² with no collective but the loss's.
   loss = collectives.mean_over(backward.loss, plan.axes)
-  return loss, jnp.sqrt(squares * plan.dp)
+  return step_lib.GlobalScalars(loss, jnp.sqrt(squares * plan.dp))
 
 
 def local_grads(
@@ -710,12 +720,14 @@ def local_grads(
   backward = forward_backward(
     _MicroLoss(loss_fn, layout, plan, key, units), full, inputs.batch, sync, inputs.model_state
   )
-  loss, grad_norm = grad_metrics(backward, layout, plan, sync.buckets)
+  aux, count = loop.take_count(backward.aux, plan.per_token)
+  scalars = grad_metrics(backward, layout, plan, sync.buckets, count)
+  grads = finish_grad_sync(backward.reduced, layout, plan, sync.buckets)
   return step_lib.LocalGrads(
-    grads=finish_grad_sync(backward.reduced, layout, plan, sync.buckets),
-    loss=loss,
-    grad_norm=grad_norm,
-    aux=collectives.average_aux(backward.aux, plan.axes),
+    grads=step_lib.divide_by_count(grads, scalars.count),
+    loss=scalars.loss,
+    grad_norm=scalars.grad_norm,
+    aux=collectives.average_aux(aux, plan.axes),
     model_state=backward.model_state,
   )
 
@@ -873,7 +885,12 @@ class BucketedStep:
 
 
 def bucketed_step(
-  loss_fn: LossFn, mesh, config: DDPConfig, grad_accum_steps: int = 1, has_aux: bool = False
+  loss_fn: LossFn,
+  mesh,
+  config: DDPConfig,
+  grad_accum_steps: int = 1,
+  has_aux: bool = False,
+  per_token: bool = False,
 ) -> BucketedStep:
   """The `step.StepStrategy` of `no_shard`, `optim` and `optim_grads`."""
   sharded = _sharded(config)
@@ -887,5 +904,6 @@ def bucketed_step(
     grad_accum_steps=grad_accum_steps,
     average=config.average_in_collective,
     has_aux=has_aux,
+    per_token=per_token,
   )
   return BucketedStep(loss_fn, mesh, config, plan)

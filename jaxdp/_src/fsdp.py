@@ -655,7 +655,10 @@ class _UnitLoss:
   """This device's key data for the step (None without one)."""
 
   def _call(self, tree, micro_batch, key, model_state):
-    return loop.call_loss(self.step.loss_fn, self.step.has_aux, tree, micro_batch, key, model_state)
+    step = self.step
+    return loop.call_loss(
+      step.loss_fn, step.has_aux, tree, micro_batch, key, model_state, per_token=step.per_token
+    )
 
   def __call__(self, tmaster, micro_batch, number, model_state):
     loss, extra = call_with_units(
@@ -691,6 +694,8 @@ class FSDPStep:
   fsdp: FSDPConfig
   grad_accum_steps: int = 1
   has_aux: bool = False
+  per_token: bool = False
+  """`loss_fn` returns `(loss_sum, token_count)` (see [Note: per-token loss] in step.py)."""
 
   def check_state(self, state: TrainState) -> None:
     _check_state(state, self.mesh, self.config, self.fsdp)
@@ -787,6 +792,7 @@ class FSDPStep:
       )
       loss, grads, model_state = each.loss, each.grads, each.model_state
       aux = loop.mean_micro(each.auxs, None, k)
+    aux, count = loop.take_count(aux, self.per_token)
     aux = collectives.average_aux(aux, axes)
     if layout.outer > 1:  # HFSDP: one reduce-scatter per unit bucket across "replica"
       grads = scatter_outer(grads, layout)
@@ -806,12 +812,13 @@ class FSDPStep:
     # varying over the axes its shards do not ([Note: varying values] in collectives.py)
     if replicas > 1:
       squares = collectives.make_varying(squares, [a for a in axes if a != DATA])
-    loss, grad_norm = step_lib.global_loss_and_norm(loss, squares, axes, dp, replicas)
+    scalars = step_lib.global_loss_and_norm(loss, squares, axes, dp, replicas, count)
+    grads = step_lib.divide_by_count(grads, scalars.count)
     if fused:
       grads = {name: grads[key] for name, key in flat_keys(layout).items()}
     else:
       grads = tree_of(layout, [grads.get(leaf.index) for leaf in layout.leaves])
-    return step_lib.LocalGrads(grads, loss, grad_norm, aux, model_state)
+    return step_lib.LocalGrads(grads, scalars.loss, scalars.grad_norm, aux, model_state)
 
   def call_with_params(self, state: TrainState, inputs: step_lib.StepInputs, fn: Callable):
     """Inside the `shard_map`: `fn(params, batch, model_state)` with every unit gathered

@@ -30,6 +30,11 @@ Every strategy's step calls `loss_fn` through `call_loss`, which is where the th
 
 With both, `loss_fn` returns `(loss, (aux, new_model_state))`: whatever the step carries,
 `jax.value_and_grad(loss_fn, has_aux=True)` takes `loss_fn` as it is.
+
+* **Per-token loss** (`make_train_step(per_token_loss=True)`): `(loss_sum, token_count)`
+  stands where the loss does in each of these shapes. The step differentiates the sum; the
+  count rides beside the aux (`Counted`) until the step's all-reduce divides by it
+  ([Note: per-token loss] in step.py).
 """
 
 from __future__ import annotations
@@ -142,11 +147,64 @@ def _pair(out, what: str):
   return out
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Counted:
+  """A per-token loss's aux as the step carries it (`call_loss(per_token=True)`): the
+  caller's aux and the micro-batch's token count, which ride together through the
+  micro-batch loop (both averaged over the micro-batches) until the step takes the count
+  out for its all-reduce (`take_count`)."""
+
+  aux: PyTree
+  """The aux `loss_fn` returned (None without `has_aux`)."""
+  count: jax.Array
+  """The token count `loss_fn` returned, as a float32 scalar."""
+
+
+def take_count(aux: PyTree, per_token: bool) -> tuple[PyTree, jax.Array | None]:
+  """`(aux, count)` from the aux of the micro-batch loop: the `Counted` record split under
+  `per_token`, else `(aux, None)`."""
+  return (aux.aux, aux.count) if per_token else (aux, None)
+
+
+def _per_token(out, has_aux: bool):
+  """`(loss_sum, count)` from what a per-token `loss_fn` returned in the loss's place,
+  checked: two scalars, the sum a float, the count a real number (float32 from here)."""
+  fix = (
+    "with per_token_loss=True, loss_fn returns (loss_sum, token_count) in the loss's place"
+    + (", and ((loss_sum, token_count), aux) with has_aux=True" if has_aux else "")
+    + ": the sum of the per-token losses of the batch it is given and how many tokens they "
+    "are, e.g. (jnp.sum(token_losses * mask), jnp.sum(mask))"
+  )
+  if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    raise TypeError(f"{fix}; it returned {describe_value(out)}")
+  loss_sum, count = out
+  if isinstance(loss_sum, (tuple, list)) or jnp.shape(loss_sum) != ():
+    raise TypeError(f"{fix}; its loss_sum is {describe_value(loss_sum)}, not a scalar")
+  if isinstance(count, (tuple, list)) or jnp.shape(count) != ():
+    raise TypeError(
+      f"{fix}; its token_count is {describe_value(count)}, not a scalar: sum the mask, "
+      "e.g. jnp.sum(mask)"
+    )
+  if not jnp.issubdtype(jnp.result_type(count), jnp.number) or jnp.iscomplexobj(count):
+    raise TypeError(f"{fix}; its token_count is {describe_value(count)}, not a real number")
+  return loss_sum, jnp.asarray(count, jnp.float32)
+
+
 def call_loss(
-  loss_fn: Callable, has_aux: bool, params: PyTree, batch: PyTree, rng, model_state: PyTree
+  loss_fn: Callable,
+  has_aux: bool,
+  params: PyTree,
+  batch: PyTree,
+  rng,
+  model_state: PyTree,
+  per_token: bool = False,
 ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
   """`loss_fn` called the way the step was made: `(loss, (aux, new_model_state))`, with None
-  for what the step does not carry (a `jax.value_and_grad(..., has_aux=True)` function)."""
+  for what the step does not carry (a `jax.value_and_grad(..., has_aux=True)` function).
+
+  `per_token`: `loss_fn` returns `(loss_sum, token_count)` where the loss goes; the loss
+  returned here is the sum, and the aux a `Counted` record that holds the count."""
   kwargs = {}
   if rng is not None:
     kwargs["rng"] = rng
@@ -172,6 +230,9 @@ def call_loss(
     new_state = jax.tree.map(lambda n, o: n.astype(o.dtype), new_state, model_state)
   elif has_aux:
     out, aux = _pair(out, "(loss, aux) with has_aux=True")
+  count = None
+  if per_token:
+    out, count = _per_token(out, has_aux)
   if isinstance(out, (tuple, list)) or jnp.shape(out) != ():
     got = f"a {type(out).__name__}" if isinstance(out, (tuple, list)) else f"shape {jnp.shape(out)}"
     raise TypeError(
@@ -187,6 +248,8 @@ def call_loss(
       "it would train nothing); compute the loss in floating point, e.g. "
       "jnp.mean(errors.astype(jnp.float32))"
     )
+  if per_token:
+    aux = Counted(aux, count)
   return out, (aux, new_state)
 
 

@@ -100,6 +100,8 @@ def _check_like(
 def nnx_split(
   model: nnx.Module,
   model_loss: Callable[[nnx.Module, PyTree], jax.Array],
+  *,
+  per_token_loss: bool = False,
 ) -> tuple[PyTree, Callable[[PyTree, PyTree], jax.Array]]:
   """Split an NNX model into the `(params, loss_fn)` pair that jaxdp trains.
 
@@ -107,6 +109,10 @@ def nnx_split(
     model: any `nnx.Module`. It is not modified.
     model_loss: `model_loss(model, batch) -> scalar`, the mean loss of `model`
       over `batch`.
+    per_token_loss: `model_loss` returns `(loss_sum, token_count)` where the loss goes,
+      as `make_train_step(per_token_loss=True)` takes it (`((loss_sum, token_count), aux)`
+      with an aux): with `model_state`, `loss_fn` then returns
+      `((loss_sum, token_count), new_model_state)`, the pair not taken for `(loss, aux)`.
 
   Returns:
     `(params, loss_fn)`: `params` is a nested `dict` of the model's
@@ -146,6 +152,7 @@ def nnx_split(
   rest_leaves, rest_def = jax.tree.flatten(rest)
   loss_fn = _SplitLoss(
     model_loss=model_loss,
+    per_token=per_token_loss,
     graphdef=graphdef,
     params=_Part(
       treedef=jax.tree.structure(param_state),
@@ -180,6 +187,7 @@ class _SplitLoss:
   params: _Part
   rngs: _Part
   rest: _Part  # the non-param, non-RNG variables (BatchNorm statistics, ...)
+  per_token: bool = False  # the loss is a (sum, count) pair, not a scalar
 
   def __call__(self, params: PyTree, batch: PyTree, *, rng=None, model_state=None):
     _check_like(
@@ -222,7 +230,9 @@ class _SplitLoss:
       _refuse_frozen(written, self.rest.leaves, MODEL_STATE_FROZEN)
       return out
     new = jax.tree.unflatten(jax.tree.structure(model_state), jax.tree.leaves(written))
-    if isinstance(out, (tuple, list)) and len(out) == 2:  # (loss, aux)
+    # (loss, aux): a pair, whose first item is itself a pair under `per_token`
+    is_pair = lambda x: isinstance(x, (tuple, list)) and len(x) == 2
+    if is_pair(out) and (not self.per_token or is_pair(out[0])):
       return out[0], (out[1], new)
     return out, new
 
@@ -456,6 +466,7 @@ def nnx_train_step(
   has_aux: bool = False,
   grad_accum_steps: int = 1,
   update_model: bool = True,
+  per_token_loss: bool = False,
 ) -> Callable:
   """The NNX train step: `train_step(model, optimizer, batch) -> metrics`.
 
@@ -473,6 +484,8 @@ def nnx_train_step(
       derives per step and per data shard.
     has_aux: as `make_train_step` takes it.
     grad_accum_steps: as `make_train_step` takes it.
+    per_token_loss: as `make_train_step` takes it: `model_loss` returns
+      `(loss_sum, token_count)` (`((loss_sum, token_count), aux)` with `has_aux`).
     update_model: write the trained state back into the model after each step.
 
   Returns:
@@ -490,7 +503,7 @@ def nnx_train_step(
     # whose graphdef differs (other submodules, or a static attribute such as a layer's
     # `deterministic`) needs a step of its own
     if graphdef not in steps:
-      _, loss_fn = nnx_split(model, model_loss)
+      _, loss_fn = nnx_split(model, model_loss, per_token_loss=per_token_loss)
       steps[graphdef] = make_train_step(
         loss_fn,
         optimizer.tx,
@@ -499,6 +512,7 @@ def nnx_train_step(
         grad_accum_steps=grad_accum_steps,
         fsdp=optimizer.fsdp,
         has_aux=has_aux,
+        per_token_loss=per_token_loss,
       )
     try:
       optimizer.state, metrics = steps[graphdef](optimizer.state, batch)

@@ -241,11 +241,64 @@ def accumulate(
   return Accumulated(loss, grads, auxs, model_state)
 
 
-def global_loss_and_norm(loss, squares, axes, dp: int, copies: int = 1):
-  """`(loss, grad_norm)` from every device's share in one scalar all-reduce: the mean of
+@dataclasses.dataclass(frozen=True)
+class GlobalScalars:
+  """What `global_loss_and_norm` returns: the step's scalars, from one all-reduce."""
+
+  loss: jax.Array
+  """The global mean loss (per token: the global loss sum over the global token count)."""
+  grad_norm: jax.Array
+  """The global norm of the grads the optimizer gets (per token: the reduced grads divided
+  by `count`, `divide_by_count`)."""
+  count: jax.Array | None = None
+  """Per token: what the reduced grads are divided by (see [Note: per-token loss]); None
+  otherwise."""
+
+
+# [Note: per-token loss]
+# With `per_token_loss=True` each micro-batch's `loss_fn` returns its loss *sum* and its
+# token count (Megatron's `calculate_per_token_loss`), and the step trains on the global
+# sum over the global count, whatever the padding on each rank and micro-batch. The step
+# runs exactly as for a mean loss, on the sums: each micro-batch's sum is divided by k and
+# the grads are scaled by 1/dp and summed over the data axes as they are for a mean loss,
+# so the reduced grads are the mean over the dp * k micro-batch shards of each one's sum.
+# The counts take the same path (divided by k in the micro-batch loop, averaged over the
+# data axes in the loss's all-reduce), so the reduced grads, the loss and the grad norm
+# divided by that mean count are the global sum over the global count. Megatron instead
+# reduces plain sums and divides by the global count; the ratio is the same, and keeping
+# the 1/dp and 1/k scaling leaves the reductions and their dtypes those of a mean loss.
+# The division comes after the reduction, in float32 (`divide_by_count`): before it, a
+# rank knows only its own count, and dividing by that would weigh the ranks' tokens
+# unequally. The sums a grad_reduce_dtype of bfloat16 carries are a micro-batch shard's
+# tokens times a mean grad: bfloat16 has float32's exponent range, so they do not
+# overflow, and its relative rounding does not depend on their size.
+
+
+def global_loss_and_norm(
+  loss, squares, axes, dp: int, copies: int = 1, count=None
+) -> GlobalScalars:
+  """The loss and grad norm from every device's share in one scalar all-reduce: the mean of
   the `dp` devices' losses, and the root of the summed `squares` (each device's part of the
-  grads' norm²) divided by how many `copies` of each grad element the devices hold."""
-  # Stacked into one array so that both ride one all-reduce (a psum of a scalar costs its
+  grads' norm²) divided by how many `copies` of each grad element the devices hold.
+
+  `count` (per-token loss): this device's token count, scaled as its loss is; averaged over
+  the devices in the same all-reduce, it divides the loss and the norm
+  ([Note: per-token loss]). A step with no token at all keeps its zero sums (Megatron's
+  choice) rather than dividing zero by zero.
+  """
+  # Stacked into one array so that all ride one all-reduce (a psum of a scalar costs its
   # latency, not its bytes); the squares are divided by `copies` after the sum.
-  loss, squares = collectives.sum_over(jnp.stack([loss, squares]), axes)
-  return loss / dp, jnp.sqrt(squares / copies)
+  if count is None:
+    loss, squares = collectives.sum_over(jnp.stack([loss, squares]), axes)
+    return GlobalScalars(loss / dp, jnp.sqrt(squares / copies))
+  loss, squares, count = collectives.sum_over(jnp.stack([loss, squares, count]), axes)
+  count = jnp.where(count > 0, count / dp, 1.0)
+  return GlobalScalars(loss / dp / count, jnp.sqrt(squares / copies) / count, count)
+
+
+def divide_by_count(grads: PyTree, count) -> PyTree:
+  """The reduced `grads` divided by `count` (`GlobalScalars.count`) in float32, each back in
+  its dtype; `grads` itself where `count` is None (a mean loss)."""
+  if count is None:
+    return grads
+  return jax.tree.map(lambda g: (g.astype(jnp.float32) / count).astype(g.dtype), grads)

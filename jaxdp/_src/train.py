@@ -234,13 +234,14 @@ def make_train_step(
   grad_accum_steps: int = 1,
   fsdp: FSDPConfig | None = None,
   has_aux: bool = False,
+  per_token_loss: bool = False,
 ) -> checks.TrainStep:
   """Builds the jitted train step of `config`'s strategy.
 
   Args:
     loss_fn: `loss_fn(params, batch) -> loss`, a float scalar: the mean loss over the
-      batch it is given (one device's shard of one micro-batch). What the state carries
-      adds to its signature:
+      batch it is given (one device's shard of one micro-batch), or with `per_token_loss`
+      its sum and token count. What the state carries adds to its signature:
 
       - with `init_state(..., rng=key)` it is also given `rng=`, a fresh key for every
         step, data shard and micro-batch (for dropout); a resumed run gets the same keys.
@@ -266,6 +267,15 @@ def make_train_step(
       micro-batches and the data axes (a per-shard mean becomes the global mean; non-float
       leaves in float32) and returned as `metrics["aux"]`. Per-example outputs belong in
       `make_eval_step(per_example=True)`.
+    per_token_loss: `loss_fn` returns `(loss_sum, token_count)` where the loss goes
+      (`((loss_sum, token_count), aux)` with `has_aux`): the sum of the per-token losses of
+      the batch it is given and how many tokens they are (or the sum of their weights), two
+      scalars. The step trains on the sum over every data rank and micro-batch divided by
+      the count over them all (Megatron's `calculate_per_token_loss`), so padding that
+      differs between ranks and micro-batches weighs every real token the same, as one
+      device on the whole batch does; the counts ride in the loss's all-reduce, and
+      `metrics["loss"]` and `grad_norm` are the per-token loss's. Without it every
+      shard's mean loss weighs the same, however many tokens it holds.
 
   Returns:
     `train_step(state, batch) -> (state, metrics)`: a `jax.jit` function that donates
@@ -286,11 +296,13 @@ def make_train_step(
     jitted function then also returns one "finite" flag per trainable leaf).
 
   Raises:
-    ValueError: (when called) a batch whose leading dims differ or do not divide; a state
-      built for another mesh, config, `fsdp` or optimizer, whose params changed after
-      `init_state`, or that was donated to an earlier step.
+    ValueError: `grad_accum_steps` below 1 or `per_token_loss` not a bool; (when called) a
+      batch whose leading dims differ or do not divide; a state built for another mesh,
+      config, `fsdp` or optimizer, whose params changed after `init_state`, or that was
+      donated to an earlier step.
     TypeError: (when called) `loss_fn` returns other than described above, or a loss that
-      is not a float scalar (an integer loss has no gradient).
+      is not a float scalar (an integer loss has no gradient); with `per_token_loss`, no
+      `(loss_sum, token_count)` pair of scalars.
     NonFiniteGradError: (when called, `check_for_nan_in_grad`) a reduced grad is NaN/Inf;
       `e.state` is the state to continue with.
 
@@ -314,8 +326,16 @@ def make_train_step(
     or grad_accum_steps < 1
   ):
     raise ValueError(f"grad_accum_steps={grad_accum_steps!r}: must be an integer >= 1")
+  if not isinstance(per_token_loss, bool):
+    raise ValueError(f"per_token_loss={per_token_loss!r}: must be True or False")
   strategy = step_strategy(
-    loss_fn, mesh, config, grad_accum_steps=grad_accum_steps, fsdp=fsdp, has_aux=has_aux
+    loss_fn,
+    mesh,
+    config,
+    grad_accum_steps=grad_accum_steps,
+    fsdp=fsdp,
+    has_aux=has_aux,
+    per_token_loss=per_token_loss,
   )
   return step_lib.make_train_step(
     strategy, tx, mesh, config, grad_accum_steps=grad_accum_steps, has_aux=has_aux
@@ -330,12 +350,15 @@ def step_strategy(
   grad_accum_steps: int = 1,
   fsdp: FSDPConfig | None = None,
   has_aux: bool = False,
+  per_token_loss: bool = False,
 ) -> step_lib.StepStrategy:
   """The `step.StepStrategy` of `config`'s strategy, chosen here once: `fsdp.FSDPStep` for
   `optim_grads_params`, `ddp.BucketedStep` for the others."""
   if _fsdp_branch(config, fsdp):
-    return fsdp_lib.FSDPStep(loss_fn, mesh, config, fsdp or FSDPConfig(), grad_accum_steps, has_aux)
-  return ddp.bucketed_step(loss_fn, mesh, config, grad_accum_steps, has_aux)
+    return fsdp_lib.FSDPStep(
+      loss_fn, mesh, config, fsdp or FSDPConfig(), grad_accum_steps, has_aux, per_token_loss
+    )
+  return ddp.bucketed_step(loss_fn, mesh, config, grad_accum_steps, has_aux, per_token_loss)
 
 
 def state_specs(state: TrainState) -> TrainState:
