@@ -9,7 +9,8 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
    as the bucket's grads exist: `psum` for `no_shard`, `psum_scatter` for the sharded
    strategies. With `grad_accum_steps=k`, k-1 micro-batches accumulate local grads and the
    last one carries them into the hooks (Megatron's `no_sync`); `optim_grads` reduces
-   every micro-batch and keeps only its shard.
+   every micro-batch and keeps only its shard (on a mesh with "replica", within the other
+   data axes, the summed shards all-reduced across "replica" once per step).
 2. Outside, in the global view, the optax transformation updates the optimizer's copy of
    the params: the whole tree replicated (`no_shard`), or each device's 1/dp rows
    (`optim*`: each leaf padded on its shard dim and sharded on it, so global norms and
@@ -533,7 +534,8 @@ def forward_backward(
 
   Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
   accumulated grads sum to the grad of the mean loss over the k× batch. `optim_grads`
-  reduces every micro-batch through the hooks and sums the shards; the others accumulate
+  reduces every micro-batch through the hooks and sums the shards (then across "replica"
+  once, `_Plan.outer_once`); the others accumulate
   the local grads of the first k-1 (`no_sync`) and carry them into the hooks with the last.
   Micro-batch `j` gets `fold_in(key, j)` and the model state the one before it left
   (synced over the data axes).

@@ -56,6 +56,11 @@ bucket's grads are reduce-scattered across "replica" (`scatter_outer`), and afte
 update the master is all-gathered back across it into the compute rows (`gather_outer`).
 docs/design.md, "HFSDP", says why.
 
+HSDP (`num_distributed_optimizer_instances=R` on a `("replica", "data")` mesh, FSDP's
+state replicated across "replica") with `grad_accum_steps` > 1: each micro-batch's
+reduce-scatters sum over "data" alone and the step all-reduces the summed shards across
+"replica" once (`FSDPStep._all_reduce_outer`), as HFSDP does with its reduce-scatter.
+
 Expert params (MoE, a leaf placed `P("expert", ...)` on its leading, expert dim, on a mesh
 with an "expert" axis): dense params are FSDP as on any mesh (sharded over "data",
 replicated over "expert", their reduce-scatter over "data" followed by an all-reduce of
