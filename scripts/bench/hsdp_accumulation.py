@@ -5,7 +5,8 @@ One model, compiled for N H100s over N / 8 hosts without a GPU (nothing runs) on
 (`jaxdp.inspect.gpu_mesh((N // 8, 8), ("replica", "data"), num_hosts=N // 8)`), with
 `DDPConfig(num_distributed_optimizer_instances=N // 8)` and `grad_accum_steps=k`. For ZeRO-2
 (`optim_grads`, `DDPConfig(stacked=["blocks"])`) and FSDP (`optim_grads_params`,
-`FSDPConfig(stacked=["blocks"])`), each row reports: the ring bytes per device per step of
+`FSDPConfig(stacked=["blocks"])`; `--unrolled`: the blocks a Python loop, no `stacked`),
+each row reports: the ring bytes per device per step of
 the collectives whose groups span hosts, read off the compiled program (every loop trip
 counted), and how many of them run; `jaxdp.inspect.ring_formula`'s all-reduce bytes (on this
 mesh, all of them across "replica"); the step, its communication and the exposed part of it
@@ -48,18 +49,20 @@ MiB, MS = 2**20, 1e-3  # bytes, microseconds -> ms
 STRATEGIES = {"ZeRO-2 (`optim_grads`)": "optim_grads", "FSDP (`optim_grads_params`)": "fsdp"}
 
 
-def configs(strategy: str, replicas: int):
-  """`(DDPConfig, FSDPConfig or None)` of a row: the blocks scanned, HSDP over `replicas`."""
+def configs(strategy: str, replicas: int, scanned: bool):
+  """`(DDPConfig, FSDPConfig or None)` of a row, HSDP over `replicas`; `scanned`: the
+  blocks are stacked (`stacked=["blocks"]`)."""
+  stacked = ["blocks"] if scanned else []
   if strategy == "fsdp":
     config = jaxdp.DDPConfig(
       data_parallel_sharding_strategy="optim_grads_params",
       num_distributed_optimizer_instances=replicas,
     )
-    return config, jaxdp.FSDPConfig(stacked=["blocks"])
+    return config, jaxdp.FSDPConfig(stacked=stacked)
   config = jaxdp.DDPConfig(
     data_parallel_sharding_strategy=strategy,
     num_distributed_optimizer_instances=replicas,
-    stacked=["blocks"],
+    stacked=stacked,
   )
   return config, None
 
@@ -74,10 +77,10 @@ def across_hosts(schedule, per_host: int) -> list:
   ]
 
 
-def measure(strategy: str, made, mesh, k: int) -> dict:
+def measure(strategy: str, made, mesh, k: int, scanned: bool) -> dict:
   """One row compiled: bytes across hosts, the ring formula's all-reduce, predicted times."""
   replicas = mesh.shape["replica"]
-  config, fsdp = configs(strategy, replicas)
+  config, fsdp = configs(strategy, replicas, scanned)
   start = time.perf_counter()
   compiled = inspect.compile_train_step(
     made.make_loss(), TX, mesh, config, made.params, made.batch, fsdp=fsdp, grad_accum_steps=k
@@ -126,6 +129,7 @@ def main():
   parser.add_argument("--k", type=int, default=4, help="grad_accum_steps")
   parser.add_argument("--layers", type=int, default=12)
   parser.add_argument("--seqs-per-gpu", type=int, default=1, help="per micro-batch")
+  parser.add_argument("--unrolled", action="store_true", help="the blocks a Python loop")
   parser.add_argument("--quick", action="store_true", help="a 2-layer d 64 GPT (seconds)")
   parser.add_argument("--save", help="write the rows to this json")
   parser.add_argument("--compare", help="a json --save wrote on the tree before: the table")
@@ -144,7 +148,7 @@ def main():
   made = problem(
     "gpt",
     layers,
-    scanned=True,
+    scanned=not args.unrolled,
     remat=True,
     small=args.quick,
     batch=args.seqs_per_gpu * args.gpus * args.k,
@@ -152,14 +156,14 @@ def main():
   )
   rows = {}
   for label, strategy in STRATEGIES.items():
-    rows[strategy] = measure(strategy, made, mesh, args.k)
+    rows[strategy] = measure(strategy, made, mesh, args.k, not args.unrolled)
     print(f"  {label}: {rows[strategy]}", file=sys.stderr, flush=True)
   count = sum(x.size for x in jax.tree.leaves(made.params))
   command = "python scripts/bench/hsdp_accumulation.py" + "".join(f" {a}" for a in sys.argv[1:])
   record = {
     "command": command,
     "jaxdp": os.path.dirname(os.path.dirname(os.path.abspath(jaxdp.__file__))),
-    "setup": f"GPT {layers} layers ({count / 1e6:.0f}M params, fp32, AdamW), "
+    "setup": f"GPT {layers} {'unrolled' if args.unrolled else 'scanned'} layers ({count / 1e6:.0f}M params, fp32, AdamW), "
     f"{args.gpus} x H100 over {hosts} hosts, mesh (replica={hosts}, data=8), "
     f"k={args.k} micro-batches of {args.seqs_per_gpu} x {made.batch['x'].shape[1]} tokens per GPU",
     "rows": rows,
