@@ -113,6 +113,10 @@ def table(before: dict, after: dict) -> list:
   ]
   for label, strategy in STRATEGIES.items():
     old, new = before[strategy], after[strategy]
+    if "error" in old or "error" in new:
+      print(f"{label}: before {old.get('error', 'compiled')}, after {new.get('error', 'compiled')}")
+      old = {c: float("nan") for c in COLUMNS} if "error" in old else old
+      new = {c: float("nan") for c in COLUMNS} if "error" in new else new
     cells = [
       f"{old[c]:.0f} → {new[c]:.0f}" if c == "replica runs" else f"{old[c]:.2f} → {new[c]:.2f}"
       for c in COLUMNS
@@ -156,7 +160,10 @@ def main():
   )
   rows = {}
   for label, strategy in STRATEGIES.items():
-    rows[strategy] = measure(strategy, made, mesh, args.k, not args.unrolled)
+    try:
+      rows[strategy] = measure(strategy, made, mesh, args.k, not args.unrolled)
+    except (TypeError, ValueError) as error:  # a tree that cannot compile a row: the table says
+      rows[strategy] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     print(f"  {label}: {rows[strategy]}", file=sys.stderr, flush=True)
   count = sum(x.size for x in jax.tree.leaves(made.params))
   command = "python scripts/bench/hsdp_accumulation.py" + "".join(f" {a}" for a in sys.argv[1:])
