@@ -167,3 +167,21 @@ def test_scanned_layers_reduce_within_data_and_equal_single_device(ddp, fsdp):
     state, _ = step(state, batch)
   bound = AdamBound(1e-2, 16 * 3, params, clip=1.0)
   bound.check(jaxdp.get_params(state), reference(params, loss_fn, batch, TX, bound))
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_sum_across_replica_moves_the_grad_reduce_dtype(strategy):
+  """With `grad_reduce_dtype=bf16` the one all-reduce across "replica" moves bf16, as the
+  micro-batches' reduce-scatters do (an FSDP state sums their fp32 shards, cast to bf16
+  for the collective)."""
+  ddp = config(strategy, grad_reduce_dtype=jnp.bfloat16)
+  fsdp = jaxdp.FSDPConfig() if strategy == "optim_grads_params" else None
+  params, loss_fn, batch = mlp()
+  mesh = jax.make_mesh((R, D), ("replica", "data"))
+  kw = {} if fsdp is None else {"fsdp": fsdp}
+  state = jaxdp.init_state(params, TX, mesh, ddp, **kw)
+  step = jaxdp.make_train_step(loss_fn, TX, mesh, ddp, grad_accum_steps=K, **kw)
+  # The program as asked for (XLA:CPU runs bf16 collectives in f32 after optimizing)
+  schedule = jaxdp.inspect.schedule(step.lower(state, batch).as_text(dialect="hlo"))
+  grads = [c for c in crossing(schedule) if c.operand_bytes > 8]
+  assert grads and all(c.kind == "all-reduce" and c.dtypes == ("bf16",) for c in grads)
