@@ -202,16 +202,35 @@ def test_ring_formula_tensor_parallel(strategy):
 
 def test_ring_formula_hsdp():
   """A ZeRO-1 state replicated over "replica": each reduce-scattered shard is all-reduced
-  across "replica"; per micro-batch under `optim_grads`."""
+  across "replica"; under `optim_grads` and FSDP with grad accumulation the micro-batches
+  reduce-scatter within "data" and the summed shard crosses "replica" once per step."""
   params, loss_fn, batch = mlp()
   mesh = jax.make_mesh((2, 4), ("replica", "data"))
   optim = config_of("optim", num_distributed_optimizer_instances=2)
   expected = assert_ring(params, loss_fn, batch, mesh, optim)
   assert expected["all-reduce"] == pytest.approx(2 * 1 / 2 * expected["reduce-scatter"] / 3)
   grads = dataclasses.replace(optim, data_parallel_sharding_strategy="optim_grads")
-  assert_ring(params, loss_fn, batch, mesh, grads, k=2)
+  once = assert_ring(params, loss_fn, batch, mesh, grads)
+  accumulated = assert_ring(params, loss_fn, batch, mesh, grads, k=2)
+  # twice the reduce-scatters within "data", the same all-reduce across "replica"
+  assert accumulated["reduce-scatter"] == pytest.approx(2 * once["reduce-scatter"])
+  assert accumulated["all-reduce"] == pytest.approx(once["all-reduce"])
   fsdp = dataclasses.replace(optim, data_parallel_sharding_strategy="optim_grads_params")
-  assert_ring(params, loss_fn, batch, mesh, fsdp, fsdp=KEEP)
+  once = assert_ring(params, loss_fn, batch, mesh, fsdp, fsdp=KEEP)
+  # FSDP with k > 1: the reductions only, since XLA:CPU hoists a unit's all-gather of the
+  # unchanged master out of the micro-batch loop, which the formula counts per micro-batch
+  per_leaf = dataclasses.replace(fsdp, fused_update=False)
+  gathered = jaxdp.FSDPConfig(reshard_after_forward=False, reshard_after_backward=False)
+  for config, fsdp_config in ((fsdp, KEEP), (per_leaf, KEEP), (fsdp, gathered)):
+    state = jaxdp.init_state(params, TX, mesh, config, fsdp=fsdp_config)
+    step = jaxdp.make_train_step(loss_fn, TX, mesh, config, grad_accum_steps=2, fsdp=fsdp_config)
+    volume, s = data_volume(step, state, batch)
+    expected = ring_formula(state, grad_accum_steps=2, fsdp=fsdp_config)
+    for kind in ("reduce-scatter", "all-reduce"):
+      assert volume[kind] == pytest.approx(expected[kind], rel=1e-9), report(s, expected=expected)
+    if config is fsdp and fsdp_config is KEEP:  # the same state as `once`, accumulated
+      assert expected["all-reduce"] == pytest.approx(once["all-reduce"])
+      assert expected["reduce-scatter"] == pytest.approx(2 * once["reduce-scatter"])
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import jax
@@ -35,6 +36,17 @@ from jaxdp._src.mesh import DATA, EXPERT, REPLICA
 # (`make_varying`, a no-op in the compiled program) and the grad-ready hooks issue the
 # reductions themselves. Scan carries and sums that meet varying values (a loss
 # accumulator, zero grads) are marked varying too, or their types would not match.
+#
+# [Note: the sum across "replica" once per step]
+# HSDP (a sharded strategy on a ("replica", "data") mesh) with `grad_accum_steps=k` would
+# cross the slow network between replicas k times a step if every micro-batch's
+# reduce-scatter summed over "replica" too. A sum is linear, so each micro-batch reduces
+# over the data axes but "replica" (the 1/dp of the mean included: `Reduction.dp` counts
+# the replicas), the step adds up the k shards, which differ across "replica", and one
+# all-reduce of the sum across "replica" ends the step (`all_reduce_outer`): Megatron-FSDP's
+# `sync_model_each_microbatch=False`, FSDP2's `set_requires_all_reduce(False)` until the
+# last micro-batch. The shard in flight is typed varying over "replica" ([Note: varying
+# values]) until that all-reduce.
 #
 # [Note: the sink]
 # A hook cannot return a value of another shape or dtype from the backward than its input
@@ -709,7 +721,8 @@ def unit_collectives(
       an operand whole over the automatic axes before a collective over a manual one: a
       tensor-parallel block would be gathered over "model" first.)
     reduce_axes: the axes the reduce-scatters sum over (`DATA` last); None: `axes`.
-      `(DATA,)` leaves the sum over "replica" to `reduce_scatter_outer` (HFSDP).
+      Without "replica", the sum over it is left to `reduce_scatter_outer` (HFSDP) or to
+      `all_reduce_outer` once per step (HSDP with grad accumulation).
     experts: expert params (split over `EXPERT`, a manual axis: each device holds its
       rank's experts): their grads are reduced over `axes` less `EXPERT`, the
       expert-data-parallel group. A bucket holds expert params only or none.
@@ -746,6 +759,21 @@ def reduce_scatter_outer(blocks: Sequence[jax.Array], bucket: Bucket, grad_dtype
   flat = bucket_ravel(blocks, bucket, replicas, grad_dtype)
   shard = jax.lax.psum_scatter(flat, REPLICA, tiled=True)
   return [g.astype(x.dtype) for g, x in zip(shard_unravel(shard, bucket, replicas), blocks)]
+
+
+def all_reduce_outer(blocks: Sequence[jax.Array], grad_dtype) -> list:
+  """HSDP's sum across "replica" once per step (Megatron-FSDP's outer-DP all-reduce at the
+  last micro-batch, `sync_model_each_microbatch=False`): this device's blocks of one
+  bucket's grads (or its one flat shard), which every micro-batch reduced over the other
+  data axes and the step summed, raveled in `grad_dtype` (the dtype the micro-batches'
+  reductions moved) and all-reduced over `REPLICA` with one collective. Returns the blocks
+  in their own shapes and dtypes, the same on every replica. See [Note: the sum across
+  "replica" once per step]."""
+  flat = jnp.concatenate([x.astype(grad_dtype).reshape(-1) for x in blocks])
+  total = jax.lax.psum(flat, REPLICA)
+  ends = list(itertools.accumulate(x.size for x in blocks))
+  parts = jnp.split(total, ends[:-1])
+  return [g.reshape(x.shape).astype(x.dtype) for g, x in zip(parts, blocks)]
 
 
 def all_gather_outer(shards: Sequence[jax.Array], bucket: Bucket, dtype) -> list:
@@ -834,6 +862,7 @@ def unit_collectives_flat(
   dp: int,
   axes: Sequence[str],
   average: bool,
+  reduce_axes: Sequence[str] | None = None,
 ) -> UnitCollectives:
   """`unit_collectives` for a fused FSDP state, whose master is one flat shard per grad
   bucket (`distributed_optimizer.fused_master`): the gather reads the flat shards and the
@@ -851,12 +880,12 @@ def unit_collectives_flat(
     grad_buckets: `(bucket, grad dtype, master dtype, key)` over the unit's trainable
       params (the reduce-scatter runs in the grad dtype; its shard is returned in the master
       dtype under `key`).
-    dp, axes, average: as in `unit_collectives`.
+    dp, axes, average, reduce_axes: as in `unit_collectives`.
   """
   unit = _UnitOfFlatShards(
     gather_buckets=tuple(gather_buckets),
     grad_buckets=tuple(grad_buckets),
-    reduction=Reduction(dp, axes, average),
+    reduction=Reduction(dp, axes if reduce_axes is None else reduce_axes, average),
     other=tuple(a for a in axes if a != DATA),
   )
   return UnitCollectives(gather=unit.gather, scatter=unit.scatter, gather_each=unit.gather_each)

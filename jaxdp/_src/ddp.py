@@ -9,7 +9,8 @@ One step (Megatron's DDP + DistributedOptimizer timeline):
    as the bucket's grads exist: `psum` for `no_shard`, `psum_scatter` for the sharded
    strategies. With `grad_accum_steps=k`, k-1 micro-batches accumulate local grads and the
    last one carries them into the hooks (Megatron's `no_sync`); `optim_grads` reduces
-   every micro-batch and keeps only its shard.
+   every micro-batch and keeps only its shard (on a mesh with "replica", within the other
+   data axes, the summed shards all-reduced across "replica" once per step).
 2. Outside, in the global view, the optax transformation updates the optimizer's copy of
    the params: the whole tree replicated (`no_shard`), or each device's 1/dp rows
    (`optim*`: each leaf padded on its shard dim and sharded on it, so global norms and
@@ -81,6 +82,7 @@ from jaxdp._src.layout import (
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
+  REPLICA,
   ModelSpec,
   constrain,
   data_axes,
@@ -339,6 +341,10 @@ class _Plan:
   own: tuple[tuple[int, Any], ...] = ()
   """`(leaf, its caller's spec)` of the tensor-parallel leaves whose gathers and reductions
   move this device's own slice (`own_specs`)."""
+  outer_once: bool = False
+  """`optim_grads` with k > 1 on a mesh with "replica": each micro-batch reduces over the
+  other data axes, and the summed shards are all-reduced across "replica" once per step
+  (See [Note: the sum across "replica" once per step] in collectives.py)."""
 
   @property
   def own_of(self) -> dict[int, Any]:
@@ -347,6 +353,11 @@ class _Plan:
   def reduce_axes(self, buf) -> tuple[str, ...]:
     """A buffer's data-parallel group: expert buffers skip the axis their params split over."""
     return tuple(a for a in self.axes if not (buf.expert and a == EXPERT))
+
+  def micro_axes(self, buf) -> tuple[str, ...]:
+    """The axes one micro-batch's reduction of a buffer runs over: its group, less
+    "replica" where the step sums across it once (`outer_once`)."""
+    return tuple(a for a in self.reduce_axes(buf) if not (self.outer_once and a == REPLICA))
 
 
 def start_param_sync(params, master, layout: Layout, plan: _Plan, own_axes) -> list[Any]:
@@ -392,9 +403,7 @@ def register_grad_ready_hooks(layout: Layout, plan: _Plan, master) -> GradSync:
   own = plan.own_of
   hooks = []
   for buf, b in buckets:
-    kwargs = dict(
-      dp=plan.dp, scatter=plan.sharded, axes=plan.reduce_axes(buf), average=plan.average
-    )
+    kwargs = dict(dp=plan.dp, scatter=plan.sharded, axes=plan.micro_axes(buf), average=plan.average)
     if collectives.holds_own(b, own):
       hooks.append(
         collectives.grad_ready_hook_each(b, grad_dtype=buf.grad_dtype, own=own, **kwargs)
@@ -403,13 +412,14 @@ def register_grad_ready_hooks(layout: Layout, plan: _Plan, master) -> GradSync:
       hooks.append(collectives.grad_ready_hook(b, grad_dtype=buf.grad_dtype, **kwargs))
   # See [Note: the sink] in collectives.py. A sink is the reduced buffer's shape: whole
   # under no_shard, this device's shard when sharded (varying over "data"). An expert
-  # bucket is not reduced over "expert", so its sink varies over that axis as well.
+  # bucket is not reduced over "expert", so its sink varies over that axis as well, and
+  # under `outer_once` every sink varies over "replica" until the step's sum across it.
   sinks = [
     collectives.sink_for(
       b,
       buf.grad_dtype,
       plan.sharded,
-      [a for a in plan.axes if a not in plan.reduce_axes(buf)],
+      [a for a in plan.axes if a not in plan.micro_axes(buf)],
       own,
     )
     for buf, b in buckets
@@ -528,7 +538,8 @@ def forward_backward(
 
   Each micro-batch's loss is divided by k (Megatron's schedule does the same), so the k
   accumulated grads sum to the grad of the mean loss over the k× batch. `optim_grads`
-  reduces every micro-batch through the hooks and sums the shards; the others accumulate
+  reduces every micro-batch through the hooks and sums the shards (then across "replica"
+  once, `_Plan.outer_once`); the others accumulate
   the local grads of the first k-1 (`no_sync`) and carry them into the hooks with the last.
   Micro-batch `j` gets `fold_in(key, j)` and the model state the one before it left
   (synced over the data axes).
@@ -562,7 +573,15 @@ def forward_backward(
       model_state,
       plan.axes,
     )
-    return Backward(each.loss, each.grads, loop.mean_micro(each.auxs, None, k), each.model_state)
+    reduced = each.grads
+    if plan.outer_once:  # the shards' sum across "replica", once per step (`_Plan.outer_once`)
+      reduced = [
+        tuple(collectives.all_reduce_outer(red, buf.grad_dtype))
+        if isinstance(red, tuple)  # per param (`grad_ready_hook_each`)
+        else collectives.all_reduce_outer([red], buf.grad_dtype)[0]
+        for (buf, _), red in zip(sync.buckets, reduced)
+      ]
+    return Backward(each.loss, reduced, loop.mean_micro(each.auxs, None, k), each.model_state)
   # no_shard and optim: one reduction per step, at the last micro-batch
   loss, accs, first_aux = None, acc_zero, None
   if k > 1:  # Megatron's `no_sync`: the first k-1 micro-batches' grads stay local
@@ -625,7 +644,7 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
           buf.grad_dtype,
           own,
           dp=plan.dp,
-          axes=plan.reduce_axes(buf),
+          axes=plan.micro_axes(buf),
           average=plan.average,
         )
         return {p.index: (None, g) for p, g in zip(b.params, blocks)}
@@ -905,5 +924,6 @@ def bucketed_step(
     average=config.average_in_collective,
     has_aux=has_aux,
     per_token=per_token,
+    outer_once=config.shards_grads and grad_accum_steps > 1 and mesh.shape.get(REPLICA, 1) > 1,
   )
   return BucketedStep(loss_fn, mesh, config, plan)

@@ -56,6 +56,11 @@ bucket's grads are reduce-scattered across "replica" (`scatter_outer`), and afte
 update the master is all-gathered back across it into the compute rows (`gather_outer`).
 docs/design.md, "HFSDP", says why.
 
+HSDP (`num_distributed_optimizer_instances=R` on a `("replica", "data")` mesh, FSDP's
+state replicated across "replica") with `grad_accum_steps` > 1: each micro-batch's
+reduce-scatters sum over "data" alone and the step all-reduces the summed shards across
+"replica" once (`FSDPStep._all_reduce_outer`), as HFSDP does with its reduce-scatter.
+
 Expert params (MoE, a leaf placed `P("expert", ...)` on its leading, expert dim, on a mesh
 with an "expert" axis): dense params are FSDP as on any mesh (sharded over "data",
 replicated over "expert", their reduce-scatter over "data" followed by an all-reduce of
@@ -563,6 +568,7 @@ def unit_collectives(
   *,
   chunks: bool = True,
   model_specs: tuple[ModelSpec, ...] = (),
+  outer_once: bool = False,
 ) -> list[fsdp_program.UnitIO]:
   """Inside the step: each unit's gather (forward all-gather, in `fsdp.param_dtype`) and
   scatter (backward reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves
@@ -571,9 +577,15 @@ def unit_collectives(
   shards of a fused state (`collectives.unit_collectives_flat`; a fused state has no
   chunks, see `init_state`). A leaf the caller sharded over other mesh axes
   (`model_specs`) on dims other than its shard dim is gathered and reduce-scattered one
-  collective per param, manual over those axes too (`collectives.unit_collectives(own=)`)."""
+  collective per param, manual over those axes too (`collectives.unit_collectives(own=)`).
+  `outer_once`: the reduce-scatters leave "replica" out, summed across once per step
+  (`all_reduce_outer`), as HFSDP's are (`scatter_outer`)."""
   fsdp = fsdp or FSDPConfig()
   units = units_of(layout, fsdp.param_dtype, config.grad_dtype is not None)
+  # HFSDP, or HSDP with grad accumulation: summed over "replica" once per step, after the
+  # micro-batches (`scatter_outer`, `all_reduce_outer`)
+  outer = layout.outer > 1 or outer_once
+  reduce_axes = tuple(a for a in data_axes(mesh) if a != REPLICA) if outer else None
   grad_dtypes = lambda u: {p.index: jnp.dtype(dtype) for b, dtype in u.grad for p in b.params}
   if fused:
     keys = {
@@ -597,6 +609,7 @@ def unit_collectives(
             dp=dp_size(mesh),
             axes=data_axes(mesh),
             average=config.average_in_collective,
+            reduce_axes=reduce_axes,
           ),
           shards=tuple(k for *_, k in grad),
           grad_dtypes=grad_dtypes(u),
@@ -628,8 +641,7 @@ def unit_collectives(
         axes=data_axes(mesh),
         average=config.average_in_collective,
         own=own,
-        # HFSDP: summed over "replica" once per step, after the backward (`scatter_outer`)
-        reduce_axes=(DATA,) if layout.outer > 1 else None,
+        reduce_axes=reduce_axes,
         experts=[i for i, e in enumerate(experts_of(model_specs)) if e],
       )._replace(**({} if tables and chunks_ok else {"table_rows": None})),
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
@@ -731,6 +743,7 @@ class FSDPStep:
     axes, dp, k = data_axes(self.mesh), dp_size(self.mesh), self.grad_accum_steps
     key = loop.device_key(inputs.key, collectives.data_index(axes))
     stored = leaves_of(inputs.params, layout)
+    outer_once = self._outer_once(layout)
     # Row-block gathers happen inside run_loss only (not in the gathered-once accumulation).
     units = unit_collectives(
       layout,
@@ -740,6 +753,7 @@ class FSDPStep:
       fused,
       chunks=k == 1 or fsdp.reshard_after_backward,
       model_specs=state.model_specs,
+      outer_once=outer_once,
     )
     unit_loss = _UnitLoss(self, layout, stored, units, key)
     unit_grad = jax.value_and_grad(unit_loss, has_aux=True)
@@ -751,6 +765,8 @@ class FSDPStep:
       tmaster = collectives.make_varying(
         {i: x.astype(master_dtype(x.dtype)) for i, x in tmaster.items()}, (REPLICA,)
       )
+    elif outer_once:  # the shards, like their cotangents, differ across "replica" in the loop
+      tmaster = collectives.make_varying(tmaster, (REPLICA,))
     # Three micro-batch modes. k == 1: one pass, the units' own gathers and reduce-scatters
     # (`run_loss`). k > 1 with `reshard_after_backward=False`: every unit is gathered once,
     # outside any custom_vjp, the k micro-batches differentiate the whole params and
@@ -792,6 +808,8 @@ class FSDPStep:
       )
       loss, grads, model_state = each.loss, each.grads, each.model_state
       aux = loop.mean_micro(each.auxs, None, k)
+      if outer_once:
+        grads = self._all_reduce_outer(grads, layout, fused)
     aux, count = loop.take_count(aux, self.per_token)
     aux = collectives.average_aux(aux, axes)
     if layout.outer > 1:  # HFSDP: one reduce-scatter per unit bucket across "replica"
@@ -819,6 +837,29 @@ class FSDPStep:
     else:
       grads = tree_of(layout, [grads.get(leaf.index) for leaf in layout.leaves])
     return step_lib.LocalGrads(grads, scalars.loss, scalars.grad_norm, aux, model_state)
+
+  def _outer_once(self, layout: Layout) -> bool:
+    """HSDP (`outer_dp_sharding_strategy="no_shard"`, a "replica" axis) whose micro-batches
+    each reduce-scatter (k > 1, `reshard_after_backward`): over the data axes but "replica",
+    summed across it once per step (`_all_reduce_outer`). HFSDP sums across it once per
+    step already (`scatter_outer`); units kept gathered reduce once per step anyway."""
+    replicas = self.mesh.shape.get(REPLICA, 1)
+    accumulates = self.grad_accum_steps > 1 and self.fsdp.reshard_after_backward
+    return accumulates and replicas > 1 and layout.outer == 1
+
+  def _all_reduce_outer(self, grads: dict, layout: Layout, fused: bool) -> dict:
+    """The micro-batches' summed shards (`{leaf: block}`, a fused state's `{FlatKey: flat
+    shard}`) all-reduced across "replica": one all-reduce per unit grad bucket, in the dtype
+    its reduce-scatters moved (See [Note: the sum across "replica" once per step] in
+    collectives.py)."""
+    keys = dict(zip((named.bucket for named in bucket_names(layout)), flat_keys(layout).values()))
+    out = dict(grads)
+    for unit in units_of(layout, self.fsdp.param_dtype, self.config.grad_dtype is not None):
+      for b, grad_dtype in unit.grad:
+        names = [keys[b]] if fused else [p.index for p in b.params]
+        total = collectives.all_reduce_outer([grads[n] for n in names], grad_dtype)
+        out.update(zip(names, total))
+    return out
 
   def call_with_params(self, state: TrainState, inputs: step_lib.StepInputs, fn: Callable):
     """Inside the `shard_map`: `fn(params, batch, model_state)` with every unit gathered

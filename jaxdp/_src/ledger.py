@@ -525,7 +525,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
 
   - "data": the table above, `N` the size of "data";
   - "replica" (`num_distributed_optimizer_instances` R > 1, HSDP): the sharded strategies
-    all-reduce each reduce-scattered shard across "replica" (`2(R-1)/R · G/N`); under HFSDP
+    all-reduce each reduce-scattered shard across "replica" (`2(R-1)/R · G/N`), once per
+    step whatever `grad_accum_steps` (`optim_grads` and FSDP sum the micro-batches' shards
+    first; FSDP's per-leaf state moves each bucket's blocks without its end padding); under HFSDP
     (`outer_dp_sharding_strategy="optim"`) a reduce-scatter of each device's block of every
     unit across "replica" after the backward (`(R-1)/R · G/N`) and an all-gather of the
     updated params across it (`(R-1)/R · P/N`) instead;
@@ -553,7 +555,8 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
       reshards after forward: two all-gathers per unit; its `param_dtype` is the dtype the
       all-gathers move).
     grad_accum_steps: micro-batches per step (`optim_grads` reduce-scatters, and FSDP
-      gathers and reduce-scatters, once per micro-batch).
+      gathers and reduce-scatters, once per micro-batch, within the data axes but
+      "replica").
 
   Returns:
     `{kind: ring bytes per device per step}`, with kinds as in `jaxdp.inspect`
@@ -615,13 +618,24 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     return out
   # Collectives per step: `optim_grads` and FSDP reduce every micro-batch, `optim` once
   k = grad_accum_steps if config.shards_grads else 1
+
+  # A reduce-scattered shard's all-reduce across the other data axes: per micro-batch, or
+  # with k > 1 on HSDP across "expert" per micro-batch and across "replica" once per step
+  # ([Note: the sum across "replica" once per step] in collectives.py)
+  def all_reduce_shard(shard, expert_group, outer_bytes=None):
+    if k > 1 and hsdp > 1:
+      add("all-reduce", shard, expert_group, k)
+      add("all-reduce", shard if outer_bytes is None else outer_bytes, replicas)
+    else:
+      add("all-reduce", shard, hsdp * expert_group, k)
+
   # ZeRO-1/2: the reduce-scatter over "data" of the whole bucket, then its 1/n shard
   # all-reduced across the other data axes, and one all-gather of the updated params
   if not config.shards_params:
     for buf, b in buckets:
       add("reduce-scatter", _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways), n, k)
       shard = _bucket_bytes(layout, b, buf.grad_dtype, own, tp_ways, sliced=True) / n
-      add("all-reduce", shard, other(buf), k)
+      all_reduce_shard(shard, 1 if buf.expert else ep)
     for buf, b in buckets:
       add("all-gather", _bucket_bytes(layout, b, buf.param_dtype, own, tp_ways), n)
     return out
@@ -630,6 +644,8 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   # unit's shard is not all-reduced over "expert"
   fsdp = fsdp or FSDPConfig()
   gathers = 2 if fsdp.reshard_after_forward else 1
+  if k > 1 and not fsdp.reshard_after_backward:  # units gathered once, reduced once per step
+    k, gathers = 1, 1
   experts = {leaf.index for leaf in layout.leaves if leaf.expert}
   for u in units_of(layout, fsdp.param_dtype, config.grad_dtype is not None):
     for b, dtype in u.gather:
@@ -637,7 +653,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
     for b, dtype in u.grad:
       add("reduce-scatter", _bucket_bytes(layout, b, dtype, own, tp_ways), n, k)
       shard = _bucket_bytes(layout, b, dtype, own, tp_ways, sliced=True) / n
-      add("all-reduce", shard, hsdp * (1 if b.params[0].index in experts else ep), k)
+      # a per-leaf state sums each bucket's blocks across "replica", not its padded shard
+      blocks = None if state.fused else _outer_bytes(layout, b, dtype)
+      all_reduce_shard(shard, 1 if b.params[0].index in experts else ep, blocks)
   if layout.outer > 1:  # HFSDP: once per step, after the backward and after the update
     for buf, b in buckets:
       add("reduce-scatter", _outer_bytes(layout, b, buf.grad_dtype), replicas)
