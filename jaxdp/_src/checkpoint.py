@@ -68,6 +68,7 @@ from jaxdp._src.state import (
   leaves_of,
   match_opt_leaf,
   model_spec,
+  to_device,
   tree_of,
 )
 
@@ -691,6 +692,10 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
   """One program for the whole tree (never eager per-leaf ops: see `get_params`). A
   per-param leaf is placed as `get_params` places its param: over the param's own axes and,
   if `sharded`, over "data" on the dim `view_dims` picks (`unpad_view`)."""
+  # an offloaded state (`DDPConfig.optimizer_cpu_offload`) is read on the device
+  state = dataclasses.replace(
+    state, master=to_device(state.master), opt_state=to_device(state.opt_state)
+  )
   state = per_leaf_state(state, mesh)
   outer = state.layout.outer > 1  # HFSDP: over ("data", "replica")
   leaves, treedef = jax.tree.flatten(state.opt_state)

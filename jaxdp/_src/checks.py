@@ -28,7 +28,15 @@ import numpy as np
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import sharded_shape
 from jaxdp._src.mesh import DATA, REPLICA, auto_mesh, constrain, explicit_axes
-from jaxdp._src.state import TrainState, bucket_names, flat_master, leaves_of, tree_of
+from jaxdp._src.state import (
+  TrainState,
+  bucket_names,
+  flat_master,
+  leaves_of,
+  memory_kinds,
+  to_host,
+  tree_of,
+)
 
 PyTree = Any
 
@@ -310,6 +318,10 @@ def finish_step(
   # arguments, so a state placed otherwise (even `P(None, None)` for `P()`) would compile
   # the step a second time when it comes back.
   new_state = jax.tree.map(lambda x, s: constrain(x, mesh, s), new_state, specs)
+  # ... and in the memory it came from: offloaded leaves back to the host
+  # (`DDPConfig.optimizer_cpu_offload`)
+  if config.optimizer_cpu_offload:
+    new_state = to_host(new_state, memory_kinds(new_state))
   metrics = {"loss": loss, "grad_norm": grad_norm}
   if aux is not None:
     metrics["aux"] = aux
