@@ -217,3 +217,23 @@ def test_no_host_memory_is_refused_before_compiling():
   with pytest.raises(ValueError, match="optimizer_cpu_offload=True.*pinned_host"):
     check_offload(Mesh(), config("optim", True))
   check_offload(Mesh(), config("optim"))  # nothing asked: nothing checked
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("strategy,fused", CASES)
+def test_ledger_counts_host_bytes_apart(strategy, fused, fraction):
+  from jaxdp.inspect import measured_bytes, memory_ledger
+
+  cfg = config(strategy, True, fraction, fused)
+  params = mlp()[0]
+  kw = {"fsdp": FSDP} if cfg.shards_params else {}
+  state = jaxdp.init_state(params, TX, jax.make_mesh((8,), ("data",)), cfg, **kw)
+  offloaded = memory_ledger(params, TX, 8, cfg, **kw)
+  plain = memory_ledger(params, TX, 8, config(strategy, fused=fused), **kw)
+  assert offloaded.state == {k: v for k, v in measured_bytes(state).items() if k != "step"}
+  assert offloaded.host > 0
+  # the same bytes, split between the memories
+  assert offloaded.master + offloaded.host_master == plain.master
+  assert offloaded.opt_state + offloaded.host_opt_state == plain.opt_state
+  if fraction == 1.0:  # all but the step counts (Adam's and the clip's) offloaded
+    assert offloaded.master == 0 and offloaded.opt_state < 64
