@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxdp
+from jaxdp._src import inspect as inspect_lib
 from jaxdp._src.state import HOST, offloaded_buckets
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
@@ -237,3 +238,42 @@ def test_ledger_counts_host_bytes_apart(strategy, fused, fraction):
   assert offloaded.opt_state + offloaded.host_opt_state == plain.opt_state
   if fraction == 1.0:  # all but the step counts (Adam's and the clip's) offloaded
     assert offloaded.master == 0 and offloaded.opt_state < 64
+
+
+def test_h100_program_takes_the_offloaded_state_in_host_memory():
+  """Compiled for 8 H100s without a GPU: the offloaded state is the program's host
+  arguments (the ledger's host bytes per device), copied in and out by async copies that
+  `predict_step` times on the host link."""
+  from jaxdp import inspect
+
+  if reason := inspect.gpu_compile_unavailable():
+    pytest.skip(reason)
+  params, loss_fn, batch = mlp()
+  cfg = config("optim_grads_params", True, 0.5)
+  compiled = inspect.compile_train_step(loss_fn, TX, 8, cfg, params, batch, fsdp=FSDP)
+  ledger = inspect.memory_ledger(params, TX, 8, cfg, fsdp=FSDP)
+  assert compiled.memory_analysis().host_argument_size_in_bytes == ledger.host
+  text = compiled.as_text()
+  assert "copy-start" in text and "S(5)" in text
+  prediction = inspect.predict_step(compiled)
+  assert set(prediction.host_us) == {"host-to-device", "device-to-host", "total"}
+  # each way: the offloaded bytes at the host link's rate
+  expected_us = ledger.host / inspect_lib.HOST_LINK_BYTES_PER_S * 1e6
+  assert prediction.host_us["host-to-device"] == pytest.approx(expected_us)
+  assert prediction.host_us["device-to-host"] == pytest.approx(expected_us)
+  assert prediction.step_us == pytest.approx(
+    prediction.compute_us + prediction.exposed_us["total"] + prediction.host_exposed_us["total"]
+  )
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_eval_step_reads_an_offloaded_state(strategy):
+  params, loss_fn, batch = mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  kw = {"fsdp": FSDP} if strategy == "optim_grads_params" else {}
+  losses = []
+  for offload in (False, True):
+    state, _ = train(config(strategy, offload), steps=1)
+    cfg = config(strategy, offload)
+    losses.append(jaxdp.make_eval_step(loss_fn, mesh, cfg, **kw)(state, batch))
+  np.testing.assert_array_equal(np.asarray(losses[0]), np.asarray(losses[1]))
