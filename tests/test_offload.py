@@ -277,3 +277,36 @@ def test_eval_step_reads_an_offloaded_state(strategy):
     cfg = config(strategy, offload)
     losses.append(jaxdp.make_eval_step(loss_fn, mesh, cfg, **kw)(state, batch))
   np.testing.assert_array_equal(np.asarray(losses[0]), np.asarray(losses[1]))
+
+
+MESHES = {  # name: (mesh shape, axis names, axis types, config fields beyond the strategy)
+  "optim-auto": ((8,), ("data",), jax.sharding.AxisType.Auto, {}),
+  "fsdp-auto": ((8,), ("data",), jax.sharding.AxisType.Auto, {}),
+  "hfsdp": (
+    (2, 4),
+    ("replica", "data"),
+    jax.sharding.AxisType.Explicit,
+    {"num_distributed_optimizer_instances": 2, "outer_dp_sharding_strategy": "optim"},
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_offload_on_auto_meshes_and_hfsdp(name):
+  shape, axes, kind, fields = MESHES[name]
+  mesh = jax.make_mesh(shape, axes, axis_types=(kind,) * len(shape))
+  strategy = "optim" if name == "optim-auto" else "optim_grads_params"
+  params, loss_fn, batch = mlp()
+  kw = {"fsdp": FSDP} if strategy == "optim_grads_params" else {}
+  out = []
+  for offload in (False, True):
+    cfg = dataclasses.replace(config(strategy, offload, 0.5), **fields)
+    state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
+    step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, **kw)
+    for _ in range(STEPS):
+      state, _ = step(state, batch)
+    assert step._cache_size() == 1
+    assert (HOST in kinds_of(state.opt_state)) == offload
+    out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
+  for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
