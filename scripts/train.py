@@ -17,6 +17,7 @@ Usage:
     python scripts/train.py --save-every 100         # checkpoint to <out>/checkpoints
     python scripts/train.py --save-every 100 --resume  # continue after a crash, any strategy
     python scripts/train.py --save-every 100 --preemption-signal SIGUSR1  # SLURM --signal=USR1@90
+    python scripts/train.py --strategy optim --optimizer-cpu-offload  # Adam state in host memory
     python -m jaxdp.launch -n 2 -d 4 -- scripts/train.py  # 2 processes x 4 CPU devices
 
 Strategies (Megatron's `data_parallel_sharding_strategy`): no_shard (DDP), optim
@@ -73,6 +74,8 @@ out = "out/train"
 cpu_devices = 8  # simulated devices when JAX has no accelerator
 save_every = 0  # steps between checkpoints (0: none)
 preemption_signal = "SIGTERM"  # with checkpoints: save at the next step and stop on it
+optimizer_cpu_offload = False  # sharded strategies: master and Adam state in host memory
+optimizer_offload_fraction = 1.0  # the fraction of them offloaded (whole buckets)
 # -----------------------------------------------------------------------------
 
 
@@ -126,6 +129,17 @@ def signal_name(text: str) -> signal.Signals | None:
   if sig in (signal.SIGKILL, signal.SIGSTOP):
     raise argparse.ArgumentTypeError(f"{sig.name} cannot be caught; use SIGTERM or SIGUSR1")
   return sig
+
+
+def fraction(text: str) -> float:
+  """An argparse type: a fraction in [0, 1]."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not 0.0 <= value <= 1.0:
+    raise argparse.ArgumentTypeError(f"{value:g}: use a fraction in [0, 1]")
+  return value
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -255,12 +269,32 @@ parser.add_argument(
   "strategy, with the run's own learning-rate schedule (a larger --steps trains on at its "
   "final rate)",
 )
+parser.add_argument(
+  "--optimizer-cpu-offload",
+  action="store_true",
+  default=optimizer_cpu_offload,
+  help="sharded strategies: keep the fp32 master params and the optimizer state in the "
+  "host's pinned memory between steps (DDPConfig.optimizer_cpu_offload)",
+)
+parser.add_argument(
+  "--optimizer-offload-fraction",
+  type=fraction,
+  default=optimizer_offload_fraction,
+  help="with --optimizer-cpu-offload, the fraction of them offloaded, whole buckets first "
+  "(DDPConfig.optimizer_offload_fraction)",
+)
 args = parser.parse_args()
 # What no single flag's type can say, refused here too: before JAX is imported, in a second.
 if args.d_model % args.n_head:
   parser.error(
     f"--n-head {args.n_head} does not divide --d-model {args.d_model}; "
     f"use a --n-head that divides it, or a --d-model that is a multiple of {args.n_head}"
+  )
+if args.optimizer_cpu_offload and args.strategy == "no_shard":
+  parser.error(
+    "--optimizer-cpu-offload offloads each device's shard of the optimizer state; "
+    "--strategy no_shard keeps a whole copy on every device: use --strategy optim, "
+    "optim_grads or optim_grads_params"
   )
 if args.warmup_steps is not None and args.warmup_steps > args.steps // 2:
   parser.error(
@@ -436,7 +470,10 @@ tx = optax.chain(
 )
 
 ddp_config = jaxdp.DDPConfig(
-  data_parallel_sharding_strategy=args.strategy, bucket_size=args.bucket_size
+  data_parallel_sharding_strategy=args.strategy,
+  bucket_size=args.bucket_size,
+  optimizer_cpu_offload=args.optimizer_cpu_offload,
+  optimizer_offload_fraction=args.optimizer_offload_fraction,
 )
 # FSDP's units: by default one per block; scanned blocks are one stacked subtree whose
 # layers jaxdp gathers one per iteration of the model's scan over them.

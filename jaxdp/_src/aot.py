@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxdp._src import train
 from jaxdp._src.compiler import COST_MODEL_OPTIONS, GPU_OPTIONS, GPU_PLATFORMS
 from jaxdp._src.mesh import DATA, data_axes
+from jaxdp._src.state import memory_kinds
 
 PyTree = Any
 
@@ -282,6 +283,17 @@ def compile_for_gpu(
   return compiled
 
 
+def _placed(mesh: jax.sharding.Mesh, spec: PartitionSpec, kind: str | None) -> NamedSharding:
+  """`spec` on `mesh`, in memory `kind` (None: the device's). A compile-only device lists no
+  memories, and a `NamedSharding` on its mesh drops the kind; on the mesh's abstract form
+  the kind stays, and the program compiled for those devices takes that argument in host
+  memory (`optimizer_cpu_offload`)."""
+  sharding = NamedSharding(mesh, spec, memory_kind=kind)
+  if kind is None or sharding.memory_kind == kind:
+    return sharding
+  return NamedSharding(mesh.abstract_mesh, spec, memory_kind=kind)
+
+
 def compile_train_step(
   loss_fn: Callable[[PyTree, PyTree], jax.Array],
   tx: Any,
@@ -366,9 +378,13 @@ def compile_train_step(
   )
   specs = train.state_specs(state)
   state = jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, s)),
+    lambda x, s, kind: (
+      None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_placed(mesh, s, kind))
+    ),
     state,
     specs,
+    memory_kinds(state),
+    is_leaf=lambda x: x is None,
   )
   axes = data_axes(mesh)  # the step's own: ("replica", "expert", "data") where present
   batch_sharding = NamedSharding(mesh, PartitionSpec(axes))

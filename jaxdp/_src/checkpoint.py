@@ -74,7 +74,9 @@ from jaxdp._src.state import (
   bucket_names,
   leaves_of,
   match_opt_leaf,
+  memory_kinds,
   model_spec,
+  to_device,
   tree_of,
 )
 
@@ -716,6 +718,10 @@ def _opt_state_program(state: TrainState, mesh, sharded: bool) -> PyTree:
   """One program for the whole tree (never eager per-leaf ops: see `get_params`). A
   per-param leaf is placed as `get_params` places its param: over the param's own axes and,
   if `sharded`, over "data" on the dim `view_dims` picks (`unpad_view`)."""
+  # an offloaded state (`DDPConfig.optimizer_cpu_offload`) is read on the device
+  state = dataclasses.replace(
+    state, master=to_device(state.master), opt_state=to_device(state.opt_state)
+  )
   state = per_leaf_state(state, mesh)
   outer = state.layout.outer > 1  # HFSDP: over ("data", "replica")
   leaves, treedef = jax.tree.flatten(state.opt_state)
@@ -1013,6 +1019,7 @@ def _keeps(target: _Target) -> bool:
 def _fitted(stored: dict[str, jax.Array], likes: list, targets) -> list[jax.Array]:
   """Traced: each target's leaf holding its stored value (`_fit`); `likes` has the `like`
   leaf of each target that takes padding from it, None for the others."""
+  likes = to_device(likes)  # an offloaded like's leaves (`optimizer_cpu_offload`) are read here
   out = []
   for target, like_leaf in zip(targets, likes):
     value = _value(stored, target)
@@ -1631,6 +1638,7 @@ class CheckpointManager:
       )
 
     mesh = like.step.sharding.mesh
+    kinds = memory_kinds(like)  # where `like` keeps each leaf: the restored state goes there
     same_flat = _same_flat_layout(meta, like)
     targets = _targets(meta, like, mesh, same_flat)
     if _is_abstract(like) and (why := _abstract_fits(like, targets, same_flat)):
@@ -1668,7 +1676,7 @@ class CheckpointManager:
       )[_STATE]
       leaves.fill(stored, group)
       del stored  # before the next group is read
-    return leaves.state(meta.state_step)
+    return _in_memory(leaves.state(meta.state_step), kinds)
 
   def _step(self, step: int | None) -> int:
     steps = self.all_steps()
@@ -1696,6 +1704,22 @@ class CheckpointManager:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _in_memory(state: TrainState, kinds: TrainState) -> TrainState:
+  """`state` with each leaf that `kinds` (`memory_kinds`) puts in host memory moved there,
+  leaf by leaf, each device copy freed once moved, its sharding kept."""
+  if not jax.tree.leaves(kinds):
+    return state
+
+  def place(x, kind):
+    if kind is None or x.sharding.memory_kind == kind:
+      return x
+    moved = jax.device_put(x, x.sharding.with_memory_kind(kind))
+    x.delete()  # the device copy, before the next leaf moves
+    return moved
+
+  return jax.tree.map(place, state, kinds, is_leaf=lambda x: x is None)
 
 
 def _check_is_state(state, name: str):

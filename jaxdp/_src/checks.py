@@ -42,6 +42,8 @@ from jaxdp._src.state import (
   bucket_names,
   flat_master,
   leaves_of,
+  memory_kinds,
+  to_host,
   tree_of,
 )
 
@@ -340,6 +342,10 @@ def finish_step(
   # arguments, so a state placed otherwise (even `P(None, None)` for `P()`) would compile
   # the step a second time when it comes back.
   new_state = jax.tree.map(lambda x, s: constrain(x, mesh, s), new_state, specs)
+  # ... and in the memory it came from: offloaded leaves back to the host
+  # (`DDPConfig.optimizer_cpu_offload`)
+  if config.optimizer_cpu_offload:
+    new_state = to_host(new_state, memory_kinds(new_state))
   metrics = {"loss": loss, "grad_norm": grad_norm}
   if aux is not None:
     metrics["aux"] = aux

@@ -75,6 +75,11 @@ class DDPConfig:
     stacked: `optim`/`optim_grads` only: prefixes of subtrees whose leaves carry a leading
       layer axis that the loss scans over; each layer's grads are reduce-scattered inside
       the scan. Default ().
+    optimizer_cpu_offload: sharded strategies: keep the master params and the optimizer
+      state in the host's pinned memory between steps; each step streams them to the
+      device, updates, and streams them back. Default False.
+    optimizer_offload_fraction: with `optimizer_cpu_offload`, the fraction of the optimizer
+      state (whole buckets; FSDP: whole units) kept on the host, in [0, 1]. Default 1.0.
 
   Examples:
     >>> import jaxdp
@@ -148,6 +153,18 @@ class DDPConfig:
   iteration, so no stacked whole-size gradient is ever built (GSPMD's ZeRO-1 does the same);
   with `overlap_param_gather` each is all-gathered on its own (no bucket copy). A leaf of
   one dim, or one the loss uses outside a scan's `xs`, is reduced whole as before."""
+
+  optimizer_cpu_offload: bool = False
+  """Sharded strategies: the master params and optimizer state (of the buckets
+  `optimizer_offload_fraction` picks) live in the host's pinned memory (`memory_kind=
+  "pinned_host"`) between steps; each step copies each offloaded bucket to the device where
+  it is first read, updates it there and copies it back (Megatron's `optimizer_cpu_offload`,
+  with the update on the device)."""
+  optimizer_offload_fraction: float = 1.0
+  """With `optimizer_cpu_offload`, the fraction of the optimizer state offloaded, in [0, 1]
+  (Megatron's `optimizer_offload_fraction`): the first buckets in layout order (FSDP: units)
+  until their elements reach this fraction of all; whole buckets, so the fraction offloaded
+  is this or a little more (0: none, 1: all)."""
 
   def __post_init__(self):
     if self.data_parallel_sharding_strategy not in STRATEGIES:
@@ -241,6 +258,27 @@ class DDPConfig:
           "the dtype gradients are reduced in; None reduces in fp32 "
           "(grad_reduce_in_fp32=True) or in each param's dtype",
         ),
+      )
+    if not isinstance(self.optimizer_cpu_offload, bool):
+      raise ValueError(
+        f"optimizer_cpu_offload={self.optimizer_cpu_offload!r}: must be True or False"
+      )
+    fraction = self.optimizer_offload_fraction
+    if (
+      isinstance(fraction, bool)
+      or not isinstance(fraction, (int, float))
+      or not 0.0 <= fraction <= 1.0
+    ):
+      raise ValueError(
+        f"optimizer_offload_fraction={fraction!r}: must be a number in [0, 1], the fraction "
+        "of the optimizer state kept in host memory (1.0: all of it)"
+      )
+    if self.optimizer_cpu_offload and self.data_parallel_sharding_strategy == "no_shard":
+      raise ValueError(
+        "optimizer_cpu_offload=True offloads each device's shard of the optimizer state, "
+        "but 'no_shard' keeps a whole replica of it on every device (every device would "
+        "stream the whole state each step); use data_parallel_sharding_strategy='optim', "
+        "'optim_grads' or 'optim_grads_params', or leave optimizer_cpu_offload=False"
       )
     if self.fused_update not in (None, True, False):
       raise ValueError(f"fused_update={self.fused_update!r}: must be None, True or False")

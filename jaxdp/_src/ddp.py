@@ -98,6 +98,7 @@ from jaxdp._src.mesh import (
 )
 from jaxdp._src.state import (
   TrainState,
+  check_offload,
   init_source,
   bucket_names,
   extra_specs,
@@ -106,6 +107,7 @@ from jaxdp._src.state import (
   model_spec,
   opt_params_of,
   state_specs,
+  to_device,
   tree_of,
 )
 
@@ -266,6 +268,7 @@ def init_state(
   ]
   # Placed the way the step places its output state (not by out_shardings, whose specs an
   # Auto mesh would not normalise as the step's do): step 2 reuses step 1's program.
+  check_offload(mesh, config)
   return source.run(build, opt_params, tx, mesh, layout, views, state_specs)
 
 
@@ -854,6 +857,11 @@ class BucketedStep:
   # strategies: the new master rows are all-gathered into the params here, unless the next
   # step gathers them at its start (`overlap_param_gather`, `start_param_sync`).
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
+    # Offloaded buckets (`DDPConfig.optimizer_cpu_offload`) come to the device here, each
+    # its own copy that its update alone waits for; `finish_step` copies the new ones back.
+    state = dataclasses.replace(
+      state, master=to_device(state.master), opt_state=to_device(state.opt_state)
+    )
     if not state.fused:
       return self._update_leaves(tx, state, out.grads), out.grads
     # The NaN check flags each leaf: it reads the flat shards cut back into per-leaf blocks

@@ -141,6 +141,7 @@ from jaxdp._src.mesh import (
 from jaxdp._src.state import (
   FLAT_SPEC,
   TrainState,
+  check_offload,
   init_source,
   bucket_names,
   extra_specs,
@@ -149,6 +150,7 @@ from jaxdp._src.state import (
   model_spec,
   opt_params_of,
   opt_state_specs,
+  to_device,
   tree_of,
 )
 from jaxdp._src.units import (
@@ -385,6 +387,7 @@ def init_state(
     pspec(view_dims(leaf.shape, dims, mesh.shape[DATA], leaf.shard_axis))
     for leaf, dims in zip(layout.leaves, model_specs)
   ]
+  check_offload(mesh, config)
   return source.run(build, opt_params, tx, mesh, layout, views, state_specs)
 
 
@@ -881,6 +884,11 @@ class FSDPStep:
 
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
     layout = state.layout
+    # offloaded units (`DDPConfig.optimizer_cpu_offload`) to the device, each its own copy;
+    # `finish_step` copies the new ones back
+    state = dataclasses.replace(
+      state, master=to_device(state.master), opt_state=to_device(state.opt_state)
+    )
     # fused: one update on the flat unit buckets (see the module docstring)
     opt_params = state.master if state.fused else opt_params_of(layout, state.params, state.master)
     updates, opt_state = loop.tx_update(tx, out.grads, state.opt_state, opt_params, self.mesh)

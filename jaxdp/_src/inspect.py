@@ -1032,7 +1032,8 @@ class StepPrediction:
   Attributes:
     module: HLO module name, e.g. `"jit_step"`.
     step_us: predicted time of one run: kernels back to back on one stream plus the waits for
-      collectives (`compute_us + exposed_us["total"]`).
+      collectives and host copies (`compute_us + exposed_us["total"]` +
+      `host_exposed_us["total"]`).
     compute_us: time of the kernels (every loop trip counted).
     comm_us: time of the collectives per kind, and `"total"`.
     exposed_us: the part of `comm_us` the kernels wait for (not hidden under compute), per
@@ -1050,6 +1051,11 @@ class StepPrediction:
   timeline: tuple[Interval, ...]
   unestimated: tuple[str, ...] = ()
   unknown_trip_counts: tuple[str, ...] = ()
+  host_us: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Time of the copies between host and device memory (`"host-to-device"`,
+  `"device-to-host"`, `"total"`; empty without any), at `HOST_LINK_BYTES_PER_S` each way."""
+  host_exposed_us: dict[str, float] = dataclasses.field(default_factory=dict)
+  """The part of `host_us` the kernels wait for, per direction and `"total"`."""
 
   @property
   def hidden_fraction(self) -> float:
@@ -1071,6 +1077,12 @@ class StepPrediction:
     for kind, us in self.comm_us.items():
       if kind != "total":
         lines.append(f"  {kind:<18} {us:>12,.1f} us, exposed {self.exposed_us[kind]:>12,.1f} us")
+    for kind, us in self.host_us.items():
+      if kind != "total":
+        lines.append(
+          f"  {kind:<18} {us:>12,.1f} us, exposed {self.host_exposed_us[kind]:>12,.1f} us "
+          f"(host link {HOST_LINK_BYTES_PER_S / 1e9:.0f} GB/s each way)"
+        )
     if self.unestimated:
       lines.append(f"  {len(self.unestimated)} kernels without an estimate (counted as 0)")
     if self.unknown_trip_counts:
@@ -1132,14 +1144,35 @@ class _Slot:
   exposed: float = 0.0
 
 
+HOST_LINK_BYTES_PER_S = 64e9
+"""The host link of one GPU, each way: PCIe Gen5 x16 (an H100 SXM's). XLA's cost model
+gives copies between host and device memory no time, nor does its H100 target description
+name a host link, so `predict_step` times them at this rate."""
+
+
+def _host_copy(instr: _Instr) -> str | None:
+  """The direction of a `copy-start` between host and device memory (memory space
+  S(5)), or None for another op. Its shape is `(destination, source, context)`."""
+  if instr.opcode != "copy-start":
+    return None
+  parts = [p for p in re.split(r",\s*(?=[a-z]\w*\[)", instr.shape.strip("()")) if p]
+  if len(parts) < 2:
+    return None
+  to_host, from_host = "S(5)" in parts[0], "S(5)" in parts[1]
+  if to_host == from_host:
+    return None
+  return "device-to-host" if to_host else "host-to-device"
+
+
 class _Replay:
-  """Runs a scheduled module on two streams with XLA's estimates (see `predict_step`).
+  """Runs a scheduled module on four streams with XLA's estimates (see `predict_step`).
 
   The compute stream runs the kernels of each computation in schedule order. A collective's
   start queues it on the communication stream (one collective at a time, in issue order); its
   done makes the compute stream wait until it has finished. A wait is charged to the
   collectives the communication stream runs meanwhile, so no collective is exposed for longer
-  than it runs.
+  than it runs. Copies between host and device memory run the same way on a stream of their
+  own per direction (the GPU's copy engines), at `HOST_LINK_BYTES_PER_S`.
   """
 
   def __init__(self, parser: _Parser, wrapped: dict[str, float]):
@@ -1149,6 +1182,9 @@ class _Replay:
     self.comm_free = 0.0  # when the communication stream is next idle
     self.slots: list[_Slot] = []
     self.comm: list[int] = []  # slots of the collectives, in stream order
+    # the host copies' streams, one per direction: when each is next idle, and its slots
+    self.host_free: dict[str, float] = {}
+    self.host: dict[str, list[int]] = {}
     self.unestimated: dict[str, None] = {}
     self.unknown_trips: dict[str, None] = {}
 
@@ -1180,15 +1216,29 @@ class _Replay:
     self.comm.append(len(self.slots) - 1)
     return len(self.slots) - 1
 
+  def transfer(self, instr: _Instr, direction: str, comp: str) -> int:
+    """Queues a host copy on its direction's stream, as `issue` a collective. Returns its
+    slot."""
+    dtype, dims = _arrays(instr.shape)[0]  # the destination, as large as the source
+    nbytes = math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8)
+    start = max(self.t, self.host_free.get(direction, 0.0))
+    end = start + nbytes / HOST_LINK_BYTES_PER_S * 1e6
+    self.host_free[direction] = end
+    self.slots.append(_Slot(instr.name, direction, "host", start, end, comp))
+    self.host.setdefault(direction, []).append(len(self.slots) - 1)
+    return len(self.slots) - 1
+
   def wait(self, slot: int) -> None:
-    """The compute stream waits for collective `slot` to finish (its done, or a
-    synchronous collective): the wait, `[t, end]`, is exposed communication."""
+    """The compute stream waits for collective (or host copy) `slot` to finish (its done,
+    or a synchronous collective): the wait, `[t, end]`, is exposed communication."""
     end = self.slots[slot].end
     if end <= self.t:
       return
+    waited = self.slots[slot]
+    stream = self.host[waited.kind] if waited.lane == "host" else self.comm
     # Charge the wait to the collectives that run in it, newest first: the stream runs one
     # at a time, so each is charged only its overlap with the wait, at most its own length.
-    for i in reversed(self.comm):  # the stream is busy all through [t, end]
+    for i in reversed(stream):  # the stream is busy all through [t, end]
       s = self.slots[i]
       if s.end <= self.t:
         break
@@ -1232,7 +1282,14 @@ class _Replay:
     for instr in self.p.comps.get(comp, []):
       classified = self.p.classify(instr)
       category, kind, role = classified.category, classified.kind, classified.role
-      if role in ("sync", "start") and kind is not None:
+      direction = _host_copy(instr)
+      if direction is not None:
+        in_flight[instr.name] = self.transfer(instr, direction, comp)
+      elif instr.opcode == "copy-done":
+        slot = next((in_flight.pop(o) for o in instr.operands if o in in_flight), None)
+        if slot is not None:
+          self.wait(slot)
+      elif role in ("sync", "start") and kind is not None:
         slot = self.issue(instr, kind, comp)
         if role == "sync":
           self.wait(slot)
@@ -1255,14 +1312,19 @@ class _Replay:
   def prediction(self) -> StepPrediction:
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
+    host: dict[str, float] = {}
+    host_exposed: dict[str, float] = {}
     compute = 0.0
     for s in self.slots:
-      if s.lane == "comm":
-        comm[s.kind] = comm.get(s.kind, 0.0) + (s.end - s.start)
-        exposed[s.kind] = exposed.get(s.kind, 0.0) + s.exposed
+      if s.lane in ("comm", "host"):
+        times, waits = (comm, exposed) if s.lane == "comm" else (host, host_exposed)
+        times[s.kind] = times.get(s.kind, 0.0) + (s.end - s.start)
+        waits[s.kind] = waits.get(s.kind, 0.0) + s.exposed
       else:
         compute += s.end - s.start
     comm["total"], exposed["total"] = sum(comm.values()), sum(exposed.values())
+    if host:
+      host["total"], host_exposed["total"] = sum(host.values()), sum(host_exposed.values())
     timeline = tuple(
       Interval(s.name, s.kind, s.lane, s.start, s.end, s.computation, s.exposed) for s in self.slots
     )
@@ -1275,6 +1337,8 @@ class _Replay:
       timeline=timeline,
       unestimated=tuple(self.unestimated),
       unknown_trip_counts=tuple(self.unknown_trips),
+      host_us=host,
+      host_exposed_us=host_exposed,
     )
 
 

@@ -67,7 +67,14 @@ from jaxdp._src.layout import (
   sharded_shape,
 )
 from jaxdp._src.mesh import DATA, EXPERT, REPLICA, ModelSpec, data_axes_in, model_specs_of
-from jaxdp._src.state import bucket_names, is_flat_leaf, match_opt_leaf
+from jaxdp._src.state import (
+  HOST,
+  bucket_names,
+  is_flat_leaf,
+  match_opt_leaf,
+  offloaded_buckets,
+  offloaded_leaves,
+)
 from jaxdp._src.units import chunked_leaves, units_of
 
 PyTree = Any
@@ -94,6 +101,10 @@ class MemoryLedger:
   (one layer of a stacked unit; a param gathered by row blocks counted whole), in the dtype
   its all-gather moves (`FSDPConfig.param_dtype`, else the params' own), padding included:
   at most `prefetch + 1` units are gathered at once; not part of `total`.
+  With `DDPConfig.optimizer_cpu_offload`, `master` and `opt_state` count the device's
+  memory only, and `host_master`, `host_opt_state` what each device keeps of the offloaded
+  buckets in the host's memory (the host of `k` devices holds `k` times that); neither is
+  part of `total`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, jaxdp
@@ -115,6 +126,14 @@ class MemoryLedger:
   opt_state: int
   gathered_in_step: int = 0
   gathered_unit: int = 0
+  host_master: int = 0
+  host_opt_state: int = 0
+
+  @property
+  def host(self) -> int:
+    """Bytes per device in host memory (`optimizer_cpu_offload`): host_master +
+    host_opt_state."""
+    return self.host_master + self.host_opt_state
 
   @property
   def total(self) -> int:
@@ -136,6 +155,12 @@ class MemoryLedger:
       f"{_size(self.total)} per device in the step: params {_size(self.params)} ({params}), "
       f"grads {_size(self.grads)} (reduced, in the step only), master {_size(self.master)}, "
       f"opt_state {_size(self.opt_state)}"
+      + (
+        f"; in host memory: master {_size(self.host_master)}, opt_state "
+        f"{_size(self.host_opt_state)}"
+        if self.host
+        else ""
+      )
     )
 
   @property
@@ -143,12 +168,15 @@ class MemoryLedger:
     """What the `TrainState` holds between steps, what `measured_bytes` finds in it (all
     but the step counter): `params` less `gathered_in_step` (0 under `optim` and
     `optim_grads` with `overlap_param_gather`, whose steps gather the params whole), and
-    no grads (they live only inside the step)."""
-    return {
+    no grads (they live only inside the step); `host` with offload (`host`)."""
+    kept = {
       "params": self.params - self.gathered_in_step,
       "master": self.master,
       "opt_state": self.opt_state,
     }
+    if self.host:  # offloaded: `measured_bytes` counts the host memory apart
+      kept["host"] = self.host
+    return kept
 
 
 def _size(n: int) -> str:
@@ -394,7 +422,8 @@ def memory_ledger(
     grads //= dp
 
   opt_tree = [None] * len(layout.leaves)
-  master = 0
+  master = host_master = 0
+  host_leaves = offloaded_leaves(layout, config)  # `optimizer_cpu_offload`: on the host
   # A master exists for every trainable param when sharded (the rows the optimizer updates)
   # and under no_shard only where the master dtype differs (bf16 params, fp32 master);
   # `opt_tree` is what `tx.init` sees, for the optax state's shapes
@@ -402,7 +431,9 @@ def memory_ledger(
     i, dtype = x.index, master_dtype(dtypes[x.index])
     shape = x.seen if sharded else x.shape
     opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
-    if sharded:
+    if sharded and i in host_leaves:
+      host_master += _nbytes(shape, dtype) // (dp * outer * ways[i])
+    elif sharded:
       master += _nbytes(shape, dtype) // (dp * outer * ways[i])
     elif dtype != dtypes[i]:
       master += _nbytes(shape, dtype) // ways[i]
@@ -422,20 +453,29 @@ def memory_ledger(
       )
       for named in bucket_names(layout)
     }
+    host_names = offloaded_buckets(layout, config)
     if sharded:  # no_shard fuses only params that need no master
-      master = sum(_nbytes(x.shape, x.dtype) // dp for x in flat.values())
+      master = sum(_nbytes(x.shape, x.dtype) // dp for k, x in flat.items() if k not in host_names)
+      host_master = sum(_nbytes(x.shape, x.dtype) // dp for k, x in flat.items() if k in host_names)
     state = jax.eval_shape(tx.init, flat)
     sizes = {name: x.shape for name, x in flat.items()}
     split = lambda path, x: dp if sharded and is_flat_leaf(path, x, sizes) else 1
+    host_sizes = {name: shape for name, shape in sizes.items() if name in host_names}
+    on_host = lambda path, x: is_flat_leaf(path, x, host_sizes)
   else:
     state = jax.eval_shape(tx.init, jax.tree.unflatten(layout.treedef, opt_tree))
     split = functools.partial(
       _state_split, layout=layout, sharded=sharded, shards=dp * outer, specs=specs, ways=ways
     )
+    seen = {x.index: opt_tree[x.index].shape for x in leaves_}
+    on_host = lambda path, x: match_opt_leaf(path, x.shape, layout.paths, seen).param in host_leaves
   # Each optax leaf whole, divided by how the state splits it ([Note: bytes per device])
-  opt = 0
+  opt = host_opt = 0
   for path, x in jax.tree_util.tree_leaves_with_path(state):
-    opt += _nbytes(x.shape, x.dtype) // split(path, x)
+    if host_leaves and on_host(path, x):
+      host_opt += _nbytes(x.shape, x.dtype) // split(path, x)
+    else:
+      opt += _nbytes(x.shape, x.dtype) // split(path, x)
 
   gathered = trainable_model if sharded and not fsdp_step and config.overlap_param_gather else 0
   return MemoryLedger(
@@ -445,6 +485,8 @@ def memory_ledger(
     opt_state=opt,
     gathered_in_step=gathered,
     gathered_unit=gathered_unit,
+    host_master=host_master,
+    host_opt_state=host_opt,
   )
 
 
@@ -455,7 +497,8 @@ def measured_bytes(state, device=None) -> dict[str, int]:
   state's mesh). Reads only this process's shards' sizes: no cross-process work.
 
   Returns:
-    `{"step": .., "params": .., "master": .., "opt_state": ..}`.
+    `{"step": .., "params": .., "master": .., "opt_state": ..}`, the device's memory, and
+    `"host": ..` where the state keeps some of it in host memory (`optimizer_cpu_offload`).
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
@@ -480,19 +523,23 @@ def measured_bytes(state, device=None) -> dict[str, int]:
       key=lambda d: d.id,
     )
 
-  def field(tree):
+  def field(tree, host=False):
     total = 0
     for x in jax.tree.leaves(tree):
-      if isinstance(x, jax.Array):
+      if isinstance(x, jax.Array) and (x.sharding.memory_kind == HOST) == host:
         total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device)
     return total
 
-  return {
+  measured = {
     "step": field(state.step),
     "params": field(state.params),
     "master": field(state.master),
     "opt_state": field(state.opt_state),
   }
+  host = field((state.master, state.opt_state), host=True)
+  if host:  # offloaded (`optimizer_cpu_offload`): the host memory apart
+    measured["host"] = host
+  return measured
 
 
 # ----------------------------------------------------------------------------- communication

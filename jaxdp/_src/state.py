@@ -344,6 +344,181 @@ def is_flat_leaf(path, x, flat: Mapping[str, tuple[int, ...]]) -> bool:
   return name in flat and tuple(x.shape) == flat[name]
 
 
+# ----------------------------------------------------------------------------- host offload
+
+HOST = "pinned_host"
+"""The memory kind an offloaded leaf lives in between steps (`DDPConfig.optimizer_cpu_offload`):
+the host's page-locked memory, which the device copies to and from asynchronously."""
+
+
+# [Note: which buckets are offloaded]
+# `optimizer_offload_fraction` is Megatron's: the fraction of the optimizer state on the host.
+# jaxdp offloads whole buckets (FSDP: whole units), the state's unit of update and transfer:
+# a bucket's master and optimizer state are copied and updated together, and a fused state
+# keys its flat arrays by bucket, so a partial bucket would split an array across memories.
+# The buckets are taken in layout order (`bucket_names`), first ones first, until their
+# elements reach the fraction. The layout puts the params in backward order, so the first
+# buckets are those whose grads are reduced first in the backward: their copies to the
+# device and their updates have the most of the step left to run under (an FSDP layout's
+# units go in forward order; any order holds the same bytes).
+def offloaded_buckets(layout: Layout, config: DDPConfig) -> frozenset[str]:
+  """The names (`bucket_names`) of the buckets whose master and optimizer state live in host
+  memory between steps (see [Note: which buckets are offloaded]); empty without
+  `optimizer_cpu_offload`.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxdp
+    >>> layout = jaxdp.layout.make_layout({"a": jnp.zeros(64), "b": jnp.zeros(64)}, dp=8,
+    ...                                   bucket_size=64)
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim",
+    ...                          optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+    >>> sorted(offloaded_buckets(layout, config))
+    ['float32/bucket0']
+  """
+  if not config.optimizer_cpu_offload:
+    return frozenset()
+  named = bucket_names(layout)
+  sizes = [b.bucket.shard_size * layout.dp for b in named]
+  wanted = config.optimizer_offload_fraction * sum(sizes)
+  chosen, held = [], 0
+  for b, size in zip(named, sizes):
+    if held >= wanted:
+      break
+    chosen.append(b.name)
+    held += size
+  return frozenset(chosen)
+
+
+def offloaded_leaves(layout: Layout, config: DDPConfig) -> frozenset[int]:
+  """The trainable leaves (indices) of the offloaded buckets."""
+  names = offloaded_buckets(layout, config)
+  return frozenset(
+    p.index
+    for b in bucket_names(layout)
+    if b.name in names
+    for p in b.bucket.params
+    if layout.leaves[p.index].trainable
+  )
+
+
+def memory_kinds(state: TrainState) -> TrainState:
+  """Where each leaf of `state` lives between steps: `HOST` for the master and the per-param
+  (per-element) optimizer state of the offloaded buckets (`offloaded_buckets`), None (the
+  device) for every other leaf; a tree like `state`.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxdp
+    >>> mesh = jax.make_mesh((8,), ("data",))
+    >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim",
+    ...                          optimizer_cpu_offload=True)
+    >>> state = jaxdp.init_state({"w": jnp.ones((16, 4))}, optax.adam(1e-3), mesh, config)
+    >>> kinds = memory_kinds(state)
+    >>> kinds.master, kinds.opt_state[0].mu, kinds.opt_state[0].count
+    ({'float32/bucket0': 'pinned_host'}, {'float32/bucket0': 'pinned_host'}, None)
+    >>> state.opt_state[0].mu["float32/bucket0"].sharding.memory_kind
+    'pinned_host'
+  """
+  layout = state.layout
+  nothing = jax.tree.map(lambda _: None, state)
+  names = offloaded_buckets(layout, state.config)
+  if not names:
+    return nothing
+  if state.fused:
+    flat = {named.name: (named.bucket.shard_size * layout.dp,) for named in bucket_names(layout)}
+    host = {name: shape for name, shape in flat.items() if name in names}
+    master = (
+      {name: HOST if name in names else None for name in state.master}
+      if flat_master(state)
+      else nothing.master
+    )
+    opt_state = jax.tree_util.tree_map_with_path(
+      lambda path, x: HOST if is_flat_leaf(path, x, host) else None, state.opt_state
+    )
+    return dataclasses.replace(nothing, master=master, opt_state=opt_state)
+  leaves = offloaded_leaves(layout, state.config)
+  masters = leaves_of(state.master, layout)
+  master = [
+    None if m is None else HOST if leaf.index in leaves else None
+    for leaf, m in zip(layout.leaves, masters)
+  ]
+  # a per-param optax leaf goes where its param's master goes (`match_opt_leaf`); anything
+  # else (step counts, factored moments, state not keyed by param) stays on the device
+  shapes = {
+    leaf.index: tuple((m if m is not None else x).shape)
+    for leaf, x, m in zip(layout.leaves, leaves_of(state.params, layout), masters)
+    if leaf.trainable and (m is not None or x is not None)
+  }
+
+  def kind_of(path, x):
+    match = match_opt_leaf(path, tuple(x.shape), layout.paths, shapes)
+    return HOST if match.param in leaves else None
+
+  opt_state = jax.tree_util.tree_map_with_path(kind_of, state.opt_state)
+  return dataclasses.replace(nothing, master=tree_of(layout, master), opt_state=opt_state)
+
+
+def to_host(tree: PyTree, kinds: PyTree) -> PyTree:
+  """Traced: each leaf of `tree` whose kind (`memory_kinds`) is `HOST` copied to host
+  memory, in place (its sharding kept); the others as they are."""
+  return jax.tree.map(
+    lambda x, kind: x if kind is None else jax.device_put(x, jax.memory.Space.Host),
+    tree,
+    kinds,
+    is_leaf=lambda x: x is None,
+  )
+
+
+def to_device(tree: PyTree) -> PyTree:
+  """Traced: every leaf of `tree` that lives in host memory copied to the device (its
+  sharding kept); the others, the same values. Where nothing is offloaded this adds
+  nothing to the program."""
+
+  def fetch(x):
+    if jax.typeof(x).memory_space == jax.memory.Space.Host:
+      return jax.device_put(x, jax.memory.Space.Device)
+    return x
+
+  return jax.tree.map(fetch, tree)
+
+
+def check_offload(mesh, config: DDPConfig) -> None:
+  """Raises unless `mesh`'s devices have the host memory `optimizer_cpu_offload` puts the
+  state in. Compile-only devices (`jaxdp.inspect.gpu_mesh`), which list no memories, pass:
+  the program compiled for them holds the copies a GPU would run.
+
+  Raises:
+    ValueError: offload asked for on devices without a `pinned_host` memory.
+  """
+  if not config.optimizer_cpu_offload:
+    return
+  device = mesh.devices.flat[0]
+  try:
+    kinds = {m.kind for m in device.addressable_memories()}
+  except Exception:  # noqa: BLE001 - a backend that cannot list its memories has none
+    kinds = set()
+  if kinds and HOST not in kinds:
+    raise ValueError(
+      f"optimizer_cpu_offload=True keeps the optimizer state in {HOST!r} memory, but the "
+      f"mesh's {device.platform} devices have only {sorted(kinds)}; run on a backend with "
+      f"host memory (GPU, TPU, CPU), or set optimizer_cpu_offload=False"
+    )
+
+
+def reads_master_forward(config: DDPConfig) -> bool:
+  """Does a step read `master` before its update? FSDP's units gather it, and the sharded
+  strategies' `overlap_param_gather` gathers the params from it at the step's start: an
+  offloaded master comes to the device there, once, for the forward and the update."""
+  return config.shards_params or (config.use_distributed_optimizer and config.overlap_param_gather)
+
+
+def fetch_master(state: TrainState) -> TrainState:
+  """Traced, at the step's start: `state` with its offloaded master on the device where the
+  forward reads it (`reads_master_forward`); the same state otherwise."""
+  if not state.config.optimizer_cpu_offload or not reads_master_forward(state.config):
+    return state
+  return dataclasses.replace(state, master=to_device(state.master))
+
+
 # ----------------------------------------------------------------------------- init
 
 
@@ -394,12 +569,30 @@ class InitSource:
     # before program 2 runs `tx.init` on the state, so that they are not alive beside the
     # optimizer state (unless the caller keeps them).
     state_program = run_auto(program, mesh, dataclasses.replace(specs, opt_state=None))
+    opt_program = run_auto(lambda s: tx.init(opt_params(s)), mesh, specs.opt_state)
+    # Offloaded leaves (`memory_kinds`) are written to host memory by the programs that make
+    # them, so that no device holds the whole offloaded state at once.
+    kinds = memory_kinds(jax.eval_shape(whole, self.abstract))
+    if jax.tree.leaves(kinds):
+      state_program = _offloaded(state_program, dataclasses.replace(kinds, opt_state=None))
+      opt_program = _offloaded(opt_program, kinds.opt_state, fetch_master=True)
     state = jax.jit(state_program)(tree_of(layout, leaves))
     del leaves  # (the caller's arrays, where the transfer kept them, stay the caller's)
-    opt_program = run_auto(lambda s: tx.init(opt_params(s)), mesh, specs.opt_state)
     # keep_unused: an init that reads no value (zeros like the params) still runs on `mesh`
     opt_state = jax.jit(opt_program, keep_unused=True)(state)
     return dataclasses.replace(state, opt_state=opt_state)
+
+
+def _offloaded(program, kinds, fetch_master: bool = False):
+  """`program` (of a state) writing its offloaded outputs (`kinds`) to host memory; with
+  `fetch_master`, reading its input state's master from the device (`to_device`)."""
+
+  def offloaded(state):
+    if fetch_master:
+      state = dataclasses.replace(state, master=to_device(state.master))
+    return to_host(program(state), kinds)
+
+  return offloaded
 
 
 def init_source(params) -> InitSource:

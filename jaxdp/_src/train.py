@@ -9,6 +9,7 @@ the call to the one `config` names; a step is `step.make_train_step` over the st
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
@@ -157,14 +158,23 @@ def abstract_state(
   # On the mesh's devices (a restore needs them; eval_shape places on the abstract mesh),
   # with eval_shape's specs, or where `init_state` places each leaf (`state_specs`) for a
   # `jax.sharding.Mesh` built by hand, whose leaves eval_shape leaves unplaced.
+  # ... and in the memory `init_state` puts it in (`DDPConfig.optimizer_cpu_offload`)
   return jax.tree.map(
-    lambda x, spec: jax.ShapeDtypeStruct(
-      x.shape,
-      x.dtype,
-      sharding=jax.sharding.NamedSharding(mesh, spec if x.sharding is None else x.sharding.spec),
+    lambda x, spec, kind: (
+      None
+      if x is None
+      else jax.ShapeDtypeStruct(
+        x.shape,
+        x.dtype,
+        sharding=jax.sharding.NamedSharding(
+          mesh, spec if x.sharding is None else x.sharding.spec, memory_kind=kind
+        ),
+      )
     ),
     state,
     state_specs(state),
+    state_lib.memory_kinds(state),
+    is_leaf=lambda x: x is None,
   )
 
 
@@ -220,6 +230,8 @@ def _params_program(state: TrainState, mesh, sharded: bool) -> PyTree:
 
 def whole_params(state: TrainState, mesh, sharded: bool = False) -> PyTree:
   """Traced `get_params`, for a program that does more (the eval step)."""
+  # an offloaded master (`DDPConfig.optimizer_cpu_offload`) is read on the device
+  state = dataclasses.replace(state, master=state_lib.to_device(state.master))
   if _fsdp_branch(state.config, None):
     return fsdp_lib.whole_params(state, mesh, sharded)
   return ddp.whole_params(state, mesh, sharded)

@@ -3,6 +3,7 @@
     python scripts/bench/job_memory.py --mib 128 --repeat 3
     python scripts/bench/job_memory.py --mib 256 --variants gspmd fsdp
     python scripts/bench/job_memory.py --mib 128 --repeat 3 --save-concurrent-gb 0.05
+    python scripts/bench/job_memory.py --mib 64 --variants fsdp fsdp+offload optim optim+offload
 
 All 8 simulated devices live in one process, so a whole copy of the model on every device
 shows as 8 x the model. Each variant runs in a fresh process: init (from the model's init
@@ -19,7 +20,9 @@ over "data" at every block's input and output), and orbax's `StandardCheckpointe
 (restored into `jax.ShapeDtypeStruct` targets with those shardings). jaxdp's variants:
 `optim` (ZeRO-1), `optim_grads` (ZeRO-2), `fsdp` (`optim_grads_params`), each with
 `init_state(init_fn)`, `init_state(host arrays)`, `CheckpointManager.save` and
-`restore(abstract_state(init_fn))`; `--save-concurrent-gb` passes jaxdp's
+`restore(abstract_state(init_fn))`; `optim+offload` and `fsdp+offload` with
+`DDPConfig(optimizer_cpu_offload=True)` (on the CPU backend `pinned_host` is process memory
+too: what these show is the copies' cost, not a saving); `--save-concurrent-gb` passes jaxdp's
 `CheckpointManager(save_concurrent_gb=)`, the bound on bytes being written at once (the
 GSPMD way keeps orbax's default). The host arrays are NumPy's own memory, as a loader reads
 them. "ratio" is a phase's growth over the GSPMD way's, in
@@ -39,7 +42,7 @@ import tempfile
 import time
 
 PHASES = ("init (function)", "init (host arrays)", "2 train steps", "save", "restore")
-VARIANTS = ("gspmd", "optim", "optim_grads", "fsdp")
+VARIANTS = ("gspmd", "optim", "optim_grads", "fsdp", "optim+offload", "fsdp+offload")
 MiB = 2**20
 D, FFN = 1024, 4096
 
@@ -160,8 +163,9 @@ def worker(variant: str, layers: int, directory: str, save_gb: float | None = No
     ckpt.close()
     return out
 
-  strategy = {"fsdp": "optim_grads_params"}.get(variant, variant)
-  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  name, offload = variant.removesuffix("+offload"), variant.endswith("+offload")
+  strategy = {"fsdp": "optim_grads_params"}.get(name, name)
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy, optimizer_cpu_offload=offload)
   train_step = jaxdp.make_train_step(make_loss(), tx, mesh, config)
   with Phase("init (function)", out):
     state = jaxdp.init_state(init_fn, tx, mesh, config)

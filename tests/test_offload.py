@@ -1,0 +1,312 @@
+"""Host offload of the master params and optimizer state (`DDPConfig.optimizer_cpu_offload`).
+
+The offloaded buckets live in `pinned_host` memory between steps (the CPU backend has that
+memory kind too, a buffer apart from the device's), each step copies them to the device,
+updates them there and copies them back: the same arithmetic as without offload, so every
+strategy's params and optimizer state after a few steps are the same bits.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdp
+from jaxdp._src import inspect as inspect_lib
+from jaxdp._src.state import HOST, offloaded_buckets
+
+TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+STEPS = 3
+WIDTH = 16
+BUCKET = WIDTH * WIDTH + WIDTH  # one layer's elements
+
+
+def mlp():
+  """Four tanh layers of width 16: with `bucket_size=BUCKET` each layer (w and b) is a
+  bucket of its own (FSDP: a unit of its own), so that a fraction offloads some of them."""
+  rng = np.random.default_rng(0)
+  params = {
+    f"l{i}": {
+      "w": 0.3 * rng.standard_normal((WIDTH, WIDTH)).astype(np.float32),
+      "b": np.zeros(WIDTH, np.float32),
+    }
+    for i in range(4)
+  }
+
+  def loss_fn(p, b):
+    h = b["x"]
+    for i in range(4):
+      h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean((h - b["y"]) ** 2)
+
+  batch = {
+    "x": rng.standard_normal((16, WIDTH)).astype(np.float32),
+    "y": rng.standard_normal((16, WIDTH)).astype(np.float32),
+  }
+  return params, loss_fn, batch
+
+
+def config(strategy, offload=False, fraction=1.0, fused=None):
+  return jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy,
+    bucket_size=BUCKET,
+    fused_update=fused,
+    optimizer_cpu_offload=offload,
+    optimizer_offload_fraction=fraction,
+  )
+
+
+FSDP = jaxdp.FSDPConfig(units=[f"['l{i}']" for i in range(4)])
+
+
+def train(cfg, steps=STEPS):
+  params, loss_fn, batch = mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  kw = {"fsdp": FSDP} if cfg.shards_params else {}
+  state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
+  step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, **kw)
+  for _ in range(steps):
+    state, _ = step(state, batch)
+  return state, step
+
+
+def kinds_of(tree):
+  return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+CASES = [
+  ("optim", None),
+  ("optim", False),
+  ("optim_grads", None),
+  ("optim_grads_params", None),
+  ("optim_grads_params", False),
+]
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("strategy,fused", CASES)
+def test_offload_is_bitwise_the_device_update(strategy, fused, fraction):
+  device, _ = train(config(strategy, fused=fused))
+  offloaded, step = train(config(strategy, True, fraction, fused))
+  assert step._cache_size() == 1  # the state comes back where init_state put it
+  names = offloaded_buckets(offloaded.layout, offloaded.config)
+  assert len(offloaded.layout.buffers[0].buckets) == 4
+  # whole buckets, the first ones: all four, or two of the four equal ones for 0.5
+  assert len(names) == (4 if fraction == 1.0 else 2)
+  master_kinds = kinds_of(offloaded.master)
+  assert master_kinds == ({HOST} if fraction == 1.0 else {HOST, "device"})
+  assert HOST in kinds_of(offloaded.opt_state)
+  # the same arithmetic: the same bits, in the params and in every optimizer leaf
+  for got, want in [
+    (jaxdp.get_params(offloaded), jaxdp.get_params(device)),
+    (jaxdp.get_opt_state(offloaded), jaxdp.get_opt_state(device)),
+  ]:
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def live_bytes() -> dict[str, int]:
+  """Bytes of every live array, by memory kind, summed over the devices."""
+  out = {}
+  for x in jax.live_arrays():
+    kind = x.sharding.memory_kind
+    out[kind] = out.get(kind, 0) + sum(s.data.nbytes for s in x.addressable_shards)
+  return out
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_device_bytes_between_steps_drop_by_the_offloaded_bytes(strategy):
+  def between_steps(cfg):
+    before = live_bytes()
+    state, _ = train(cfg, steps=2)
+    after = live_bytes()
+    del state
+    return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+
+  plain = between_steps(config(strategy))
+  offloaded = between_steps(config(strategy, True, 0.5))
+  # What the two offloaded buckets hold, counted here from the layout: the fp32 master and
+  # Adam's two moments, each dp * shard_size elements per bucket, over all devices.
+  cfg = config(strategy, True, 0.5)
+  params, _, _ = mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  kw = {"fsdp": FSDP} if cfg.shards_params else {}
+  layout = jaxdp.init_state(params, TX, mesh, cfg, **kw).layout
+  names = offloaded_buckets(layout, cfg)
+  host = sum(
+    3 * 4 * b.shard_size * layout.dp
+    for buf in layout.buffers
+    for b in buf.buckets
+    if f"{buf.name}/bucket{b.index}" in names
+  )
+  assert host > 0
+  assert offloaded.get(HOST, 0) == host
+  assert plain.get(HOST, 0) == 0
+  assert plain["device"] - offloaded["device"] == host
+
+
+def test_views_and_abstract_state():
+  state, _ = train(config("optim", True), steps=1)
+  like = jaxdp.abstract_state(mlp()[0], TX, jax.make_mesh((8,), ("data",)), config("optim", True))
+  for x, a in zip(jax.tree.leaves(state), jax.tree.leaves(like), strict=True):
+    assert x.sharding.memory_kind == a.sharding.memory_kind
+    assert x.sharding.spec == a.sharding.spec and x.shape == a.shape
+
+
+@pytest.mark.parametrize("into", [True, False])
+def test_checkpoint_offloaded_to_either_and_back(tmp_path, into):
+  mesh = jax.make_mesh((8,), ("data",))
+  params, loss_fn, batch = mlp()
+  state, _ = train(config("optim", True))
+  saved = (jaxdp.get_params(state), jaxdp.get_opt_state(state))
+  mgr = jaxdp.CheckpointManager(tmp_path / "a")
+  mgr.save(STEPS, state)
+  mgr.wait_until_finished()
+  cfg = config("optim", into)
+  restored = mgr.restore(jaxdp.init_state(params, TX, mesh, cfg))
+  assert kinds_of(restored.master) == ({HOST} if into else {"device"})
+  got = (jaxdp.get_params(restored), jaxdp.get_opt_state(restored))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(saved), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # ... and back into an offloaded state, which trains on without a second compile
+  mgr2 = jaxdp.CheckpointManager(tmp_path / "b")
+  mgr2.save(STEPS, restored)
+  mgr2.wait_until_finished()
+  back = mgr2.restore(jaxdp.init_state(params, TX, mesh, config("optim", True)))
+  assert kinds_of(back.master) == {HOST}
+  step = jaxdp.make_train_step(loss_fn, TX, mesh, config("optim", True))
+  back, _ = step(back, batch)
+  back, _ = step(back, batch)
+  assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize(
+  "kwargs,match",
+  [
+    ({"optimizer_offload_fraction": 1.5}, "optimizer_offload_fraction=1.5"),
+    ({"optimizer_offload_fraction": -0.1}, "optimizer_offload_fraction=-0.1"),
+    ({"optimizer_cpu_offload": True}, "no_shard"),
+    ({"optimizer_cpu_offload": 1}, "optimizer_cpu_offload=1"),
+  ],
+)
+def test_bad_config(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxdp.DDPConfig(**kwargs)
+
+
+def test_no_host_memory_is_refused_before_compiling():
+  """A backend whose devices have no `pinned_host` memory: stood in for by a mesh whose
+  device lists only a device memory (the CPU backend has both)."""
+  from jaxdp._src.state import check_offload
+
+  @dataclasses.dataclass
+  class Memory:
+    kind: str
+
+  class Device:
+    platform = "tpu"
+
+    def addressable_memories(self):
+      return [Memory("device")]
+
+  class Mesh:
+    devices = np.array([Device()], dtype=object)
+
+  with pytest.raises(ValueError, match="optimizer_cpu_offload=True.*pinned_host"):
+    check_offload(Mesh(), config("optim", True))
+  check_offload(Mesh(), config("optim"))  # nothing asked: nothing checked
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+@pytest.mark.parametrize("strategy,fused", CASES)
+def test_ledger_counts_host_bytes_apart(strategy, fused, fraction):
+  from jaxdp.inspect import measured_bytes, memory_ledger
+
+  cfg = config(strategy, True, fraction, fused)
+  params = mlp()[0]
+  kw = {"fsdp": FSDP} if cfg.shards_params else {}
+  state = jaxdp.init_state(params, TX, jax.make_mesh((8,), ("data",)), cfg, **kw)
+  offloaded = memory_ledger(params, TX, 8, cfg, **kw)
+  plain = memory_ledger(params, TX, 8, config(strategy, fused=fused), **kw)
+  assert offloaded.state == {k: v for k, v in measured_bytes(state).items() if k != "step"}
+  assert offloaded.host > 0
+  # the same bytes, split between the memories
+  assert offloaded.master + offloaded.host_master == plain.master
+  assert offloaded.opt_state + offloaded.host_opt_state == plain.opt_state
+  if fraction == 1.0:  # all but the step counts (Adam's and the clip's) offloaded
+    assert offloaded.master == 0 and offloaded.opt_state < 64
+
+
+def test_h100_program_takes_the_offloaded_state_in_host_memory():
+  """Compiled for 8 H100s without a GPU: the offloaded state is the program's host
+  arguments (the ledger's host bytes per device), copied in and out by async copies that
+  `predict_step` times on the host link."""
+  from jaxdp import inspect
+
+  if reason := inspect.gpu_compile_unavailable():
+    pytest.skip(reason)
+  params, loss_fn, batch = mlp()
+  cfg = config("optim_grads_params", True, 0.5)
+  compiled = inspect.compile_train_step(loss_fn, TX, 8, cfg, params, batch, fsdp=FSDP)
+  ledger = inspect.memory_ledger(params, TX, 8, cfg, fsdp=FSDP)
+  assert compiled.memory_analysis().host_argument_size_in_bytes == ledger.host
+  text = compiled.as_text()
+  assert "copy-start" in text and "S(5)" in text
+  prediction = inspect.predict_step(compiled)
+  assert set(prediction.host_us) == {"host-to-device", "device-to-host", "total"}
+  # each way: the offloaded bytes at the host link's rate
+  expected_us = ledger.host / inspect_lib.HOST_LINK_BYTES_PER_S * 1e6
+  assert prediction.host_us["host-to-device"] == pytest.approx(expected_us)
+  assert prediction.host_us["device-to-host"] == pytest.approx(expected_us)
+  assert prediction.step_us == pytest.approx(
+    prediction.compute_us + prediction.exposed_us["total"] + prediction.host_exposed_us["total"]
+  )
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_eval_step_reads_an_offloaded_state(strategy):
+  params, loss_fn, batch = mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  kw = {"fsdp": FSDP} if strategy == "optim_grads_params" else {}
+  losses = []
+  for offload in (False, True):
+    state, _ = train(config(strategy, offload), steps=1)
+    cfg = config(strategy, offload)
+    losses.append(jaxdp.make_eval_step(loss_fn, mesh, cfg, **kw)(state, batch))
+  np.testing.assert_array_equal(np.asarray(losses[0]), np.asarray(losses[1]))
+
+
+MESHES = {  # name: (mesh shape, axis names, axis types, config fields beyond the strategy)
+  "optim-auto": ((8,), ("data",), jax.sharding.AxisType.Auto, {}),
+  "fsdp-auto": ((8,), ("data",), jax.sharding.AxisType.Auto, {}),
+  "hfsdp": (
+    (2, 4),
+    ("replica", "data"),
+    jax.sharding.AxisType.Explicit,
+    {"num_distributed_optimizer_instances": 2, "outer_dp_sharding_strategy": "optim"},
+  ),
+}
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_offload_on_auto_meshes_and_hfsdp(name):
+  shape, axes, kind, fields = MESHES[name]
+  mesh = jax.make_mesh(shape, axes, axis_types=(kind,) * len(shape))
+  strategy = "optim" if name == "optim-auto" else "optim_grads_params"
+  params, loss_fn, batch = mlp()
+  kw = {"fsdp": FSDP} if strategy == "optim_grads_params" else {}
+  out = []
+  for offload in (False, True):
+    cfg = dataclasses.replace(config(strategy, offload, 0.5), **fields)
+    state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
+    step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, **kw)
+    for _ in range(STEPS):
+      state, _ = step(state, batch)
+    assert step._cache_size() == 1
+    assert (HOST in kinds_of(state.opt_state)) == offload
+    out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
+  for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
