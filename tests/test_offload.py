@@ -310,3 +310,32 @@ def test_offload_on_auto_meshes_and_hfsdp(name):
     out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
   for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_a_skipped_step_keeps_an_offloaded_state_as_it_was(strategy):
+  """A guard's select reads the state before the step, half of it in host memory: the
+  skipped step hands back the same bits, the offloaded leaves back in host memory; the NaN
+  check's step (nothing to skip) equals the device update's."""
+  params, loss_fn, batch = mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  kw = {"fsdp": FSDP} if strategy == "optim_grads_params" else {}
+  results = {}
+  for name, guard in [("skip", dict(grad_norm_skip_threshold=1e-9)), ("nan", {})]:
+    for offload in (False, True):
+      cfg = dataclasses.replace(
+        config(strategy, offload), check_for_nan_in_grad=name == "nan", **guard
+      )
+      state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
+      before = jax.device_get((state.master, state.opt_state))
+      state, metrics = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, **kw)(state, batch)
+      assert bool(metrics["skipped"]) == (name == "skip")
+      if offload:
+        assert HOST in kinds_of(state.opt_state) and HOST in kinds_of(state.master)
+      if name == "skip":  # not updated: the state it was given, bit for bit
+        jax.tree.map(
+          np.testing.assert_array_equal, jax.device_get((state.master, state.opt_state)), before
+        )
+      results[name, offload] = jax.device_get((state.master, state.opt_state))
+  for name in ("skip", "nan"):
+    jax.tree.map(np.testing.assert_array_equal, results[name, True], results[name, False])

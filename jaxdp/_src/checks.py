@@ -43,6 +43,7 @@ from jaxdp._src.state import (
   flat_master,
   leaves_of,
   memory_kinds,
+  to_device,
   to_host,
   tree_of,
 )
@@ -385,7 +386,7 @@ def guard_step(
   A select, leaf by leaf, inside the step (no host round trip, no branch): XLA fuses it
   into the update's elementwise loops, so the donated state's buffers are still written in
   place. `specs` places both sides alike first (an Explicit mesh selects only between
-  arrays of one sharding).
+  arrays of one sharding), on the device (offloaded leaves are selected there).
 
   Args:
     config: the step's config: which guards are on.
@@ -396,7 +397,9 @@ def guard_step(
     grad_norm: the global grad norm (float32 scalar, replicated).
     finite: the NaN check's flags (`finite_leaves`), None without it.
   """
-  place = lambda state: jax.tree.map(lambda x, s: constrain(x, mesh, s), state, specs)
+  # Both on the device too: an offloaded leaf of `before` is still in host memory, and a
+  # select takes operands of one memory space (`finish_step` puts it back)
+  place = lambda state: to_device(jax.tree.map(lambda x, s: constrain(x, mesh, s), state, specs))
   before, after = place(before), place(after)
   bad_grads = ~jnp.isfinite(grad_norm)
   raises = None
