@@ -169,6 +169,49 @@ def test_scanned_layers_reduce_within_data_and_equal_single_device(ddp, fsdp):
   bound.check(jaxdp.get_params(state), reference(params, loss_fn, batch, TX, bound))
 
 
+def residual_blocks():
+  """Three residual blocks of two matmuls (width 8 -> 16 -> 8) stacked on a leading layer
+  axis, a scale before each: the forward first uses `g` and `w1` in a block's first half,
+  so their grads are reduce-scattered late (an iteration later), `b1`'s and `w2`'s early."""
+  rng = np.random.default_rng(2)
+  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+  params = {
+    "blocks": {
+      "g": np.ones((3, 8), np.float32),
+      "w1": 0.3 * normal(3, 8, 16),
+      "b1": 0.1 * normal(3, 16),
+      "w2": 0.3 * normal(3, 16, 8),
+    },
+    "head": 0.5 * normal(8, 3),
+  }
+
+  def loss_fn(p, b):
+    def block(h, l):
+      z = jnp.tanh(h * l["g"]) @ l["w1"] + l["b1"]
+      return h + jnp.tanh(z) @ l["w2"], None
+
+    h, _ = jax.lax.scan(block, b["x"], p["blocks"])
+    return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+  return params, loss_fn, {"x": normal(16, 8), "y": normal(16, 3)}
+
+
+def test_scanned_fsdp_units_on_an_hsdp_mesh_without_accumulation():
+  """HSDP's FSDP over three scanned blocks, one micro-batch: a block's early grads are
+  reduced across "replica" inside the backward loop, so they vary over "data" alone, and
+  the loop's carry must keep that type when the next block's gather orders them (the loop
+  runs from three layers on: with two, both are peeled out of it)."""
+  ddp, fsdp = config("optim_grads_params"), jaxdp.FSDPConfig(stacked=["blocks"])
+  params, loss_fn, batch = residual_blocks()
+  mesh = jax.make_mesh((R, D), ("replica", "data"))
+  state = jaxdp.init_state(params, TX, mesh, ddp, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, TX, mesh, ddp, fsdp=fsdp)
+  for _ in range(STEPS):
+    state, _ = step(state, batch)
+  bound = AdamBound(1e-2, 16 * 3, params, clip=1.0)
+  bound.check(jaxdp.get_params(state), reference(params, loss_fn, batch, TX, bound))
+
+
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_sum_across_replica_moves_the_grad_reduce_dtype(strategy):
   """With `grad_reduce_dtype=bf16` the one all-reduce across "replica" moves bf16, as the

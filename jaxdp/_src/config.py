@@ -57,6 +57,12 @@ class DDPConfig:
     check_for_nan_in_grad: raise `NonFiniteGradError` naming the param whose reduced grad
       holds NaN or Inf; the step skips its update and the error carries the state as it
       was (`e.state`). Default False.
+    num_distributed_optimizer_instances: copies of the sharded state: shard within "data",
+      replicate across a "replica" axis of this size (HSDP). Default 1.
+    outer_dp_sharding_strategy: FSDP across "replica": `"no_shard"` (HSDP) keeps whole
+      copies, `"optim"` (HFSDP) shards the master and optimizer state across it too.
+    fused_update: update each bucket as one flat array (Megatron's fused Adam); None:
+      where a probe finds it exact (sharded strategies), True: require it, False: per leaf.
     grad_norm_skip_threshold: Megatron's `OptimizerConfig` field: skip the update of a step
       whose global grad norm is above it (or not finite). Default inf: off.
     skip_step_on_spikes: MaxText's: skip the update of a step whose grad norm is above the
@@ -66,12 +72,6 @@ class DDPConfig:
       keeps. Default 128.
     skip_step_scaling_factor: MaxText's: how many standard deviations above the mean a
       spike is. Default 6.0.
-    num_distributed_optimizer_instances: copies of the sharded state: shard within "data",
-      replicate across a "replica" axis of this size (HSDP). Default 1.
-    outer_dp_sharding_strategy: FSDP across "replica": `"no_shard"` (HSDP) keeps whole
-      copies, `"optim"` (HFSDP) shards the master and optimizer state across it too.
-    fused_update: update each bucket as one flat array (Megatron's fused Adam); None:
-      where a probe finds it exact (sharded strategies), True: require it, False: per leaf.
     stacked: `optim`/`optim_grads` only: prefixes of subtrees whose leaves carry a leading
       layer axis that the loss scans over; each layer's grads are reduce-scattered inside
       the scan. Default ().

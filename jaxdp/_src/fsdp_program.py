@@ -1596,7 +1596,7 @@ class _LayerLoop:
     ahead = self.ahead_of(k, state.full)
     pending, outs = state.pending, state.outs
     if self.finish is not None:
-      pending = pending if ahead.landed is None else _after(pending, ahead.landed)
+      pending = pending if ahead.landed is None else _after_alike(pending, ahead.landed)
       outs = self.put(outs, self.finish(pending), self.position(k - 1))
     carry, out = self.step(state.carry, self.position(k), ahead.full, ahead.landed)
     if self.finish is None:
@@ -2314,6 +2314,17 @@ def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
   shards cannot start before `token` exists ([Note: orderings are data dependencies])."""
   return jax.tree.map(lambda x: x + token.astype(x.dtype) if _is_float(x) else x, shards)
+
+
+def _after_alike(tree, token):
+  """`_after` on the float leaves of `tree` that vary over every mesh axis `token` does; the
+  others as they are. In a loop's carry a leaf must keep its type: the token (varying like
+  the gathered params, over "replica" too under HSDP) added to a grad already reduced
+  across "replica" would make it vary over "replica" again. Such a leaf is finished
+  already, and has nothing left to order."""
+  needs = _varying(jax.typeof(token))
+  alike = lambda x: _is_float(x) and needs <= _varying(jax.typeof(x))
+  return jax.tree.map(lambda x: x + token.astype(x.dtype) if alike(x) else x, tree)
 
 
 # ----------------------------------------------------------------------------- jaxpr helpers
