@@ -76,6 +76,8 @@ save_every = 0  # steps between checkpoints (0: none)
 preemption_signal = "SIGTERM"  # with checkpoints: save at the next step and stop on it
 optimizer_cpu_offload = False  # sharded strategies: master and Adam state in host memory
 optimizer_offload_fraction = 1.0  # the fraction of them offloaded (whole buckets)
+skip_step_on_spikes = False  # skip a step whose grad norm is 6 sigma above the last 128's
+grad_norm_skip_threshold = math.inf  # skip a step whose grad norm is above this
 # -----------------------------------------------------------------------------
 
 
@@ -154,7 +156,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 parser = argparse.ArgumentParser(
   description=__doc__.split("\n\n")[0],
   epilog="Writes to --out: metrics.jsonl (one JSON object per step: step, loss, grad_norm, "
-  "lr, tokens_per_s, time_s; and {step, val_loss} per evaluation), loss.png (the "
+  "lr, tokens_per_s, time_s, skipped with a spike guard; and {step, val_loss} per evaluation), loss.png (the "
   "loss curves) and, with --save-every, checkpoints/. Runs on every device present; "
   "without a GPU on --cpu-devices simulated CPU devices.",
   formatter_class=HelpFormatter,
@@ -282,6 +284,21 @@ parser.add_argument(
   default=optimizer_offload_fraction,
   help="with --optimizer-cpu-offload, the fraction of them offloaded, whole buckets first "
   "(DDPConfig.optimizer_offload_fraction)",
+)
+parser.add_argument(
+  "--skip-step-on-spikes",
+  action="store_true",
+  default=skip_step_on_spikes,
+  help="skip the update of a step whose grad norm is more than 6 standard deviations above "
+  "the mean of the last 128 steps' (DDPConfig.skip_step_on_spikes, MaxText's); metrics.jsonl "
+  "says which steps were skipped",
+)
+parser.add_argument(
+  "--grad-norm-skip-threshold",
+  type=positive_float,
+  default=grad_norm_skip_threshold,
+  help="skip the update of a step whose grad norm is above this (DDPConfig."
+  "grad_norm_skip_threshold, Megatron's)",
 )
 args = parser.parse_args()
 # What no single flag's type can say, refused here too: before JAX is imported, in a second.
@@ -474,6 +491,8 @@ ddp_config = jaxdp.DDPConfig(
   bucket_size=args.bucket_size,
   optimizer_cpu_offload=args.optimizer_cpu_offload,
   optimizer_offload_fraction=args.optimizer_offload_fraction,
+  skip_step_on_spikes=args.skip_step_on_spikes,
+  grad_norm_skip_threshold=args.grad_norm_skip_threshold,
 )
 # FSDP's units: by default one per block; scanned blocks are one stacked subtree whose
 # layers jaxdp gathers one per iteration of the model's scan over them.
@@ -600,6 +619,7 @@ for step in bar:
     lr=float(schedule(step - 1)),
     tokens_per_s=round(tokens_per_step / dt, 1),
     time_s=round(time.perf_counter() - start, 3),
+    **({"skipped": bool(metrics["skipped"])} if "skipped" in metrics else {}),
   )
   history["step"].append(step)
   history["loss"].append(loss)

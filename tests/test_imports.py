@@ -31,7 +31,7 @@ LAYERS = (
   ("loop",),
   ("state",),
   ("checks",),
-  ("distributed_optimizer",),
+  ("distributed_optimizer", "offload"),
   ("units", "fsdp_program", "step"),
   ("ddp", "fsdp"),
   ("train",),

@@ -16,6 +16,7 @@ import pytest
 
 import jaxdp
 from jaxdp._src import inspect as inspect_lib
+from jaxdp._src import offload as offload_lib
 from jaxdp._src.state import HOST, offloaded_buckets
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
@@ -339,3 +340,99 @@ def test_a_skipped_step_keeps_an_offloaded_state_as_it_was(strategy):
       results[name, offload] = jax.device_get((state.master, state.opt_state))
   for name in ("skip", "nan"):
     jax.tree.map(np.testing.assert_array_equal, results[name, True], results[name, False])
+
+
+def stacked_mlp(layers=8, width=WIDTH):
+  """`layers` tanh layers stacked on a leading layer axis (the loss scans over them): with
+  FSDP's `stacked=` each param's master and moments shard a dim of one layer, so the update
+  of an offloaded state streams them in pieces of whole layers."""
+  rng = np.random.default_rng(3)
+  params = {
+    "blocks": {
+      "w": 0.3 * rng.standard_normal((layers, width, width)).astype(np.float32),
+      "b": np.zeros((layers, width), np.float32),
+    }
+  }
+
+  def loss_fn(p, b):
+    h, _ = jax.lax.scan(lambda h, l: (jnp.tanh(h @ l["w"] + l["b"]), None), b["x"], p["blocks"])
+    return jnp.mean((h - b["y"]) ** 2)
+
+  batch = {
+    "x": rng.standard_normal((16, width)).astype(np.float32),
+    "y": rng.standard_normal((16, width)).astype(np.float32),
+  }
+  return params, loss_fn, batch
+
+
+# Per device, a layer's w master shard is WIDTH * WIDTH / 8 float32: with its two moments, 3
+# of them; a piece of two layers' worth of a group (the moments; the master is on the device
+# already, read by the forward) makes the eight layers four pieces.
+TWO_LAYERS = 2 * 2 * 4 * WIDTH * WIDTH // 8
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, strategy):
+  """The update of an offloaded state, split in pieces of whole layers, each copied in,
+  updated and written back into its host buffer in place: the same bits as the device
+  update, in the params and every optimizer leaf, over three steps."""
+  monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS)
+  params, loss_fn, batch = stacked_mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  out = []
+  for on in (False, True):
+    cfg = jaxdp.DDPConfig(
+      data_parallel_sharding_strategy=strategy,
+      optimizer_cpu_offload=on,
+      stacked=("blocks",) if strategy == "optim_grads" else (),
+      fused_update=False,
+    )
+    kw = {"fsdp": jaxdp.FSDPConfig(stacked=["blocks"])} if cfg.shards_params else {}
+    state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
+    step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, **kw)
+    for _ in range(STEPS):
+      state, _ = step(state, batch)
+    assert step._cache_size() == 1
+    if on:
+      text = step.lower(state, batch).as_text()
+      # each of w's and b's moments (and, unless the forward read it, master) in 4 pieces
+      assert text.count("dynamic_update_slice") >= 2 * 2 * 4
+    out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
+  for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_h100_update_in_pieces_holds_a_piece_of_the_offloaded_state(monkeypatch):
+  """Compiled for 8 H100s: FSDP over 16 stacked layers of width 1024, the moments (16 MiB
+  per device) in host memory. Streamed in pieces of two layers, the step's device peak is
+  the plain step's less the offloaded state, plus the master the forward reads on the
+  device and two pieces in flight (one copied in while the one before is copied out);
+  streamed whole it is larger. Every byte crosses the host link once each way, slices
+  included."""
+  from jaxdp import inspect
+
+  if reason := inspect.gpu_compile_unavailable():
+    pytest.skip(reason)
+  layers, width = 16, 1024
+  params, loss_fn, batch = stacked_mlp(layers, width)
+  fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
+  piece = 2 * 2 * 4 * width * width // 8  # two layers of w's two moments, per device
+  peaks = {}
+  for name, piece_bytes in [("plain", None), ("whole", 2**40), ("pieces", piece)]:
+    if piece_bytes is not None:
+      monkeypatch.setattr(offload_lib, "PIECE_BYTES", piece_bytes)
+    cfg = jaxdp.DDPConfig(
+      data_parallel_sharding_strategy="optim_grads_params",
+      optimizer_cpu_offload=piece_bytes is not None,
+    )
+    compiled = inspect.compile_train_step(loss_fn, TX, 8, cfg, params, batch, fsdp=fsdp)
+    peaks[name] = inspect.memory_stats(compiled).peak_bytes
+    ledger = inspect.memory_ledger(params, TX, 8, cfg, fsdp=fsdp)
+    if name != "plain":
+      host_us = inspect.predict_step(compiled).host_us
+      one_way = ledger.host / inspect_lib.HOST_LINK_BYTES_PER_S * 1e6
+      assert host_us["host-to-device"] == pytest.approx(one_way)
+      assert host_us["device-to-host"] == pytest.approx(one_way)
+      master = ledger.host // 3  # fp32 master, mu, nu: equal sizes
+  assert peaks["pieces"] <= peaks["plain"] - ledger.host + master + 2 * piece
+  assert peaks["pieces"] < peaks["whole"]

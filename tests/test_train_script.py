@@ -111,6 +111,22 @@ def test_train_script_end_to_end(tmp_path, strategy, extra):
   assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.slow
+def test_train_script_skips_steps_above_the_grad_norm_threshold(tmp_path):
+  """`--grad-norm-skip-threshold` far below any norm: every step is skipped on the device,
+  metrics.jsonl says so, and the model is the one it started from (the same val loss)."""
+  proc = run_train(
+    "--strategy", "optim", "--steps", "4", "--eval-every", "4", "--out", str(tmp_path),
+    "--grad-norm-skip-threshold", "1e-9", *TINY,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  train = [r for r in records if "loss" in r]
+  val = [r["val_loss"] for r in records if "val_loss" in r]
+  assert [r["skipped"] for r in train] == [True] * 4
+  assert len(val) == 2 and val[0] == val[1]
+
+
 # Each bad flag, and what argparse says about it (exit 2, a usage line, no traceback).
 BAD_FLAGS = [
   (["--steps", "0"], "argument --steps: 0: must be at least 1"),
@@ -131,6 +147,10 @@ BAD_FLAGS = [
     "argument --preemption-signal: 'SIGFOO' is not a signal; use a name such as SIGTERM",
   ),
   (["--preemption-signal", "KILL"], "argument --preemption-signal: SIGKILL cannot be caught"),
+  (
+    ["--grad-norm-skip-threshold", "0"],
+    "argument --grad-norm-skip-threshold: 0: must be a finite number > 0",
+  ),
 ]
 
 

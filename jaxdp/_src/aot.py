@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
 from jaxdp._src import train
 from jaxdp._src.compiler import COST_MODEL_OPTIONS, GPU_OPTIONS, GPU_PLATFORMS
 from jaxdp._src.mesh import DATA, data_axes
-from jaxdp._src.state import memory_kinds
+from jaxdp._src.state import TrainState, memory_kinds
 
 PyTree = Any
 
@@ -218,7 +218,8 @@ def _platforms_of(tree: PyTree) -> set[str]:
       sharding = leaf
     else:
       sharding = getattr(leaf, "sharding", None)
-    if sharding is not None:
+    # (a sharding on the mesh's abstract form, an offloaded leaf's (`_placed`), has no devices)
+    if sharding is not None and not isinstance(getattr(sharding, "mesh", None), AbstractMesh):
       platforms |= {d.platform for d in sharding.device_set}
   return platforms
 
@@ -294,6 +295,46 @@ def _placed(mesh: jax.sharding.Mesh, spec: PartitionSpec, kind: str | None) -> N
   return NamedSharding(mesh.abstract_mesh, spec, memory_kind=kind)
 
 
+def placed_abstract_state(params, tx, mesh, config, *, frozen=None, fsdp=None) -> TrainState:
+  """The state `init_state` makes of `params` (arrays or `jax.ShapeDtypeStruct`s) on `mesh`,
+  shapes only: each leaf a `jax.ShapeDtypeStruct` placed where `init_state` places it, an
+  offloaded one (`DDPConfig.optimizer_cpu_offload`) in host memory. What
+  `compile_train_step` compiles the step for, and any other program of the job."""
+  extra = {"fsdp": fsdp} if config.shards_params else {}
+  # A leaf placed on `mesh` keeps its placement (tensor-parallel params): `init_state` reads
+  # it from the traced leaf's type, which carries it where the mesh's axes are Explicit.
+  explicit = {
+    a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
+  }
+
+  def shape_of(x):
+    sharding = getattr(x, "sharding", None)
+    keep = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
+    if keep and any(sharding.spec) and explicit != set(mesh.axis_names):
+      raise ValueError(
+        f"a param is placed {sharding.spec} on a mesh with Auto axes "
+        f"{sorted(set(mesh.axis_names) - explicit)}, whose placement the abstract state "
+        "cannot read; build the mesh with Explicit axes (gpu_mesh(..., axis_types="
+        "(jax.sharding.AxisType.Explicit,) * len(axis_names)), jax.make_mesh's default)"
+      )
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if keep else None)
+
+  state = jax.eval_shape(
+    lambda p: train.init_state(p, tx, mesh, config, frozen=frozen, **extra),
+    jax.tree.map(shape_of, params),
+  )
+  specs = train.state_specs(state)
+  return jax.tree.map(
+    lambda x, s, kind: (
+      None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_placed(mesh, s, kind))
+    ),
+    state,
+    specs,
+    memory_kinds(state),
+    is_leaf=lambda x: x is None,
+  )
+
+
 def compile_train_step(
   loss_fn: Callable[[PyTree, PyTree], jax.Array],
   tx: Any,
@@ -352,40 +393,8 @@ def compile_train_step(
       f"mesh={mesh!r}: pass a jax.sharding.Mesh, or a number n to compile for n H100s "
       "(jaxdp.inspect.gpu_mesh((n,)))"
     )
-  fsdp_step = config.shards_params
-  extra = {"fsdp": fsdp} if fsdp_step else {}
-  # A leaf placed on `mesh` keeps its placement (tensor-parallel params): `init_state` reads
-  # it from the traced leaf's type, which carries it where the mesh's axes are Explicit.
-  explicit = {
-    a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
-  }
-
-  def shape_of(x):
-    sharding = getattr(x, "sharding", None)
-    keep = isinstance(sharding, NamedSharding) and sharding.mesh == mesh
-    if keep and any(sharding.spec) and explicit != set(mesh.axis_names):
-      raise ValueError(
-        f"compile_train_step: a param is placed {sharding.spec} on a mesh with Auto axes "
-        f"{sorted(set(mesh.axis_names) - explicit)}, whose placement the abstract state "
-        "cannot read; build the mesh with Explicit axes (gpu_mesh(..., axis_types="
-        "(jax.sharding.AxisType.Explicit,) * len(axis_names)), jax.make_mesh's default)"
-      )
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding if keep else None)
-
-  state = jax.eval_shape(
-    lambda p: train.init_state(p, tx, mesh, config, frozen=frozen, **extra),
-    jax.tree.map(shape_of, params),
-  )
-  specs = train.state_specs(state)
-  state = jax.tree.map(
-    lambda x, s, kind: (
-      None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=_placed(mesh, s, kind))
-    ),
-    state,
-    specs,
-    memory_kinds(state),
-    is_leaf=lambda x: x is None,
-  )
+  extra = {"fsdp": fsdp} if config.shards_params else {}
+  state = placed_abstract_state(params, tx, mesh, config, frozen=frozen, fsdp=fsdp)
   axes = data_axes(mesh)  # the step's own: ("replica", "expert", "data") where present
   batch_sharding = NamedSharding(mesh, PartitionSpec(axes))
   batch = jax.tree.map(

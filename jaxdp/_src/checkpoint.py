@@ -70,6 +70,7 @@ from jaxdp._src.layout import master_dtype, sharded_shape
 from jaxdp._src.mesh import DATA, eager_program, run_auto
 from jaxdp._src.state import (
   FLAT_SPEC,
+  HOST,
   TrainState,
   bucket_names,
   leaves_of,
@@ -1106,6 +1107,21 @@ class _LikeLeaves:
 
   def fill(self, stored: dict[str, jax.Array], group: list[_Target]) -> None:
     olds = [self._get(target) for target in group]
+    # An offloaded leaf of `like` (`DDPConfig.optimizer_cpu_offload`) goes back to host
+    # memory as soon as its group is read, so that the device never holds more than a group
+    homes = [_memory_kind(old) for old in olds]
+    self._fill(stored, group, olds)
+    moved = {}  # id of a device leaf -> its host copy (two targets may hold one array)
+    for target, home in zip(group, homes):
+      leaf = self._get(target)
+      if home == HOST and _memory_kind(leaf) != HOST:
+        if id(leaf) not in moved:
+          moved[id(leaf)] = (leaf, jax.device_put(leaf, leaf.sharding.with_memory_kind(HOST)))
+        self._set(target, moved[id(leaf)][1])
+    for leaf, _ in moved.values():
+      leaf.delete()
+
+  def _fill(self, stored: dict[str, jax.Array], group: list[_Target], olds: list) -> None:
     if self.abstract:  # where the state will place it
       olds = [
         jax.ShapeDtypeStruct(
@@ -1175,6 +1191,12 @@ class _LikeLeaves:
     return checks.place_spike_window(
       jax.tree.unflatten(jax.tree.structure(window), leaves), self.mesh
     )
+
+
+def _memory_kind(x) -> str | None:
+  """The memory kind `x` (an array or a `jax.ShapeDtypeStruct`) is placed in, if it says."""
+  sharding = getattr(x, "sharding", None)
+  return getattr(sharding, "memory_kind", None)
 
 
 def _abstract_fits(like: TrainState, targets: list[_Target], same_flat: bool) -> str | None:

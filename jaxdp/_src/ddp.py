@@ -79,6 +79,7 @@ from jaxdp._src.layout import (
   master_dtype,
   model_shard_dims,
 )
+from jaxdp._src.offload import update_offloaded
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
@@ -857,28 +858,40 @@ class BucketedStep:
   # strategies: the new master rows are all-gathered into the params here, unless the next
   # step gathers them at its start (`overlap_param_gather`, `start_param_sync`).
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
-    # Offloaded buckets (`DDPConfig.optimizer_cpu_offload`) come to the device here, each
-    # its own copy that its update alone waits for; `finish_step` copies the new ones back.
-    state = dataclasses.replace(
-      state, master=to_device(state.master), opt_state=to_device(state.opt_state)
-    )
     if not state.fused:
       return self._update_leaves(tx, state, out.grads), out.grads
     # The NaN check flags each leaf: it reads the flat shards cut back into per-leaf blocks
     checked = grad_blocks(out.grads, state.layout) if self.config.check_for_nan_in_grad else None
     return self._update_buckets(tx, state, out.grads), checked
 
+  def _apply(self, tx, state: TrainState, grads, opt_params, param_specs):
+    """`(new opt_params, new opt_state)`: the optax update applied. Offloaded buckets
+    (`DDPConfig.optimizer_cpu_offload`) are streamed through the device a piece at a time
+    and stay in host memory (`offload.update_offloaded`)."""
+    if self.config.optimizer_cpu_offload:
+      specs = (self.state_specs(state).opt_state, param_specs)
+      return update_offloaded(tx, grads, state.opt_state, opt_params, self.mesh, specs)
+    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, self.mesh)
+    return optax.apply_updates(opt_params, updates), opt_state
+
+  def _gathered(self, master, layout: Layout, params, state: TrainState):
+    """The params gathered from the new master rows right after the update, unless the next
+    step gathers them at its start (`overlap_param_gather`, `start_param_sync`)."""
+    if self.config.overlap_param_gather:
+      return params
+    return gather_params(to_device(master), layout, self.mesh, params, state)
+
   def _update_buckets(self, tx, state: TrainState, grads) -> TrainState:
     """The fused update: one per bucket (see `distributed_optimizer`)."""
     layout = state.layout
     params = leaves_of(state.params, layout)
-    flat = state.master if self.plan.sharded else fused_master(params, layout)
-    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, flat, self.mesh)
     if self.plan.sharded:
-      master = optax.apply_updates(flat, updates)
-      if not self.config.overlap_param_gather:
-        params = gather_params(master, layout, self.mesh, params, state)
+      specs = self.state_specs(state).master
+      master, opt_state = self._apply(tx, state, grads, state.master, specs)
+      params = self._gathered(master, layout, params, state)
     else:  # DDP keeps the params themselves (no master): each leaf + its updates' slice
+      flat = fused_master(params, layout)
+      updates, opt_state = loop.tx_update(tx, grads, state.opt_state, flat, self.mesh)
       master = state.master
       updates = unravel_flat(updates, layout)
       params = [x if u is None else optax.apply_updates(x, u) for x, u in zip(params, updates)]
@@ -891,8 +904,11 @@ class BucketedStep:
     under `no_shard` the params themselves where they have no master."""
     layout, sharded = state.layout, self.plan.sharded
     opt_params = opt_params_of(layout, state.params, state.master)
-    updates, opt_state = loop.tx_update(tx, grads, state.opt_state, opt_params, self.mesh)
-    new = leaves_of(optax.apply_updates(opt_params, updates), layout)
+    specs = self.state_specs(state)
+    new, opt_state = self._apply(
+      tx, state, grads, opt_params, opt_params_of(layout, specs.params, specs.master)
+    )
+    new = leaves_of(new, layout)
     params, master = leaves_of(state.params, layout), leaves_of(state.master, layout)
     # A trainable leaf's new value goes to its master where it has one; under no_shard the
     # param itself is updated too, cast back to its dtype (sharded, `params` holds the
@@ -904,8 +920,8 @@ class BucketedStep:
         master[leaf.index] = new[leaf.index]
       if params[leaf.index] is not None and not sharded:
         params[leaf.index] = new[leaf.index].astype(leaf.dtype)
-    if sharded and not self.config.overlap_param_gather:
-      params = gather_params(master, layout, self.mesh, params, state)
+    if sharded:
+      params = self._gathered(master, layout, params, state)
     return dataclasses.replace(
       state, params=tree_of(layout, params), master=tree_of(layout, master), opt_state=opt_state
     )

@@ -119,6 +119,7 @@ from jaxdp._src.layout import (
   outer_bucket,
   unit_shard_dims,
 )
+from jaxdp._src.offload import update_offloaded
 from jaxdp._src.mesh import (
   DATA,
   EXPERT,
@@ -884,18 +885,23 @@ class FSDPStep:
 
   def update(self, tx, state: TrainState, out: step_lib.LocalGrads):
     layout = state.layout
-    # offloaded units (`DDPConfig.optimizer_cpu_offload`) to the device, each its own copy;
-    # `finish_step` copies the new ones back
-    state = dataclasses.replace(
-      state, master=to_device(state.master), opt_state=to_device(state.opt_state)
-    )
     # fused: one update on the flat unit buckets (see the module docstring)
     opt_params = state.master if state.fused else opt_params_of(layout, state.params, state.master)
-    updates, opt_state = loop.tx_update(tx, out.grads, state.opt_state, opt_params, self.mesh)
-    master = optax.apply_updates(opt_params, updates)
+    if self.config.optimizer_cpu_offload:  # streamed a piece at a time, back to host memory
+      specs = self.state_specs(state)
+      param_specs = (
+        specs.master if state.fused else opt_params_of(layout, specs.params, specs.master)
+      )
+      master, opt_state = update_offloaded(
+        tx, out.grads, state.opt_state, opt_params, self.mesh, (specs.opt_state, param_specs)
+      )
+    else:
+      updates, opt_state = loop.tx_update(tx, out.grads, state.opt_state, opt_params, self.mesh)
+      master = optax.apply_updates(opt_params, updates)
     new_state = dataclasses.replace(state, master=master, opt_state=opt_state)
     if layout.outer > 1:  # HFSDP: the updated params back into the compute rows
-      new_state = dataclasses.replace(new_state, params=gather_outer(new_state, self.mesh))
+      on_device = dataclasses.replace(new_state, master=to_device(new_state.master))
+      new_state = dataclasses.replace(new_state, params=gather_outer(on_device, self.mesh))
     # The NaN check names leaves: a fused state's flat shards are cut into per-leaf blocks
     nan_check = state.fused and self.config.check_for_nan_in_grad
     return new_state, grad_blocks(out.grads, layout) if nan_check else out.grads

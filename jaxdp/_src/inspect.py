@@ -301,8 +301,13 @@ class MemoryStats:
     temp_bytes: XLA's scratch (activations, gathered params, buffers).
     alias_bytes: outputs that reuse donated inputs' memory.
     generated_code_bytes: compiled code (0 on the deviceless GPU target).
-    peak_bytes: `argument + output + temp - alias`: what the device must hold while the program
-      runs.
+    peak_bytes: what the device must hold while the program runs: XLA's peak of its buffers
+      where it reports one, else `argument + output + temp - alias`. XLA's peak counts the
+      buffers of every memory space, so for a program with host memory
+      (`optimizer_cpu_offload`) it is the device's own sizes, `argument + output + temp -
+      alias`, a bound on the device's peak.
+    host_bytes: what the program keeps in host memory (arguments, outputs and scratch,
+      donated outputs counted once).
   """
 
   argument_bytes: int
@@ -311,6 +316,7 @@ class MemoryStats:
   alias_bytes: int
   generated_code_bytes: int
   peak_bytes: int
+  host_bytes: int = 0
 
 
 # ----------------------------------------------------------------------------
@@ -987,13 +993,19 @@ def memory_stats(
   peak = (
     m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
   )
+  host = sum(
+    getattr(m, f"host_{part}_size_in_bytes", 0) for part in ("argument", "output", "temp")
+  ) - getattr(m, "host_alias_size_in_bytes", 0)
+  # XLA's peak counts the buffers of every memory space, host memory's too
+  reported = 0 if host else getattr(m, "peak_memory_in_bytes", 0)
   return MemoryStats(
     argument_bytes=int(m.argument_size_in_bytes),
     output_bytes=int(m.output_size_in_bytes),
     temp_bytes=int(m.temp_size_in_bytes),
     alias_bytes=int(m.alias_size_in_bytes),
     generated_code_bytes=int(m.generated_code_size_in_bytes),
-    peak_bytes=int(getattr(m, "peak_memory_in_bytes", 0) or peak),
+    peak_bytes=int(reported or peak),
+    host_bytes=int(host),
   )
 
 
@@ -1150,18 +1162,42 @@ gives copies between host and device memory no time, nor does its H100 target de
 name a host link, so `predict_step` times them at this rate."""
 
 
-def _host_copy(instr: _Instr) -> str | None:
-  """The direction of a `copy-start` between host and device memory (memory space
-  S(5)), or None for another op. Its shape is `(destination, source, context)`."""
-  if instr.opcode != "copy-start":
+@dataclasses.dataclass(frozen=True)
+class _HostCopy:
+  direction: str  # "host-to-device" or "device-to-host"
+  nbytes: int
+
+
+# An array of a shape string with its layout: `f32[2,4096]{1,0:S(5)}` (S(5): host memory).
+_PLACED_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
+
+
+def _host_copy(instr: _Instr) -> _HostCopy | None:
+  """A copy between host and device memory (memory space S(5)), or None for another op:
+  a `copy-start` (its shape `(destination, source, context)`), or the async slice of a host
+  array to the device or of a device array into one (`fusion-start` of a dynamic-slice or
+  a dynamic-update-slice, its shape `((operands), result, context)`): its direction and
+  the bytes it moves."""
+  if instr.opcode not in ("copy-start", "fusion-start"):
     return None
-  parts = [p for p in re.split(r",\s*(?=[a-z]\w*\[)", instr.shape.strip("()")) if p]
-  if len(parts) < 2:
+  arrays = []
+  for dtype, dims, layout in _PLACED_ARRAY.findall(instr.shape):
+    sizes = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
+    nbytes = math.ceil(math.prod(sizes) * _dtype_bits(dtype) / 8) if sizes else 0
+    arrays.append((nbytes, "S(5)" in (layout or ""), bool(sizes)))
+  if instr.opcode == "copy-start":
+    if len(arrays) < 2 or arrays[0][1] == arrays[1][1]:
+      return None
+    return _HostCopy("device-to-host" if arrays[0][1] else "host-to-device", arrays[0][0])
+  # fusion-start: the operands, the result, the context (a scalar)
+  *operands, result, _ = arrays if len(arrays) >= 3 else ([], None, None)
+  if result is None:
     return None
-  to_host, from_host = "S(5)" in parts[0], "S(5)" in parts[1]
-  if to_host == from_host:
-    return None
-  return "device-to-host" if to_host else "host-to-device"
+  if result[1] and any(not host and big for _, host, big in operands):  # into host memory
+    return _HostCopy("device-to-host", sum(n for n, host, big in operands if big and not host))
+  if not result[1] and any(host for _, host, _ in operands):  # out of it
+    return _HostCopy("host-to-device", result[0])
+  return None
 
 
 class _Replay:
@@ -1216,11 +1252,10 @@ class _Replay:
     self.comm.append(len(self.slots) - 1)
     return len(self.slots) - 1
 
-  def transfer(self, instr: _Instr, direction: str, comp: str) -> int:
+  def transfer(self, instr: _Instr, copy: _HostCopy, comp: str) -> int:
     """Queues a host copy on its direction's stream, as `issue` a collective. Returns its
     slot."""
-    dtype, dims = _arrays(instr.shape)[0]  # the destination, as large as the source
-    nbytes = math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8)
+    direction, nbytes = copy.direction, copy.nbytes
     start = max(self.t, self.host_free.get(direction, 0.0))
     end = start + nbytes / HOST_LINK_BYTES_PER_S * 1e6
     self.host_free[direction] = end
@@ -1282,10 +1317,12 @@ class _Replay:
     for instr in self.p.comps.get(comp, []):
       classified = self.p.classify(instr)
       category, kind, role = classified.category, classified.kind, classified.role
-      direction = _host_copy(instr)
-      if direction is not None:
-        in_flight[instr.name] = self.transfer(instr, direction, comp)
-      elif instr.opcode == "copy-done":
+      copy = _host_copy(instr)
+      if copy is not None:
+        in_flight[instr.name] = self.transfer(instr, copy, comp)
+      elif instr.opcode == "copy-done" or (
+        instr.opcode == "fusion-done" and any(o in in_flight for o in instr.operands)
+      ):
         slot = next((in_flight.pop(o) for o in instr.operands if o in in_flight), None)
         if slot is not None:
           self.wait(slot)

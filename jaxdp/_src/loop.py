@@ -385,18 +385,28 @@ def tx_update(tx, grads: PyTree, opt_state: PyTree, opt_params: PyTree, mesh):
   into the update. First `tx` is checked against the state it updates (`check_optimizer`).
   """
   check_optimizer(tx, opt_state, opt_params)
-  grads = jax.tree.map(
+  grads = grads_as_params(grads, opt_params)
+  update = lambda g, s, p: call_update(tx, g, s, p)
+  return on_auto_axes(mesh, update, (grads, opt_state, opt_params), like=(grads, opt_state))
+
+
+def grads_as_params(grads: PyTree, opt_params: PyTree) -> PyTree:
+  """Each grad in the dtype of the param it updates (see `tx_update`)."""
+  return jax.tree.map(
     lambda g, p: g if g is None or p is None else g.astype(p.dtype),
     grads,
     opt_params,
     is_leaf=lambda x: x is None,
   )
+
+
+def on_auto_axes(mesh, fn: Callable, args: tuple, like: PyTree):
+  """`fn(*args)` with the mesh's Explicit axes Automatic (see `tx_update`), its outputs
+  placed like the leaves of `like`."""
   explicit = tuple(
     a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Explicit
   )
   if not explicit:
-    return call_update(tx, grads, opt_state, opt_params)
-  shardings = jax.tree.map(lambda x: jax.typeof(x).sharding, (grads, opt_state))
-  return jax.sharding.auto_axes(
-    lambda g, s, p: call_update(tx, g, s, p), axes=explicit, out_sharding=shardings
-  )(grads, opt_state, opt_params)
+    return fn(*args)
+  shardings = jax.tree.map(lambda x: jax.typeof(x).sharding, like)
+  return jax.sharding.auto_axes(fn, axes=explicit, out_sharding=shardings)(*args)
