@@ -7,6 +7,7 @@ strategy's params and optimizer state after a few steps are the same bits.
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -371,11 +372,14 @@ def stacked_mlp(layers=8, width=WIDTH):
 TWO_LAYERS = 2 * 2 * 4 * WIDTH * WIDTH // 8
 
 
+@pytest.mark.parametrize("skip", [False, True], ids=["updated", "skipped"])
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
-def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, strategy):
+def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, strategy, skip):
   """The update of an offloaded state, split in pieces of whole layers, each copied in,
   updated and written back into its host buffer in place: the same bits as the device
-  update, in the params and every optimizer leaf, over three steps."""
+  update, in the params and every optimizer leaf, over three steps. With a spike guard that
+  skips every step, the select between the state before and after is streamed the same
+  way, and hands back the state before."""
   monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS)
   params, loss_fn, batch = stacked_mlp()
   mesh = jax.make_mesh((8,), ("data",))
@@ -386,6 +390,7 @@ def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, 
       optimizer_cpu_offload=on,
       stacked=("blocks",) if strategy == "optim_grads" else (),
       fused_update=False,
+      grad_norm_skip_threshold=1e-9 if skip else math.inf,
     )
     kw = {"fsdp": jaxdp.FSDPConfig(stacked=["blocks"])} if cfg.shards_params else {}
     state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
@@ -395,9 +400,13 @@ def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, 
     assert step._cache_size() == 1
     if on:
       text = step.lower(state, batch).as_text()
-      # each of w's and b's moments (and, unless the forward read it, master) in 4 pieces
-      assert text.count("dynamic_update_slice") >= 2 * 2 * 4
+      # w's two moments written back in 4 pieces each by the update (with b's, or the
+      # master's where the forward did not read it: 16 at least), and again by the guard
+      assert text.count("dynamic_update_slice") >= 2 * 2 * 4 + (2 * 4 if skip else 0)
     out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
+  if skip:
+    for a, b in zip(jax.tree.leaves(out[1][0]), jax.tree.leaves(params), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -407,8 +416,10 @@ def test_h100_update_in_pieces_holds_a_piece_of_the_offloaded_state(monkeypatch)
   per device) in host memory. Streamed in pieces of two layers, the step's device peak is
   the plain step's less the offloaded state, plus the master the forward reads on the
   device and two pieces in flight (one copied in while the one before is copied out);
-  streamed whole it is larger. Every byte crosses the host link once each way, slices
-  included."""
+  streamed whole it is larger. So with a spike guard, whose select of the state before or
+  after the update is streamed the same way. Every byte crosses the host link once each
+  way, slices included, and the guard's select reads the moments of both states and
+  writes them once more."""
   from jaxdp import inspect
 
   if reason := inspect.gpu_compile_unavailable():
@@ -418,12 +429,14 @@ def test_h100_update_in_pieces_holds_a_piece_of_the_offloaded_state(monkeypatch)
   fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
   piece = 2 * 2 * 4 * width * width // 8  # two layers of w's two moments, per device
   peaks = {}
-  for name, piece_bytes in [("plain", None), ("whole", 2**40), ("pieces", piece)]:
+  cases = [("plain", None), ("whole", 2**40), ("pieces", piece), ("guarded", piece)]
+  for name, piece_bytes in cases:
     if piece_bytes is not None:
       monkeypatch.setattr(offload_lib, "PIECE_BYTES", piece_bytes)
     cfg = jaxdp.DDPConfig(
       data_parallel_sharding_strategy="optim_grads_params",
       optimizer_cpu_offload=piece_bytes is not None,
+      skip_step_on_spikes=name == "guarded",  # its select of the state streamed too
     )
     compiled = inspect.compile_train_step(loss_fn, TX, 8, cfg, params, batch, fsdp=fsdp)
     peaks[name] = inspect.memory_stats(compiled).peak_bytes
@@ -431,8 +444,17 @@ def test_h100_update_in_pieces_holds_a_piece_of_the_offloaded_state(monkeypatch)
     if name != "plain":
       host_us = inspect.predict_step(compiled).host_us
       one_way = ledger.host / inspect_lib.HOST_LINK_BYTES_PER_S * 1e6
-      assert host_us["host-to-device"] == pytest.approx(one_way)
-      assert host_us["device-to-host"] == pytest.approx(one_way)
+      if name != "guarded":
+        assert host_us["host-to-device"] == pytest.approx(one_way)
+        assert host_us["device-to-host"] == pytest.approx(one_way)
+      else:  # the select reads the moments (2/3 of the bytes) before and after the update,
+        # and writes them once more; XLA may forward a piece the update just wrote
+        # (or drop a copy it finds unchanged): within two pieces of the count
+        piece_us = piece / 2 / inspect_lib.HOST_LINK_BYTES_PER_S * 1e6  # one moment's
+        for direction, times in [("host-to-device", 1 + 4 / 3), ("device-to-host", 1 + 2 / 3)]:
+          got, want = host_us[direction], one_way * times
+          assert want - 2 * piece_us <= got <= want * (1 + 1e-9), direction
       master = ledger.host // 3  # fp32 master, mu, nu: equal sizes
-  assert peaks["pieces"] <= peaks["plain"] - ledger.host + master + 2 * piece
+  for name in ("pieces", "guarded"):
+    assert peaks[name] <= peaks["plain"] - ledger.host + master + 2 * piece, name
   assert peaks["pieces"] < peaks["whole"]

@@ -36,6 +36,7 @@ import numpy as np
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import sharded_shape
 from jaxdp._src.mesh import DATA, REPLICA, auto_mesh, constrain, explicit_axes
+from jaxdp._src.offload import apply_streamed
 from jaxdp._src.state import (
   SpikeWindow,
   TrainState,
@@ -397,8 +398,16 @@ def guard_step(
     grad_norm: the global grad norm (float32 scalar, replicated).
     finite: the NaN check's flags (`finite_leaves`), None without it.
   """
-  # Both on the device too: an offloaded leaf of `before` is still in host memory, and a
-  # select takes operands of one memory space (`finish_step` puts it back)
+  # An offloaded state's master and optimizer state: selected a piece at a time on the
+  # device, written back into `after`'s host buffers (`offload.apply_streamed`), so that
+  # the device never holds both states whole.
+  streamed = config.optimizer_cpu_offload
+  offloaded = (before.master, before.opt_state), (after.master, after.opt_state)
+  offloaded_specs = (specs.master, specs.opt_state)
+  if streamed:
+    drop = lambda state: dataclasses.replace(state, master=None, opt_state=None)
+    specs, before, after = drop(specs), drop(before), drop(after)
+  # The others on the device (a select takes operands of one memory space), placed alike
   place = lambda state: to_device(jax.tree.map(lambda x, s: constrain(x, mesh, s), state, specs))
   before, after = place(before), place(after)
   bad_grads = ~jnp.isfinite(grad_norm)
@@ -416,7 +425,12 @@ def guard_step(
   if raises is not None:  # handed back by the error as it was given: not counted
     step = jnp.where(raises, before.step, step)
   kept = dataclasses.replace(before, step=step)
-  state = jax.tree.map(lambda old, new: jnp.where(skipped, old, new), kept, after)
+  select = lambda old, new: jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
+  state = select(kept, after)
+  if streamed:
+    both = (offloaded_specs, offloaded_specs)
+    master, opt_state = apply_streamed(select, *offloaded, both, dict(mesh.shape))
+    state = dataclasses.replace(state, master=master, opt_state=opt_state)
   if config.skip_step_on_spikes:
     # a skipped step's norm stays out of the window: a spike must not raise the mean
     # and the deviation that the next steps are judged by

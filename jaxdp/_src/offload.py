@@ -82,7 +82,7 @@ def update_offloaded(tx, grads, opt_state, opt_params, mesh, specs) -> tuple[PyT
     return opt_state, optax.apply_updates(params, updates)
 
   def streamed(grads, opt_state, params):
-    return apply_streamed(update, grads, (opt_state, params), specs, dict(mesh.shape))
+    return apply_streamed(update, grads, (opt_state, params), (None, specs), dict(mesh.shape))
 
   like = (opt_state, opt_params)
   opt_state, opt_params = loop.on_auto_axes(mesh, streamed, (grads, *like), like)
@@ -90,32 +90,43 @@ def update_offloaded(tx, grads, opt_state, opt_params, mesh, specs) -> tuple[PyT
 
 
 def apply_streamed(
-  update: Callable, grads: PyTree, carried: PyTree, specs: PyTree, axis_sizes: dict
+  update: Callable,
+  inputs: PyTree,
+  carried: PyTree,
+  specs: tuple[PyTree, PyTree],
+  axis_sizes: dict,
 ) -> PyTree:
-  """`update(grads, carried)` (a tree like `carried`: the new optimizer state and params),
-  its offloaded leaves (`on_host`) streamed through the device (see the module docstring);
-  those come back in host memory, in their own buffers, the others on the device.
+  """`update(inputs, carried)` (a tree like `carried`: e.g. the new optimizer state and
+  params), the offloaded leaves (`on_host`) of both streamed through the device (see the
+  module docstring); the new leaves of `carried`'s offloaded ones come back in host memory,
+  written into their buffers, the others on the device.
 
-  `specs`: a `PartitionSpec` per leaf of `carried` (None where the leaf is None);
-  `axis_sizes`: the mesh's axis sizes, to count the bytes of a piece per device.
+  `specs`: a `PartitionSpec` per leaf of `inputs` and of `carried` (None where a leaf is
+  None, or where `inputs` has no offloaded leaf); `axis_sizes`: the mesh's axis sizes, to
+  count the bytes of a piece per device.
   """
+  flat_in, in_def = jax.tree.flatten(inputs)
   flat, treedef = jax.tree.flatten(carried)
-  if not any(on_host(x) for x in flat):
-    return update(grads, carried)
-  flat_specs = treedef.flatten_up_to(specs)
-  flat_grads, grads_def = jax.tree.flatten(grads)
+  if not any(on_host(x) for x in (*flat_in, *flat)):
+    return update(inputs, carried)
+  in_specs = [None] * len(flat_in) if specs[0] is None else in_def.flatten_up_to(specs[0])
+  flat_specs = [*in_specs, *treedef.flatten_up_to(specs[1])]
+  fetch = lambda leaves: [
+    jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x for x in leaves
+  ]
 
-  def body(grad_leaves, carried_leaves):
-    fetched = [
-      jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x for x in carried_leaves
-    ]
-    new = update(jax.tree.unflatten(grads_def, grad_leaves), jax.tree.unflatten(treedef, fetched))
+  def body(in_leaves, carried_leaves):
+    new = update(
+      jax.tree.unflatten(in_def, fetch(in_leaves)),
+      jax.tree.unflatten(treedef, fetch(carried_leaves)),
+    )
     return treedef.flatten_up_to(new)
 
-  closed = jax.make_jaxpr(body)(flat_grads, flat)
-  closed = jax.make_jaxpr(lambda *a: _inlined(closed.jaxpr, closed.consts, a))(*flat_grads, *flat)
-  program = _Program.of(closed.jaxpr, len(flat_grads), [on_host(x) for x in flat])
-  out = program.run(closed.consts, [*flat_grads, *flat], flat_specs, axis_sizes)
+  closed = jax.make_jaxpr(body)(flat_in, flat)
+  args = [*flat_in, *flat]
+  closed = jax.make_jaxpr(lambda *a: _inlined(closed.jaxpr, closed.consts, a))(*args)
+  program = _Program.of(closed.jaxpr, len(flat_in), [on_host(x) for x in args])
+  out = program.run(closed.consts, args, flat_specs, axis_sizes)
   return jax.tree.unflatten(treedef, out)
 
 
@@ -123,7 +134,7 @@ def apply_streamed(
 class _Group:
   """Offloaded leaves an equation reads together, and what they make."""
 
-  leaves: tuple[int, ...]  # positions in `carried`
+  leaves: tuple[int, ...]  # positions among the update's arguments (inputs, then carried)
   outs: tuple[int, ...]  # the outputs (positions in `carried`) computed from them
   eqns: tuple  # the equations those outputs need that the scalars did not compute
   elementwise: bool  # every equation acts on each element alone: it can be split
@@ -131,18 +142,19 @@ class _Group:
 
 @dataclasses.dataclass(frozen=True)
 class _Program:
-  """The update's jaxpr cut into the scalars and the groups (see the module docstring)."""
+  """The update's jaxpr cut into the scalars and the groups (see the module docstring).
+  Its arguments are the inputs' leaves, then the carried ones; output `k` is carried leaf
+  `k`'s new value, written into argument `n_in + k`'s buffer."""
 
   jaxpr: Any
-  n_grads: int
-  host: tuple[bool, ...]  # per carried leaf: offloaded
+  n_in: int
+  host: tuple[bool, ...]  # per argument: offloaded
   first: tuple  # the equations run before the groups
   groups: tuple[_Group, ...]
 
   @staticmethod
-  def of(jaxpr, n_grads: int, host: Sequence[bool]) -> _Program:
-    carried_vars = jaxpr.invars[n_grads:]
-    leaf_of = {v: i for i, v in enumerate(carried_vars) if host[i]}
+  def of(jaxpr, n_in: int, host: Sequence[bool]) -> _Program:
+    leaf_of = {v: i for i, v in enumerate(jaxpr.invars) if host[i]}
 
     # What offloaded leaves each var depends on, and the groups: leaves read together.
     deps: dict = {v: frozenset([i]) for v, i in leaf_of.items()}
@@ -186,31 +198,30 @@ class _Program:
     for g, ks in sorted(by_group.items(), key=lambda item: min(item[1])):
       leaves = tuple(sorted(i for i in leaf_of.values() if root(i) == g))
       eqns = tuple(e for e in cones[g] if id(e) not in first_ids)
-      shape = tuple(carried_vars[leaves[0]].aval.shape)
+      shape = tuple(jaxpr.invars[leaves[0]].aval.shape)
       elementwise = all(_elementwise(e, shape, deps) for e in eqns) and all(
         tuple(outvars[k].aval.shape) == shape for k in ks
       )
       groups.append(_Group(leaves, tuple(ks), eqns, elementwise))
-    return _Program(jaxpr, n_grads, tuple(host), tuple(first_eqns), tuple(groups))
+    return _Program(jaxpr, n_in, tuple(host), tuple(first_eqns), tuple(groups))
 
   def run(self, consts, args, specs, axis_sizes) -> list:
-    jaxpr, n = self.jaxpr, self.n_grads
+    jaxpr, n = self.jaxpr, self.n_in
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     _eval(self.first, env)
-    carried = list(args[n:])
     outs: dict[int, Any] = {}
     # What each group's first copy waits for: the group two before, written back. One group
     # copies in while the one before copies out (the link's two directions, at once).
     written_back: list = [None, None]
     for group in self.groups:
       after = written_back[0]
-      current = {i: carried[i] for i in group.leaves}
-      for k in group.outs:  # an output written in place into its input's buffer
-        current.setdefault(k, carried[k])
+      current = {i: args[i] for i in group.leaves}  # argument position -> its buffer now
+      for k in group.outs:  # an output written in place into its argument's buffer
+        current.setdefault(n + k, args[n + k])
       if after is not None:
         current, _ = jax.lax.optimization_barrier((current, after))
-      axis = _split_axis(group, self.jaxpr.invars[n:], specs) if group.elementwise else None
+      axis = _split_axis(group, jaxpr.invars, n, specs) if group.elementwise else None
       if axis is None:
         written = self._whole(group, env, current)
       else:
@@ -221,18 +232,15 @@ class _Program:
 
   def _whole(self, group: _Group, env: dict, current: dict) -> dict:
     local = dict(env)
-    carried_vars = self.jaxpr.invars[self.n_grads :]
     for i in group.leaves:
-      local[carried_vars[i]] = current[i]
+      local[self.jaxpr.invars[i]] = current[i]
     _eval(group.eqns, local)
     return {k: self._placed(k, _read(local, self.jaxpr.outvars[k])) for k in group.outs}
 
   def _pieces(self, group: _Group, env, current: dict, axis: int, specs, axis_sizes) -> dict:
-    carried_vars = self.jaxpr.invars[self.n_grads :]
-    shape = carried_vars[group.leaves[0]].aval.shape
-    per_device = sum(
-      _bytes_per_device(carried_vars[i].aval, specs[i], axis_sizes) for i in group.leaves
-    )
+    invars, n = self.jaxpr.invars, self.n_in
+    shape = invars[group.leaves[0]].aval.shape
+    per_device = sum(_bytes_per_device(invars[i].aval, specs[i], axis_sizes) for i in group.leaves)
     pieces = max(1, min(shape[axis], math.ceil(per_device / PIECE_BYTES)))
     sizes = [len(p) for p in np.array_split(np.arange(shape[axis]), pieces)]
     bounds = np.cumsum([0, *sizes]).tolist()
@@ -240,9 +248,9 @@ class _Program:
       v for k in group.outs if isinstance(v := self.jaxpr.outvars[k], jcore.Var)
     }
     made = _defined(group.eqns)
-    position = {v: i for i, v in enumerate(carried_vars)}
+    position = {v: i for i, v in enumerate(invars)}
     # what a piece reads whole-shaped and does not make: offloaded leaves and outputs'
-    # inputs (from `current`, in place), grads and values the first equations made
+    # arguments (from `current`, in place), grads and values the first equations made
     sliced = [v for v in reads if v not in made and v.aval.shape == shape]
     scalars = {v: env[v] for v in reads if v not in made and not v.aval.shape}
     for start, stop in zip(bounds[:-1], bounds[1:]):
@@ -254,21 +262,21 @@ class _Program:
       _eval(group.eqns, local, piece_shape=_resized(shape, axis, stop - start))
       for k in group.outs:
         y = self._placed(k, _read(local, self.jaxpr.outvars[k]))
-        current[k] = jax.lax.dynamic_update_slice_in_dim(current[k], y, start, axis=axis)
-    return {k: current[k] for k in group.outs}
+        current[n + k] = jax.lax.dynamic_update_slice_in_dim(current[n + k], y, start, axis=axis)
+    return {k: current[n + k] for k in group.outs}
 
   def _placed(self, k: int, y):
-    """Output `k` where its input lives: host memory for an offloaded leaf."""
-    return jax.device_put(y, jax.memory.Space.Host) if self.host[k] else y
+    """Output `k` where its argument lives: host memory for an offloaded leaf."""
+    return jax.device_put(y, jax.memory.Space.Host) if self.host[self.n_in + k] else y
 
 
-def _split_axis(group: _Group, carried_vars, specs) -> int | None:
+def _split_axis(group: _Group, invars, n_in: int, specs) -> int | None:
   """The first dim of the group's shape (of two or more) that no leaf shards, or None."""
-  shape = carried_vars[group.leaves[0]].aval.shape
+  shape = invars[group.leaves[0]].aval.shape
   for axis, size in enumerate(shape):
     if size < 2:
       continue
-    if all(_unsharded(specs[i], axis) for i in (*group.leaves, *group.outs)):
+    if all(_unsharded(specs[i], axis) for i in (*group.leaves, *(n_in + k for k in group.outs))):
       return axis
   return None
 
