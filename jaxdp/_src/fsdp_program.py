@@ -92,6 +92,7 @@ from jax.extend.core import primitives as prims
 
 from jaxdp._src import collectives
 from jaxdp._src.buffer import pad_dim
+from jaxdp._src.jaxprs import bind, inline_jits, read
 from jaxdp._src.mesh import DATA
 
 PyTree = Any
@@ -293,7 +294,7 @@ def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> 
     lambda leaves, batch: loss_fn(jax.tree.unflatten(treedef, leaves), batch), return_shape=True
   )(args, batch)
   # Traced again with its `jit`s inlined, so that `_cut` sees their equations one by one.
-  flat = jax.make_jaxpr(lambda *flat_args: _inline_jits(closed.jaxpr, closed.consts, flat_args))(
+  flat = jax.make_jaxpr(lambda *flat_args: inline_jits(closed.jaxpr, closed.consts, flat_args))(
     *args, *jax.tree.leaves(batch)
   )
   n_leaves = len(leaf_avals)
@@ -820,7 +821,7 @@ def _execute(
       _eval(op.lazy + op.eqns, local)
       outs = [local[v] for v in op.outs]
     env.update(zip(op.outs, outs))
-  return [_read(env, v) for v in jaxpr.outvars]
+  return [read(env, v) for v in jaxpr.outvars]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -875,9 +876,7 @@ def _run_scan(
     )
   _eval(op.lazy, local)
   start = eqn.params["num_consts"] + eqn.params["num_carry"]
-  operands = [
-    None if j - start in op.scan_xs else _read(local, v) for j, v in enumerate(eqn.invars)
-  ]
+  operands = [None if j - start in op.scan_xs else read(local, v) for j, v in enumerate(eqn.invars)]
   outs, tokens = _scan_unit(
     eqn,
     [by_name[u] for u in op.units],
@@ -1810,7 +1809,7 @@ class _ChunkedDot:
     return x if self.x_dim is None else self.rows_of(x, self.x_dim, lo, hi)
 
   def piece(self, x_c, w_c):
-    return _bind(self.eqn, [x_c, w_c] if self.w_pos else [w_c, x_c])[0]
+    return bind(self.eqn, [x_c, w_c] if self.w_pos else [w_c, x_c])[0]
 
   def gather_rows(self, rows):
     return self.unit.collectives.gather_rows(self.leaf, rows, self.dtype)
@@ -2088,7 +2087,7 @@ class _TableDot:
     return block.astype(self.cast) if self.cast is not None else block
 
   def piece(self, x, w):
-    return _bind(self.eqn, [x, w] if self.w_pos else [w, x])[0]
+    return bind(self.eqn, [x, w] if self.w_pos else [w, x])[0]
 
   def dot(self, x, block):
     every = collectives.gather_batch(x, self.x_dim)
@@ -2336,23 +2335,12 @@ def _as_param(x, aval):
   return x.astype(aval.dtype) if x.dtype != aval.dtype else x
 
 
-def _read(env, v):
-  return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _bind(eqn, invals):
-  params = eqn.primitive.get_bind_params(eqn.params)
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
-
-
 def _eval(eqns, env, rules=None, narrowed=frozenset()):
   """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function `rule(invals, env)` run
   instead of binding it. `narrowed`: vars whose value in `env` is in the dtype every use
   casts them to, not their own (see [Note: gathered in the dtype the loss casts to])."""
   for eqn in eqns:
-    invals = [_read(env, v) for v in eqn.invars]
+    invals = [read(env, v) for v in eqn.invars]
     rule = rules.get(id(eqn)) if rules else None
     flags = [isinstance(v, jcore.Var) and v in narrowed for v in eqn.invars]
     if rule:
@@ -2360,7 +2348,7 @@ def _eval(eqns, env, rules=None, narrowed=frozenset()):
     elif any(flags):
       outs = _bind_narrowed(eqn, invals, flags)
     else:
-      outs = _bind(eqn, invals)
+      outs = bind(eqn, invals)
     for var, value in zip(eqn.outvars, outs):
       env[var] = value
 
@@ -2372,7 +2360,7 @@ def _eval_jaxpr(jaxpr, consts, args, narrowed: Sequence[bool]) -> list:
   env.update(zip(jaxpr.invars, args))
   narrow = {v for v, n in zip(jaxpr.invars, narrowed) if n}
   _eval(jaxpr.eqns, env, narrowed=narrow)
-  return [_as_param(_read(env, v), v.aval) if v in narrow else _read(env, v) for v in jaxpr.outvars]
+  return [_as_param(read(env, v), v.aval) if v in narrow else read(env, v) for v in jaxpr.outvars]
 
 
 def _bind_narrowed(eqn, invals, flags) -> list:
@@ -2382,7 +2370,7 @@ def _bind_narrowed(eqn, invals, flags) -> list:
   on the narrower values); any other eqn gets them cast back, exactly."""
   if eqn.primitive is prims.convert_element_type_p:
     (x,) = invals
-    return [x] if x.dtype == eqn.params["new_dtype"] else _bind(eqn, invals)
+    return [x] if x.dtype == eqn.params["new_dtype"] else bind(eqn, invals)
   inner = eqn.params.get("jaxpr")
   if eqn.primitive in (prims.jit_p, prims.closed_call_p):
     return _eval_jaxpr(inner.jaxpr, inner.consts, invals, flags)
@@ -2391,24 +2379,7 @@ def _bind_narrowed(eqn, invals, flags) -> list:
     policy, prevent_cse = eqn.params["policy"], eqn.params["prevent_cse"]
     return list(jax.checkpoint(run, prevent_cse=prevent_cse, policy=policy)(*invals))
   widened = [_as_param(x, v.aval) if f else x for x, v, f in zip(invals, eqn.invars, flags)]
-  return _bind(eqn, widened)
-
-
-def _inline_jits(jaxpr, consts, args):
-  """Evaluates `jaxpr`, inlining `jit` calls (so a jitted block, or a scan inside one, is
-  seen equation by equation)."""
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    if eqn.primitive is prims.jit_p:
-      inner = eqn.params["jaxpr"]
-      outs = _inline_jits(inner.jaxpr, inner.consts, invals)
-    else:
-      outs = _bind(eqn, invals)
-    for var, value in zip(eqn.outvars, outs):
-      env[var] = value
-  return [_read(env, v) for v in jaxpr.outvars]
+  return bind(eqn, widened)
 
 
 def _is_float(x) -> bool:

@@ -44,6 +44,7 @@ from jax.extend.core import primitives as prims
 from jax.sharding import PartitionSpec as P
 
 from jaxdp._src import loop
+from jaxdp._src.jaxprs import bind, inline_jits, read
 
 PyTree = Any
 
@@ -124,7 +125,7 @@ def apply_streamed(
 
   closed = jax.make_jaxpr(body)(flat_in, flat)
   args = [*flat_in, *flat]
-  closed = jax.make_jaxpr(lambda *a: _inlined(closed.jaxpr, closed.consts, a))(*args)
+  closed = jax.make_jaxpr(lambda *a: inline_jits(closed.jaxpr, closed.consts, a))(*args)
   program = _Program.of(closed.jaxpr, len(flat_in), [on_host(x) for x in args])
   out = program.run(closed.consts, args, flat_specs, axis_sizes)
   return jax.tree.unflatten(treedef, out)
@@ -228,14 +229,14 @@ class _Program:
         written = self._pieces(group, env, current, axis, specs, axis_sizes)
       outs.update(written)
       written_back = [written_back[1], [written[k] for k in group.outs]]
-    return [outs[k] if k in outs else _read(env, v) for k, v in enumerate(jaxpr.outvars)]
+    return [outs[k] if k in outs else read(env, v) for k, v in enumerate(jaxpr.outvars)]
 
   def _whole(self, group: _Group, env: dict, current: dict) -> dict:
     local = dict(env)
     for i in group.leaves:
       local[self.jaxpr.invars[i]] = current[i]
     _eval(group.eqns, local)
-    return {k: self._placed(k, _read(local, self.jaxpr.outvars[k])) for k in group.outs}
+    return {k: self._placed(k, read(local, self.jaxpr.outvars[k])) for k in group.outs}
 
   def _pieces(self, group: _Group, env, current: dict, axis: int, specs, axis_sizes) -> dict:
     invars, n = self.jaxpr.invars, self.n_in
@@ -261,7 +262,7 @@ class _Program:
         local[v] = jax.lax.slice_in_dim(value, start, stop, axis=axis)
       _eval(group.eqns, local, piece_shape=_resized(shape, axis, stop - start))
       for k in group.outs:
-        y = self._placed(k, _read(local, self.jaxpr.outvars[k]))
+        y = self._placed(k, read(local, self.jaxpr.outvars[k]))
         current[n + k] = jax.lax.dynamic_update_slice_in_dim(current[n + k], y, start, axis=axis)
     return {k: current[n + k] for k in group.outs}
 
@@ -336,36 +337,12 @@ def _cone(targets, producer) -> list:
   return sorted(seen.values(), key=lambda e: order[id(e)])
 
 
-def _read(env, v):
-  return v.val if isinstance(v, jcore.Literal) else env[v]
-
-
-def _bind(eqn, invals, piece_shape=None):
-  params = eqn.primitive.get_bind_params(eqn.params)
-  if piece_shape is not None and eqn.primitive is prims.broadcast_in_dim_p:
-    params = {**params, "shape": piece_shape, "sharding": None}
-  with eqn.ctx.manager:
-    out = eqn.primitive.bind(*invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
-
-
 def _eval(eqns, env: dict, piece_shape=None) -> None:
+  """Runs `eqns` on `env`; with `piece_shape`, a broadcast makes a piece's shape."""
   for eqn in eqns:
-    outs = _bind(eqn, [_read(env, v) for v in eqn.invars], piece_shape)
-    env.update(zip(eqn.outvars, outs))
-
-
-def _inlined(jaxpr, consts, args) -> list:
-  """Evaluates `jaxpr` with its `jit` calls inlined, so that a traced update is seen
-  equation by equation."""
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  for eqn in jaxpr.eqns:
-    invals = [_read(env, v) for v in eqn.invars]
-    if eqn.primitive is prims.jit_p:
-      inner = eqn.params["jaxpr"]
-      outs = _inlined(inner.jaxpr, inner.consts, invals)
+    invals = [read(env, v) for v in eqn.invars]
+    if piece_shape is not None and eqn.primitive is prims.broadcast_in_dim_p:
+      outs = bind(eqn, invals, shape=piece_shape, sharding=None)
     else:
-      outs = _bind(eqn, invals)
+      outs = bind(eqn, invals)
     env.update(zip(eqn.outvars, outs))
-  return [_read(env, v) for v in jaxpr.outvars]
