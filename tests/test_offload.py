@@ -458,3 +458,48 @@ def test_h100_update_in_pieces_holds_a_piece_of_the_offloaded_state(monkeypatch)
   for name in ("pieces", "guarded"):
     assert peaks[name] <= peaks["plain"] - ledger.host + master + 2 * piece, name
   assert peaks["pieces"] < peaks["whole"]
+
+
+STREAMED_TXS = {
+  # elementwise: streamed in pieces
+  "lion": optax.lion(1e-3),
+  "adamw, lr in the state": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2),
+  "adamw, masked decay": optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 2, p)),
+  # a trust ratio from each param's norm: its groups are updated whole
+  "lamb": optax.lamb(1e-2),
+}
+
+
+@pytest.mark.parametrize("name", list(STREAMED_TXS))
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_other_optimizers_streamed_equal_the_device_update(monkeypatch, strategy, name):
+  """The streamed update runs the optimizer's own equations on each element, so any optax
+  transformation gives the device update's result: bit for bit where XLA fuses the two
+  programs alike, else within float32 rounding. Bound: each step is the same few dozen
+  float32 operations per element in both programs, and XLA may contract or reorder a few
+  of them differently inside a fusion (an ulp, 1.2e-7 relative, each); over three steps,
+  32 ulps of each leaf's largest value bounds what that can add up to, while a wrong piece
+  or group (rows updated twice, or with another leaf's state) moves a leaf by ~lr = 1e-2."""
+  monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS)
+  tx = STREAMED_TXS[name]
+  params, loss_fn, batch = stacked_mlp()
+  mesh = jax.make_mesh((8,), ("data",))
+  out = []
+  for on in (False, True):
+    cfg = jaxdp.DDPConfig(
+      data_parallel_sharding_strategy=strategy,
+      optimizer_cpu_offload=on,
+      stacked=("blocks",) if strategy == "optim_grads" else (),
+      fused_update=False,
+    )
+    kw = {"fsdp": jaxdp.FSDPConfig(stacked=["blocks"])} if cfg.shards_params else {}
+    state = jaxdp.init_state(params, tx, mesh, cfg, **kw)
+    step = jaxdp.make_train_step(loss_fn, tx, mesh, cfg, **kw)
+    for _ in range(STEPS):
+      state, _ = step(state, batch)
+    out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
+  eps = np.finfo(np.float32).eps
+  for got, want in zip(jax.tree.leaves(out[1]), jax.tree.leaves(out[0]), strict=True):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    scale = max(float(np.max(np.abs(want), initial=0.0)), np.finfo(np.float32).tiny)
+    assert np.max(np.abs(got - want), initial=0.0) <= 32 * eps * scale

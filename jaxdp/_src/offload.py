@@ -12,8 +12,9 @@ How, on the update's jaxpr (`update(grads, carried) -> carried'`, traced once):
 
 * **Groups.** The offloaded leaves an equation reads together are one group (AdamW: a
   param's master and its two moments; an update that mixes leaves, such as a norm over
-  all params, makes one group of them all). Each group is updated after the one before
-  has been copied back (an optimization barrier orders its first copy after them).
+  all params, makes one group of them all). The groups run one after another, each one's
+  first copy waiting (an optimization barrier) for the group two before to be written
+  back: one group copies in while the one before copies out.
 * **Scalars first.** What does not read the offloaded state and is a scalar (the global
   grad norm a clip divides by, the step count, the learning rate) is computed first, once,
   with whatever reads only device leaves.
@@ -27,7 +28,9 @@ How, on the update's jaxpr (`update(grads, carried) -> carried'`, traced once):
   before.
 
 The arithmetic is the update's own equations on each element, so the result is the plain
-update's, bit for bit where the compiler fuses them the same (tests/test_offload.py).
+update's, bit for bit where the compiler fuses them the same (tests/test_offload.py). The
+spike guards' select between the state before and after the update (`checks.guard_step`)
+is streamed the same way: one more elementwise update, of two states.
 """
 
 from __future__ import annotations
