@@ -503,3 +503,30 @@ def test_other_optimizers_streamed_equal_the_device_update(monkeypatch, strategy
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     scale = max(float(np.max(np.abs(want), initial=0.0)), np.finfo(np.float32).tiny)
     assert np.max(np.abs(got - want), initial=0.0) <= 32 * eps * scale
+
+
+@pytest.mark.parametrize("outer", ["no_shard", "optim"], ids=["hsdp", "hfsdp"])
+def test_pieces_on_a_replica_mesh_with_accumulation(monkeypatch, outer):
+  """FSDP over stacked layers on a ("replica", "data") mesh, two micro-batches, the state
+  streamed in pieces of one layer: the device update's bits (HSDP keeps a copy per
+  replica, HFSDP shards the master and state across "replica" too)."""
+  monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS // 2)
+  params, loss_fn, batch = stacked_mlp()
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
+  out = []
+  for on in (False, True):
+    cfg = jaxdp.DDPConfig(
+      data_parallel_sharding_strategy="optim_grads_params",
+      optimizer_cpu_offload=on,
+      num_distributed_optimizer_instances=2,
+      outer_dp_sharding_strategy=outer,
+      fused_update=False,
+    )
+    state = jaxdp.init_state(params, TX, mesh, cfg, fsdp=fsdp)
+    step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, grad_accum_steps=2, fsdp=fsdp)
+    for _ in range(STEPS):
+      state, _ = step(state, batch)
+    out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
+  for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
