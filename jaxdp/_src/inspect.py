@@ -1019,8 +1019,10 @@ class Interval:
 
   Attributes:
     name: HLO instruction name (a collective's `-start`, or the op itself when synchronous).
-    kind: `"gemm"`, `"compute"` (any other kernel) or a collective kind (`COLLECTIVE_KINDS`).
-    lane: `"compute"` (the stream kernels run on) or `"comm"` (the collectives' stream).
+    kind: `"gemm"`, `"compute"` (any other kernel), a collective kind (`COLLECTIVE_KINDS`)
+      or a host copy's direction (`"host-to-device"`, `"device-to-host"`).
+    lane: `"compute"` (the stream kernels run on), `"comm"` (the collectives' stream) or
+      `"host"` (the copies between host and device memory).
     start_us: when it starts, from the start of the program.
     end_us: when it ends.
     computation: the HLO computation holding it (the entry, or a loop body once per trip).

@@ -41,6 +41,8 @@ _KIND_COLOR = {
   "collective-permute": "tab:pink",
 }
 _EXPOSED = "tab:red"
+# copies between host and device memory (`optimizer_cpu_offload`), by direction
+_COPY_COLOR = {"host-to-device": "tab:cyan", "device-to-host": "tab:olive"}
 MEMORY_KINDS = ("params", "grads", "master", "opt_state")
 """What a `MemoryLedger` counts, bottom to top in `plot_memory`'s bars."""
 
@@ -462,9 +464,10 @@ def plot_predicted_timeline(
 
   The top lane holds the kernels back to back (GEMMs dark); the lane below it the
   collectives, each a bar from when the communication stream starts it to when it ends,
-  coloured by kind. Red spans cross both lanes wherever the kernels wait for a collective:
-  that is the exposed communication; a collective's bar outside them is hidden under
-  compute. Loops are drawn trip by trip.
+  coloured by kind; a program with host memory (`optimizer_cpu_offload`) gets a third lane,
+  its copies between host and device memory by direction. Red spans cross the lanes
+  wherever the kernels wait for a collective or a copy: that is the exposed communication;
+  a bar outside them is hidden under compute. Loops are drawn trip by trip.
 
   Args:
     prediction: a `jaxdp.inspect.StepPrediction` (or anything `predict_step` takes).
@@ -487,6 +490,19 @@ def plot_predicted_timeline(
     >>> ax = plot_predicted_timeline(p)
     >>> ax.get_title()
     'demo: 10 us, exposed communication 2 us (60% hidden)'
+
+    With a copy from host memory the kernel after it waits for:
+
+    >>> p = StepPrediction(
+    ...   "offload", step_us=10.0, compute_us=6.0, comm_us={"total": 0.0},
+    ...   exposed_us={"total": 0.0}, host_us={"host-to-device": 8.0, "total": 8.0},
+    ...   host_exposed_us={"host-to-device": 4.0, "total": 4.0},
+    ...   timeline=(Interval("dot", "gemm", "compute", 0.0, 4.0, "main"),
+    ...             Interval("copy-start", "host-to-device", "host", 0.0, 8.0, "main", 4.0),
+    ...             Interval("add", "compute", "compute", 8.0, 10.0, "main")))
+    >>> ax = plot_predicted_timeline(p)
+    >>> [t.get_text() for t in ax.get_yticklabels()], ax.get_title()
+    (['compute', 'collectives', 'host copies'], 'offload: 10 us, exposed communication 0 us (100% hidden), host copies 8 us (4 us exposed)')
   """
   from jaxdp._src.inspect import predict_step  # noqa: PLC0415
 
@@ -496,7 +512,8 @@ def plot_predicted_timeline(
     raise ValueError(f"plot_predicted_timeline: unit={unit!r}; use 'us' or 'ms'")
   p = predict_step(prediction)
   scale = 1e-3 if unit == "ms" else 1.0
-  ax = _axes(ax, (11, 2.2))
+  copies = [i for i in p.timeline if i.lane == "host"]
+  ax = _axes(ax, (11, 2.9 if copies else 2.2))
   kernels = [i for i in p.timeline if i.lane == "compute"]
   for kind, color in (("compute", "lightsteelblue"), ("gemm", "navy")):
     spans = [(i.start_us * scale, (i.end_us - i.start_us) * scale) for i in kernels]
@@ -512,7 +529,14 @@ def plot_predicted_timeline(
       edgecolor="white",
       linewidth=0.3,
     )
-  # The compute stream waits only for collectives: its gaps are the exposed communication.
+  for kind in dict.fromkeys(i.kind for i in copies):
+    spans = [
+      (i.start_us * scale, (i.end_us - i.start_us) * scale) for i in copies if i.kind == kind
+    ]
+    ax.broken_barh(
+      spans, (1.6, 0.8), facecolors=_COPY_COLOR[kind], edgecolor="white", linewidth=0.3
+    )
+  # The compute stream waits only for collectives and copies: its gaps are what is exposed.
   waits, t = [], 0.0
   for i in kernels:
     if i.start_us > t:
@@ -520,15 +544,22 @@ def plot_predicted_timeline(
     t = max(t, i.end_us)
   if p.step_us > t:
     waits.append((t * scale, (p.step_us - t) * scale))
-  ax.broken_barh(waits, (-0.5, 2.0), facecolors=_EXPOSED, alpha=0.3, linewidth=0)
-  ax.set_yticks([0, 1], ["compute", "collectives"], fontsize="small")
-  ax.set_ylim(1.6, -0.6)
+  lanes = ["compute", "collectives"] + (["host copies"] if copies else [])
+  ax.broken_barh(waits, (-0.5, len(lanes)), facecolors=_EXPOSED, alpha=0.3, linewidth=0)
+  ax.set_yticks(range(len(lanes)), lanes, fontsize="small")
+  ax.set_ylim(len(lanes) - 0.4, -0.6)
   ax.set_xlim(0, max(p.step_us, 1e-9) * scale)
   ax.set_xlabel(f"predicted time ({unit}), from XLA's cost model")
   ax.set_title(
     title
     or f"{p.module}: {p.step_us * scale:,.3g} {unit}, exposed communication "
-    f"{p.exposed_us['total'] * scale:,.3g} {unit} ({100 * p.hidden_fraction:.0f}% hidden)",
+    f"{p.exposed_us['total'] * scale:,.3g} {unit} ({100 * p.hidden_fraction:.0f}% hidden)"
+    + (
+      f", host copies {p.host_us['total'] * scale:,.3g} {unit} "
+      f"({p.host_exposed_us['total'] * scale:,.3g} {unit} exposed)"
+      if p.host_us
+      else ""
+    ),
     fontsize="medium",
   )
   if legend:
@@ -540,6 +571,7 @@ def plot_predicted_timeline(
       Patch(color=_KIND_COLOR.get(k, "tab:gray"), label=k)
       for k in dict.fromkeys(i.kind for i in colls)
     ]
+    handles += [Patch(color=_COPY_COLOR[k], label=k) for k in dict.fromkeys(i.kind for i in copies)]
     handles.append(Patch(color=_EXPOSED, alpha=0.3, label="exposed (kernels wait)"))
     ax.legend(
       handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False
