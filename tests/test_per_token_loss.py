@@ -116,6 +116,10 @@ def train(loss_fn, batch, strategy, mesh=None, fsdp=None, **step_kw):
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
     norms.append(float(metrics["grad_norm"]))
+    if step_kw.get("per_token_loss"):  # the global count, exact: integers and halves
+      assert float(metrics["tokens"]) == float(np.sum(np.asarray(batch["mask"])))
+    else:
+      assert "tokens" not in metrics
   assert step._cache_size() == 1, "the second step recompiled"
   return jaxdp.get_params(state), losses, norms
 

@@ -334,12 +334,14 @@ def finish_step(
   finite=None,
   aux=None,
   skipped=None,
+  tokens=None,
 ):
   """The end of every strategy's step: the new state placed as `specs` say (as
   `init_state` placed it), the metrics (`aux` under "aux" when the step has one), with the
   NaN check the `finite` flags (`finite_leaves`) under `FINITE` (read and removed on the
-  host by `TrainStep`), and with a guard (`DDPConfig.skips_steps`) whether the step
-  `skipped` its update under `SKIPPED`."""
+  host by `TrainStep`), with a guard (`DDPConfig.skips_steps`) whether the step `skipped`
+  its update under `SKIPPED`, and with a per-token loss the step's global token count
+  under "tokens"."""
   # The output placed exactly as the input was: the jit cache keys on the sharding of its
   # arguments, so a state placed otherwise (even `P(None, None)` for `P()`) would compile
   # the step a second time when it comes back.
@@ -355,6 +357,8 @@ def finish_step(
     metrics[FINITE] = finite
   if skipped is not None:
     metrics[SKIPPED] = skipped
+  if tokens is not None:
+    metrics["tokens"] = tokens
   return new_state, metrics
 
 

@@ -719,7 +719,9 @@ def grad_metrics(
   # a per-token loss's count: under dense no_shard too, where each device's `squares` is
   # the same 1/dp of the norm², so their sum is the norm²).
   if plan.sharded or count is not None or any(buf.expert for buf in layout.buffers):
-    return step_lib.global_loss_and_norm(backward.loss, squares, plan.axes, plan.dp, count=count)
+    return step_lib.global_loss_and_norm(
+      backward.loss, squares, plan.axes, plan.dp, count=count, micro_batches=plan.grad_accum_steps
+    )
   # Dense no_shard: every device holds the whole reduced grads, and `copies` is dp for each
   # bucket, so `squares * dp` is the norm² with no collective but the loss's.
   loss = collectives.mean_over(backward.loss, plan.axes)
@@ -752,6 +754,7 @@ def local_grads(
     grad_norm=scalars.grad_norm,
     aux=collectives.average_aux(aux, plan.axes),
     model_state=backward.model_state,
+    tokens=scalars.tokens,
   )
 
 
@@ -832,7 +835,8 @@ class BucketedStep:
       grads = placed = flat_master_specs(layout, self.plan.axes)
     elif state.fused:
       grads = placed = {named.name: P() for named in bucket_names(layout)}
-    specs = step_lib.LocalGrads(grads, P(), P(), P(), extra_specs(state)["model_state"])
+    tokens = P() if self.plan.per_token else None
+    specs = step_lib.LocalGrads(grads, P(), P(), P(), extra_specs(state)["model_state"], tokens)
     if not runs_auto(self.mesh, state.model_specs):
       return specs, None
     return specs, dataclasses.replace(specs, grads=placed)

@@ -735,7 +735,8 @@ class FSDPStep:
 
   def out_specs(self, state: TrainState):
     specs = state_specs(state)
-    out = step_lib.LocalGrads(manual_specs(state)[1], P(), P(), P(), specs.model_state)
+    tokens = P() if self.per_token else None
+    out = step_lib.LocalGrads(manual_specs(state)[1], P(), P(), P(), specs.model_state, tokens)
     if not runs_auto(self.mesh, state.model_specs):
       return out, None
     return out, dataclasses.replace(out, grads=specs.master)
@@ -834,13 +835,15 @@ class FSDPStep:
     # varying over the axes its shards do not ([Note: varying values] in collectives.py)
     if replicas > 1:
       squares = collectives.make_varying(squares, [a for a in axes if a != DATA])
-    scalars = step_lib.global_loss_and_norm(loss, squares, axes, dp, replicas, count)
+    scalars = step_lib.global_loss_and_norm(loss, squares, axes, dp, replicas, count, k)
     grads = step_lib.divide_by_count(grads, scalars.count)
     if fused:
       grads = {name: grads[key] for name, key in flat_keys(layout).items()}
     else:
       grads = tree_of(layout, [grads.get(leaf.index) for leaf in layout.leaves])
-    return step_lib.LocalGrads(grads, scalars.loss, scalars.grad_norm, aux, model_state)
+    return step_lib.LocalGrads(
+      grads, scalars.loss, scalars.grad_norm, aux, model_state, scalars.tokens
+    )
 
   def _outer_once(self, layout: Layout) -> bool:
     """HSDP (`outer_dp_sharding_strategy="no_shard"`, a "replica" axis) whose micro-batches

@@ -73,6 +73,8 @@ class LocalGrads:
   aux: PyTree
   """The aux averaged over the data axes (None without `has_aux`)."""
   model_state: PyTree
+  tokens: Any = None
+  """Per-token loss: the step's global token count (`GlobalScalars.tokens`); else None."""
 
 
 class StepStrategy(Protocol):
@@ -147,6 +149,7 @@ class _Step:
       finite,
       out.aux if self.has_aux else None,
       skipped,
+      out.tokens,
     )
 
 
@@ -254,6 +257,9 @@ class GlobalScalars:
   count: jax.Array | None = None
   """Per token: what the reduced grads are divided by (see [Note: per-token loss]); None
   otherwise."""
+  tokens: jax.Array | None = None
+  """Per token: the global token count, over every device and micro-batch; None
+  otherwise."""
 
 
 # [Note: per-token loss]
@@ -276,15 +282,15 @@ class GlobalScalars:
 
 
 def global_loss_and_norm(
-  loss, squares, axes, dp: int, copies: int = 1, count=None
+  loss, squares, axes, dp: int, copies: int = 1, count=None, micro_batches: int = 1
 ) -> GlobalScalars:
   """The loss and grad norm from every device's share in one scalar all-reduce: the mean of
   the `dp` devices' losses, and the root of the summed `squares` (each device's part of the
   grads' norm²) divided by how many `copies` of each grad element the devices hold.
 
-  `count` (per-token loss): this device's token count, scaled as its loss is; averaged over
-  the devices in the same all-reduce, it divides the loss and the norm
-  ([Note: per-token loss]). A step with no token at all keeps its zero sums (Megatron's
+  `count` (per-token loss): this device's token count, scaled as its loss is (its
+  `micro_batches`' mean); averaged over the devices in the same all-reduce, it divides the
+  loss and the norm ([Note: per-token loss]). A step with no token at all keeps its zero sums (Megatron's
   choice) rather than dividing zero by zero.
   """
   # Stacked into one array so that all ride one all-reduce (a psum of a scalar costs its
@@ -292,9 +298,10 @@ def global_loss_and_norm(
   if count is None:
     loss, squares = collectives.sum_over(jnp.stack([loss, squares]), axes)
     return GlobalScalars(loss / dp, jnp.sqrt(squares / copies))
-  loss, squares, count = collectives.sum_over(jnp.stack([loss, squares, count]), axes)
-  count = jnp.where(count > 0, count / dp, 1.0)
-  return GlobalScalars(loss / dp / count, jnp.sqrt(squares / copies) / count, count)
+  loss, squares, total = collectives.sum_over(jnp.stack([loss, squares, count]), axes)
+  count = jnp.where(total > 0, total / dp, 1.0)
+  norm = jnp.sqrt(squares / copies) / count
+  return GlobalScalars(loss / dp / count, norm, count, total * micro_batches)
 
 
 def divide_by_count(grads: PyTree, count) -> PyTree:

@@ -286,7 +286,8 @@ def make_train_step(
       the count over them all (Megatron's `calculate_per_token_loss`), so padding that
       differs between ranks and micro-batches weighs every real token the same, as one
       device on the whole batch does; the counts ride in the loss's all-reduce, and
-      `metrics["loss"]` and `grad_norm` are the per-token loss's. Without it every
+      `metrics["loss"]` and `grad_norm` are the per-token loss's, and `metrics["tokens"]`
+      the step's global token count. Without it every
       shard's mean loss weighs the same, however many tokens it holds.
 
   Returns:
