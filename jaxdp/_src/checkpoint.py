@@ -1109,8 +1109,11 @@ class _LikeLeaves:
     olds = [self._get(target) for target in group]
     # An offloaded leaf of `like` (`DDPConfig.optimizer_cpu_offload`) goes back to host
     # memory as soon as its group is read, so that the device never holds more than a group
+    # (but a fused state read per leaf, made flat at the end on the device, moves then)
     homes = [_memory_kind(old) for old in olds]
     self._fill(stored, group, olds)
+    if self.given.fused and not self.flat:
+      return
     moved = {}  # id of a device leaf -> its host copy (two targets may hold one array)
     for target, home in zip(group, homes):
       leaf = self._get(target)
@@ -1173,7 +1176,9 @@ class _LikeLeaves:
       spike_window=self._spike_window(),
     )
     if self.given.fused and not self.flat:
-      out = jax.jit(fused_state, static_argnums=1)(out, self.mesh, self.given)
+      # (read on the device: `like`'s offloaded leaves too; `_in_memory` moves them back)
+      fuse = lambda state, like: fused_state(to_device(state), self.mesh, to_device(like))
+      out = jax.jit(fuse)(out, self.given)
       jax.tree.map(lambda x: x.delete(), self.given)  # consumed, as every other `like`
     return out
 

@@ -23,10 +23,7 @@ from jaxdp._src.mesh import (
   run_manual,
   runs_auto,
 )
-from jaxdp._src.state import (
-  TrainState,
-  fetch_master,
-)
+from jaxdp._src.state import TrainState
 
 PyTree = Any
 
@@ -106,7 +103,6 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       )
     strategy.check_state(state)
     checks.check_batch(batch, dp_size(mesh))
-    state = fetch_master(state)  # an offloaded master the forward reads, to the device
     batch = jax.tree.map(lambda x: constrain(x, mesh, batch_spec), batch)
     out_spec = batch_spec if per_example else P()
     # the step's own input specs, less the key (an eval step draws none)

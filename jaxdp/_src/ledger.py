@@ -74,6 +74,7 @@ from jaxdp._src.state import (
   match_opt_leaf,
   offloaded_buckets,
   offloaded_leaves,
+  offloads_master,
 )
 from jaxdp._src.units import chunked_leaves, units_of
 
@@ -431,7 +432,7 @@ def memory_ledger(
     i, dtype = x.index, master_dtype(dtypes[x.index])
     shape = x.seen if sharded else x.shape
     opt_tree[i] = jax.ShapeDtypeStruct(shape, dtype)
-    if sharded and i in host_leaves:
+    if sharded and i in host_leaves and offloads_master(config):
       host_master += _nbytes(shape, dtype) // (dp * outer * ways[i])
     elif sharded:
       master += _nbytes(shape, dtype) // (dp * outer * ways[i])
@@ -455,8 +456,11 @@ def memory_ledger(
     }
     host_names = offloaded_buckets(layout, config)
     if sharded:  # no_shard fuses only params that need no master
-      master = sum(_nbytes(x.shape, x.dtype) // dp for k, x in flat.items() if k not in host_names)
-      host_master = sum(_nbytes(x.shape, x.dtype) // dp for k, x in flat.items() if k in host_names)
+      master_host = host_names if offloads_master(config) else frozenset()
+      master = sum(_nbytes(x.shape, x.dtype) // dp for k, x in flat.items() if k not in master_host)
+      host_master = sum(
+        _nbytes(x.shape, x.dtype) // dp for k, x in flat.items() if k in master_host
+      )
     state = jax.eval_shape(tx.init, flat)
     sizes = {name: x.shape for name, x in flat.items()}
     split = lambda path, x: dp if sharded and is_flat_leaf(path, x, sizes) else 1

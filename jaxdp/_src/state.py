@@ -402,21 +402,30 @@ def offloaded_leaves(layout: Layout, config: DDPConfig) -> frozenset[int]:
 
 
 def memory_kinds(state: TrainState) -> TrainState:
-  """Where each leaf of `state` lives between steps: `HOST` for the master and the per-param
-  (per-element) optimizer state of the offloaded buckets (`offloaded_buckets`), None (the
-  device) for every other leaf; a tree like `state`.
+  """Where each leaf of `state` lives between steps: `HOST` for the per-param (per-element)
+  optimizer state of the offloaded buckets (`offloaded_buckets`) and, where the step does
+  not read it before its update (`offloads_master`), their master; None (the device) for
+  every other leaf; a tree like `state`.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxdp
     >>> mesh = jax.make_mesh((8,), ("data",))
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim",
-    ...                          optimizer_cpu_offload=True)
+    ...                          optimizer_cpu_offload=True, overlap_param_gather=False)
     >>> state = jaxdp.init_state({"w": jnp.ones((16, 4))}, optax.adam(1e-3), mesh, config)
     >>> kinds = memory_kinds(state)
     >>> kinds.master, kinds.opt_state[0].mu, kinds.opt_state[0].count
     ({'float32/bucket0': 'pinned_host'}, {'float32/bucket0': 'pinned_host'}, None)
     >>> state.opt_state[0].mu["float32/bucket0"].sharding.memory_kind
     'pinned_host'
+
+    With `overlap_param_gather` (the default) the step gathers the params from the master
+    at its start: the master stays on the device.
+
+    >>> config = dataclasses.replace(config, overlap_param_gather=True)
+    >>> memory_kinds(jaxdp.init_state({"w": jnp.ones((16, 4))}, optax.adam(1e-3), mesh,
+    ...                               config)).master
+    {'float32/bucket0': None}
   """
   layout = state.layout
   nothing = jax.tree.map(lambda _: None, state)
@@ -428,7 +437,7 @@ def memory_kinds(state: TrainState) -> TrainState:
     host = {name: shape for name, shape in flat.items() if name in names}
     master = (
       {name: HOST if name in names else None for name in state.master}
-      if flat_master(state)
+      if flat_master(state) and offloads_master(state.config)
       else nothing.master
     )
     opt_state = jax.tree_util.tree_map_with_path(
@@ -437,8 +446,9 @@ def memory_kinds(state: TrainState) -> TrainState:
     return dataclasses.replace(nothing, master=master, opt_state=opt_state)
   leaves = offloaded_leaves(layout, state.config)
   masters = leaves_of(state.master, layout)
+  on_host = leaves if offloads_master(state.config) else frozenset()
   master = [
-    None if m is None else HOST if leaf.index in leaves else None
+    None if m is None else HOST if leaf.index in on_host else None
     for leaf, m in zip(layout.leaves, masters)
   ]
   # a per-param optax leaf goes where its param's master goes (`match_opt_leaf`); anything
@@ -506,17 +516,16 @@ def check_offload(mesh, config: DDPConfig) -> None:
 
 def reads_master_forward(config: DDPConfig) -> bool:
   """Does a step read `master` before its update? FSDP's units gather it, and the sharded
-  strategies' `overlap_param_gather` gathers the params from it at the step's start: an
-  offloaded master comes to the device there, once, for the forward and the update."""
+  strategies' `overlap_param_gather` gathers the params from it at the step's start."""
   return config.shards_params or (config.use_distributed_optimizer and config.overlap_param_gather)
 
 
-def fetch_master(state: TrainState) -> TrainState:
-  """Traced, at the step's start: `state` with its offloaded master on the device where the
-  forward reads it (`reads_master_forward`); the same state otherwise."""
-  if not state.config.optimizer_cpu_offload or not reads_master_forward(state.config):
-    return state
-  return dataclasses.replace(state, master=to_device(state.master))
+def offloads_master(config: DDPConfig) -> bool:
+  """Does `optimizer_cpu_offload` put the master in host memory too? Not where the step
+  reads it before its update (`reads_master_forward`): the forward needs all of it on the
+  device, so keeping it there costs the step's peak nothing and saves copying it in and
+  out every step (Megatron's offload keeps the params on the GPU too)."""
+  return config.optimizer_cpu_offload and not reads_master_forward(config)
 
 
 # ----------------------------------------------------------------------------- init

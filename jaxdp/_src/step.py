@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdp._src import checks, collectives, loop
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.mesh import constrain, data_axes, dp_size, run_manual
-from jaxdp._src.state import TrainState, fetch_master
+from jaxdp._src.state import TrainState
 
 PyTree = Any
 
@@ -129,7 +129,6 @@ class _Step:
     strategy, config = self.strategy, self.config
     strategy.check_state(state)
     checks.check_batch(batch, dp_size(self.mesh) * self.grad_accum_steps)
-    state = fetch_master(state)  # an offloaded master the forward reads, to the device
     out = run_local_grads(strategy, self.mesh, state, batch)
     counted = dataclasses.replace(state, step=state.step + 1, model_state=out.model_state)
     new_state, checked = strategy.update(self.tx, counted, out)
