@@ -75,9 +75,10 @@ class DDPConfig:
     stacked: `optim`/`optim_grads` only: prefixes of subtrees whose leaves carry a leading
       layer axis that the loss scans over; each layer's grads are reduce-scattered inside
       the scan. Default ().
-    optimizer_cpu_offload: sharded strategies: keep the master params and the optimizer
-      state in the host's pinned memory between steps; each step streams them to the
-      device, updates, and streams them back. Default False.
+    optimizer_cpu_offload: sharded strategies: keep the optimizer state (and the master
+      params, where the step reads them only in its update) in the host's pinned memory
+      between steps; each step streams them through the device to update them. Default
+      False.
     optimizer_offload_fraction: with `optimizer_cpu_offload`, the fraction of the optimizer
       state (whole buckets; FSDP: whole units) kept on the host, in [0, 1]. Default 1.0.
 
@@ -155,11 +156,13 @@ class DDPConfig:
   one dim, or one the loss uses outside a scan's `xs`, is reduced whole as before."""
 
   optimizer_cpu_offload: bool = False
-  """Sharded strategies: the master params and optimizer state (of the buckets
-  `optimizer_offload_fraction` picks) live in the host's pinned memory (`memory_kind=
-  "pinned_host"`) between steps; each step copies each offloaded bucket to the device where
-  it is first read, updates it there and copies it back (Megatron's `optimizer_cpu_offload`,
-  with the update on the device)."""
+  """Sharded strategies: the optimizer state (of the buckets `optimizer_offload_fraction`
+  picks) lives in the host's pinned memory (`memory_kind="pinned_host"`) between steps, and
+  so do their master params where the step reads them only in its update (ZeRO without
+  `overlap_param_gather`; FSDP's forward and ZeRO's overlapped gather read all of them, so
+  there they stay on the device, as Megatron keeps the params on the GPU); each step streams
+  the offloaded state through the device a piece at a time, updates it there and writes it
+  back (Megatron's `optimizer_cpu_offload`, with the update on the device)."""
   optimizer_offload_fraction: float = 1.0
   """With `optimizer_cpu_offload`, the fraction of the optimizer state offloaded, in [0, 1]
   (Megatron's `optimizer_offload_fraction`): the first buckets in layout order (FSDP: units)
