@@ -50,6 +50,11 @@ parser.add_argument("--variant", choices=VARIANTS, default="jit", help="program 
 parser.add_argument("--steps", type=int, default=10, help="steps per timed block")
 parser.add_argument("--repeats", type=int, default=5, help="timed blocks (median reported)")
 parser.add_argument("--warmup", type=int, default=3, help="untimed steps after compiling")
+parser.add_argument(
+  "--offload",
+  action="store_true",
+  help="jaxdp variants: DDPConfig(optimizer_cpu_offload=True), the optimizer state in host memory",
+)
 args = parser.parse_args()
 
 import jax  # noqa: E402
@@ -96,7 +101,9 @@ if args.variant == "jit":
   carry = (params, jax.jit(tx.init)(params))
   fn = jax.jit(step, donate_argnums=0)
 else:
-  ddp = jaxdp.DDPConfig(data_parallel_sharding_strategy=args.variant)
+  ddp = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=args.variant, optimizer_cpu_offload=args.offload
+  )
   carry = jaxdp.init_state(params, tx, mesh, ddp, fsdp=fsdp)
   fn = jaxdp.make_train_step(loss_fn, tx, mesh, ddp, fsdp=fsdp)
   batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P("data")))
@@ -111,6 +118,8 @@ try:  # the prediction's estimates ride along in the compiled program
     predicted_ms=prediction.step_us / 1e3,
     predicted_compute_ms=prediction.compute_us / 1e3,
     predicted_exposed_ms=prediction.exposed_us["total"] / 1e3,
+    predicted_host_ms=prediction.host_us.get("total", 0.0) / 1e3,
+    predicted_host_exposed_ms=prediction.host_exposed_us.get("total", 0.0) / 1e3,
     predicted_unestimated=len(prediction.unestimated),
   )
 except Exception as e:  # noqa: BLE001 - any failure: time the step as compiled without them
@@ -142,6 +151,7 @@ print(
     dict(
       model=args.model,
       variant=args.variant,
+      offload=args.offload,
       params=int(n_params),
       batch=batch_size,
       seq=seq,
@@ -155,6 +165,8 @@ print(
       compiled_args=int(analysis.argument_size_in_bytes),
       compiled_out=int(analysis.output_size_in_bytes),
       compiled_alias=int(analysis.alias_size_in_bytes),
+      compiled_device_peak=int(inspect.memory_stats(compiled).peak_bytes),  # host apart
+      compiled_host=int(inspect.memory_stats(compiled).host_bytes),
       in_use_before=int(in_use_before),
       real_peak=int(stats.get("peak_bytes_in_use", 0)),
       **predicted,
