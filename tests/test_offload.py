@@ -409,6 +409,27 @@ def stacked_mlp(layers=8, width=WIDTH):
 TWO_LAYERS = 2 * 2 * 4 * WIDTH * WIDTH // 8
 
 
+def train_stacked(strategy, offload, tx=TX, mesh_shape=(8,), grad_accum_steps=1, **fields):
+  """`STEPS` steps of `stacked_mlp` with the blocks stacked (ZeRO's `stacked=`, FSDP's
+  stacked unit), per-leaf update: (final state, its step, the batch)."""
+  params, loss_fn, batch = stacked_mlp()
+  axes = ("replica", "data")[-len(mesh_shape) :]
+  mesh = jax.make_mesh(mesh_shape, axes)
+  cfg = jaxdp.DDPConfig(
+    data_parallel_sharding_strategy=strategy,
+    optimizer_cpu_offload=offload,
+    stacked=("blocks",) if strategy == "optim_grads" else (),
+    fused_update=False,
+    **fields,
+  )
+  kw = {"fsdp": jaxdp.FSDPConfig(stacked=["blocks"])} if cfg.shards_params else {}
+  state = jaxdp.init_state(params, tx, mesh, cfg, **kw)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, cfg, grad_accum_steps=grad_accum_steps, **kw)
+  for _ in range(STEPS):
+    state, _ = step(state, batch)
+  return state, step, batch
+
+
 @pytest.mark.parametrize("skip", [False, True], ids=["updated", "skipped"])
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, strategy, skip):
@@ -418,22 +439,11 @@ def test_an_update_streamed_in_pieces_is_bitwise_the_device_update(monkeypatch, 
   skips every step, the select between the state before and after is streamed the same
   way, and hands back the state before."""
   monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS)
-  params, loss_fn, batch = stacked_mlp()
-  mesh = jax.make_mesh((8,), ("data",))
+  params = stacked_mlp()[0]
   out = []
   for on in (False, True):
-    cfg = jaxdp.DDPConfig(
-      data_parallel_sharding_strategy=strategy,
-      optimizer_cpu_offload=on,
-      stacked=("blocks",) if strategy == "optim_grads" else (),
-      fused_update=False,
-      grad_norm_skip_threshold=1e-9 if skip else math.inf,
-    )
-    kw = {"fsdp": jaxdp.FSDPConfig(stacked=["blocks"])} if cfg.shards_params else {}
-    state = jaxdp.init_state(params, TX, mesh, cfg, **kw)
-    step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, **kw)
-    for _ in range(STEPS):
-      state, _ = step(state, batch)
+    threshold = 1e-9 if skip else math.inf
+    state, step, batch = train_stacked(strategy, on, grad_norm_skip_threshold=threshold)
     assert step._cache_size() == 1
     if on:
       text = step.lower(state, batch).as_text()
@@ -513,22 +523,9 @@ def test_other_optimizers_streamed_equal_the_device_update(monkeypatch, strategy
   transformation gives the device update's result: bit for bit where XLA fuses the two
   programs alike, else within float32 rounding (`assert_within_rounding`)."""
   monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS)
-  tx = STREAMED_TXS[name]
-  params, loss_fn, batch = stacked_mlp()
-  mesh = jax.make_mesh((8,), ("data",))
   out = []
   for on in (False, True):
-    cfg = jaxdp.DDPConfig(
-      data_parallel_sharding_strategy=strategy,
-      optimizer_cpu_offload=on,
-      stacked=("blocks",) if strategy == "optim_grads" else (),
-      fused_update=False,
-    )
-    kw = {"fsdp": jaxdp.FSDPConfig(stacked=["blocks"])} if cfg.shards_params else {}
-    state = jaxdp.init_state(params, tx, mesh, cfg, **kw)
-    step = jaxdp.make_train_step(loss_fn, tx, mesh, cfg, **kw)
-    for _ in range(STEPS):
-      state, _ = step(state, batch)
+    state, _, _ = train_stacked(strategy, on, tx=STREAMED_TXS[name])
     out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
   for got, want in zip(jax.tree.leaves(out[1]), jax.tree.leaves(out[0]), strict=True):
     assert_within_rounding(got, want)
@@ -540,22 +537,16 @@ def test_pieces_on_a_replica_mesh_with_accumulation(monkeypatch, outer):
   streamed in pieces of one layer: the device update's bits (HSDP keeps a copy per
   replica, HFSDP shards the master and state across "replica" too)."""
   monkeypatch.setattr(offload_lib, "PIECE_BYTES", TWO_LAYERS // 2)
-  params, loss_fn, batch = stacked_mlp()
-  mesh = jax.make_mesh((2, 4), ("replica", "data"))
-  fsdp = jaxdp.FSDPConfig(stacked=["blocks"])
   out = []
   for on in (False, True):
-    cfg = jaxdp.DDPConfig(
-      data_parallel_sharding_strategy="optim_grads_params",
-      optimizer_cpu_offload=on,
+    state, _, _ = train_stacked(
+      "optim_grads_params",
+      on,
+      mesh_shape=(2, 4),
+      grad_accum_steps=2,
       num_distributed_optimizer_instances=2,
       outer_dp_sharding_strategy=outer,
-      fused_update=False,
     )
-    state = jaxdp.init_state(params, TX, mesh, cfg, fsdp=fsdp)
-    step = jaxdp.make_train_step(loss_fn, TX, mesh, cfg, grad_accum_steps=2, fsdp=fsdp)
-    for _ in range(STEPS):
-      state, _ = step(state, batch)
     out.append((jaxdp.get_params(state), jaxdp.get_opt_state(state)))
   for a, b in zip(jax.tree.leaves(out[0]), jax.tree.leaves(out[1]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
