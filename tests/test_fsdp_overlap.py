@@ -101,19 +101,27 @@ def table_collectives(found):
   ]
 
 
-def test_vocabulary_tables_are_computed_by_rows():
-  """With 16 tokens per device, a 1000-row table moves fewer bytes as activations than
-  gathered: `embed` (a lookup) and `out` (the logits `h @ out.T`) are never gathered and
-  their gradients never reduce-scattered; every device's ids and logits move instead
+@pytest.mark.parametrize("vocab, blocks", [(1000, 1), (1024, 4)])
+def test_vocabulary_tables_are_computed_by_rows(vocab, blocks):
+  """With 16 tokens per device, a table of about 1000 rows moves fewer bytes as activations
+  than gathered: `embed` (a lookup) and `out` (the logits `h @ out.T`) are never gathered
+  and their gradients never reduce-scattered; every device's ids and logits move instead
   (all-to-alls of the logits, a reduce-scatter of the looked-up rows, all-gathers of ids,
-  of `h` and of the rows' cotangents). One SGD step equals one device's (float32).
-  `vocab_parallel=False` gathers both whole."""
-  params, loss_fn, b = tiny_llama(vocab=1000)
+  of `h` and of the rows' cotangents). The logits' cotangents move back in as many blocks
+  of each device's rows as cut them evenly, up to 4 (125 rows: one; 128: four of 32). One
+  SGD step equals one device's (float32). `vocab_parallel=False` gathers both whole."""
+  params, loss_fn, b = tiny_llama(vocab=vocab)
+  r = vocab // 8  # this device's rows
   for fsdp, by_rows in ((STACKED, True), (GATHERED, False)):
     found = collectives(lowered_hlo(params, loss_fn, b, fsdp))
     if by_rows:
       assert not table_collectives(found), found
-      assert found["all-to-all", "f32[2,8,1000]"] == found["all-to-all", "f32[16,8,125]"] == 1
+      # every device's 2 x 8 tokens by this device's rows, then back block by block
+      exchanges = Counter()
+      for (kind, shape), n in found.items():
+        exchanges[shape] += n if kind == "all-to-all" else 0
+      want = Counter({f"f32[16,8,{r}]": 1}) + Counter({f"f32[16,8,{r // blocks}]": blocks})
+      assert +exchanges == want, found
       assert found["reduce-scatter", "f32[2,8,16]"] == 2, found  # the rows, h's cotangent
     else:
       assert table_collectives(found), found
@@ -186,7 +194,27 @@ def test_tied_table_is_computed_by_rows_in_both_uses():
   step, state = one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(), config=PER_LEAF)
   found = collectives(step.lower(state, {"ids": ids}).as_text(dialect="hlo"))
   assert not table_collectives(found), found
-  assert found["all-to-all", "f32[2,8,1000]"] == 1, found
+  assert found["all-to-all", "f32[16,8,125]"] == 2, found  # the logits, out and back
+
+
+def test_table_as_the_left_operand_is_computed_by_rows():
+  """Logits laid out rows first (`einsum("vd,btd->vbt", out, h)`: the table's rows lead the
+  product, every device's tokens after them), in four row blocks: equal to one device."""
+  k = jax.random.split(jax.random.key(4), 3)
+  params = {"out": jax.random.normal(k[0], (1024, 16)) / 4, "w": jax.random.normal(k[1], (16, 16))}
+  ids = jax.random.randint(k[2], (16, 8), 0, 1024)
+
+  def loss_fn(params, batch):
+    h = jnp.tanh(jax.nn.one_hot(batch["ids"] % 16, 16) @ params["w"])
+    logp = jax.nn.log_softmax(jnp.einsum("vd,btd->vbt", params["out"], h), axis=0)
+    return -jnp.mean(jnp.take_along_axis(logp, batch["ids"][None], 0))
+
+  step, state = one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(), config=PER_LEAF)
+  found = collectives(step.lower(state, {"ids": ids}).as_text(dialect="hlo"))
+  assert not table_collectives(found), found
+  # this device's 128 rows by every device's 2 x 8 tokens, then back in four blocks of 32
+  assert found["all-to-all", "f32[128,16,8]"] == 1, found
+  assert found["all-to-all", "f32[32,16,8]"] == 4, found
 
 
 # ----------------------------------------------------------------------------- the layer loops

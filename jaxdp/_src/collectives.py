@@ -147,7 +147,7 @@ def sync_model_state(tree, axes: Sequence[str]):
 # can stay sharded: each device computes with its own rows and the *activations* move
 # instead of the param (Megatron's vocab-parallel layers, over the data axis). The product's
 # rows of every device's activations are computed where that device's block of the table
-# is, then exchanged (`exchange_rows`); a lookup's rows are found where they are and summed
+# is, then exchanged (`exchange_batch`); a lookup's rows are found where they are and summed
 # into their device (`scatter_batch`). The param's gradient is this device's rows summed
 # over every device's batch: what the reduce-scatter of every device's whole gradient gives,
 # reduced already (`UnitCollectives.table_rows` scales it as `reduce_bucket` does).
@@ -164,10 +164,11 @@ def scatter_batch(x: jax.Array, axis: int) -> jax.Array:
   return jax.lax.psum_scatter(x, DATA, scatter_dimension=axis, tiled=True)
 
 
-def exchange_rows(x: jax.Array, split_axis: int, concat_axis: int) -> jax.Array:
-  """`x` cut into `DATA`-size parts along `split_axis`, part d sent to device d, the parts
-  received stacked along `concat_axis` in device order (an `all_to_all`, tiled)."""
-  return jax.lax.all_to_all(x, DATA, split_axis, concat_axis, tiled=True)
+def exchange_batch(x: jax.Array, axis: int) -> jax.Array:
+  """`x` cut into `DATA`-size parts along `axis`, part d sent to device d, the parts
+  received stacked along `axis` in device order (an `all_to_all`, tiled, on one dim: no
+  transpose inside the collective)."""
+  return jax.lax.all_to_all(x, DATA, axis, axis, tiled=True)
 
 
 def all_gather_bucket(

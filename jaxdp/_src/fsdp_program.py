@@ -2054,21 +2054,39 @@ class _TableRule:
       x_dim=x_free[0],
       y_x=y_x,
       y_w=y_w,
+      pieces=_table_pieces(rows.shape[0]),
     )
     matmul = jax.custom_vjp(dot.dot)
     matmul.defvjp(dot.fwd, dot.bwd)
     return [matmul(x, rows)]
 
 
+TABLE_PIECES = 4
+"""The most row blocks a table's matmul sends its cotangent back in (`_TableDot.bwd`)."""
+
+
+def _table_pieces(r: int) -> int:
+  """The most row blocks, up to `TABLE_PIECES`, that cut `r` rows into equal blocks."""
+  return max(c for c in range(1, TABLE_PIECES + 1) if r % c == 0)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TableDot:
   """A matmul on a table's rows (`x @ w.T`, the logits): every device's `x` gathered along
   one of its free dims (`x_dim`), its product with this device's rows computed here, then
-  each device's part of it exchanged for its share of every device's rows (`exchange_rows`).
-  Backward: the cotangent exchanged back, `x` gathered again; this device's rows' gradient
-  over every device's batch (the reduced gradient: no reduce-scatter) and the partial
-  cotangents of every device's `x`, summed into their devices (`scatter_batch`). Neither
-  the table nor its gradient is ever whole; the forward saves `x`, not its gather."""
+  each device's part of it exchanged for its share of every device's rows (`exchange_batch`
+  along `y_x`, then the received parts laid along `y_w`). Backward: the cotangent exchanged
+  back, `x` gathered again; this device's rows' gradient over every device's batch (the
+  reduced gradient: no reduce-scatter) and the partial cotangents of every device's `x`,
+  summed into their devices (`scatter_batch`). Neither the table nor its gradient is ever
+  whole; the forward saves `x`, not its gather.
+
+  The backward runs in `pieces` blocks of this device's rows, each block's exchange a
+  collective of its own, so that the scheduler runs one block's exchange under another
+  block's matmuls (one exchange of the whole cotangent would wait for all of them); the
+  cotangent of `x` sums the blocks' parts in float32, rounded once. The forward exchanges
+  its product whole: the blocks' parts would be joined into the logits by a copy of them,
+  where the one exchange's layout change fuses into the loss's kernels."""
 
   eqn: jcore.JaxprEqn  # the `dot_general`, reading the table as the leaf holds it
   w_pos: int  # the table's operand position
@@ -2082,6 +2100,7 @@ class _TableDot:
   x_dim: int  # the free dim of `x` gathered
   y_x: int  # the product's dim over `x_dim`
   y_w: int  # the product's dim over the table's rows
+  pieces: int  # the backward's row blocks (`_table_pieces`)
 
   def rows(self, block):
     return block.astype(self.cast) if self.cast is not None else block
@@ -2089,9 +2108,30 @@ class _TableDot:
   def piece(self, x, w):
     return bind(self.eqn, [x, w] if self.w_pos else [w, x])[0]
 
+  def by_rows(self, exchanged):
+    """The product exchanged along `y_x` (every device's rows for this device's `x`, device
+    by device along `y_x`) with those devices laid along `y_w` instead."""
+    y_x, y_w, shape = self.y_x, self.y_w, exchanged.shape
+    split = exchanged.reshape(shape[:y_x] + (self.dp, -1) + shape[y_x + 1 :])
+    moved = jnp.moveaxis(split, y_x, y_w)  # (device, row) at `y_w`
+    return moved.reshape(moved.shape[:y_w] + (-1,) + moved.shape[y_w + 2 :])
+
+  def blocks_of(self, d_y) -> list:
+    """A cotangent over every device's rows as `pieces` parts, part j every device's block
+    j of rows laid device by device along `y_x` (`by_rows`' inverse, per block)."""
+    y_x, y_w, shape = self.y_x, self.y_w, d_y.shape
+    split = d_y.reshape(shape[:y_w] + (self.dp, self.pieces, -1) + shape[y_w + 1 :])
+    parts = []
+    for j in range(self.pieces):
+      block = jnp.moveaxis(jax.lax.index_in_dim(split, j, y_w + 1, keepdims=False), y_w, y_x)
+      parts.append(block.reshape(block.shape[:y_x] + (-1,) + block.shape[y_x + 2 :]))
+    return parts
+
   def dot(self, x, block):
     every = collectives.gather_batch(x, self.x_dim)
-    product = collectives.exchange_rows(self.piece(every, self.rows(block)), self.y_x, self.y_w)
+    product = self.by_rows(
+      collectives.exchange_batch(self.piece(every, self.rows(block)), self.y_x)
+    )
     return jax.lax.slice_in_dim(product, 0, self.size, axis=self.y_w)  # the padding cut
 
   def fwd(self, x, block):
@@ -2100,15 +2140,27 @@ class _TableDot:
   def bwd(self, res, d_y):
     x, block = res
     d_y = pad_dim(d_y, d_y.shape, self.y_w, self.dp * self.r)
-    d_piece = collectives.exchange_rows(d_y, self.y_w, self.y_x)
     every, w = collectives.gather_batch(x, self.x_dim), self.rows(block)
+    n = self.r // self.pieces
+    w_blocks = [jax.lax.slice_in_dim(w, j * n, (j + 1) * n, axis=0) for j in range(self.pieces)]
+    d_pieces = [collectives.exchange_batch(d, self.y_x) for d in self.blocks_of(d_y)]
+    # linear in each operand: neither cotangent needs the other operand's value
+    d_ws = [
+      jax.linear_transpose(lambda w_j: self.piece(every, w_j), w_j)(d_piece)[0]
+      for w_j, d_piece in zip(w_blocks, d_pieces)
+    ]
+    d_w = jnp.concatenate(d_ws, axis=0) if len(d_ws) > 1 else d_ws[0]
+    d_x = None
     if self.x_grad:
-      _, vjp = jax.vjp(self.piece, every, w)
-      d_every, d_w = vjp(d_piece)
-      d_x = collectives.scatter_batch(d_every, self.x_dim)
-    else:  # linear in the table: its gradient needs no value of it
-      (d_w,) = jax.linear_transpose(lambda w: self.piece(every, w), w)(d_piece)
-      d_x = None
+      d_every = [
+        jax.linear_transpose(lambda e, w_j=w_j: self.piece(e, w_j), every)(d_piece)[0]
+        for w_j, d_piece in zip(w_blocks, d_pieces)
+      ]
+      total = d_every[0]
+      if len(d_every) > 1:  # summed in float32, rounded once
+        f32 = jnp.promote_types(every.dtype, jnp.float32)
+        total = sum((d.astype(f32) for d in d_every[1:]), d_every[0].astype(f32))
+      d_x = collectives.scatter_batch(total.astype(every.dtype), self.x_dim)
     if self.leaf in self.unit.trainable:
       grad = self.unit.collectives.table_rows(self.leaf, d_w).astype(block.dtype)
     else:
