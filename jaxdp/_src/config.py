@@ -399,6 +399,11 @@ class FSDPConfig:
       layers): one unit per layer, gathered inside the model's scan. Default ().
     reshard_after_forward: free each unit after its forward and gather it again for its
       backward (torch FSDP2's default). Default True.
+    reshard_last_layer: with `reshard_after_forward` and `prefetch` >= 1, free a scanned
+      unit's last layer too. Default False: the backward, which runs that layer first,
+      runs it on the params its forward ran on, as torchtitan leaves its last block
+      unsharded: no gather waited for between the loss and the backward's first layer,
+      one layer held across the loss (more at the peak where the loss is the peak).
     reshard_after_backward: with `grad_accum_steps` > 1, False gathers each unit once per
       step and reduce-scatters once at the end. Default True.
     prefetch: how many units ahead an all-gather may start. Default 1.
@@ -436,6 +441,12 @@ class FSDPConfig:
   reshard_after_forward: bool = True
   """Free each unit's gathered params after its forward and gather again for its backward
   (torch FSDP2's default); False keeps them from forward to backward (no second gather)."""
+  reshard_last_layer: bool = False
+  """With `reshard_after_forward` and `prefetch` >= 1: True frees a scanned unit's last layer
+  after its forward too. False (torchtitan's choice for the last block): the backward runs
+  that layer first on the params its forward ran on, so nothing waits for its gather
+  between the loss and the backward; the price is one layer held across the loss, which
+  raises the peak where the loss is the peak (docs/bench.md: on 64 GPUs, not on 8)."""
   reshard_after_backward: bool = True
   """With `grad_accum_steps` > 1: False gathers every unit once per step and keeps it for all
   micro-batches, accumulating whole-size gradients, reduce-scattered once at the end (torch
@@ -504,6 +515,10 @@ class FSDPConfig:
     if not isinstance(self.reshard_after_forward, bool):
       raise ValueError(
         f"FSDPConfig: reshard_after_forward={self.reshard_after_forward!r}: must be True or False"
+      )
+    if not isinstance(self.reshard_last_layer, bool):
+      raise ValueError(
+        f"FSDPConfig: reshard_last_layer={self.reshard_last_layer!r}: must be True or False"
       )
     if not isinstance(self.reshard_after_backward, bool):
       raise ValueError(

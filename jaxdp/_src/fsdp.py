@@ -504,6 +504,7 @@ def call_with_units(
     args,
     axes,
     reshard=fsdp.reshard_after_forward,
+    keep_last=not fsdp.reshard_last_layer,
     prefetch=fsdp.prefetch,
     tables=fsdp.vocab_parallel,
   )

@@ -212,6 +212,7 @@ def run_loss(
   axes: Sequence[str],
   *,
   reshard: bool = True,
+  keep_last: bool = True,
   prefetch: int = 1,
   tables: bool = False,
 ) -> PyTree:
@@ -235,6 +236,8 @@ def run_loss(
     batch: this device's batch.
     axes: the data-parallel axes (the gathered params vary over them).
     reshard: gather each unit again for its backward (else keep the forward's gather).
+    keep_last: with `reshard`, a scanned unit's last layer keeps the forward's gather for
+      its backward, which runs it first ([Note: a layer gathered one iteration ahead]).
     prefetch: how many units ahead an all-gather may start.
     tables: compute a leaf by rows where that moves fewer bytes than gathering it (see
       [Note: a table computed by rows]; `_table_leaves` says which leaves may be).
@@ -254,7 +257,16 @@ def run_loss(
   rules = {**_chunk_rules(program, lazy, index, treedef), **_table_rules(program, lazy, index)}
   ops = _plan(program, lazy, _cut(program, lazy, index), index)
   outs = _execute(
-    program, ops, values, batch, index, rules, axes, reshard=reshard, prefetch=prefetch
+    program,
+    ops,
+    values,
+    batch,
+    index,
+    rules,
+    axes,
+    reshard=reshard,
+    keep_last=keep_last,
+    prefetch=prefetch,
   )
   return jax.tree.unflatten(program.out_tree, outs)
 
@@ -781,6 +793,7 @@ def _execute(
   axes,
   *,
   reshard: bool,
+  keep_last: bool,
   prefetch: int,
 ) -> list:
   """Step 5: the ops in order, each segment that reads a unit as one `_unit_call`, each
@@ -808,7 +821,16 @@ def _execute(
       acts, op_shards[ahead] = _together(acts, op_shards[ahead])
     if op.scan_xs is not None:
       outs, tokens = _run_scan(
-        program, op, acts, op_shards[n], tokens, by_name, axes, ties, reshard=reshard
+        program,
+        op,
+        acts,
+        op_shards[n],
+        tokens,
+        by_name,
+        axes,
+        ties,
+        reshard=reshard,
+        keep_last=keep_last,
       )
     elif op.units:
       op_units = [by_name[u] for u in op.units]
@@ -845,7 +867,17 @@ class _SegmentFn:
 
 
 def _run_scan(
-  program: _Program, op: _Op, acts, shards, tokens, by_name, axes, ties: _Ties, *, reshard
+  program: _Program,
+  op: _Op,
+  acts,
+  shards,
+  tokens,
+  by_name,
+  axes,
+  ties: _Ties,
+  *,
+  reshard: bool,
+  keep_last: bool,
 ):
   """A scanned unit's op: the units it reads as consts gathered whole, once; its lazy vars;
   then the scan as one `_scan_unit`. Returns `(outs, tokens)`."""
@@ -885,6 +917,7 @@ def _run_scan(
     shards,
     tokens,
     reshard=reshard,
+    keep_last=keep_last,
   )
   defined = dict(zip(eqn.outvars, outs))
   return [defined[v] for v in op.outs], tokens
@@ -1225,6 +1258,7 @@ def _scan_unit(
   tokens: list,
   *,
   reshard: bool,
+  keep_last: bool,
 ):
   """A `lax.scan` over the layers of stacked `units`, as one `custom_vjp` over their layer
   shards (see the module docstring). `operands` are the scan's operands with the stacked
@@ -1260,6 +1294,7 @@ def _scan_unit(
     init_avals=init_avals,
     other_avals=other_avals,
     keep=keep,
+    keep_last=keep_last,
   )
   call = jax.custom_vjp(scan.call)
   call.defvjp(scan.fwd, scan.bwd)
@@ -1318,6 +1353,7 @@ class _ScanResiduals:
   saved: list  # each leaf `(layers, ...)`
   trainable: dict  # [Note: trainable and frozen shards]
   frozen: dict
+  last: dict | None  # the last layer's gathered params, which the backward runs first
 
 
 @jax.tree_util.register_dataclass
@@ -1344,6 +1380,7 @@ class _ScanUnit:
   init_avals: list
   other_avals: list  # one iteration's other xs
   keep: list[bool] | None  # the residuals each iteration saves (None: all)
+  keep_last: bool  # the last layer's gather kept for the backward (with `keep`)
 
   @property
   def k(self) -> int:  # the prefetch depth
@@ -1362,7 +1399,7 @@ class _ScanUnit:
       return self.layer(consts, carry, _at(other, pos), full)
 
     gather = functools.partial(self.gather_at, trainable, frozen)
-    carry, ys = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
+    carry, ys, _ = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
     return (carry, ys), _stand_ins(self.token_avals)
 
   def fwd(self, consts, init, other, trainable, frozen, tokens):
@@ -1373,11 +1410,14 @@ class _ScanUnit:
       return carry, (ys, saved)
 
     gather = functools.partial(self.gather_at, trainable, frozen)
-    carry, (ys, saved) = _layer_loop(
+    carry, (ys, saved), last = _layer_loop(
       self.length, self.reverse, gather, step, init, ahead=self.k > 0
     )
     zeros = _stand_ins(self.token_avals)
-    return ((carry, ys), zeros), _ScanResiduals(consts, saved, trainable, frozen)
+    # The last layer's params, kept for the backward, which runs it first ([Note: a layer
+    # gathered one iteration ahead]); without resharding every residual holds them anyway.
+    last = last if self.keep is not None and self.keep_last else None
+    return ((carry, ys), zeros), _ScanResiduals(consts, saved, trainable, frozen, last)
 
   def bwd(self, res: _ScanResiduals, cts):
     consts, trainable, frozen = res.consts, res.trainable, res.frozen
@@ -1390,7 +1430,12 @@ class _ScanUnit:
     # stacked shards would copy them all).
     first = 0 if self.reverse else self.length - 1
     first_shards = (_at(trainable, first), _at(frozen, first))
-    if self.k:
+    first_full = res.last
+    if first_full is not None:  # kept from the forward: no gather; the next layer's
+      # gather, chained after it, waits for this scan's cotangents
+      first_shards = None
+      first_full, d_carry = _together(first_full, d_carry)
+    elif self.k:
       first_shards = _after(first_shards, ct_tokens[self.k - 1])
     else:
       first_shards, d_carry = _together(first_shards, d_carry)
@@ -1408,6 +1453,7 @@ class _ScanUnit:
       frozen=frozen,
       first=first,
       first_shards=first_shards,
+      first_full=first_full,
     )
     # Only the params whose values the backward reads are gathered (a bias's gradient needs
     # none): the others are stand-ins, so that chaining each gather after the layer before
@@ -1417,7 +1463,7 @@ class _ScanUnit:
 
     # Without resharding the forward saved every residual, the gathered params included.
     gather = layers.gather if self.keep is not None else None
-    (d_init, d_consts), grads = _layer_loop(
+    (d_init, d_consts), grads, _ = _layer_loop(
       self.length,
       not self.reverse,
       gather,
@@ -1480,7 +1526,8 @@ class _ScanBackward:
   trainable: dict  # the stacked shards ([Note: trainable and frozen shards])
   frozen: dict
   first: int  # the position of the layer the backward runs first (the forward's last)
-  first_shards: tuple  # its shards, `(trainable, frozen)`, tied to what releases them
+  first_shards: tuple | None  # its shards, `(trainable, frozen)`, tied to what releases them
+  first_full: dict | None  # or its params, kept from the forward
   read: Any = None  # {leaf: whether the backward reads the gathered param's value}
 
   def step(self, acc, pos, full, landed):
@@ -1494,7 +1541,11 @@ class _ScanBackward:
     """Layer `pos`'s params gathered again once `after` exists, those the backward does not
     read as stand-ins ([Note: stand-ins])."""
     if isinstance(pos, int) and pos == self.first:  # peeled, before the loop
-      full = self.scan.layer.gather(*self.first_shards)
+      full = (
+        self.first_full
+        if self.first_full is not None
+        else self.scan.layer.gather(*self.first_shards)
+      )
     else:
       full, after = self.scan.gather_at(self.trainable, self.frozen, pos, after)
     return {i: x if self.read[i] else _stand_in(jax.typeof(x)) for i, x in full.items()}, after
@@ -1624,9 +1675,9 @@ def _layer_loop(
   (`after`: None without `gather`); with `finish`, each `out` is handed on and
   `finish(out)` runs in the next iteration, once the gather started in it has landed, and
   `landed` is a zero that exists then (a token for `step`'s own collectives; else None).
-  See [Note: a layer gathered one iteration ahead]. Returns the last carry and the
-  (finished) outputs stacked by position (`(length, ...)` per leaf, position-indexed
-  whatever the order). Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
+  See [Note: a layer gathered one iteration ahead]. Returns the last carry, the (finished)
+  outputs stacked by position (`(length, ...)` per leaf, position-indexed whatever the
+  order) and the params the last layer ran on (None without `ahead`). Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
   its own layer and finishes its own `out`: no layer held ahead, nothing hidden behind a
   layer's compute but what XLA overlaps within it."""
   loop = _LayerLoop(length, reverse, gather or _no_gather, step, finish)
@@ -1641,7 +1692,7 @@ def _layer_loop(
 
   if not ahead:
     state = jax.lax.fori_loop(0, length, loop.own, _LoopState(carry, None, None, outs))
-    return state.carry, state.outs
+    return state.carry, state.outs, None
 
   # Peeled first layer: gathered before the loop; with `finish`, run before it too.
   full, pending, first = loop.gather(position(0), None)[0], None, 0
@@ -1656,7 +1707,7 @@ def _layer_loop(
   if pending is not None:
     outs = loop.put(outs, loop.done(pending), position(length - 2))
   carry, out = step(carry, position(length - 1), full, None)
-  return carry, loop.put(outs, loop.done(out), position(length - 1))
+  return carry, loop.put(outs, loop.done(out), position(length - 1)), full
 
 
 def _first_uses(jaxpr: jcore.Jaxpr) -> dict:
