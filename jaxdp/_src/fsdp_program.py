@@ -1399,8 +1399,8 @@ class _ScanUnit:
       return self.layer(consts, carry, _at(other, pos), full)
 
     gather = functools.partial(self.gather_at, trainable, frozen)
-    carry, ys, _ = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
-    return (carry, ys), _stand_ins(self.token_avals)
+    looped = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
+    return (looped.carry, looped.outs), _stand_ins(self.token_avals)
 
   def fwd(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
@@ -1410,9 +1410,8 @@ class _ScanUnit:
       return carry, (ys, saved)
 
     gather = functools.partial(self.gather_at, trainable, frozen)
-    carry, (ys, saved), last = _layer_loop(
-      self.length, self.reverse, gather, step, init, ahead=self.k > 0
-    )
+    looped = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
+    carry, (ys, saved), last = looped.carry, looped.outs, looped.last
     zeros = _stand_ins(self.token_avals)
     # The last layer's params, kept for the backward, which runs it first ([Note: a layer
     # gathered one iteration ahead]); without resharding every residual holds them anyway.
@@ -1463,7 +1462,7 @@ class _ScanUnit:
 
     # Without resharding the forward saved every residual, the gathered params included.
     gather = layers.gather if self.keep is not None else None
-    (d_init, d_consts), grads, _ = _layer_loop(
+    looped = _layer_loop(
       self.length,
       not self.reverse,
       gather,
@@ -1472,6 +1471,7 @@ class _ScanUnit:
       finish=self.scatter,
       ahead=self.k > 0,
     )
+    (d_init, d_consts), grads = looped.carry, looped.outs
     # The carry's cotangent leaves once the op after has reduce-scattered; this scan's own
     # fresh token, made then, goes back in every position ([Note: token list]).
     d_init = list(_after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
@@ -1660,6 +1660,14 @@ class _LayerLoop:
     return _LoopState(carry, None, None, self.put(state.outs, self.done(out), self.position(k)))
 
 
+class _Looped(NamedTuple):
+  """What `_layer_loop` returns."""
+
+  carry: Any  # the last carry
+  outs: Any  # the (finished) outputs, stacked by position
+  last: Any  # the params the last layer ran on (None without `ahead`)
+
+
 def _layer_loop(
   length: int,
   reverse: bool,
@@ -1675,9 +1683,8 @@ def _layer_loop(
   (`after`: None without `gather`); with `finish`, each `out` is handed on and
   `finish(out)` runs in the next iteration, once the gather started in it has landed, and
   `landed` is a zero that exists then (a token for `step`'s own collectives; else None).
-  See [Note: a layer gathered one iteration ahead]. Returns the last carry, the (finished)
-  outputs stacked by position (`(length, ...)` per leaf, position-indexed whatever the
-  order) and the params the last layer ran on (None without `ahead`). Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
+  See [Note: a layer gathered one iteration ahead]. Returns a `_Looped`: the outputs
+  `(length, ...)` per leaf, position-indexed whatever the order. Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
   its own layer and finishes its own `out`: no layer held ahead, nothing hidden behind a
   layer's compute but what XLA overlaps within it."""
   loop = _LayerLoop(length, reverse, gather or _no_gather, step, finish)
@@ -1692,7 +1699,7 @@ def _layer_loop(
 
   if not ahead:
     state = jax.lax.fori_loop(0, length, loop.own, _LoopState(carry, None, None, outs))
-    return state.carry, state.outs, None
+    return _Looped(state.carry, state.outs, None)
 
   # Peeled first layer: gathered before the loop; with `finish`, run before it too.
   full, pending, first = loop.gather(position(0), None)[0], None, 0
@@ -1707,7 +1714,7 @@ def _layer_loop(
   if pending is not None:
     outs = loop.put(outs, loop.done(pending), position(length - 2))
   carry, out = step(carry, position(length - 1), full, None)
-  return carry, loop.put(outs, loop.done(out), position(length - 1)), full
+  return _Looped(carry, loop.put(outs, loop.done(out), position(length - 1)), full)
 
 
 def _first_uses(jaxpr: jcore.Jaxpr) -> dict:

@@ -36,6 +36,7 @@ Usage (times on 2 cores shared with other jobs; one compile at a time, 25 to 70 
 process under 1 GiB of host memory at any depth, the blocks being scanned):
     python scripts/bench/fsdp_overlap.py --model llama --layers 4 8 32       # 8 H100s, 11 min
     python scripts/bench/fsdp_overlap.py --model llama --layers 8 --gpus 64  # 8 hosts, 3 min
+    python scripts/bench/fsdp_overlap.py --model llama --layers 8 --gpus 64 --reshard-last-layer
     python scripts/bench/fsdp_overlap.py --model gpt --layers 12 --rows maxtext jaxdp
     python scripts/bench/fsdp_overlap.py --quick        # a 2-layer d 64 Llama, 2 to 3 min
 """
@@ -75,8 +76,9 @@ GiB, MS = 2**30, 1e-3  # bytes, microseconds -> ms
 COLUMNS = ("peak GiB", "step ms", "compute ms", "comm ms", "exposed ms")
 
 
-def jaxdp_configs(row: str, tables: list, chunks: int):
-  """`(DDPConfig, FSDPConfig)` of a jaxdp row: the default, plus every setting up to `row`."""
+def jaxdp_configs(row: str, tables: list, chunks: int, reshard_last: bool = False):
+  """`(DDPConfig, FSDPConfig)` of a jaxdp row: the default, plus every setting up to `row`
+  (and `reshard_last_layer=reshard_last` on every row)."""
   upto = JAXDP[: JAXDP.index(row) + 1]
   config = jaxdp.DDPConfig(
     data_parallel_sharding_strategy="optim_grads_params",
@@ -86,17 +88,18 @@ def jaxdp_configs(row: str, tables: list, chunks: int):
     stacked=["blocks"],
     vocab_parallel="gathered" not in upto,
     chunks={name: chunks for name in tables} if "chunks" in upto else {},
+    reshard_last_layer=reshard_last,
   )
   return config, fsdp
 
 
-def measure(row: str, made, mesh, tables: list, chunks: int) -> dict:
+def measure(row: str, made, mesh, tables: list, chunks: int, reshard_last: bool) -> dict:
   """One row compiled: its peak and predicted times (plain numbers), and its compile seconds."""
   start = time.perf_counter()
   if row in GSPMD:
     compiled = compile_step(PROGRAMS[GSPMD[row]], made, TX, mesh)
   else:
-    config, fsdp = jaxdp_configs(row, tables, chunks)
+    config, fsdp = jaxdp_configs(row, tables, chunks, reshard_last)
     compiled = inspect.compile_train_step(
       made.make_loss(), TX, mesh, config, made.params, made.batch, fsdp=fsdp
     )
@@ -143,6 +146,11 @@ def main():
   parser.add_argument("--seqs-per-gpu", type=int, default=1, help="sequences per GPU per step")
   parser.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
   parser.add_argument("--chunks", type=int, default=16, help="row blocks of the chunks row")
+  parser.add_argument(
+    "--reshard-last-layer",
+    action="store_true",
+    help="every jaxdp row with FSDPConfig(reshard_last_layer=True)",
+  )
   parser.add_argument("--quick", action="store_true", help="a 2-layer d 64 model (seconds)")
   parser.add_argument("--json", help="also write every number to this file")
   args = parser.parse_args()
@@ -187,7 +195,7 @@ def main():
     tokens = made.batch["x"].shape[1]
     results = {}
     for row in rows:
-      results[row] = measure(row, made, mesh, tables, args.chunks)
+      results[row] = measure(row, made, mesh, tables, args.chunks, args.reshard_last_layer)
       print(
         f"  {args.model} L={n_layer} {row}: {results[row]['compile s']:.0f} s",
         file=sys.stderr,
