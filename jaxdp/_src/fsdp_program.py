@@ -1576,7 +1576,10 @@ class _ScanBackward:
 #   next layer's compute is not kept waiting behind reduce-scatters.
 # * Peeled: the first layer's gather runs before the loop (with `finish`, its step too: it
 #   has nothing to finish), the last layer's step after the loop (with the last pending
-#   `out` finished before it), so that no iteration gathers a layer nobody uses.
+#   `out` finished before it), so that no iteration gathers a layer nobody uses. The
+#   params the last layer ran on are returned: the forward saves them for the backward,
+#   which runs that layer first, rather than gather it again once the loss's backward is
+#   done (`FSDPConfig(reshard_last_layer=)`).
 # * Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers its own layer and
 #   finishes its own `out`: no layer held ahead, nothing hidden but what XLA overlaps
 #   within a layer.
