@@ -1686,10 +1686,11 @@ def _layer_loop(
   (`after`: None without `gather`); with `finish`, each `out` is handed on and
   `finish(out)` runs in the next iteration, once the gather started in it has landed, and
   `landed` is a zero that exists then (a token for `step`'s own collectives; else None).
-  See [Note: a layer gathered one iteration ahead]. Returns a `_Looped`: the outputs
-  `(length, ...)` per leaf, position-indexed whatever the order. Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers
-  its own layer and finishes its own `out`: no layer held ahead, nothing hidden behind a
-  layer's compute but what XLA overlaps within it."""
+  See [Note: a layer gathered one iteration ahead]. Returns a `_Looped` (the outputs
+  `(length, ...)` per leaf, position-indexed whatever the order). Without `ahead`
+  (`FSDPConfig(prefetch=0)`) each iteration gathers its own layer and finishes its own
+  `out`: no layer held ahead, nothing hidden behind a layer's compute but what XLA overlaps
+  within it."""
   loop = _LayerLoop(length, reverse, gather or _no_gather, step, finish)
   position = loop.position
   # The stacked outputs' buffers, from one trace of the first layer's step (and finish).
