@@ -51,6 +51,7 @@ PROBLEMS = {
   "mlp": (mlp_problem, {}, None),
   "gpt": (gpt_problem, {}, None),
   "gpt_scan": (gpt_problem, {"scan_layers": True}, None),
+  "gpt_scan4": (gpt_problem, {"scan_layers": True, "n_layer": 4}, None),  # loops of 2 layers
   "gpt_lora": (gpt_problem, {"lora_rank": 2}, "lora"),
   "gpt_lora_scan": (gpt_problem, {"lora_rank": 2, "scan_layers": True}, "lora"),
 }
@@ -463,14 +464,15 @@ def test_fsdp_collectives_inside_scan_body(reshard, last):
   assert items(loops) == items([forward, scatters + regathers]), loops
   # Outside the loops, besides the unrolled units' 1-D bucket collectives, the layers the
   # loops run ahead of or after (a layer gathered one iteration ahead): the forward's first
-  # layer gathered; the backward's first layer run on the params the forward's last ran on
+  # layer gathered (in two parts) and run, with its second gathered under it; the backward's
+  # first layer run on the params the forward's last ran on
   # (kept, not gathered again, unless `reshard_last_layer`) and its second gathered (when
   # resharding), the gradients of its first layer reduce-scattered before its loop and of
   # its last layer after it, with the delayed ones of the layer before. Counted on the
   # kernels (2-D).
   kernels = lambda c: Counter({k: n for k, n in c.items() if "," in k[1]})
   first = regathers if last else Counter()
-  want = forward + first + regathers + scatters + scatters
+  want = forward + forward + first + regathers + scatters + scatters
   assert kernels(outside) == kernels(want), outside
 
 
@@ -677,27 +679,34 @@ def test_fsdp_gpu_schedule_prefetches_next_unit():
 @pytest.mark.slow
 @needs_gpu_compile
 def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
-  """The scanned GPT on 8 H100s, its loops one layer ahead (docs/design.md, "Scanned layers
-  one iteration ahead"): the forward loop's one collective is the next layer's gather, its
-  per-param all-gathers combined into one, under a GEMM; the backward gathers each layer's
-  kernels and LayerNorm scales once (the params whose values it reads), but the forward's
-  last layer's, which it runs first on the params the forward kept, and reduce-scatters
-  each kernel's whole-size gradient once per layer (never a layer's raveled bucket), all of
-  it under compute, each gather under a GEMM."""
+  """The scanned GPT (4 layers) on 8 H100s, its loops one layer ahead (docs/design.md,
+  "Scanned layers one iteration ahead"): the forward loop's one collective is the next
+  layer's gather, its per-param all-gathers combined into one, under a GEMM; the first
+  layer's MLP params gathered under its attention's GEMMs; the backward gathers each
+  layer's kernels and LayerNorm scales once (the params whose values it reads), but the
+  forward's last layer's, which it runs first on the params the forward kept, and
+  reduce-scatters each kernel's whole-size gradient once per layer (never a layer's raveled
+  bucket), all of it under compute, each gather under a GEMM."""
   from jaxdp._src import inspect as jinspect
 
-  state, compiled = gpu_step("gpt_scan")
+  n = 4  # layers: the forward's first and last run outside its loop
+  state, compiled = gpu_step("gpt_scan4")
   s = jinspect.schedule(compiled)
   leaves = jax.tree_util.tree_leaves_with_path(state.master["blocks"])
-  shard_bytes = lambda keep: sum(4 * x.size // N_LAYER // DP for p, x in leaves if keep(p[-1].key))
+  shard_bytes = lambda keep: sum(4 * x.size // n // DP for p, x in leaves if keep(p))
   in_loop = [c for c in s.collectives if c.trip_count > 1]
   (forward,) = in_loop
-  assert forward.kind == "all-gather" and forward.trip_count == N_LAYER - 1, in_loop
-  assert forward.operand_bytes == shard_bytes(lambda name: True), forward
+  assert forward.kind == "all-gather" and forward.trip_count == n - 2, in_loop
+  assert forward.operand_bytes == shard_bytes(lambda p: True), forward
   assert forward.is_async and forward.overlaps_gemm, forward.overlapped
-  needed = shard_bytes(lambda name: name in ("kernel", "scale"))
+  # [Note: the first layer in two parts]: the MLP's params (the largest first, and what
+  # follows it) gathered once the attention's have landed, under its GEMMs
+  mlp = shard_bytes(lambda p: p[0].key == "mlp")
+  (rest,) = [c for c in s.collectives if c.kind == "all-gather" and c.operand_bytes == mlp]
+  assert rest.is_async and rest.overlaps_gemm, rest.overlapped
+  needed = shard_bytes(lambda p: p[-1].key in ("kernel", "scale"))
   backward = [c for c in s.collectives if c.kind == "all-gather" and c.operand_bytes == needed]
-  assert len(backward) == N_LAYER - 1, [c.operand_bytes for c in s.collectives]
+  assert sum(c.trip_count for c in backward) == n - 1, [c.operand_bytes for c in s.collectives]
   assert all(c.is_async and c.overlaps_gemm for c in backward), [c.overlapped for c in backward]
   # The kernels' reduce-scatters (2-D: no other unit's collective has their sizes).
   kernels = Counter(4 * math.prod(x.shape[1:]) for _, x in leaves if x.ndim > 2)
@@ -705,13 +714,13 @@ def test_fsdp_gpu_schedule_scan_pipelines_layer_gathers():
   runs = Counter()
   for c in scatters:
     runs[c.operand_bytes] += c.trip_count
-  assert runs == {b: n * N_LAYER for b, n in kernels.items()}, runs
+  assert runs == {b: k * n for b, k in kernels.items()}, runs
   assert all(c.is_async for c in scatters), scatters
   # Each under compute, but possibly the last of the layer the backward runs first: that
   # layer starts at once on the params its forward kept, and the barrier that keeps its
   # reduce-scatters in its own iteration comes right after its last gradient.
   first_layer = sum(kernels.values())  # its scatters come first
-  unhidden = [n for n, c in enumerate(scatters) if not c.overlaps_compute]
-  assert len(unhidden) <= 1 and all(n < first_layer for n in unhidden), [
+  unhidden = [j for j, c in enumerate(scatters) if not c.overlaps_compute]
+  assert len(unhidden) <= 1 and all(j < first_layer for j in unhidden), [
     c.overlapped for c in scatters
   ]

@@ -1315,19 +1315,33 @@ class _ScanLayer:
   units: tuple[UnitIO, ...]
 
   @functools.cached_property
+  def first_uses(self) -> dict[int, float]:
+    """{leaf: where the layer's forward first uses it, as a fraction of its equations}."""
+    order = _first_uses(self.body.jaxpr)
+    start = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
+    return {i: order.get(start[j], 1.0) for j, i in self.shard_pos.items()}
+
+  @functools.cached_property
+  def head(self) -> frozenset[int]:
+    """The leaves the layer's forward uses before its largest param (the first used of the
+    largest): gathered first where nothing before the layer hides its gather ([Note: the
+    first layer in two parts])."""
+    uses = self.first_uses
+    avals = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
+    size = {i: avals[j].aval.size for j, i in self.shard_pos.items()}
+    largest = min(uses, key=lambda i: (-size[i], uses[i]))
+    return frozenset(i for i, at in uses.items() if at < uses[largest])
+
+  @functools.cached_property
   def late(self) -> frozenset[int]:
     """The trainable leaves whose gradients the layer's backward computes late: those the
     forward first uses in its first half (by equation), whose gradients come in the
     backward's second half, with little of it left to hide their reduce-scatters under."""
-    order = _first_uses(self.body.jaxpr)
-    start = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
     # (a unit that reduce-scatters a layer as one bucket, ZeRO's stack, keeps it whole)
     trainable = {
       i for u in self.units if u.collectives.scatter_each for i in u.trainable if i not in u.apart
     }
-    return frozenset(
-      i for j, i in self.shard_pos.items() if i in trainable and order.get(start[j], 1.0) < 0.5
-    )
+    return frozenset(i for i, at in self.first_uses.items() if i in trainable and at < 0.5)
 
   def __call__(self, consts, carry, x_other, full):
     # the body's xs in order: a stacked param's place takes its gathered layer
@@ -1338,9 +1352,10 @@ class _ScanLayer:
     outs = _eval_jaxpr(self.body.jaxpr, self.body.consts, args, narrowed)
     return outs[: self.n_carry], outs[self.n_carry :]
 
-  def gather(self, trainable, frozen):
-    """One layer's params from its shards, one all-gather per param."""
-    return _gather(self.units, {**trainable, **frozen}, layer_axis=False, each=True)
+  def gather(self, trainable, frozen, only=None):
+    """One layer's params from its shards, one all-gather per param (`only`: of those
+    leaves alone)."""
+    return _gather(self.units, {**trainable, **frozen}, layer_axis=False, each=True, only=only)
 
 
 @jax.tree_util.register_dataclass
@@ -1386,19 +1401,33 @@ class _ScanUnit:
   def k(self) -> int:  # the prefetch depth
     return len(self.token_avals) - 1
 
-  def gather_at(self, trainable, frozen, pos, after=None):
-    """Layer `pos`'s params, gathered from the stacked shards once `after` exists (None:
-    whenever); returns them and `after` (its value through the barrier that orders them)."""
+  def gather_at(self, trainable, frozen, pos, after=None, split=False):
+    """Layer `pos`'s params, gathered from the stacked shards once the params `after` (the
+    layer before's) exist (None: whenever); returns them and `after` (through the barrier
+    that orders them). With `split` (the forward), a layer gathered whenever is gathered in
+    two parts, and one gathered after another waits for the other's second part alone
+    ([Note: the first layer in two parts])."""
     shards = (_at(trainable, pos), _at(frozen, pos))
+    layer = self.layer
     if after is not None:
-      shards, after = _together(shards, after)
-    return self.layer.gather(*shards), after
+      tail = {i: x for i, x in after.items() if i not in layer.head} if split else {}
+      shards, tail = _together(shards, tail or after)
+      return layer.gather(*shards), {**after, **tail}
+    if not split:
+      return layer.gather(*shards), after
+    leaves = frozenset(i for u in layer.units for i in u.leaves)
+    head, rest = layer.head & leaves, leaves - layer.head
+    if not head or not rest or any(u.shards is not None for u in layer.units):
+      return layer.gather(*shards), after
+    full = layer.gather(*shards, only=head)
+    shards, full = _together(shards, full)  # the rest once the head has landed
+    return {**full, **layer.gather(*shards, only=rest)}, after
 
   def call(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
       return self.layer(consts, carry, _at(other, pos), full)
 
-    gather = functools.partial(self.gather_at, trainable, frozen)
+    gather = functools.partial(self.gather_at, trainable, frozen, split=True)
     looped = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
     return (looped.carry, looped.outs), _stand_ins(self.token_avals)
 
@@ -1409,7 +1438,7 @@ class _ScanUnit:
       saved = [r for r, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
       return carry, (ys, saved)
 
-    gather = functools.partial(self.gather_at, trainable, frozen)
+    gather = functools.partial(self.gather_at, trainable, frozen, split=True)
     looped = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
     carry, (ys, saved), last = looped.carry, looped.outs, looped.last
     zeros = _stand_ins(self.token_avals)
@@ -1479,10 +1508,11 @@ class _ScanUnit:
     # cotangents of (consts, init, other, trainable, frozen, tokens)
     return d_consts, d_init, grads.d_other, grads.d_trainable, None, [fresh] * (self.k + 1)
 
-  def bwd_layer(self, consts, acc, full, saved_i, d_ys_i, landed=None):
+  def bwd_layer(self, consts, acc, full, saved_i, d_ys_i, landed=None, in_loop=True):
     """The backward of one layer: its vjp on the layer gathered again (`full`); the
     gradients it computes early are reduce-scattered here, the `late` ones by `scatter` in
-    the next iteration (see [Note: a layer gathered one iteration ahead])."""
+    the next iteration (see [Note: a layer gathered one iteration ahead]). `in_loop`: run
+    in a loop's iteration, not peeled out of it."""
     d_carry, d_consts = acc
     # the vjp replayed on stand-ins and the saved residuals ([Note: saved and replayed
     # residuals])
@@ -1502,8 +1532,10 @@ class _ScanUnit:
     # layer's whole-size grads (the backward's peak). The barrier with the carry's
     # cotangent keeps these reduce-scatters in their own iteration: else XLA's collective
     # pipeliner moves them into the next one, which then holds two layers' grads.
-    if d_trainable and any(u.collectives.scatter_each for u in units):  # (DDP's: per layer)
-      d_trainable, d_carry = _together(d_trainable, d_carry)
+    # Out of the loop, the last layer's reduce-scatters are left free to run under what
+    # follows the scan (the update of the params it does not hold, at the step's end).
+    if in_loop and d_trainable and any(u.collectives.scatter_each for u in units):
+      d_trainable, d_carry = _together(d_trainable, d_carry)  # (DDP's: per layer)
     grads = _LayerGrads(d_x, d_trainable, {i: d_full[i] for i in late if i in d_full})
     return (d_carry, d_consts), grads
 
@@ -1535,7 +1567,9 @@ class _ScanBackward:
     if full is None:  # every residual saved: the params' values are not read
       full = _stand_ins(self.full_avals)
     saved, d_ys = _at(self.saved, pos), _at(self.d_ys, pos)
-    return self.scan.bwd_layer(self.consts, acc, full, saved, d_ys, landed)
+    last = self.scan.length - 1 - self.first  # the layer the backward runs last
+    in_loop = not (isinstance(pos, int) and pos == last)  # else peeled, after the loop
+    return self.scan.bwd_layer(self.consts, acc, full, saved, d_ys, landed, in_loop)
 
   def gather(self, pos, after):
     """Layer `pos`'s params gathered again once `after` exists, those the backward does not
@@ -1574,16 +1608,31 @@ class _ScanBackward:
 #   landed. `landed` is a zero that exists then; `step`'s own reduce-scatters wait for it
 #   too. On the GPU XLA runs one collective at a time, so that the gather goes first and the
 #   next layer's compute is not kept waiting behind reduce-scatters.
-# * Peeled: the first layer's gather runs before the loop (with `finish`, its step too: it
-#   has nothing to finish), the last layer's step after the loop (with the last pending
-#   `out` finished before it), so that no iteration gathers a layer nobody uses. The
-#   params the last layer ran on are returned: the forward saves them for the backward,
-#   which runs that layer first, rather than gather it again once the loss's backward is
-#   done (`FSDPConfig(reshard_last_layer=)`).
+# * Peeled: the first layer's gather and step run before the loop (it has nothing to
+#   finish; the forward gathers it in two parts: [Note: the first layer in two parts]), the
+#   last layer's step after the loop (with the last pending `out` finished before it), so
+#   that no iteration gathers a layer nobody uses. The params the last layer ran on are
+#   returned: the forward saves them for the backward, which runs that layer first, rather
+#   than gather it again once the loss's backward is done
+#   (`FSDPConfig(reshard_last_layer=)`). The backward's last layer, out of the loop, leaves
+#   its reduce-scatters free of the carry (`_ScanUnit.bwd_layer(in_loop=False)`): they run
+#   under what follows the scan, at the step's end the update of the other params.
 # * Without `ahead` (`FSDPConfig(prefetch=0)`) each iteration gathers its own layer and
 #   finishes its own `out`: no layer held ahead, nothing hidden but what XLA overlaps
 #   within a layer.
 # The outputs of each layer are written into buffers stacked over the layers, in place.
+#
+# [Note: the first layer in two parts]
+# Nothing before a scanned unit's first layer hides its gather (at the step's start, only
+# the embedding), and inside a layer the scheduler can start a GEMM only once every param
+# it reads has landed: gathered as one collective, the whole layer is waited for. The
+# forward gathers that layer in two parts (`_ScanUnit.gather_at(split=True)`): the `head`,
+# the params the layer uses before its largest (a Llama's attention and norms, before the
+# MLP's matrices), then the rest, chained after the head has landed (so that XLA's
+# all-gather combiner does not merge them back), under the head's compute; the next
+# layer's gather is chained after the rest alone, so that the head's compute does not wait
+# for it either. By size, not by equation count: a Llama's `wv` is read after both RoPEs'
+# many small equations, yet XLA fuses it into one GEMM with `wq` and `wk`.
 
 
 @jax.tree_util.register_dataclass
@@ -1705,11 +1754,15 @@ def _layer_loop(
     state = jax.lax.fori_loop(0, length, loop.own, _LoopState(carry, None, None, outs))
     return _Looped(state.carry, state.outs, None)
 
-  # Peeled first layer: gathered before the loop; with `finish`, run before it too.
+  # Peeled first layer: gathered and run before the loop (it has nothing to finish).
   full, pending, first = loop.gather(position(0), None)[0], None, 0
-  if finish is not None and length > 1:  # the first layer has none to finish
+  if length > 1:
     ahead_0 = loop.ahead_of(0, full)
-    carry, pending = step(carry, position(0), ahead_0.full, ahead_0.landed)
+    carry, out = step(carry, position(0), ahead_0.full, ahead_0.landed)
+    if finish is None:
+      outs = loop.put(outs, out, position(0))
+    else:
+      pending = out
     full, first = ahead_0.full_next, 1
   if length - 1 > first:
     state = jax.lax.fori_loop(first, length - 1, loop.body, _LoopState(carry, full, pending, outs))
@@ -2300,23 +2353,26 @@ class _TableTake:
 # ----------------------------------------------------------------------------- a unit's collectives
 
 
-def _gather(units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False) -> dict:
+def _gather(
+  units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False, only=None
+) -> dict:
   """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
-  one all-gather per param)."""
+  one all-gather per param; `only`, with `each`: of those leaves alone)."""
   full = {}
   for unit in units:
     # [Note: trainable and frozen shards]
     trainable = {i: shards[i] for i in unit.shard_keys}
     frozen = {i: shards[i] for i in unit.frozen}
     gather = unit.collectives.gather_each if each else unit.collectives.gather
-    if unit.casts or unit.apart:
-      gather = functools.partial(gather, casts=unit.casts, apart=unit.apart)
+    skip = frozenset() if only is None else frozenset(unit.leaves) - only
+    if unit.casts or unit.apart or skip:
+      gather = functools.partial(gather, casts=unit.casts, apart=unit.apart | skip)
     # a stacked unit's shards outside a scan: every layer, one gather vmapped over them
     stacked = layer_axis and unit.stacked
     full.update(jax.vmap(gather)(trainable, frozen) if stacked else gather(trainable, frozen))
     # by row blocks, or by rows, where used ([Note: row blocks of a chunked param], [Note: a
     # table's uses on this device's rows])
-    full.update((i, shards[i]) for i in unit.apart)
+    full.update((i, shards[i]) for i in unit.apart - skip)
   return full
 
 
