@@ -1411,8 +1411,8 @@ class _ScanUnit:
     layer = self.layer
     if after is not None:
       tail = {i: x for i, x in after.items() if i not in layer.head} if split else {}
-      shards, tail = _together(shards, tail or after)
-      return layer.gather(*shards), {**after, **tail}
+      landed, tail = _landed(tail or after)
+      return layer.gather(*_after(shards, landed)), {**after, **tail}
     if not split:
       return layer.gather(*shards), after
     leaves = frozenset(i for u in layer.units for i in u.leaves)
@@ -1420,8 +1420,8 @@ class _ScanUnit:
     if not head or not rest or any(u.shards is not None for u in layer.units):
       return layer.gather(*shards), after
     full = layer.gather(*shards, only=head)
-    shards, full = _together(shards, full)  # the rest once the head has landed
-    return {**full, **layer.gather(*shards, only=rest)}, after
+    landed, full = _landed(full)  # the rest once the head has landed
+    return {**full, **layer.gather(*_after(shards, landed), only=rest)}, after
 
   def call(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
@@ -1600,8 +1600,9 @@ class _ScanBackward:
 #
 # In `_layer_loop`'s terms:
 # * `gather(pos, after)` starts layer `pos`'s all-gather once `after` (the gathered params of
-#   the layer before) exists: chained so, XLA's all-gather combiner cannot merge two
-#   layers' gathers into one collective, which would hold both layers ahead.
+#   the layer before) exists: chained so (a zero made once they have landed, added to the
+#   shards: `_landed`, `_after`), XLA's all-gather combiner cannot merge two layers'
+#   gathers into one collective, which would hold both layers ahead.
 # * `step(carry, pos, full, landed)` runs layer `pos` on `full`, gathered the iteration before.
 # * `finish(out)` (the backward: `_ScanUnit.scatter`) runs one iteration later on what
 #   `step` handed on (`pending`, the late gradients), once that iteration's gather has
@@ -1688,8 +1689,7 @@ class _LayerLoop:
     full_next, full = self.gather(self.position(k + 1), full)
     if self.finish is None or full_next is None:
       return _Ahead(full_next, full, None)
-    leaf = jax.typeof(jax.tree.leaves(full_next)[0])  # a zero varying as the gathered params
-    landed, full_next = _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), full_next)
+    landed, full_next = _landed(full_next)
     return _Ahead(full_next, full, landed)
 
   def body(self, k, state: _LoopState) -> _LoopState:
@@ -2477,6 +2477,16 @@ def _barrier_bwd(_, ct):
 
 
 _barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
+
+
+def _landed(tree):
+  """`(zero, tree)`: a zero that exists once `tree` (gathered params) has landed, and `tree`
+  through the barrier that orders it so. Added to shards (`_after`), it orders their gather
+  after `tree`, where a barrier on the shards themselves would materialize them as they
+  enter it (a layer's slice of the stacked shards, in float32 where it is gathered cast:
+  a copy the gather's own input fusion does not need)."""
+  leaf = jax.typeof(jax.tree.leaves(tree)[0])  # a zero varying as the gathered params
+  return _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), tree)
 
 
 def _after(shards: dict, token) -> dict:
