@@ -239,6 +239,7 @@ def test_fsdp_overlap_table_is_against_the_maxtext_program(tmp_path):
     "GSPMD FSDP, no activation constraints",
     'jaxdp FSDP `FSDPConfig(stacked=["blocks"])`',
     "+ `grad_reduce_dtype=bf16`",
+    "+ `lookups=[embed]`",
     "+ `vocab_parallel=False`",
     "+ `chunks={table: 16}`",
   ]
@@ -247,6 +248,7 @@ def test_fsdp_overlap_table_is_against_the_maxtext_program(tmp_path):
     "unconstrained",
     "jaxdp",
     "bf16_grads",
+    "lookups",
     "gathered",
     "chunks",
   ]

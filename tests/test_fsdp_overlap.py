@@ -25,6 +25,7 @@ FSDP = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim_grads_params")
 STACKED = FSDPConfig(stacked=["blocks"])
 PER_LEAF = dataclasses.replace(FSDP, fused_update=False)  # a fused state gathers its tables
 GATHERED = FSDPConfig(stacked=["blocks"], vocab_parallel=False)
+LOOKUPS = FSDPConfig(stacked=["blocks"], lookups=["embed"])
 
 
 def tiny_llama(compute_dtype=jnp.float32, vocab=300, scan_layers=True):
@@ -127,19 +128,78 @@ def test_vocabulary_tables_are_computed_by_rows(vocab, blocks):
     one_sgd_step(params, loss_fn, b, fsdp)
 
 
-def test_vocabulary_tables_in_bfloat16_equal_one_device():
-  """The bf16 Llama with its tables computed by rows: the looked-up rows move in bfloat16
-  (every use of them casts them: an exact sum of one row and zeros), `out`'s gradient is
-  one bfloat16 matmul over every device's tokens (as on one device) reduced in float32.
+@pytest.mark.parametrize("fsdp", [STACKED, LOOKUPS], ids=["by_rows", "lookups"])
+def test_vocabulary_tables_in_bfloat16_equal_one_device(fsdp):
+  """The bf16 Llama with its tables computed by rows, or `embed` by columns
+  (`lookups=["embed"]`): the looked-up rows move in bfloat16 (every use of them casts them:
+  an exact sum of one row and zeros, or the row's columns as they are), `out`'s gradient
+  is one bfloat16 matmul over every device's tokens (as on one device) reduced in float32.
   The gradients round at no more ops than the chunked tables' (test_fsdp_units, which also
   rounds `out`'s block gradients once more): within `bf16_grad_rtol(16 * layers + 4)` of a
   leaf's largest."""
   params, loss_fn, b = tiny_llama(jnp.bfloat16, vocab=1000)
-  found = collectives(lowered_hlo(params, loss_fn, b, STACKED))
-  assert found["reduce-scatter", "bf16[2,8,16]"] == 2, found  # the rows, h's cotangent
-  got, _ = train(params, loss_fn, b, optax.sgd(1.0), 1, STACKED)
+  found = collectives(lowered_hlo(params, loss_fn, b, fsdp))
+  if fsdp is STACKED:
+    assert found["reduce-scatter", "bf16[2,8,16]"] == 2, found  # the rows, h's cotangent
+  else:  # every device's rows' 2 columns, out and back
+    assert found["all-to-all", "bf16[16,8,2]"] == 2, found
+  got, _ = train(params, loss_fn, b, optax.sgd(1.0), 1, fsdp)
   grads = jax.grad(loss_fn)(params, b)
   assert_sgd_step_within(got, params, grads, tolerances.bf16_grad_rtol(16 * 2 + 4))
+
+
+def test_a_lookup_table_is_sharded_by_columns():
+  """`FSDPConfig(lookups=["embed"])`: the embedding is stored by its columns (1000 x 2 per
+  device) and each lookup moves every device's looked-up rows once: an all-to-all of every
+  device's 16 x 8 ids' rows, 2 columns each, forward and backward, where the rows'
+  sharding sums 8 devices' zero-padded rows into each (a reduce-scatter of 8 x the bytes).
+  No gather of the table, no reduce-scatter of its gradient; `out` stays computed by rows.
+  One SGD step equals one device's (float32)."""
+  params, loss_fn, b = tiny_llama(vocab=1000)
+  found = collectives(lowered_hlo(params, loss_fn, b, LOOKUPS))
+  assert not table_collectives(found), found
+  assert found["all-to-all", "f32[16,8,2]"] == 2, found
+  assert found["reduce-scatter", "f32[2,8,16]"] == 1, found  # h's cotangent alone
+  _, state = one_sgd_step(params, loss_fn, b, LOOKUPS)
+  assert state.master["embed"].sharding.shard_shape((1000, 16)) == (1000, 2)
+
+
+def test_a_lookup_table_under_hsdp_is_gathered_by_columns():
+  """On a (replica 2, data 4) mesh a table is never computed where it is stored (its
+  gradient would be reduced over "data" alone): a `lookups=` table is gathered as any
+  param, from its columns' shards, and the step equals one device's."""
+  params, loss_fn, b = tiny_llama(vocab=1000)
+  hsdp = dataclasses.replace(PER_LEAF, num_distributed_optimizer_instances=2)
+  mesh = jax.make_mesh((2, 4), ("replica", "data"))
+  step, state = one_sgd_step(params, loss_fn, b, LOOKUPS, config=hsdp, mesh=mesh)
+  assert state.master["embed"].sharding.shard_shape((1000, 16)) == (1000, 4)
+  found = collectives(step.lower(state, b).as_text(dialect="hlo"))
+  assert not any(kind == "all-to-all" for kind, _ in found), found
+
+
+def test_lookups_refuses_a_table_the_loss_multiplies():
+  """A tied table (a lookup and the logits) named in `lookups=` is refused when the step is
+  built, naming the param and the use; so is a name that is no table."""
+  k = jax.random.split(jax.random.key(3), 2)
+  params = {"wte": jax.random.normal(k[0], (1000, 16)) / 4, "b": jnp.zeros(16)}
+  ids = jax.random.randint(k[1], (16, 8), 0, 1000)
+
+  def loss_fn(params, batch):
+    h = jnp.tanh(params["wte"][batch["ids"]] + params["b"])
+    return jnp.mean(jax.nn.log_softmax(h @ params["wte"].T))
+
+  mesh, tx = jax.make_mesh((DP,), ("data",)), optax.sgd(1.0)
+  fsdp = FSDPConfig(lookups=["wte"])
+  state = jaxdp.init_state(params, tx, mesh, PER_LEAF, fsdp=fsdp)
+  step = jaxdp.make_train_step(loss_fn, tx, mesh, PER_LEAF, fsdp=fsdp)
+  with pytest.raises(ValueError, match=r"lookups=.*params\['wte'\].*dot_general"):
+    step.lower(state, {"ids": ids})
+  with pytest.raises(ValueError, match=r"params\['b'\] of shape \(16,\)"):
+    jaxdp.init_state(params, tx, mesh, PER_LEAF, fsdp=FSDPConfig(lookups=["b"]))
+  with pytest.raises(ValueError, match="one string"):
+    FSDPConfig(lookups="wte")
+  with pytest.raises(ValueError, match="chunks= names too"):
+    FSDPConfig(lookups=["wte"], chunks={"wte": 4})
 
 
 def test_a_table_cheaper_to_gather_is_gathered():
@@ -152,12 +212,14 @@ def test_a_table_cheaper_to_gather_is_gathered():
   assert any(kind == "all-gather" and numel(shape) >= 40 * 16 for kind, shape in found), found
 
 
+@pytest.mark.parametrize("by", ["rows", "columns"])
 @pytest.mark.parametrize("mode", ["fill", "clip"])
-def test_table_lookup_modes(mode):
-  """`jnp.take(w, ids, axis=0, mode=...)` on a table computed by rows: "fill" reads NaN for
-  an id out of range and "clip" the nearest row, as the lookup does on one device; rows 198
-  and 199 of the table are padding (200 rows, 25 per device: its 6 columns would pad more),
-  never read."""
+def test_table_lookup_modes(mode, by):
+  """`jnp.take(w, ids, axis=0, mode=...)` on a table computed by rows, or by columns
+  (`lookups=`): "fill" reads NaN for an id out of range and "clip" the nearest row, as the
+  lookup does on one device. By rows, rows 198 and 199 of the table are padding (200 rows,
+  25 per device: its 6 columns would pad more), never read; by columns, columns 6 and 7
+  (one per device), cut off the looked-up rows."""
   params = {"wte": jax.random.normal(jax.random.key(0), (198, 6)), "head": jnp.ones((6, 3))}
   ids = jnp.array([[0, 197, 17, 131], [45, 8, 197, 3]] * 4, jnp.int32)
 
@@ -167,9 +229,13 @@ def test_table_lookup_modes(mode):
 
   if mode == "clip":  # ids past either end read (and train) the first and last rows
     ids = ids.at[0, 0].set(270).at[1, 1].set(-3)
-  step, state = one_sgd_step(params, loss_fn, {"ids": ids}, FSDPConfig(), config=PER_LEAF)
+  fsdp = FSDPConfig(lookups=["wte"] if by == "columns" else [])
+  step, state = one_sgd_step(params, loss_fn, {"ids": ids}, fsdp, config=PER_LEAF)
   found = collectives(step.lower(state, {"ids": ids}).as_text(dialect="hlo"))
-  assert found["reduce-scatter", "f32[1,4,6]"] == 1, found  # the rows, to their devices
+  if by == "rows":
+    assert found["reduce-scatter", "f32[1,4,6]"] == 1, found  # the rows, to their devices
+  else:  # every device's rows' one column, out and back
+    assert found["all-to-all", "f32[8,4,1]"] == 2, found
   assert found["all-gather", "s32[8,4,1]"] >= 1, found  # every device's ids
   if mode == "fill":  # an id past the end: the loss is NaN, whatever the params
     _, metrics = step(state, {"ids": ids.at[0, 0].set(198)})

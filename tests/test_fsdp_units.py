@@ -80,9 +80,10 @@ def reference(params, loss_fn, b, tx, steps, bound=None):
   return params, float(loss), first
 
 
-def run(params, loss_fn, b, tx, steps, fsdp, config=FSDP, **kw):
-  """`steps` jaxdp steps from `params`: the state after them and the step."""
-  mesh = jax.make_mesh((DP,), ("data",))
+def run(params, loss_fn, b, tx, steps, fsdp, config=FSDP, mesh=None, **kw):
+  """`steps` jaxdp steps from `params` (on `mesh`, or 8 devices over "data"): the state
+  after them and the step."""
+  mesh = mesh or jax.make_mesh((DP,), ("data",))
   state = jaxdp.init_state(params, tx, mesh, config, fsdp=fsdp)
   step = jaxdp.make_train_step(loss_fn, tx, mesh, config, fsdp=fsdp, **kw)
   for _ in range(steps):

@@ -412,6 +412,9 @@ class FSDPConfig:
     vocab_parallel: compute a param the loss only reads by rows (a vocabulary table) on
       each device's rows, moving activations instead, where that moves fewer bytes than
       gathering it. Default True.
+    lookups: prefixes of params the loss only reads by row lookups (an untied input
+      embedding, `embed[ids]`): sharded by their columns, each lookup moves the rows it
+      reads (an all-to-all of its output's size), not dp times as many. Default ().
     param_dtype: the dtype every float param is gathered in and the loss receives (e.g.
       `jnp.bfloat16`); the fp32 master stays sharded. None: each param's own dtype, or the
       narrower one every use of it in the loss casts it to.
@@ -483,6 +486,18 @@ class FSDPConfig:
   Decided per param from the shapes when the step is traced; a param in `chunks` keeps its
   row blocks. On meshes with tensor- or expert-parallel params, "replica" or a fused
   state, params are gathered as usual. False: always gathered."""
+  lookups: Sequence[Prefix] = ()
+  """Prefixes of params the loss only reads by row lookups (`w[ids]`, `jnp.take(w, ids,
+  axis=0)`, `nnx.Embed`: an untied input embedding): each is sharded over "data" by its
+  columns (its dim 1) rather than its rows, so that a lookup runs on every device's ids
+  with this device's columns of the rows they read and one all-to-all hands each device its
+  own rows whole: it moves the lookup's output once (its cotangent once in the backward),
+  where a table sharded by rows (`vocab_parallel`) sums dp devices' zero-padded rows into
+  each device, dp times the bytes, and gathering moves the whole table. Not the default
+  because the shard dim is fixed when the state is made, from the params alone, before any
+  loss is seen; a param so named that the loss uses otherwise is refused when the step is
+  built. The params are stored by columns (a checkpoint saved with other `lookups` has
+  another layout)."""
   param_dtype: Any = None
   """The dtype every float param is gathered in and the loss receives (torch FSDP2's
   `MixedPrecisionPolicy(param_dtype=)`, e.g. `jnp.bfloat16`): the fp32 master stays sharded,
@@ -545,6 +560,24 @@ class FSDPConfig:
         "a stacked layer is gathered whole inside its scan iteration: chunk only unstacked "
         "params (an embedding, an output projection)"
       )
+    if isinstance(self.lookups, (str, bytes)):
+      raise ValueError(
+        f"FSDPConfig: lookups={self.lookups!r} is one string; pass a list of "
+        f"prefixes, e.g. lookups=[{self.lookups!r}]"
+      )
+    object.__setattr__(self, "lookups", tuple(_prefix(p) for p in self.lookups))
+    for p in self.lookups:
+      clash = [
+        s
+        for s in (*self.stacked, *(c for c, _ in self.chunks))
+        if _prefix_under(p, s) or _prefix_under(s, p)
+      ]
+      if clash:
+        raise ValueError(
+          f"FSDPConfig: lookups names {p}, which stacked= or chunks= names too ({clash[0]}); "
+          "a lookup table is sharded by its columns, a stacked or chunked param by its "
+          "rows: name it in one of them"
+        )
     if not isinstance(self.vocab_parallel, bool):
       raise ValueError(f"FSDPConfig: vocab_parallel={self.vocab_parallel!r}: must be True or False")
     if self.param_dtype is not None:

@@ -158,6 +158,7 @@ from jaxdp._src.units import (
   assign_units,
   chunked_leaves,
   chunked_paths,
+  lookup_paths,
   compute_dtype,
   param_specs,
   units_of,
@@ -197,6 +198,14 @@ def layout_for(
         "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
       )
   floating = [jnp.issubdtype(x.dtype, jnp.floating) for _, x in keyed]  # the sharded leaves
+  for keys, x in keyed:
+    path = jax.tree_util.keystr(keys)
+    if path in lookup_paths([path], fsdp) and (x.ndim < 2 or path in stacked):
+      raise ValueError(
+        f"FSDPConfig(lookups=...) names params{path} of shape {tuple(x.shape)}"
+        f"{' (stacked)' if path in stacked else ''}: a lookup table is one param with rows "
+        "and columns (2 dims or more), sharded by its columns; leave it out of lookups="
+      )
   paths = [jax.tree_util.keystr(keys) for (keys, _), f in zip(keyed, floating) if f]
   shard_dims = unit_shard_dims(
     paths,
@@ -205,6 +214,7 @@ def layout_for(
     mesh_shape[DATA] * config.outer_shards,  # HFSDP pads to replicas x dp
     stacked.__contains__,  # a stacked leaf's dims of one layer
     chunked_paths(paths, fsdp),
+    lookup_paths(paths, fsdp),
   )
   layout = make_layout(
     params,
@@ -623,6 +633,8 @@ def unit_collectives(
     return out
   chunks_ok = chunks
   chunks = chunked_leaves(layout, fsdp) if chunks else {}
+  named = lookup_paths([leaf.path for leaf in layout.leaves], fsdp)
+  lookups = {leaf.index for leaf in layout.leaves if leaf.path in named}
   # Tensor parallel, sharded over "data" on a dim of its own: per param, manual over its
   # automatic axes (an expert param's "expert" is one of the step's manual axes already);
   # a stacked unit's collectives see one layer
@@ -652,6 +664,7 @@ def unit_collectives(
       chunks={i: chunks[i] for i in u.leaves if i in chunks},
       grad_dtypes=grad_dtypes(u),
       shard_dims={i: layout.leaves[i].shard_axis for i in u.leaves},
+      lookups=frozenset(i for i in u.leaves if i in lookups),
     )
     for u in units
   ]

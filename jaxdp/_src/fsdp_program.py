@@ -123,7 +123,12 @@ class UnitIO:
   """Leaves never gathered: each use computes with this device's rows and moves the
   activations instead (`run_loss` picks them, see [Note: a table computed by rows])."""
   shard_dims: Mapping[int, int] = dataclasses.field(default_factory=dict)
-  """Leaf -> the dim its shards split (a table must be split by its rows, dim 0)."""
+  """Leaf -> the dim its shards split (a table computed by rows: dim 0; a lookup table:
+  dim 1)."""
+  lookups: frozenset[int] = frozenset()
+  """Leaves `FSDPConfig(lookups=)` names: split by their columns (dim 1), every use a row
+  lookup, run on this device's columns (`_ColumnTake`) where the unit's collectives can
+  reduce a table (`table_rows`), else gathered."""
 
   @property
   def apart(self) -> frozenset[int]:
@@ -250,8 +255,10 @@ def run_loss(
   ]
   index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   lazy = _find_lazy(program, index)
+  picked = _lookup_leaves(program, lazy, index, treedef)
   if tables:
-    picked = _table_leaves(program, lazy, index, casts)
+    picked |= _table_leaves(program, lazy, index, casts)
+  if picked:
     units = [dataclasses.replace(u, tables=frozenset(u.leaves) & picked) for u in units]
     index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   rules = {**_chunk_rules(program, lazy, index, treedef), **_table_rules(program, lazy, index)}
@@ -590,10 +597,7 @@ def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict
   for i, leaf_uses in found.by_leaf.items():
     for use in leaf_uses:
       if use.kind is None:
-        paths = jax.tree_util.tree_flatten_with_path(
-          jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
-        )[0]
-        path = jax.tree_util.keystr(paths[i][0])
+        path = _leaf_path(treedef, i)
         raise ValueError(
           f"FSDPConfig(chunks=...) names params{path}, but the loss uses it in "
           f"`{use.eqn.primitive.name}`, neither as one operand of a matmul whose other operand "
@@ -641,6 +645,37 @@ def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping)
     if sum(_activation_bytes(u, dp, trainable) for u in leaf_uses) < param_bytes:
       picked.add(i)
   return frozenset(picked)
+
+
+def _lookup_leaves(program: _Program, lazy: _Lazy, units: _Units, treedef) -> frozenset:
+  """The leaves `FSDPConfig(lookups=)` names (`UnitIO.lookups`) whose units can reduce a
+  table (`table_rows`) and that the loss looks up: computed by columns ([Note: a table
+  looked up by columns]). Raises ValueError if the loss uses one otherwise."""
+  named = {i for i in program.param_var.values() if i in units.of_leaf[i].lookups}
+  found = _row_uses(program, lazy, named)
+  for i, leaf_uses in found.by_leaf.items():
+    other = [u for u in leaf_uses if u.kind != "lookup"]
+    if other or i in found.returned:
+      use = f"`{other[0].eqn.primitive.name}`" if other else "its output"
+      raise ValueError(
+        f"FSDPConfig(lookups=...) names params{_leaf_path(treedef, i)}, but the loss uses "
+        f"it in {use}, not as the table of a row lookup (w[ids], jnp.take(w, ids, axis=0)); "
+        "a param sharded by its columns is only looked up: leave it out of lookups= (a "
+        "vocabulary table the logits read too is computed by rows: vocab_parallel=)"
+      )
+  return frozenset(
+    i
+    for i, leaf_uses in found.by_leaf.items()
+    if leaf_uses and units.of_leaf[i].collectives.table_rows is not None
+  )
+
+
+def _leaf_path(treedef, i: int) -> str:
+  """The keystr path of leaf `i` of `treedef`."""
+  paths = jax.tree_util.tree_flatten_with_path(
+    jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+  )[0]
+  return jax.tree_util.keystr(paths[i][0])
 
 
 def _activation_bytes(use: _RowUse, dp: int, trainable: bool) -> float:
@@ -2134,6 +2169,19 @@ class _TableRule:
     use = self.use
     x, rows = invals[1 - use.pos], env[use.var]
     dp = jax.lax.axis_size(DATA)
+    if use.kind == "lookup" and self.leaf in self.unit.lookups:
+      take = _ColumnTake(
+        eqn=use.eqn,
+        unit=self.unit,
+        leaf=self.leaf,
+        size=self.size,
+        width=use.var.aval.shape[1],
+        cast=use.cast,
+        moved=use.out_cast,
+      )
+      lookup = jax.custom_vjp(take.take)
+      lookup.defvjp(take.fwd, take.bwd)
+      return [lookup(x, rows)]
     if use.kind == "lookup":
       take = _TableTake(
         eqn=use.eqn,
@@ -2276,11 +2324,22 @@ class _TableDot:
         f32 = jnp.promote_types(every.dtype, jnp.float32)
         total = sum((d.astype(f32) for d in d_every[1:]), d_every[0].astype(f32))
       d_x = collectives.scatter_batch(total.astype(every.dtype), self.x_dim)
-    if self.leaf in self.unit.trainable:
-      grad = self.unit.collectives.table_rows(self.leaf, d_w).astype(block.dtype)
-    else:
-      grad = jnp.zeros_like(block)
-    return _ct_or_none(x, d_x), grad
+    return _ct_or_none(x, d_x), _table_grad(self.unit, self.leaf, d_w, block)
+
+
+def _table_grad(unit: UnitIO, leaf: int, grad, block):
+  """A table's gradient on this device's `block`, summed over every device's batch already:
+  scaled as a reduce-scatter would (`table_rows`), or zeros for a frozen leaf."""
+  if leaf in unit.trainable:
+    return unit.collectives.table_rows(leaf, grad).astype(block.dtype)
+  return jnp.zeros_like(block)
+
+
+def _filled(eqn, size: int, ids, out):
+  """A lookup's output `out` with the rows of this device's out-of-range `ids` filled as
+  the lookup `eqn`'s mode says (`_lookup_ids`, `_fill`)."""
+  _, outside = _lookup_ids(eqn, size, ids)
+  return out if outside is None else _fill(eqn, out, outside)
 
 
 class _IdsHere(NamedTuple):
@@ -2330,8 +2389,7 @@ class _TableTake:
     # Summed in the dtype the loss casts the rows to (each sum is one row and zeros: the
     # row's cast, exactly), handed on in their own dtype, which the loss's cast undoes.
     out = collectives.scatter_batch(got.astype(self.moved or got.dtype), 0).astype(got.dtype)
-    _, outside = _lookup_ids(self.eqn, self.size, ids)  # this device's ids
-    return out if outside is None else _fill(self.eqn, out, outside)
+    return _filled(self.eqn, self.size, ids, out)
 
   def fwd(self, ids, block):
     return self.take(ids, block), (ids, block)
@@ -2343,11 +2401,76 @@ class _TableTake:
     every = collectives.gather_batch(d_out.astype(self.moved or d_out.dtype), 0)
     every = jnp.where(_expand(ids_here.here, every.ndim), every, 0).astype(block.dtype)
     grad = jnp.zeros_like(block).at[ids_here.local].add(every)
-    if self.leaf in self.unit.trainable:
-      grad = self.unit.collectives.table_rows(self.leaf, grad).astype(block.dtype)
-    else:
-      grad = jnp.zeros_like(block)
-    return None, grad
+    return None, _table_grad(self.unit, self.leaf, grad, block)
+
+
+# [Note: a table looked up by columns]
+# A param the loss only looks up by rows (an untied input embedding), named in
+# `FSDPConfig(lookups=)`, is sharded by its columns: device d holds columns d * c + [0, c)
+# of every row (the columns padded to dp * c). A lookup gathers every device's ids, reads
+# their rows' columns here, and one all-to-all (`exchange_batch`) hands device j the
+# columns of its own ids' rows from every device, which it lays side by side: the lookup's
+# output crosses the network once. Its backward sends the cotangent back the same way and
+# adds every device's rows into this device's columns: the gradient summed over every
+# device's batch, no reduce-scatter. Sharded by rows instead ([Note: a table's uses on this
+# device's rows]) a lookup sums dp devices' zero-padded rows into each device, dp times
+# the bytes (Megatron's vocab-parallel embedding does the same over tensor parallelism);
+# gathered, the whole table moves. Sharded by its columns a table cannot serve the logits
+# (`h @ w.T` would need its rows), so only a table that is only looked up may be.
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _ColumnTake:
+  """A row lookup (`w[ids]`) on a table sharded by its columns ([Note: a table looked up by
+  columns]); the moved rows in the dtype every use of them casts them to (exact: a cast)."""
+
+  eqn: jcore.JaxprEqn  # the `gather`
+  unit: UnitIO
+  leaf: int
+  size: int  # the table's rows
+  width: int  # its columns (dim 1), unpadded
+  cast: Any  # the dtype the loss casts the table to before the lookup, or None
+  moved: Any = None  # the dtype every use of the rows read casts them to, or None
+
+  def side_by_side(self, exchanged, k: int):
+    """Every device's columns of this device's rows (stacked along dim 0 in device order)
+    laid along the columns' dim `k`, the padding cut."""
+    dp = jax.lax.axis_size(DATA)
+    split = exchanged.reshape((dp, -1, *exchanged.shape[1:]))
+    moved = jnp.moveaxis(split, 0, k)  # (device, column) at k
+    joined = moved.reshape(moved.shape[:k] + (-1,) + moved.shape[k + 2 :])
+    return jax.lax.slice_in_dim(joined, 0, self.width, axis=k)
+
+  def by_device(self, d_out, k: int, c: int):
+    """`side_by_side`'s inverse: this device's rows' cotangent, its columns padded to `c`
+    per device and cut into every device's, stacked along dim 0 in device order."""
+    dp = jax.lax.axis_size(DATA)
+    padded = pad_dim(d_out, d_out.shape, k, dp * c)
+    split = padded.reshape(padded.shape[:k] + (dp, -1) + padded.shape[k + 1 :])
+    moved = jnp.moveaxis(split, k, 0)
+    return moved.reshape((-1, *moved.shape[2:]))
+
+  def take(self, ids, block):
+    row_ids, _ = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+    rows = block.astype(self.cast) if self.cast is not None else block
+    got = jnp.take(rows, row_ids, axis=0)  # every device's ids, this device's columns
+    moved = collectives.exchange_batch(got.astype(self.moved or got.dtype), 0)
+    out = self.side_by_side(moved, row_ids.ndim).astype(got.dtype)
+    return _filled(self.eqn, self.size, ids, out)
+
+  def fwd(self, ids, block):
+    return self.take(ids, block), (ids, block)
+
+  def bwd(self, res, d_out):
+    ids, block = res
+    row_ids, outside = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+    # The cotangent of rows cast by every use is the cast's (the loss's dtype), exactly.
+    d_out = d_out.astype(self.moved or d_out.dtype)
+    every = collectives.exchange_batch(self.by_device(d_out, row_ids.ndim, block.shape[1]), 0)
+    if outside is not None:  # an out-of-range id's row reads nothing, gets nothing
+      every = jnp.where(_expand(outside, every.ndim), jnp.zeros((), every.dtype), every)
+    grad = jnp.zeros_like(block).at[row_ids].add(every.astype(block.dtype))
+    return None, _table_grad(self.unit, self.leaf, grad, block)
 
 
 # ----------------------------------------------------------------------------- a unit's collectives

@@ -263,6 +263,7 @@ def unit_shard_dims(
   dp: int,
   layered: Callable[[str], bool] = lambda path: False,
   leading: Collection[str] = (),
+  columns: Collection[str] = (),
 ) -> dict[str, int]:
   """The shard dim of every leaf of an FSDP layout (`make_layout(units=, shard_dims=)`):
   the dim ZeRO picks (`shard_axis`: the one that pads least, the leading one on ties) of
@@ -271,12 +272,15 @@ def unit_shard_dims(
   weight on 8 devices is sharded on `d`, not padded 2 -> 8 on its leading dim (4 x its
   size). Per layer for `layered` leaves (their layer axis dropped); the leading dim,
   whatever its padding, for the `leading` paths (a param FSDP gathers by row blocks,
-  `FSDPConfig(chunks=)`: a block is rows of its leading dim).
+  `FSDPConfig(chunks=)`: a block is rows of its leading dim); dim 1 for the `columns`
+  paths (a table looked up by rows, `FSDPConfig(lookups=)`: each device holds every row's
+  columns).
 
   Args:
     paths, shapes, model_dims, dp, layered: as `model_shard_dims` takes them; `model_dims`
       may be `()` (no leaf split over another axis).
     leading: paths pinned to their leading dim (of a layer).
+    columns: paths pinned to their dim 1.
 
   Returns:
     `{path: dim}` of every leaf.
@@ -292,8 +296,8 @@ def unit_shard_dims(
   out = {}
   for path, shape, dims in zip(paths, shapes, model_dims):
     lead = 1 if layered(path) else 0
-    if path in leading:
-      out[path] = 0
+    if path in leading or path in columns:
+      out[path] = 1 if path in columns else 0
       continue
     # `dims` counts the layer axis and the shard dim is of a layer: shift by `lead`, and
     # ignore a split layer axis

@@ -597,8 +597,9 @@ def ring_formula(state, *, fsdp=None, grad_accum_steps: int = 1) -> dict[str, fl
   Small collectives of the step's metrics (the loss, norms) are not counted. The formula
   knows the state, not the loss: an FSDP step moves less where the loss casts a param
   before every use (it is gathered in the cast's dtype) and where a vocabulary table is
-  computed by rows (`FSDPConfig(vocab_parallel=)`: activations move instead of its gathers
-  and reduce-scatter); `jaxdp.inspect.report` reads what a compiled step moves.
+  computed by rows or by columns (`FSDPConfig(vocab_parallel=, lookups=)`: activations move
+  instead of its gathers and reduce-scatter); `jaxdp.inspect.report` reads what a compiled
+  step moves.
 
   Args:
     state: a `TrainState` from `jaxdp.init_state` (or its `jax.eval_shape`).

@@ -217,6 +217,17 @@ def chunked_paths(paths, fsdp: FSDPConfig) -> frozenset[str]:
   return frozenset(path for path in paths if _chunks_of(path, fsdp) > 1)
 
 
+def lookup_paths(paths, fsdp: FSDPConfig) -> frozenset[str]:
+  """The paths under `FSDPConfig(lookups=...)`: FSDP shards them by their columns (dim 1,
+  `layout.unit_shard_dims(columns=)`).
+
+  Examples:
+    >>> sorted(lookup_paths(["['embed']", "['out']"], FSDPConfig(lookups=["embed"])))
+    ["['embed']"]
+  """
+  return frozenset(path for path in paths if any(_under(path, p) for p in fsdp.lookups))
+
+
 def _chunks_of(path: str, fsdp: FSDPConfig) -> int:
   """The row blocks `fsdp.chunks` asks for `path` (its longest prefix decides); 0: none."""
   under = [(len(p), n) for p, n in fsdp.chunks if _under(path, p)]

@@ -20,8 +20,12 @@ first adds its setting to the row above):
     bf16_grads     + `DDPConfig(grad_reduce_dtype=jnp.bfloat16)`: grads reduced in bf16, as
                    the GSPMD program reduces each matmul's grad in its bf16 (the setting an
                    LLM with bf16 compute is advised)
-    gathered       + `FSDPConfig(vocab_parallel=False)`: the vocabulary tables gathered whole
-                   instead of computed by rows (what that default buys)
+    lookups        + `FSDPConfig(lookups=)` on the input embedding (llama: embed; the gpt's
+                   wte is tied, the mlp has none): sharded by its columns, each lookup
+                   moving its rows once (the setting an untied embedding is advised)
+    gathered       + `FSDPConfig(vocab_parallel=False)` on the bf16_grads row: the vocabulary
+                   tables gathered whole instead of computed by rows (what that default
+                   buys)
     chunks         + `FSDPConfig(chunks=)` on the vocabulary tables (`--chunks` row blocks;
                    llama: embed and out, gpt: wte; the mlp has none, so no such rows as
                    gathered and chunks)
@@ -64,21 +68,26 @@ ROWS = {  # --rows name: its label in the table
   "unconstrained": "GSPMD FSDP, no activation constraints",
   "jaxdp": 'jaxdp FSDP `FSDPConfig(stacked=["blocks"])`',
   "bf16_grads": "+ `grad_reduce_dtype=bf16`",
+  "lookups": "+ `lookups=[%s]`",
   "gathered": "+ `vocab_parallel=False`",
   "chunks": "+ `chunks={table: %d}`",
 }
 GSPMD = {"maxtext": "gspmd_fsdp", "unconstrained": "gspmd_fsdp_unconstrained"}
-JAXDP = ("jaxdp", "bf16_grads", "gathered", "chunks")  # each adds its setting to the last
+JAXDP = ("jaxdp", "bf16_grads", "lookups", "gathered", "chunks")  # each adds its setting
 TABLES = {"llama": ["embed", "out"], "gpt": ["wte"], "mlp": []}  # the vocabulary tables
+LOOKUPS = {"llama": ["embed"], "gpt": [], "mlp": []}  # the tables only looked up
 SEQ = {"llama": 2048, "gpt": 1024, "mlp": 256}  # tokens per sequence
 TX = optax.adamw(1e-4)
 GiB, MS = 2**30, 1e-3  # bytes, microseconds -> ms
 COLUMNS = ("peak GiB", "step ms", "compute ms", "comm ms", "exposed ms")
 
 
-def jaxdp_configs(row: str, tables: list, chunks: int, reshard_last: bool = False):
+def jaxdp_configs(
+  row: str, tables: list, chunks: int, reshard_last: bool = False, lookups: list = ()
+):
   """`(DDPConfig, FSDPConfig)` of a jaxdp row: the default, plus every setting up to `row`
-  (and `reshard_last_layer=reshard_last` on every row)."""
+  but `lookups=` on its own row only (a chunked table is sharded by rows), and
+  `reshard_last_layer=reshard_last` on every row."""
   upto = JAXDP[: JAXDP.index(row) + 1]
   config = jaxdp.DDPConfig(
     data_parallel_sharding_strategy="optim_grads_params",
@@ -88,18 +97,21 @@ def jaxdp_configs(row: str, tables: list, chunks: int, reshard_last: bool = Fals
     stacked=["blocks"],
     vocab_parallel="gathered" not in upto,
     chunks={name: chunks for name in tables} if "chunks" in upto else {},
+    lookups=lookups if row == "lookups" else (),
     reshard_last_layer=reshard_last,
   )
   return config, fsdp
 
 
-def measure(row: str, made, mesh, tables: list, chunks: int, reshard_last: bool) -> dict:
+def measure(
+  row: str, made, mesh, tables: list, chunks: int, reshard_last: bool, lookups: list
+) -> dict:
   """One row compiled: its peak and predicted times (plain numbers), and its compile seconds."""
   start = time.perf_counter()
   if row in GSPMD:
     compiled = compile_step(PROGRAMS[GSPMD[row]], made, TX, mesh)
   else:
-    config, fsdp = jaxdp_configs(row, tables, chunks, reshard_last)
+    config, fsdp = jaxdp_configs(row, tables, chunks, reshard_last, lookups)
     compiled = inspect.compile_train_step(
       made.make_loss(), TX, mesh, config, made.params, made.batch, fsdp=fsdp
     )
@@ -168,7 +180,15 @@ def main():
   if not tables:
     rows = [r for r in rows if r not in ("gathered", "chunks")]
     print(f"({args.model}: no vocabulary table, so no gathered or chunks row)", file=sys.stderr)
-  labels = {**ROWS, "chunks": ROWS["chunks"] % args.chunks}
+  lookups = LOOKUPS[args.model]
+  if not lookups:
+    rows = [r for r in rows if r != "lookups"]
+    print(f"({args.model}: no table only looked up, so no lookups row)", file=sys.stderr)
+  labels = {
+    **ROWS,
+    "lookups": ROWS["lookups"] % ", ".join(lookups),
+    "chunks": ROWS["chunks"] % args.chunks,
+  }
   hosts = max(1, args.gpus // 8)
   mesh = inspect.gpu_mesh((args.gpus,), ("data",), num_hosts=hosts)
   seq = {} if args.quick else {"seq": SEQ[args.model]}
@@ -195,7 +215,7 @@ def main():
     tokens = made.batch["x"].shape[1]
     results = {}
     for row in rows:
-      results[row] = measure(row, made, mesh, tables, args.chunks, args.reshard_last_layer)
+      results[row] = measure(row, made, mesh, tables, args.chunks, args.reshard_last_layer, lookups)
       print(
         f"  {args.model} L={n_layer} {row}: {results[row]['compile s']:.0f} s",
         file=sys.stderr,
