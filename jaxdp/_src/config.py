@@ -495,9 +495,8 @@ class FSDPConfig:
   where a table sharded by rows (`vocab_parallel`) sums dp devices' zero-padded rows into
   each device, dp times the bytes, and gathering moves the whole table. Not the default
   because the shard dim is fixed when the state is made, from the params alone, before any
-  loss is seen; a param so named that the loss uses otherwise is refused when the step is
-  built. The params are stored by columns (a checkpoint saved with other `lookups` has
-  another layout)."""
+  loss is seen (pass the same config to `init_state` and `make_train_step`); a param so
+  named that the loss uses otherwise is refused when the step is built."""
   param_dtype: Any = None
   """The dtype every float param is gathered in and the loss receives (torch FSDP2's
   `MixedPrecisionPolicy(param_dtype=)`, e.g. `jnp.bfloat16`): the fp32 master stays sharded,
