@@ -158,8 +158,8 @@ from jaxdp._src.units import (
   assign_units,
   chunked_leaves,
   chunked_paths,
-  lookup_paths,
   compute_dtype,
+  lookup_paths,
   param_specs,
   units_of,
 )
@@ -198,9 +198,10 @@ def layout_for(
         "expert dim; leave the subtree that holds it out of stacked (unrolled layers)"
       )
   floating = [jnp.issubdtype(x.dtype, jnp.floating) for _, x in keyed]  # the sharded leaves
+  named = lookup_paths([jax.tree_util.keystr(keys) for keys, _ in keyed], fsdp)
   for keys, x in keyed:
     path = jax.tree_util.keystr(keys)
-    if path in lookup_paths([path], fsdp) and (x.ndim < 2 or path in stacked):
+    if path in named and (x.ndim < 2 or path in stacked):
       raise ValueError(
         f"FSDPConfig(lookups=...) names params{path} of shape {tuple(x.shape)}"
         f"{' (stacked)' if path in stacked else ''}: a lookup table is one param with rows "

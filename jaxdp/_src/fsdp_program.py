@@ -1350,21 +1350,24 @@ class _ScanLayer:
   units: tuple[UnitIO, ...]
 
   @functools.cached_property
+  def params(self) -> dict:
+    """{leaf: the body's input var that takes its gathered layer}."""
+    xs = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
+    return {i: xs[j] for j, i in self.shard_pos.items()}
+
+  @functools.cached_property
   def first_uses(self) -> dict[int, float]:
     """{leaf: where the layer's forward first uses it, as a fraction of its equations}."""
     order = _first_uses(self.body.jaxpr)
-    start = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
-    return {i: order.get(start[j], 1.0) for j, i in self.shard_pos.items()}
+    return {i: order.get(v, 1.0) for i, v in self.params.items()}
 
   @functools.cached_property
   def head(self) -> frozenset[int]:
     """The leaves the layer's forward uses before its largest param (the first used of the
     largest): gathered first where nothing before the layer hides its gather ([Note: the
-    first layer in two parts])."""
+    first layer in two parts]). Never every leaf: the largest is not among them."""
     uses = self.first_uses
-    avals = self.body.jaxpr.invars[len(self.body.jaxpr.invars) - self.n_xs :]
-    size = {i: avals[j].aval.size for j, i in self.shard_pos.items()}
-    largest = min(uses, key=lambda i: (-size[i], uses[i]))
+    largest = min(uses, key=lambda i: (-self.params[i].aval.size, uses[i]))
     return frozenset(i for i, at in uses.items() if at < uses[largest])
 
   @functools.cached_property
@@ -1448,14 +1451,11 @@ class _ScanUnit:
       tail = {i: x for i, x in after.items() if i not in layer.head} if split else {}
       landed, tail = _landed(tail or after)
       return layer.gather(*_after(shards, landed)), {**after, **tail}
-    if not split:
+    if not split or not layer.head:
       return layer.gather(*shards), after
-    leaves = frozenset(i for u in layer.units for i in u.leaves)
-    head, rest = layer.head & leaves, leaves - layer.head
-    if not head or not rest or any(u.shards is not None for u in layer.units):
-      return layer.gather(*shards), after
-    full = layer.gather(*shards, only=head)
+    full = layer.gather(*shards, only=layer.head)
     landed, full = _landed(full)  # the rest once the head has landed
+    rest = frozenset(layer.params) - layer.head
     return {**full, **layer.gather(*_after(shards, landed), only=rest)}, after
 
   def call(self, consts, init, other, trainable, frozen, tokens):
@@ -2169,30 +2169,19 @@ class _TableRule:
     use = self.use
     x, rows = invals[1 - use.pos], env[use.var]
     dp = jax.lax.axis_size(DATA)
-    if use.kind == "lookup" and self.leaf in self.unit.lookups:
-      take = _ColumnTake(
-        eqn=use.eqn,
-        unit=self.unit,
-        leaf=self.leaf,
-        size=self.size,
-        width=use.var.aval.shape[1],
-        cast=use.cast,
-        moved=use.out_cast,
-      )
-      lookup = jax.custom_vjp(take.take)
-      lookup.defvjp(take.fwd, take.bwd)
-      return [lookup(x, rows)]
     if use.kind == "lookup":
-      take = _TableTake(
+      common = dict(
         eqn=use.eqn,
         unit=self.unit,
         leaf=self.leaf,
         size=self.size,
-        dp=dp,
-        r=rows.shape[0],
         cast=use.cast,
         moved=use.out_cast,
       )
+      if self.leaf in self.unit.lookups:  # [Note: a table looked up by columns]
+        take = _ColumnTake(**common, width=use.var.aval.shape[1])
+      else:
+        take = _TableTake(**common, dp=dp, r=rows.shape[0])
       lookup = jax.custom_vjp(take.take)
       lookup.defvjp(take.fwd, take.bwd)
       return [lookup(x, rows)]
@@ -2450,8 +2439,12 @@ class _ColumnTake:
     moved = jnp.moveaxis(split, k, 0)
     return moved.reshape((-1, *moved.shape[2:]))
 
+  def every_row(self, ids):
+    """The rows every device's `ids` read, and where they read none (`_lookup_ids`)."""
+    return _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+
   def take(self, ids, block):
-    row_ids, _ = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+    row_ids, _ = self.every_row(ids)
     rows = block.astype(self.cast) if self.cast is not None else block
     got = jnp.take(rows, row_ids, axis=0)  # every device's ids, this device's columns
     moved = collectives.exchange_batch(got.astype(self.moved or got.dtype), 0)
@@ -2463,7 +2456,7 @@ class _ColumnTake:
 
   def bwd(self, res, d_out):
     ids, block = res
-    row_ids, outside = _lookup_ids(self.eqn, self.size, collectives.gather_batch(ids, 0))
+    row_ids, outside = self.every_row(ids)
     # The cotangent of rows cast by every use is the cast's (the loss's dtype), exactly.
     d_out = d_out.astype(self.moved or d_out.dtype)
     every = collectives.exchange_batch(self.by_device(d_out, row_ids.ndim, block.shape[1]), 0)

@@ -296,8 +296,11 @@ def unit_shard_dims(
   out = {}
   for path, shape, dims in zip(paths, shapes, model_dims):
     lead = 1 if layered(path) else 0
-    if path in leading or path in columns:
-      out[path] = 1 if path in columns else 0
+    if path in columns:
+      out[path] = 1
+      continue
+    if path in leading:
+      out[path] = 0
       continue
     # `dims` counts the layer axis and the shard dim is of a layer: shift by `lead`, and
     # ignore a split layer axis
