@@ -90,6 +90,7 @@ from jaxdp._src.state import (
   leaves_of,
   model_spec,
   state_specs,
+  tree_of,
 )
 
 PyTree = Any
@@ -860,13 +861,15 @@ def gather_master(
 ) -> list[Any]:
   """Inside `shard_map`: `out` (tree order) with every trainable param all-gathered whole
   over the data axes, one collective per bucket (per param in a `collectives.per_param`
-  bucket), from `master`: the per-leaf row shards (a param tree or its leaves), or a fused
-  state's flat buckets (`fused`); `stacks=False` leaves the params of the stacks' buckets
-  out. `own`: `own_specs`, whose leaves each gather their own slice."""
+  bucket), from `master`: the per-leaf row shards as a tree of the params' structure, or a
+  fused state's flat buckets (`fused`); `stacks=False` leaves the params of the stacks'
+  buckets out. `own`: `own_specs`, whose leaves each gather their own slice."""
   if fused:
     shards = [master[named.name] for named in bucket_names(layout)]
     return collectives.all_gather_shards(shards, layout, out, stacks)
-  masters = master if isinstance(master, list) else leaves_of(master, layout)
+  # Always a tree, never its leaves: a params tree may itself be a list (of dicts, say),
+  # so a list cannot say which of the two it is.
+  masters = leaves_of(master, layout)
   return collectives.all_gather_params(masters, layout, out, stacks, own)
 
 
@@ -874,7 +877,7 @@ def master_blocks(master, layout: Layout, fused: bool) -> dict[int, Any]:
   """Inside `shard_map`: {leaf: this device's block of its master} of every param of a
   stack's bucket; `master` as `gather_master` takes it."""
   out = {}
-  leaves = None if fused else master if isinstance(master, list) else leaves_of(master, layout)
+  leaves = None if fused else leaves_of(master, layout)
   for named in bucket_names(layout):
     bucket = named.bucket
     if bucket.stack is None:
@@ -969,13 +972,14 @@ def check_model_rows(layout: Layout, model_specs, mesh, leaves):
 
 
 def gather_params(master, layout: Layout, mesh, params, state: TrainState):
-  """All-gathers the updated params per bucket right after the update; `master` as
-  `gather_master` takes it (a fused state's flat buckets when `state.fused`)."""
+  """All-gathers the updated params per bucket right after the update; `master`: a fused
+  state's flat buckets when `state.fused`, else the per-leaf master rows in tree order."""
 
   own = layout_own_specs(layout, state.model_specs, mesh)
 
   def gather(master):
-    return gather_master(master, layout, [None] * len(layout.leaves), state.fused, own=own)
+    tree = master if state.fused else tree_of(layout, master)
+    return gather_master(tree, layout, [None] * len(layout.leaves), state.fused, own=own)
 
   axes = data_axes(mesh)
   if state.fused:
