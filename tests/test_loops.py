@@ -11,11 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxdp
 from models.mlp import MLP, mlp_loss
-from tests.tolerances import assert_trees_close
+from tests.tolerances import assert_trees_close, rtol_sum
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 # f32 params after 3 Adam steps: the bound test_ddp uses (1e-5); the sums differ only in
@@ -694,11 +694,12 @@ def test_the_guides_eval_pattern_runs_eagerly_after_training(strategy):
   """docs/guide.md, "Evaluate after training": after `nnx_train_step`, `model.eval();
   model(x_test)` raised "Length of device assignment 1 is not equal to the size of the mesh
   8" (the params written back lived on `jax.make_mesh`'s Explicit axes, where the causal
-  mask's broadcast fails outside `jax.set_mesh`), and so did `optax.tree.norm` of
-  `get_params`. The views come back on the same devices with Auto axes, and compute what
-  the same params compute as plain one-device arrays (the same eager ops on the same
-  values: equal). DDP's views are copies of the state's own params, FSDP's are gathered;
-  `tests/test_validation.py` checks every strategy's views on a small tree."""
+  mask's broadcast fails outside `jax.set_mesh`). The model's variables come back on the
+  same devices with Auto axes, and compute what the same params compute as plain
+  one-device arrays (the same eager ops on the same values: equal); `get_params` gives the
+  params on the mesh itself, for a jitted eval beside a batch placed there. DDP's views are
+  copies of the state's own params, FSDP's are gathered; `tests/test_validation.py` checks
+  every strategy's views on a small tree."""
   k1, k2 = jax.random.split(jax.random.key(5))
   batch = {"x": jax.random.normal(k1, (16, 4, 8)), "y": jax.random.randint(k2, (16,), 0, 3)}
   model = AttentionNet(nnx.Rngs(0))
@@ -707,14 +708,15 @@ def test_the_guides_eval_pattern_runs_eagerly_after_training(strategy):
   optimizer = jaxdp.NNXOptimizer(model, optax.adam(1e-2), mesh, config)
   train_step = jaxdp.nnx_train_step(attention_loss)
   for _ in range(2):
-    train_step(model, optimizer, batch)
+    metrics = train_step(model, optimizer, batch)
 
   model.eval()
   x_test = batch["x"][:3]
   logits = model(x_test)  # eager, outside any mesh context
-  params = jaxdp.get_params(optimizer.state)
-  norm = optax.tree.norm(params)
+  norm = optax.tree.norm(nnx.state(model, nnx.Param))
+  assert float(metrics["loss"] + norm) > 0  # the metrics sit with the model's variables
 
+  params = jaxdp.get_params(optimizer.state)
   on_one_device = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), params)
   reference = AttentionNet(nnx.Rngs(0))
   jaxdp.nnx_merge(reference, on_one_device)
@@ -722,6 +724,15 @@ def test_the_guides_eval_pattern_runs_eagerly_after_training(strategy):
   np.testing.assert_array_equal(np.asarray(logits), np.asarray(reference(x_test)))
   flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(on_one_device)])
   np.testing.assert_allclose(float(norm), np.linalg.norm(flat), rtol=1e-6)
-  for x in jax.tree.leaves(params):
+  for x in jax.tree.leaves(nnx.state(model, nnx.Param)):
     assert x.sharding.device_set == set(mesh.devices.flat)
     assert x.sharding.mesh.axis_types == (AxisType.Auto,)
+  # A jitted eval loss of the params beside a batch placed on the user's mesh: the loss
+  # summed over 16 examples in another order than the eager one (float32 rounding).
+  for x in jax.tree.leaves(params):
+    assert x.sharding.mesh == mesh
+  _, eval_loss = jaxdp.nnx_split(reference, attention_loss)
+  placed = jax.device_put(batch, NamedSharding(mesh, P("data")))
+  np.testing.assert_allclose(
+    jax.jit(eval_loss)(params, placed), attention_loss(reference, batch), rtol=rtol_sum(16)
+  )

@@ -2,13 +2,16 @@
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdp
+from tests.tolerances import rtol_sum
 
 TX = optax.adam(1e-2)
 
@@ -358,28 +361,31 @@ def test_has_aux_with_a_scalar_loss_says_what_was_returned(ddp8):
     three.lower(_state(mesh, config), _batch())
 
 
-# ----------------------------------------------------------------------------- views for eager use
+# ----------------------------------------------------------------------------- views for your code
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_views_are_for_eager_code_and_feed_back_into_init_state(strategy):
+def test_views_live_on_your_mesh_and_feed_back_into_init_state(strategy):
   """`get_params` and `get_opt_state` of a state on `jax.make_mesh`'s Explicit axes give
-  arrays on the same devices with Auto axes: eager ops that refuse Explicit-typed arrays
-  outside `jax.set_mesh` (`.imag`, `.at[].set`, `optax.tree.norm`) run on them, and a state
-  built from them on the Explicit mesh trains. Same values: a zero-copy re-placement. The
-  loss of the step's metrics is the eval step's loss of the same params (the same sums in
-  the same order: float32 rounding at most)."""
+  arrays on that very mesh, as `jax.device_put` would: a user's `jax.jit` over them and a
+  batch placed on the mesh runs (it raised "Mesh for all inputs should be equal" while the
+  views lived on an Auto copy of the mesh), eager ops JAX refuses on Explicit arrays run
+  under `jax.set_mesh(mesh)`, and a state built from them trains. Same values. The loss of
+  the step's metrics is the eval step's loss of the same params (the same sums in the same
+  order: float32 rounding at most)."""
   mesh = jax.make_mesh((8,), ("data",))
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
   state = _state(mesh, config)
   params, opt_state = jaxdp.get_params(state), jaxdp.get_opt_state(state)
   for x in jax.tree.leaves((params, opt_state)):
-    assert x.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,), x.sharding
-    assert x.sharding.device_set == set(mesh.devices.flat)
-  assert float(params["a"].imag.sum()) == 0.0
-  np.testing.assert_array_equal(params["b"].at[0].set(2.0), [2.0, 1.0])
-  want = np.linalg.norm(np.concatenate([np.ravel(x) for x in jax.tree.leaves(_params())]))
-  np.testing.assert_allclose(float(optax.tree.norm(params)), want, rtol=1e-6)
+    assert x.sharding.mesh == mesh, x.sharding
+  batch = jax.device_put(_batch(), NamedSharding(mesh, P("data")))
+  np.testing.assert_allclose(jax.jit(_loss)(params, batch), _loss(_params(), _batch()), rtol=1e-6)
+  with jax.set_mesh(mesh):
+    assert float(params["a"].imag.sum()) == 0.0
+    np.testing.assert_array_equal(params["b"].at[0].set(2.0), [2.0, 1.0])
+    want = np.linalg.norm(np.concatenate([np.ravel(x) for x in jax.tree.leaves(_params())]))
+    np.testing.assert_allclose(float(optax.tree.norm(params)), want, rtol=1e-6)
   np.testing.assert_array_equal(opt_state[0].mu["a"], np.zeros((3, 2)))
   again = jaxdp.init_state(params, TX, mesh, config)
   step = jaxdp.make_train_step(_loss, TX, mesh, config)
@@ -387,9 +393,30 @@ def test_views_are_for_eager_code_and_feed_back_into_init_state(strategy):
   before = evaluate(again, _batch())["loss"]
   again, metrics = step(again, _batch())
   assert int(again.step) == 1
-  # The step's metrics and the eval step's outputs live with the views: they combine.
+  # The step's metrics and the eval step's outputs live on the mesh too: they combine, in
+  # the user's jit and eagerly.
+  assert metrics["loss"].sharding.mesh == mesh and before.sharding.mesh == mesh
   np.testing.assert_allclose(float(metrics["loss"] - before), 0.0, atol=1e-6)
-  assert float(metrics["loss"] + optax.tree.norm(params)) > 0
+  total = jax.jit(lambda m, p: m + optax.tree.norm(p))(metrics["loss"], params)
+  assert float(total) > 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_linen_models_jitted_apply_takes_the_params_beside_a_batch_on_your_mesh(strategy):
+  """The most common eval of a Flax loop, `jax.jit(model.apply)(jaxdp.get_params(state), x)`
+  with `x` placed on the user's `jax.make_mesh` mesh: it raised "Mesh for all inputs should
+  be equal ... Explicit ... Auto" under every strategy. Same logits as the initial params
+  (no step taken): the same matmuls, another placement (float32 rounding of 8-term sums)."""
+  model = nn.Sequential([nn.Dense(8), nn.relu, nn.Dense(5)])
+  x = jax.random.normal(jax.random.key(0), (16, 7))
+  params = model.init(jax.random.key(1), x)
+  mesh = jax.make_mesh((8,), ("data",))
+  config = jaxdp.DDPConfig(data_parallel_sharding_strategy=strategy)
+  state = jaxdp.init_state(params, TX, mesh, config)
+  predict = jax.jit(model.apply)
+  logits = predict(jaxdp.get_params(state), jax.device_put(x, NamedSharding(mesh, P("data"))))
+  assert logits.sharding.mesh == mesh
+  np.testing.assert_allclose(logits, model.apply(params, x), rtol=rtol_sum(8), atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -401,12 +428,13 @@ def test_views_are_for_eager_code_and_feed_back_into_init_state(strategy):
   ids=["mixed", "auto"],
 )
 def test_views_on_meshes_with_auto_axes(axis_types):
-  """A mesh of mixed axis types (its Auto axes are not in the arrays' types) and an Auto
-  mesh give views on the Auto mesh as well, with the same values."""
+  """A mesh of mixed axis types and an Auto mesh give views on that mesh as well, with the
+  same values; on the Auto mesh eager ops need no `jax.set_mesh`."""
   mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=axis_types)
   state = _state(mesh, jaxdp.DDPConfig())
   params = jaxdp.get_params(state)
   for x, want in zip(jax.tree.leaves(params), jax.tree.leaves(_params())):
-    assert x.sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2, x.sharding
-    assert float(x.imag.sum()) == 0.0
+    assert x.sharding.mesh == mesh, x.sharding
     np.testing.assert_array_equal(x, want)
+  with jax.set_mesh(mesh):
+    assert all(float(x.imag.sum()) == 0.0 for x in jax.tree.leaves(params))

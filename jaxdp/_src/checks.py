@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.layout import sharded_shape
-from jaxdp._src.mesh import DATA, REPLICA, auto_mesh, constrain, explicit_axes
+from jaxdp._src.mesh import DATA, REPLICA, constrain, explicit_axes
 from jaxdp._src.offload import apply_streamed
 from jaxdp._src.state import (
   SpikeWindow,
@@ -544,7 +544,7 @@ def place_host_leaves(state, mesh):
 
 def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   """`step` jitted with `options`, the state donated, wrapped in the host-side checks; the
-  metrics come back on `auto_mesh(mesh)`, for the caller's code.
+  metrics come back replicated on `mesh`, for the caller's code.
 
   The NaN check keeps donation too: a step whose grads are not finite skips its update on
   the device and returns the state it was given, which `NonFiniteGradError` carries.
@@ -555,9 +555,8 @@ def jit_step(step, mesh, config: DDPConfig, options) -> TrainStep:
   placed = {}
   if explicit_axes(mesh):
     # The state where the step placed it (None: unspecified); the metrics (and the NaN
-    # flags), replicated, on the mesh with Auto axes: values for the caller's code, like
-    # the views (`mesh.EagerProgram`), at no cost.
-    replicated = jax.sharding.NamedSharding(auto_mesh(mesh), jax.sharding.PartitionSpec())
+    # flags), replicated, on the caller's mesh, like the views (`mesh.EagerProgram`).
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     placed["out_shardings"] = (None, replicated)
   jitted = jax.jit(step, donate_argnums=0, compiler_options=options, **placed)
   return TrainStep(jitted, mesh, config, nests=not options)

@@ -15,7 +15,6 @@ from jaxdp._src.train import step_strategy
 from jaxdp._src.compiler import compiler_options
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.mesh import (
-  auto_mesh,
   constrain,
   explicit_axes,
   data_axes,
@@ -120,12 +119,12 @@ def make_eval_step(fn: Callable, mesh, config: DDPConfig, *, fsdp=None, per_exam
       out_spec if runs_auto(mesh, state.model_specs) else None,
     )(StepInputs(state.params, state.master, batch, None, state.model_state))
 
-  # On a mesh with Explicit axes, the outputs on the mesh with Auto axes, for the caller's
-  # code (`mesh.EagerProgram`); elsewhere where the compiler puts them.
+  # On a mesh with Explicit axes, the outputs on that mesh, for the caller's code
+  # (`mesh.EagerProgram`); elsewhere where the compiler puts them.
   placed = {}
   if explicit_axes(mesh):
     spec = batch_spec if per_example else P()
-    placed["out_shardings"] = NamedSharding(auto_mesh(mesh), spec)
+    placed["out_shardings"] = NamedSharding(mesh, spec)
   return checks.EvalStep(
     jax.jit(
       step,

@@ -224,19 +224,16 @@ def eager_program(fn: Callable) -> EagerProgram:
 class EagerProgram:
   """A jitted view of a train state whose arrays the caller uses as any other.
 
-  On a mesh with Explicit axes (`jax.make_mesh`'s default) every array carries the mesh in
-  its type, and JAX then refuses some eager ops on it (`x.imag`, `x.at[i].set(...)`, a mask
-  broadcast against it in an attention layer) and a `jax.jit` of them outside
-  `jax.set_mesh(mesh)`: "Length of device assignment 1 is not equal to the size of the
-  mesh". So the outputs come back on `auto_mesh(mesh)`: the same devices, the same shards,
-  no copy, every axis Auto, an array like those `jax.device_put` gives. The state itself
-  stays on the step's mesh (the step's jit cache keys on it).
+  The outputs live on the mesh the caller gave (the state's), axis types included, as
+  arrays the caller placed there with `jax.device_put` would: so the caller's own
+  `jax.jit` takes them beside a batch placed on that mesh. (An eager model call on arrays
+  of a mesh with Explicit axes is a different matter: JAX refuses some eager ops there
+  outside `jax.set_mesh`; `on_auto_mesh` re-wraps arrays for it, as `nnx_merge` does for a
+  model's variables.)
 
   On a mesh whose axes are all Explicit, the outputs' specs are read once per state
-  structure (`jax.eval_shape`) and the program is jitted with `out_shardings` on the Auto
-  mesh; on a mesh of mixed axis types, whose Auto axes are not in the arrays' types, each
-  output is re-wrapped after the call (`on_auto_mesh`); on an Auto mesh the program runs
-  as it is.
+  structure (`jax.eval_shape`) and the program is jitted with `out_shardings` on the mesh,
+  so that every output carries it; elsewhere the program runs as it is.
   """
 
   _MAX_PROGRAMS = 64
@@ -271,14 +268,10 @@ class EagerProgram:
       return fn(tree, mesh, *static)
 
     explicit = explicit_axes(mesh)
-    if not explicit:
-      return jax.jit(program)
     if len(explicit) < len(mesh.axis_names):
-      jitted = jax.jit(program)
-      return lambda tree: on_auto_mesh(jitted(tree))
-    twin = auto_mesh(mesh)
+      return jax.jit(program)
     out = jax.eval_shape(program, tree)
-    shardings = jax.tree.map(lambda x: NamedSharding(twin, x.sharding.spec), out)
+    shardings = jax.tree.map(lambda x: NamedSharding(mesh, x.sharding.spec), out)
     return jax.jit(program, out_shardings=shardings)
 
   def clear_cache(self) -> None:
@@ -288,7 +281,14 @@ class EagerProgram:
 
 def on_auto_mesh(tree: PyTree) -> PyTree:
   """`tree` with each array on a mesh with Explicit axes re-wrapped onto `auto_mesh` of it:
-  the same buffers (no copy, no program), every axis Auto."""
+  the same buffers (no copy, no program), every axis Auto.
+
+  For eager code: outside `jax.set_mesh`, JAX refuses some eager ops on arrays whose type
+  carries Explicit axes (`x.imag`, `x.at[i].set(...)`, the causal mask a Flax attention
+  layer broadcasts against its weights) with "Length of device assignment 1 is not equal
+  to the size of the mesh"; on the Auto twin they run as on one device. The price: a
+  `jax.jit` that mixes them with arrays on the Explicit mesh is refused ("Mesh for all
+  inputs should be equal")."""
 
   twins = {}
 

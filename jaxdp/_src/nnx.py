@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxdp._src.checks import NonFiniteGradError
-from jaxdp._src.mesh import eager_program
+from jaxdp._src.mesh import eager_program, on_auto_mesh
 from jaxdp._src.state import TrainState
 from jaxdp._src.train import get_params, init_state, make_train_step
 from jaxdp._src.units import sharded_paths
@@ -270,7 +270,7 @@ def _refuse_frozen(variables: nnx.State, before: Sequence, message: str) -> None
 @eager_program
 def _copied(tree: PyTree, mesh) -> PyTree:
   """Fresh copies of `tree`'s arrays (on `mesh`), in one program (not one eager op per
-  leaf), placed for eager use as `get_params` places the params."""
+  leaf), placed as `get_params` places the params."""
   del mesh  # where the outputs go (`eager_program`)
   return jax.tree.map(jnp.copy, tree)
 
@@ -342,9 +342,12 @@ def nnx_merge(model: nnx.Module, params: PyTree, model_state: PyTree = None) -> 
   """
   if isinstance(params, TrainState):  # fresh copies: the next step donates the state
     state = params
-    params = get_params(state)  # first: it refuses a donated state
+    # A model is called eagerly (`model(x)`), where JAX refuses a Flax attention layer's
+    # mask on arrays of a mesh with Explicit axes outside `jax.set_mesh`: its variables go
+    # on the mesh's Auto twin (`on_auto_mesh`: the same buffers, no copy).
+    params = on_auto_mesh(get_params(state))  # first: it refuses a donated state
     if model_state is None and state.model_state is not None:
-      model_state = _copied(state.model_state, state.step.sharding.mesh)
+      model_state = on_auto_mesh(_copied(state.model_state, state.step.sharding.mesh))
   # The model's Variables are updated in place from States built by position ([Note: pure
   # dicts by position]); `_check_like` first, against the model's own shapes and dtypes
   param_state = nnx.state(model, nnx.Param)
@@ -489,7 +492,11 @@ def nnx_train_step(
     update_model: write the trained state back into the model after each step.
 
   Returns:
-    `train_step(model, optimizer, batch) -> metrics` (see `make_train_step`).
+    `train_step(model, optimizer, batch) -> metrics` (see `make_train_step`). The model
+    is for eager calls: its variables and the metrics sit on the mesh's devices with every
+    axis Auto (`jax.make_mesh`'s Explicit axes make JAX refuse a Flax attention layer's
+    eager mask); `jaxdp.get_params(optimizer.state)` gives the params on your mesh, for
+    your own `jax.jit` beside a batch placed there.
   """
   # The compiled steps of each optimizer, by the model's graphdef. Keyed on the optimizer
   # object itself (weakly: a step lives as long as its optimizer), never on `id(optimizer)`,
@@ -523,6 +530,7 @@ def nnx_train_step(
       raise
     if update_model:
       optimizer.update_model(model)
-    return metrics
+    # with the model's variables (`nnx_merge`), for eager code beside the model's outputs
+    return on_auto_mesh(metrics)
 
   return train_step

@@ -184,10 +184,12 @@ def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
   Fresh arrays: they stay valid after the state is donated to the next train step. The
   unpadding and copy of every leaf are one compiled program (with several processes, eager
   per-leaf ops would each run a program of their own, which can hang a job). They are
-  arrays for your own code: on the state's devices, on the mesh with every axis Auto
-  (`jax.make_mesh` makes Explicit axes, on which JAX refuses some eager ops, such as an
-  attention mask broadcast against a param, outside `jax.set_mesh`), so an eager forward,
-  `optax.tree.norm(params)` or `jaxdp.nnx_merge` then `model(x)` work as on one device.
+  arrays for your own code, on the mesh you gave (its axis types included), as if you had
+  placed them there with `jax.device_put`: your own `jax.jit` takes them beside a batch
+  placed on that mesh. On a mesh with Explicit axes (`jax.make_mesh`'s default) JAX
+  refuses some eager ops outside `jax.set_mesh(mesh)` (`x.imag` inside
+  `optax.tree.norm`, an attention mask broadcast against a param): run those under it, or
+  use `jaxdp.nnx_merge`, whose model is for eager calls.
 
   Args:
     state: a `TrainState` of any strategy.
@@ -208,8 +210,11 @@ def get_params(state: TrainState, *, sharded: bool = False) -> PyTree:
     >>> config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim")
     >>> state = jaxdp.init_state({"w": jnp.ones((3, 2))}, optax.sgd(0.1), mesh, config)
     >>> params = jaxdp.get_params(state)
-    >>> params["w"].shape, float(optax.tree.norm(params))  # eager, outside any mesh context
-    ((3, 2), 2.449489...)
+    >>> params["w"].sharding.mesh == mesh  # the mesh you gave
+    True
+    >>> with jax.set_mesh(mesh):  # eager ops on a mesh with Explicit axes
+    ...   print(params["w"].shape, float(optax.tree.norm(params)))
+    (3, 2) 2.449489...
     >>> state = jaxdp.init_state({"w": jnp.ones((3, 16))}, optax.sgd(0.1), mesh, config)
     >>> jaxdp.get_params(state, sharded=True)["w"].sharding.spec  # 3 rows: on the 16
     P(None, 'data')
