@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+PyTree = object
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
 # Safety factor on the random-walk estimates (module docstring): 4 standard deviations.
 # For gradients the leaf's largest gradient, not the element's own, sets the scale, which
@@ -77,14 +78,16 @@ class AdamBound:
     b1, b2, eps: Adam's.
     grad_rtol: how far the two runs' gradients may differ, relative to a leaf's largest
       gradient; by default float32's `sqrt(n_terms) * rtol_sum(n_terms)`, and
-      `bf16_grad_rtol` for two bfloat16 programs.
+      `bf16_grad_rtol` for two bfloat16 programs; a tree like `params` gives each leaf its
+      own (a tree of float32 and bfloat16 leaves).
   """
 
   def __init__(self, lr, n_terms, params, clip=None, b1=0.9, b2=0.999, eps=1e-8, grad_rtol=None):
     self.clip = clip
     self.lr = lr if callable(lr) else (lambda count: lr)
     # How far the two runs' gradients differ, relative to a leaf's largest gradient.
-    self.rho = float(np.sqrt(n_terms)) * rtol_sum(n_terms) if grad_rtol is None else grad_rtol
+    rho = float(np.sqrt(n_terms)) * rtol_sum(n_terms) if grad_rtol is None else grad_rtol
+    self.rho = rho if not np.isscalar(rho) else jax.tree.map(lambda p: rho, params)
     self.b1, self.b2, self.eps = b1, b2, eps
     self.t, self.v, self.delta, self.moved = 0, None, None, 0.0
     self.bound = jax.tree.map(lambda p: np.zeros(np.shape(p), np.float64), params)
@@ -92,10 +95,12 @@ class AdamBound:
       lambda p: float(np.max(np.abs(np.asarray(p, np.float64)), initial=0.0)), params
     )
 
-  def add(self, grads, exact=False):
+  def add(self, grads, exact=False, delta=None):
     """Account for one more Adam step whose (unclipped) reference gradients are `grads`;
     `exact`: both runs take this step bit for bit alike (they restored the same state),
-    so it adds nothing to the bound, only to Adam's history."""
+    so it adds nothing to the bound, only to Adam's history. `delta`: per leaf, how far
+    this step's gradients of the two runs may differ, where `grad_rtol` of the largest
+    gradient does not say it (see `bf16_partials_delta`)."""
     grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
     if self.clip is not None:
       norm = float(np.sqrt(sum(np.sum(g * g) for g in jax.tree.leaves(grads))))
@@ -110,9 +115,9 @@ class AdamBound:
       self.delta = jax.tree.map(lambda g: 0.0, grads)
     self.v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, self.v, grads)
     # The largest rounding error of any gradient so far, per leaf.
-    self.delta = jax.tree.map(
-      lambda d, g: max(d, self.rho * float(np.max(np.abs(g), initial=0.0))), self.delta, grads
-    )
+    if delta is None:
+      delta = jax.tree.map(lambda g, r: r * float(np.max(np.abs(g), initial=0.0)), grads, self.rho)
+    self.delta = jax.tree.map(max, self.delta, delta)
 
     if exact:
       self.delta = jax.tree.map(lambda d: 0.0, self.delta)
@@ -153,6 +158,35 @@ class AdamBound:
     return sum(int((b <= atol).sum()) for b in leaves) / sum(b.size for b in leaves)
 
 
+class SGDBound(AdamBound):
+  """Per-element bound on |p_a - p_b| for two float32 runs of SGD with (heavy-ball) momentum
+  whose gradients differ by rounding only.
+
+  The update is linear in the gradients: the momentum after t steps is sum_k m^(t-k) g_k,
+  so a difference delta_k in each gradient moves the step-t update by at most
+  lr * sum_k m^(t-k) delta_k, and the params by the sum of that over the steps; delta_k is
+  the rounding bound of step k's gradients (`grad_rtol` of the leaf's largest gradient, as
+  for Adam). Same first-order caveat and the same `check` as `AdamBound`.
+  """
+
+  def __init__(self, lr, params, momentum=0.0, grad_rtol=None, n_terms=1):
+    super().__init__(lr, n_terms, params, grad_rtol=grad_rtol)
+    self.momentum = momentum
+    self.carried = jax.tree.map(lambda p: 0.0, params)  # sum_k m^(t-k) delta_k
+
+  def add(self, grads, exact=False, delta=None):
+    grads = jax.tree.map(lambda g: np.asarray(g, np.float64), grads)
+    self.t += 1
+    lr = float(self.lr(self.t - 1))
+    largest = jax.tree.map(lambda g: float(np.max(np.abs(g), initial=0.0)), grads)
+    self.moved += lr * sum(jax.tree.leaves(largest)) / (1 - self.momentum)
+    if delta is None:
+      delta = jax.tree.map(lambda g, r: r * g, largest, self.rho)
+    delta = jax.tree.map(lambda d: 0.0 if exact else d, delta)
+    self.carried = jax.tree.map(lambda c, d: self.momentum * c + d, self.carried, delta)
+    self.bound = jax.tree.map(lambda b, c: b + lr * c, self.bound, self.carried)
+
+
 EPS_BF16 = float(jnp.finfo(jnp.bfloat16).eps)  # 2**-7: 8 significant bits, 7 stored
 
 
@@ -170,6 +204,34 @@ def bf16_grad_rtol(roundings: int) -> float:
   inside the matmuls adds only float32 rounding, far below this.
   """
   return GRAD_TERMS * float(np.sqrt(2 * roundings)) * EPS_BF16 / 2
+
+
+def bf16_partials_delta(example_grads, grads, n_terms) -> PyTree:
+  """Per leaf: how far a data-parallel run's gradient of a bfloat16 leaf may differ from one
+  device's, where each device (micro-batch) rounds its partial gradient to bfloat16 before
+  the float32 sum and one device rounds the whole sum once.
+
+  Each rounding moves a partial by at most eps_bf16 / 2 of itself, and a partial is a sum of
+  some examples' gradients, so all of them together move the sum by at most eps_bf16 / 2
+  times the sum of the examples' |gradients| (`example_grads`: one leading row per example,
+  already divided by the batch size as the mean loss weighs them); the reference's own
+  rounding adds eps_bf16 / 2 of |grad|, float32's sums `grad_atol`. Where partial gradients
+  cancel, this is far above the largest gradient: a relative bound of that would not hold.
+  """
+  half = EPS_BF16 / 2
+  return jax.tree.map(
+    lambda e, g: (
+      float(
+        np.max(half * np.sum(np.abs(np.asarray(e, np.float64)), axis=0), initial=0.0)
+        + half * np.max(np.abs(np.asarray(g, np.float64)), initial=0.0)
+      )
+      + float(np.sqrt(n_terms))
+      * rtol_sum(n_terms)
+      * float(np.max(np.abs(np.asarray(g)), initial=0.0))
+    ),
+    example_grads,
+    grads,
+  )
 
 
 def step_tolerances(params, n_terms, per_term, lr, clip=None, **adam):

@@ -663,8 +663,14 @@ def leaves_of_shards(flats: list[dict], layout: Layout, mesh) -> list[list[Any]]
     for flat in flats:
       leaves = [None] * len(layout.leaves)
       for named in bucket_names(layout):
-        bucket = named.bucket
-        for p, x in zip(bucket.params, shard_unravel(flat[named.name], bucket, layout.dp)):
+        bucket, shard = named.bucket, flat[named.name]
+        if not hasattr(shard, "shape"):
+          # optax.masked's `MaskedNode` (of `multi_transform`, a mask): no state for this
+          # bucket, and none for each of its leaves
+          for p in bucket.params:
+            leaves[p.index] = shard
+          continue
+        for p, x in zip(bucket.params, shard_unravel(shard, bucket, layout.dp)):
           leaves[p.index] = x
       out.append(leaves)
     return out
