@@ -11,10 +11,14 @@ shows as 8 x the model. Each variant runs in a fresh process: init (from the mod
 function, then again from host arrays), 2 train steps, a checkpoint save, and a restore
 into a fresh state; then one more fresh process restores that checkpoint, the one thing it
 does, as a resumed job meets it ("restore (fresh process)"; `--restore-only` measures only
-that, its checkpoint written by the first process from init and 2 steps, unmeasured). The
-restore in the job's own process may reuse memory its earlier phases left resident, so its
-growth depends on them and moves from run to run (the GSPMD way's measured 2.3-4.5 models
-at 256 MiB, less than the state it allocates); the fresh process's starts from none. Each
+that, its checkpoint written by the first process from init and 2 steps, unmeasured), and
+again with glibc's mmap threshold fixed ("freed returned": `MALLOC_MMAP_THRESHOLD_=131072`),
+so that a freed read buffer goes back to the system at once instead of staying in one of
+glibc's arenas: what each way allocates, less what the allocator keeps. The restore in the
+job's own process may reuse memory its earlier phases left resident, so its growth depends
+on them and moves from run to run (the GSPMD way's measured 2.3-4.5 models at 256 MiB, at
+the low end less than the 3-model state it allocates); the fresh process's starts from
+none. Each
 phase's number is its peak host memory growth (VmHWM, reset before the phase, less the
 resident memory at its start), in multiples of the model's f32 params.
 The model is residual MLP blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096: 32 MiB a
@@ -49,7 +53,10 @@ import tempfile
 import time
 
 FRESH = "restore (fresh process)"
-PHASES = ("init (function)", "init (host arrays)", "2 train steps", "save", "restore", FRESH)
+# the same, glibc's mmap threshold fixed: a freed read buffer goes back to the system at once
+LEAN = "restore (fresh process, freed returned)"
+LEAN_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+PHASES = ("init (function)", "init (host arrays)", "2 train steps", "save", "restore", FRESH, LEAN)
 VARIANTS = ("gspmd", "optim", "optim_grads", "fsdp", "optim+offload", "fsdp+offload")
 MiB = 2**20
 D, FFN = 1024, 4096
@@ -93,7 +100,8 @@ def worker(
 
   `mode`: "job" every phase but the fresh restore; "save" only what a checkpoint to restore
   takes (init from the function, the steps, the save); "restore" only the restore of the
-  checkpoint in `directory`, the one thing this process does (a job resumed)."""
+  checkpoint in `directory`, the one thing this process does (a job resumed);
+  "restore-lean" the same, named as run with `LEAN_ENV` set."""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jaxdp  # before JAX: it imports JAX without the CUDA plugin's driver-probe lines
   import jax
@@ -164,8 +172,8 @@ def worker(
         restored = ckpt.restore(path, target)
         jax.block_until_ready(restored)
 
-    if mode == "restore":
-      restore(FRESH)
+    if mode.startswith("restore"):
+      restore(LEAN if mode == "restore-lean" else FRESH)
       ckpt.close()
       return out
     with Phase("init (function)", out):
@@ -201,8 +209,8 @@ def worker(
       state = mgr.restore(jaxdp.abstract_state(init_fn, tx, mesh, config))
       jax.block_until_ready(state)
 
-  if mode == "restore":
-    restore(FRESH)
+  if mode.startswith("restore"):
+    restore(LEAN if mode == "restore-lean" else FRESH)
     mgr.close()
     return out
   train_step = jaxdp.make_train_step(make_loss(), tx, mesh, config)
@@ -262,7 +270,7 @@ def main():
   if "gspmd" not in args.variants:
     args.variants = ["gspmd", *args.variants]
   model = layers * 2 * D * FFN * 4
-  phases = (FRESH,) if args.restore_only else PHASES
+  phases = (FRESH, LEAN) if args.restore_only else PHASES
   results = {}
   runs = args.repeat * len(args.variants)
   print(
@@ -293,7 +301,7 @@ def main():
         )
         got = {}
         # the job (or only its save), then the restore of its checkpoint in a fresh process
-        for mode in ("save" if args.restore_only else "job", "restore"):
+        for mode in ("save" if args.restore_only else "job", "restore", "restore-lean"):
           print(f" {mode}:", file=sys.stderr, flush=True)
           done = subprocess.run(
             [
@@ -316,6 +324,7 @@ def main():
             stdout=subprocess.PIPE,
             text=True,
             check=True,
+            env={**os.environ, **(LEAN_ENV if mode == "restore-lean" else {})},
           )
           got.update(json.loads(done.stdout.strip().splitlines()[-1]))
         shutil.rmtree(os.path.join(directory, variant))  # the next run saves afresh
