@@ -392,7 +392,7 @@ def test_a_restore_in_a_fresh_process_holds_no_more_than_orbaxs(tmp_path):
   growth (VmHWM) into `abstract_state`, under ZeRO-1 and FSDP, is within 1.2x of orbax's
   `StandardCheckpointer` restoring the GSPMD-sharded state into `jax.ShapeDtypeStruct`
   targets (scripts/bench/job_memory.py --restore-only: each checkpoint is written by a
-  process of its own first)."""
+  process of its own first), with glibc's defaults and with its mmap threshold fixed."""
   out = tmp_path / "memory.json"
   command = [
     sys.executable,
@@ -404,11 +404,13 @@ def test_a_restore_in_a_fresh_process_holds_no_more_than_orbaxs(tmp_path):
   done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
   assert done.returncode == 0, done.stderr[-4000:]
   report = json.loads(out.read_text())
-  grow = {v: r["restore (fresh process)"]["grow"] for v, r in report["results"].items()}
   state = 3 * report["model"]  # the master and Adam's two moments
-  assert all(g >= state for g in grow.values()), grow  # each allocated the state it read
-  for variant in ("optim", "fsdp"):
-    assert grow[variant] <= 1.2 * grow["gspmd"], (variant, grow, done.stdout)
+  # as glibc runs by default, and with freed buffers returned at once (what each allocates)
+  for phase in ("restore (fresh process)", "restore (fresh process, freed returned)"):
+    grow = {v: r[phase]["grow"] for v, r in report["results"].items()}
+    assert all(g >= state for g in grow.values()), (phase, grow)  # each allocated the state
+    for variant in ("optim", "fsdp"):
+      assert grow[variant] <= 1.2 * grow["gspmd"], (phase, variant, grow, done.stdout)
 
 
 def test_an_abstract_state_onto_other_padding_is_refused_before_reading(tmp_path, monkeypatch):
