@@ -18,11 +18,9 @@ glibc's arenas: what each way allocates, less what the allocator keeps. The rest
 job's own process may reuse memory its earlier phases left resident, so its growth depends
 on them and moves from run to run (the GSPMD way's measured 2.3-4.5 models at 256 MiB, at
 the low end less than the 3-model state it allocates); the fresh process's starts from
-none. Each
-phase's number is its peak host memory growth (VmHWM, reset before the phase, less the
-resident memory at its start), in multiples of the model's f32 params.
-The model is residual MLP blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096: 32 MiB a
-block), AdamW.
+none. Each phase's number is its peak host memory growth (VmHWM, reset before the phase,
+less the resident memory at its start), in multiples of the model's f32 params. The model
+is residual MLP blocks `h + gelu(h @ W1) @ W2` (d 1024, ffn 4096: 32 MiB a block), AdamW.
 
 The GSPMD way is what a MaxText user writes instead: `jax.jit` of the init function and of
 the step of scripts/bench/gspmd_baselines.py's GSPMD FSDP (params and optimizer state
@@ -255,8 +253,8 @@ def main():
   parser.add_argument(
     "--restore-only",
     action="store_true",
-    help="measure only the restore in a fresh process (each run saves the checkpoint first, "
-    "from init and 2 steps, unmeasured)",
+    help="measure only the restores in fresh processes, with glibc's defaults and freed "
+    "returned (each run saves the checkpoint first, from init and 2 steps, unmeasured)",
   )
   parser.add_argument("--json", help="also write each variant's phases (bytes) to this file")
   parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
