@@ -607,11 +607,15 @@ def _stored_flat(state: TrainState) -> tuple[dict[str, jax.Array], dict[str, Any
   opt_index = 0  # the leaf's number in the per-leaf optax state
   for item_index, item in enumerate(items):
     if _is_flat(item, layout):
-      for number, name in enumerate(names):
-        out[_key("flat_opt", number, item_index)] = item[name]
+      # A bucket whose value is no array is optax.masked's `MaskedNode` (`multi_transform`,
+      # a mask): no state, neither here nor for its leaves in the per-leaf form.
+      held = {number for number, name in enumerate(names) if hasattr(item[name], "shape")}
+      for number in sorted(held):
+        out[_key("flat_opt", number, item_index)] = item[names[number]]
       for index in trainable:
-        sources[_key("opt", opt_index)] = source("flat_opt", index, item_index)
-        opt_index += 1
+        if blocks[index][0] in held:
+          sources[_key("opt", opt_index)] = source("flat_opt", index, item_index)
+          opt_index += 1
     else:
       out[_key("opt", opt_index)] = item
       opt_index += 1
@@ -914,14 +918,17 @@ def _targets(meta: _Metadata, like: TrainState, mesh, same_flat: bool) -> list[_
   if same_flat:
     items, _ = _flat_items(like)
     spec_items = jax.tree.flatten(specs.opt_state, is_leaf=lambda x: _is_flat(x, layout))[0]
-    opt_index, trainable = 0, sum(layout.trainable)  # the per-leaf optax state's numbering
+    opt_index = 0  # the per-leaf optax state's numbering
+    buckets = [named.bucket for named in bucket_names(layout)]
     for item_index, (item, spec) in enumerate(zip(items, spec_items)):
       if _is_flat(item, layout):
         for number, name in enumerate(names):
+          if not hasattr(item[name], "shape"):  # optax.masked's `MaskedNode`: no state
+            continue
           bucket = _BucketIndex(item=item_index, name=name)
           key = _key("flat_opt", number, item_index)
           out.append(target("flat", bucket, key, item[name], FLAT_SPEC))
-        opt_index += trainable  # a flat item holds one leaf per trainable param
+          opt_index += len(buckets[number].params)  # one per-leaf leaf per param it holds
       else:
         out.append(target("opt", item_index, _key("opt", opt_index), item, spec))
         opt_index += 1

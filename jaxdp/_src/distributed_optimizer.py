@@ -770,6 +770,18 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
     xs = jax.tree.leaves(x)
     return all(tuple(np.shape(v)) == padded[leaf.index] for v, leaf in zip(xs, trainable))
 
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+
+  def is_masked(x):
+    """A per-leaf tree of optax.masked's `MaskedNode`s (a `multi_transform` branch that
+    no bucket takes): fused, every bucket's node."""
+    nodes = jax.tree.leaves(x, is_leaf=masked)
+    return (
+      bool(nodes)
+      and all(masked(v) for v in nodes)
+      and jax.tree.structure(x, is_leaf=masked) == tree_def
+    )
+
   trees, likes = [], []
 
   def collect(x, pad=None):
@@ -782,17 +794,25 @@ def fused_state(state: TrainState, mesh, like: TrainState | None = None) -> Trai
   # takes the converted trees
   if like is None:
     collect(state.master)
-    jax.tree.map(collect, state.opt_state, is_leaf=is_tree)
+    jax.tree.map(collect, state.opt_state, is_leaf=lambda x: is_tree(x) or is_masked(x))
   else:
     collect(state.master, like.master)
-    jax.tree.map(collect, state.opt_state, like.opt_state, is_leaf=is_tree)
+    jax.tree.map(
+      collect, state.opt_state, like.opt_state, is_leaf=lambda x: is_tree(x) or is_masked(x)
+    )
   if sharded:
     flats = iter(shards_of_leaves(trees, likes, layout, mesh))
   else:  # replicated: ravel whole, the padding (rows and tail) `like`'s
     flats = iter(_ravel_whole(leaves, pad, layout, mesh) for leaves, pad in zip(trees, likes))
-  flat = lambda x: next(flats) if is_tree(x) else x
+  names = [named.name for named in bucket_names(layout)]
+
+  def flat(x):
+    if is_tree(x):
+      return next(flats)
+    return {name: optax.MaskedNode() for name in names} if is_masked(x) else x
+
   master = flat(state.master)
-  opt_state = jax.tree.map(flat, state.opt_state, is_leaf=is_tree)
+  opt_state = jax.tree.map(flat, state.opt_state, is_leaf=lambda x: is_tree(x) or is_masked(x))
   out = dataclasses.replace(state, master=master, opt_state=opt_state, fused=True)
   return _placed(out, mesh)
 
