@@ -73,3 +73,31 @@ def test_comment_density():
     metrics.comment_lines,
     metrics.code_lines,
   )
+
+
+# The params of JAX's call and control-flow primitives, which change between releases
+# (jaxdp/_src/jaxprs.py's docstring): read nowhere but in the accessor module.
+CALL_PARAMS = ("jaxpr", "call_jaxpr", "num_consts", "num_carry", "ft_in", "ft_out", "policy")
+
+
+def test_call_and_scan_params_are_read_only_by_the_accessors():
+  found = []
+  for path in sorted(SRC.glob("*.py")):
+    if path.name == "jaxprs.py":
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      key, target = None, None
+      if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        key, target = node.slice.value, node.value
+      elif (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+      ):
+        key, target = node.args[0].value, node.func.value
+      reads_params = isinstance(target, ast.Attribute) and target.attr == "params"
+      if key in CALL_PARAMS and reads_params:
+        found.append(f"{path.name}:{node.lineno}: params[{key!r}]")
+  assert not found, found

@@ -92,7 +92,17 @@ from jax.extend.core import primitives as prims
 
 from jaxdp._src import collectives
 from jaxdp._src.buffer import pad_dim
-from jaxdp._src.jaxprs import bind, inline_jits, read
+from jaxdp._src.jaxprs import (
+  bind,
+  called_jaxpr,
+  consts_of,
+  inline_jits,
+  inner_jaxpr,
+  open_jaxpr,
+  read,
+  remat_params,
+  scan_params,
+)
 from jaxdp._src.mesh import DATA
 
 PyTree = Any
@@ -349,16 +359,6 @@ def _cast_dtypes(program: _Program, units: _Units) -> dict[int, np.dtype]:
   return out
 
 
-def _inner_jaxpr(eqn) -> jcore.Jaxpr | None:
-  """The jaxpr a call-like `eqn` runs on its operands one to one (`jit`, `jax.checkpoint`,
-  `lax.scan`: consts, carry and xs in order), else None."""
-  if eqn.primitive not in (prims.jit_p, prims.closed_call_p, prims.remat_p, prims.scan_p):
-    return None
-  inner = eqn.params.get("jaxpr")
-  inner = getattr(inner, "jaxpr", inner)
-  return inner if isinstance(inner, jcore.Jaxpr) and len(inner.invars) == len(eqn.invars) else None
-
-
 def _use_casts(jaxpr: jcore.Jaxpr, var) -> set | None:
   """The dtypes every use of `var` in `jaxpr` casts it to, or None where one use is not a
   float cast (or it is an output)."""
@@ -375,7 +375,7 @@ def _use_casts(jaxpr: jcore.Jaxpr, var) -> set | None:
           return None
         dtypes.add(np.dtype(dtype))
         continue
-      inner = _inner_jaxpr(eqn)
+      inner = inner_jaxpr(eqn)
       found = None if inner is None else _use_casts(inner, inner.invars[pos])
       if found is None:
         return None
@@ -710,7 +710,7 @@ def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
   (None: not such a scan)."""
   if eqn.primitive is not prims.scan_p:
     return None
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  start = scan_params(eqn).xs_start
   param_var = program.param_var
   pos = {
     j: param_var[v]
@@ -759,7 +759,7 @@ def _direct_reads(piece: _Piece) -> list:
   if piece.scan_xs is None:
     return [v for e in piece.eqns for v in e.invars if isinstance(v, jcore.Var)]
   (eqn,) = piece.eqns
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  start = scan_params(eqn).xs_start
   return [
     v
     for j, v in enumerate(eqn.invars)
@@ -942,7 +942,7 @@ def _run_scan(
       if j == i
     )
   _eval(op.lazy, local)
-  start = eqn.params["num_consts"] + eqn.params["num_carry"]
+  start = scan_params(eqn).xs_start
   operands = [None if j - start in op.scan_xs else read(local, v) for j, v in enumerate(eqn.invars)]
   outs, tokens = _scan_unit(
     eqn,
@@ -1298,8 +1298,8 @@ def _scan_unit(
   """A `lax.scan` over the layers of stacked `units`, as one `custom_vjp` over their layer
   shards (see the module docstring). `operands` are the scan's operands with the stacked
   params' `xs` left out (None); `shard_pos` maps an xs position to its leaf."""
-  params = eqn.params
-  n_consts, n_carry = params["num_consts"], params["num_carry"]
+  params = scan_params(eqn)
+  n_consts, n_carry = params.consts, params.carry
   consts = operands[:n_consts]
   init = operands[n_consts : n_consts + n_carry]
   xs = operands[n_consts + n_carry :]
@@ -1307,7 +1307,7 @@ def _scan_unit(
   # [Note: trainable and frozen shards], stacked over the layers
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  layer = _ScanLayer(params["jaxpr"], n_carry, len(xs), shard_pos, tuple(units))
+  layer = _ScanLayer(params.body, n_carry, len(xs), shard_pos, tuple(units))
   init_avals = _avals(init)
   other_avals = [jax.typeof(x).update(shape=jax.typeof(x).shape[1:]) for x in other]
 
@@ -1323,8 +1323,8 @@ def _scan_unit(
 
   scan = _ScanUnit(
     layer=layer,
-    length=params["length"],
-    reverse=params["reverse"],
+    length=params.length,
+    reverse=params.reverse,
     token_avals=_avals(tokens),
     init_avals=init_avals,
     other_avals=other_avals,
@@ -1821,7 +1821,7 @@ def _first_uses(jaxpr: jcore.Jaxpr) -> dict:
       if eqn.primitive is prims.convert_element_type_p and eqn.invars[0] in alias:
         alias[eqn.outvars[0]] = alias[eqn.invars[0]]
         continue
-      inner = _inner_jaxpr(eqn) if eqn.primitive is not prims.scan_p else None
+      inner = inner_jaxpr(eqn) if eqn.primitive is not prims.scan_p else None
       if inner is not None:
         inner_alias = {
           w: alias[v]
@@ -2667,13 +2667,12 @@ def _bind_narrowed(eqn, invals, flags) -> list:
   if eqn.primitive is prims.convert_element_type_p:
     (x,) = invals
     return [x] if x.dtype == eqn.params["new_dtype"] else bind(eqn, invals)
-  inner = eqn.params.get("jaxpr")
-  if eqn.primitive in (prims.jit_p, prims.closed_call_p):
-    return _eval_jaxpr(inner.jaxpr, inner.consts, invals, flags)
-  if eqn.primitive is prims.remat_p:
-    run = lambda *a: _eval_jaxpr(inner, (), a, flags)
-    policy, prevent_cse = eqn.params["policy"], eqn.params["prevent_cse"]
-    return list(jax.checkpoint(run, prevent_cse=prevent_cse, policy=policy)(*invals))
+  if (inner := called_jaxpr(eqn)) is not None:
+    return _eval_jaxpr(open_jaxpr(inner), consts_of(inner), invals, flags)
+  if (remat := remat_params(eqn)) is not None:
+    run = lambda *a: _eval_jaxpr(remat.jaxpr, (), a, flags)
+    checkpointed = jax.checkpoint(run, prevent_cse=remat.prevent_cse, policy=remat.policy)
+    return list(checkpointed(*invals))
   widened = [_as_param(x, v.aval) if f else x for x, v, f in zip(invals, eqn.invars, flags)]
   return bind(eqn, widened)
 
