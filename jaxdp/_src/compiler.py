@@ -28,6 +28,14 @@ Facts checked with jax/jaxlib 0.10.2 (see tests/test_inspect.py):
 
 from __future__ import annotations
 
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+_log = logging.getLogger(__name__)
+
 CPU_COMBINER_PASSES = ("cpu-all-reduce-combiner",)
 """Collective combiner passes of XLA:CPU (jaxlib 0.10.2). There is no reduce-scatter or
 all-gather combiner on CPU."""
@@ -90,10 +98,43 @@ def compiler_options(platform: str, scanned: bool = False) -> dict[str, str | in
     {}
   """
   if platform == "cpu":
-    return dict(CPU_OPTIONS)
+    return known_options(CPU_OPTIONS)
   if platform in GPU_PLATFORMS:
     options = dict(GPU_OPTIONS)
     if scanned:
       options["xla_gpu_all_gather_combine_threshold_bytes"] = LAYER_GATHER_COMBINE_BYTES
-    return options
+    return known_options(options)
   return {}
+
+
+def known_options(options: dict) -> dict:
+  """`options` less those the installed XLA does not know, each dropped with a warning that
+  names it: XLA renames and removes its flags between releases, and a compile given an
+  unknown one fails ("No such compile option"), which must not break a user's step.
+
+  Examples:
+    >>> known_options({"xla_gpu_enable_latency_hiding_scheduler": True, "xla_no_such": 1})
+    {'xla_gpu_enable_latency_hiding_scheduler': True}
+  """
+  return {name: value for name, value in options.items() if knows_option(name, value)}
+
+
+@functools.cache
+def knows_option(name: str, value) -> bool:
+  """Does the installed XLA accept option `name` (with `value`)? Once per process and
+  option: a compile of an identity on the CPU, whose XLA reads every backend's options
+  (they are one `DebugOptions`)."""
+  cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+  one = jax.ShapeDtypeStruct((), jnp.float32, sharding=cpu)
+  try:
+    jax.jit(lambda x: x, compiler_options={name: value}).lower(one).compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "No such compile option" not in str(e):
+      raise
+    _log.warning(
+      "this XLA (jaxlib %s) has no compile option %r: jaxdp compiles without it",
+      jax.lib.__version__,
+      name,
+    )
+    return False
+  return True

@@ -61,6 +61,7 @@ import numpy as np
 import optax
 
 from jaxdp._src import collectives, loop
+from jaxdp._src.compiler import known_options
 from jaxdp._src.config import DDPConfig
 from jaxdp._src.buffer import (
   bucket_ravel,
@@ -191,7 +192,9 @@ def _run_both(tx, runs, treedefs):
     (tree, [None if g[0] is None else np.stack(g) for g in zip(*grads)]) for tree, grads in runs
   ]
   both = lambda args: [run(d, *a) for d, a in zip(treedefs, args)]
-  compiled = jax.jit(both).lower(args).compile(compiler_options=_PROBE_COMPILER_OPTIONS)
+  compiled = (
+    jax.jit(both).lower(args).compile(compiler_options=known_options(_PROBE_COMPILER_OPTIONS))
+  )
   out = jax.device_get(compiled(args))
   # back as run -> step -> leaf
   return [[[None if u is None else u[s] for u in o] for s in range(_PROBE_STEPS)] for o in out]
