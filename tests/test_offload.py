@@ -18,7 +18,14 @@ import pytest
 import jaxdp
 from jaxdp._src import inspect as inspect_lib
 from jaxdp._src import offload as offload_lib
+from jaxdp._src.config import OFFLOAD_MIN_JAXLIB, jaxlib_version
 from jaxdp._src.state import HOST, offloaded_buckets, offloads_master
+
+# Host offload compiles on jaxlib >= OFFLOAD_MIN_JAXLIB only (older ones are refused:
+# tests/test_jax_versions.py).
+pytestmark = pytest.mark.skipif(
+  jaxlib_version() < OFFLOAD_MIN_JAXLIB, reason=f"host offload needs jaxlib >= {OFFLOAD_MIN_JAXLIB}"
+)
 
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
 STEPS = 3

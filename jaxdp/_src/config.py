@@ -9,6 +9,7 @@ import math
 from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -276,6 +277,8 @@ class DDPConfig:
         f"optimizer_offload_fraction={fraction!r}: must be a number in [0, 1], the fraction "
         "of the optimizer state kept in host memory (1.0: all of it)"
       )
+    if self.optimizer_cpu_offload:
+      check_offload_supported(jaxlib_version())
     if self.optimizer_cpu_offload and self.data_parallel_sharding_strategy == "no_shard":
       raise ValueError(
         "optimizer_cpu_offload=True offloads each device's shard of the optimizer state, "
@@ -633,3 +636,34 @@ def _prefix(p: Prefix) -> str:
     f"prefix {p!r}: use a key tuple like ('blocks', 3), a "
     "top-level key like 'wte', or a keystr like \"['blocks'][3]\""
   )
+
+
+OFFLOAD_MIN_JAXLIB = (0, 10, 2)
+"""The oldest jaxlib whose XLA compiles host offload (`optimizer_cpu_offload`): the SPMD
+partitioner of 0.10.0 and 0.10.1 stops at the placement annotations of memory kinds
+("Side-effect HLO must have sharding")."""
+
+
+def jaxlib_version() -> tuple[int, ...]:
+  """The installed jaxlib's release as numbers, e.g. (0, 10, 2)."""
+  return tuple(int(part) for part in jaxlib.__version__.split(".")[:3] if part.isdigit())
+
+
+def check_offload_supported(version: tuple[int, ...]) -> None:
+  """Raise a clear error where jaxlib `version` cannot compile host offload.
+
+  Examples:
+    >>> check_offload_supported((0, 10, 2))
+    >>> check_offload_supported((0, 10, 0))
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: optimizer_cpu_offload=True needs jaxlib >= 0.10.2 ...
+  """
+  if version < OFFLOAD_MIN_JAXLIB:
+    need = ".".join(map(str, OFFLOAD_MIN_JAXLIB))
+    raise NotImplementedError(
+      f"optimizer_cpu_offload=True needs jaxlib >= {need} (installed: "
+      f"{'.'.join(map(str, version))}): the SPMD partitioner of older releases fails on "
+      f"the placement of host memory; `pip install 'jax>={need}' 'jaxlib>={need}'`, or "
+      "leave optimizer_cpu_offload=False"
+    )

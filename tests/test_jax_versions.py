@@ -1,11 +1,16 @@
-"""XLA options by existence: jaxdp passes only the options the installed XLA knows."""
+"""jaxdp beside the JAX releases it supports: XLA options passed by existence, and what an
+older release cannot compile refused by name (jaxdp/_src/jaxprs.py's accessors have their
+own tests in test_jaxprs.py)."""
 
 import logging
 
 import jax
 import jax.numpy as jnp
+import pytest
 
+import jaxdp
 from jaxdp._src import compiler
+from jaxdp._src.config import OFFLOAD_MIN_JAXLIB, check_offload_supported, jaxlib_version
 
 
 def test_an_option_this_xla_does_not_know_is_dropped_and_named(caplog):
@@ -29,3 +34,18 @@ def test_every_option_jaxdp_passes_is_known_to_the_installed_xla():
     wanted = compiler.CPU_OPTIONS if platform == "cpu" else compiler.GPU_OPTIONS
     assert set(options) == set(wanted), platform
   assert compiler.knows_option("xla_gpu_enable_pipelined_reduce_scatter", True)
+
+
+def test_host_offload_is_refused_on_a_jaxlib_that_cannot_compile_it():
+  """jaxlib 0.10.0 and 0.10.1 stop in XLA's SPMD partitioner on host offload ("Side-effect
+  HLO must have sharding"): the config refuses it there, naming the release it needs."""
+  check_offload_supported(OFFLOAD_MIN_JAXLIB)
+  with pytest.raises(
+    NotImplementedError, match=r"needs jaxlib >= 0\.10\.2 \(installed: 0\.10\.1\)"
+  ):
+    check_offload_supported((0, 10, 1))
+  if jaxlib_version() < OFFLOAD_MIN_JAXLIB:  # the oldest supported release, in CI
+    with pytest.raises(NotImplementedError, match="optimizer_cpu_offload=True needs jaxlib"):
+      jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", optimizer_cpu_offload=True)
+  else:
+    jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", optimizer_cpu_offload=True)
