@@ -265,6 +265,24 @@ def test_replica_groups_iota_form():
   assert ji._parse_replica_groups(", replica_groups=[1,8]<=[8]") == (tuple(range(8)),)
 
 
+def test_hlo_this_parser_cannot_read_stops_it_named():
+  """XLA's text changes with XLA: an instruction line the parser cannot read, or replica
+  groups in an unknown form, stop it with the construct named, never a schedule or a
+  prediction that silently leaves an op out."""
+  text = UNSUGARED.replace("%n = f32[1024,16]{1,0} negate(%p)", "%n = f32[1024,16]{1,0} negate %p")
+  with pytest.raises(ValueError, match=r"computation 'wrapped' .* '%n = f32\[1024,16\]"):
+    ji.schedule(text)
+  # an unsugared start's groups are its wrapped collective's (read as every device before)
+  halves = UNSUGARED.replace(
+    "replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups={{0,1,2,3},{4,5,6,7}}"
+  )
+  (c,) = ji.schedule(halves).collectives
+  assert c.group_size == 4 and c.replica_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+  text = UNSUGARED.replace("replica_groups={{0,1,2,3,4,5,6,7}}", "replica_groups=<all 8>")
+  with pytest.raises(ValueError, match=r"start's replica groups are in a form .*<all 8>"):
+    ji.schedule(text)
+
+
 UNSUGARED = """HloModule m, is_scheduled=true, num_partitions=8
 
 %add (a: f32[], b: f32[]) -> f32[] {

@@ -575,6 +575,13 @@ def _parse_module(text: str) -> _Module:
     instr = _parse_instr(line)
     if instr is not None:
       comps[current].append(instr)
+    elif line.strip():
+      # XLA's text changes with XLA: a line read as nothing would drop its op from every
+      # count and prediction, so one jaxdp cannot read stops the parse, named.
+      raise ValueError(
+        f"HLO text: a line of computation {current!r} jaxdp cannot read as an instruction "
+        f"(this XLA prints something new): {line.strip()[:200]!r}"
+      )
   if entry is None:
     raise ValueError(
       "schedule: no ENTRY computation found; pass compiled.as_text() (the "
@@ -648,20 +655,30 @@ class _Parser:
       return any(self.has_gemm(c) for c in _called(instr))
     return False
 
-  def async_kind(self, instr: _Instr) -> str | None:
-    """Kind of the collective an unsugared async-start wraps."""
+  def wrapped_collective(self, instr: _Instr) -> _Instr | None:
+    """The collective an unsugared async-start wraps (its kind and its replica groups are
+    that instruction's, not the start's)."""
     for comp in _called(instr):
       for inner in self.comps.get(comp, []):
         kind = _collective_kind(inner.opcode)
         if kind and kind[1] == "sync":
-          return kind[0]
+          return inner
     return None
+
+  def collective_attrs(self, instr: _Instr) -> str:
+    """A collective's attributes (replica groups, pairs): an unsugared async-start's are
+    those of the collective it wraps, with its own (`is_sync`, a backend_config) after."""
+    if instr.opcode != "async-start":
+      return instr.attrs
+    inner = self.wrapped_collective(instr)
+    return instr.attrs if inner is None else inner.attrs + instr.attrs
 
   def classify(self, instr: _Instr) -> _Classified:
     kind = _collective_kind(instr.opcode)
     if kind is None and instr.opcode in ("async-start", "async-done"):
       role = "start" if instr.opcode == "async-start" else "done"
-      wrapped = self.async_kind(instr) if role == "start" else None
+      inner = self.wrapped_collective(instr) if role == "start" else None
+      wrapped = _collective_kind(inner.opcode)[0] if inner is not None else None
       kind = (wrapped, role) if (wrapped or role == "done") else None
     if kind is not None:
       collective, role = kind
@@ -725,7 +742,7 @@ class _Parser:
           "done_index": index,
           "shapes": shapes,
           "result": instr.shape,
-          "attrs": instr.attrs,
+          "attrs": self.collective_attrs(instr),
         }
         found.append(record)
         if role == "start":
@@ -757,6 +774,13 @@ class _Parser:
     else:
       groups = _parse_replica_groups(r["attrs"]) or ()
       mesh_form = _parse_mesh_groups(r["attrs"])
+      if "replica_groups=" in r["attrs"] and not groups and mesh_form is None:
+        if not re.search(r"replica_groups=\{\s*\}", r["attrs"]):  # `{}`: every device
+          at = r["attrs"].index("replica_groups=")
+          raise ValueError(
+            f"HLO text: {r['name']}'s replica groups are in a form jaxdp cannot read (this "
+            f"XLA prints something new): {r['attrs'][at : at + 120]!r}"
+          )
       if mesh_form is not None:
         group_size, groups = mesh_form
       elif groups and groups[0]:
