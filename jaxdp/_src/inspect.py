@@ -416,8 +416,15 @@ def _parse_mesh_groups(attrs: str):
   open_at = at + len("replica_groups=mesh")
   close = _balanced(attrs, open_at)
   mesh = attrs[open_at + 1 : close - 1]
+  # the mesh's devices, where not 0..n-1 row-major: `, device_ids=([2,4]T(1,0))` (iota form,
+  # as replica groups have it) or `, device_ids=(0,4,1,5,...)`
+  rest, ids_text = attrs[close:], None
+  d = re.match(r",\s*device_ids=", rest)
+  if d:
+    end = _balanced(rest, d.end())
+    ids_text, rest = rest[d.end() + 1 : end - 1], rest[end:]
   # the axes reduced over, after the mesh: `{'a'}`, `{'a', 'b'}`
-  m = re.match(r"\s*\{([^}]*)\}", attrs[close:])
+  m = re.match(r"\s*\{([^}]*)\}", rest)
   if not m:
     return None
   names_sizes = re.findall(r"'([^']+)'=(\d+)", mesh)  # [('a', '4'), ('b', '2')]
@@ -432,13 +439,37 @@ def _parse_mesh_groups(attrs: str):
     return size, ()
   import numpy as np  # noqa: PLC0415
 
+  ids = np.arange(math.prod(sizes))
+  if ids_text is not None:
+    ids = _device_ids(ids_text, ids.size)
   # A group is the devices that differ only in the reduced axes: move those axes last and
   # read the ids row-major in rows of `size`.
   axes = [names.index(a) for a, _, _ in reduced]
-  rest = [i for i in range(len(names)) if i not in axes]
-  ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + axes)
+  kept = [i for i in range(len(names)) if i not in axes]
+  ids = ids.reshape(sizes).transpose(kept + axes)
   groups = tuple(tuple(int(x) for x in g) for g in ids.reshape(-1, size))
   return size, groups
+
+
+def _device_ids(text: str, n: int):
+  """A mesh's `device_ids=(...)`: the iota form `[2,4]T(1,0)` (the ids 0..n-1 laid out as
+  [2,4], transposed by (1,0), read row-major) or an explicit list `0,4,1,5,...`."""
+  import numpy as np  # noqa: PLC0415
+
+  m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+  if m:
+    dims = [int(x) for x in m.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+      ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    ids = ids.ravel()
+  elif re.fullmatch(r"[\d,\s]+", text):
+    ids = np.array([int(x) for x in text.split(",") if x.strip()])
+  else:
+    raise ValueError(f"HLO text: a mesh's device_ids jaxdp cannot read: {text[:120]!r}")
+  if ids.size != n:
+    raise ValueError(f"HLO text: a mesh of {n} devices with {ids.size} device_ids: {text!r}")
+  return ids
 
 
 # ----------------------------------------------------------------------------
