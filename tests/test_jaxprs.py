@@ -126,3 +126,11 @@ def test_a_custom_vjp_is_not_read_as_a_call():
   assert eqn.primitive not in (prims.jit_p, prims.closed_call_p, prims.remat_p, prims.scan_p)
   assert jaxprs.inner_jaxpr(eqn) is None and jaxprs.called_jaxpr(eqn) is None
   assert jaxprs.remat_params(eqn) is None
+
+
+def test_the_launchers_private_reads_on_the_installed_jax():
+  """The two private names jaxdp.distributed reads, here rather than at their use."""
+  jax.devices()  # started by now
+  assert jaxprs.backends_started()
+  names = [env.__name__ for env in jaxprs.cluster_types()]
+  assert "SlurmCluster" in names and "OmpiCluster" in names

@@ -30,6 +30,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxdp._src.jaxprs import backends_started, cluster_types
 from jaxdp._src.mesh import DATA
 
 PyTree = Any
@@ -58,26 +59,21 @@ def _env_int(name: str) -> int | None:
 
 def _backends_started() -> bool:
   # jax.distributed.initialize and jax_num_cpu_devices must both come before the backend.
-  from jax._src import xla_bridge  # noqa: PLC0415 - JAX internals, only where needed
-
-  return xla_bridge.backends_are_initialized()
+  return backends_started()
 
 
 def _detected_cluster() -> str | None:
   """Name of the cluster environment `jax.distributed.initialize()` would detect, if any."""
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
     return "JAX_COORDINATOR_ADDRESS"
-  try:
-    from jax._src import clusters  # noqa: PLC0415 - JAX internals that may move
-
-    cluster_types = clusters.ClusterEnv._cluster_types
-  except (ImportError, AttributeError):  # JAX moved it: fall back to the common ones.
+  types = cluster_types()
+  if types is None:  # JAX moved it: fall back to the common ones.
     if "OMPI_MCA_orte_hnp_uri" in os.environ:
       return "OmpiCluster"
     if all(v in os.environ for v in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID")):
       return "SlurmCluster"
     return None
-  for env in cluster_types:
+  for env in types:
     if getattr(env, "opt_in_only_method", False):
       continue  # mpi4py: only when asked for by name (cluster_detection_method="mpi4py").
     if env.is_env_present():

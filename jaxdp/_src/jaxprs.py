@@ -1,6 +1,7 @@
-"""JAX's jaxprs, read in one place: the params of its call and control-flow primitives, and
+"""JAX's internals, read in one place: the params of its call and control-flow primitives,
 running a jaxpr's equations one by one (what FSDP's program cutter and the offloaded
-update's streamer share).
+update's streamer share), and the two private names the launcher reads (whether the
+backends have started; the cluster environments `jax.distributed.initialize` detects).
 
 A primitive's params are JAX's internals and change between releases; every read of a
 call's or a scan's params goes through the accessors here, each written for the schemas
@@ -22,8 +23,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax._src import xla_bridge
 from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
+
+try:  # private, and moved before: read only through `cluster_types`
+  from jax._src import clusters as _clusters
+except ImportError:
+  _clusters = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,3 +165,16 @@ def inline_jits(jaxpr, consts, args) -> list:
       outs = bind(eqn, invals)
     env.update(zip(eqn.outvars, outs))
   return [read(env, v) for v in jaxpr.outvars]
+
+
+def backends_started() -> bool:
+  """Have JAX's backends started? (`jax.distributed.initialize` and
+  `jax_num_cpu_devices` must both come before.)"""
+  return xla_bridge.backends_are_initialized()
+
+
+def cluster_types() -> list | None:
+  """The cluster environments `jax.distributed.initialize()` tries, in its order; None
+  where this JAX keeps them elsewhere."""
+  types = getattr(getattr(_clusters, "ClusterEnv", None), "_cluster_types", None)
+  return None if types is None else list(types)
