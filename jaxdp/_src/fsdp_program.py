@@ -93,15 +93,22 @@ from jax.extend.core import primitives as prims
 from jaxdp._src import collectives
 from jaxdp._src.buffer import pad_dim
 from jaxdp._src.jaxprs import (
+  as_param,
+  avals,
   bind,
-  called_jaxpr,
-  consts_of,
+  eval_eqns,
+  eval_jaxpr,
   inline_jits,
   inner_jaxpr,
-  open_jaxpr,
+  is_float,
   read,
-  remat_params,
+  reads,
+  residual_masks,
   scan_params,
+  swap,
+  traced_avals,
+  use_casts,
+  varying,
 )
 from jaxdp._src.mesh import DATA
 
@@ -298,7 +305,7 @@ _TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type: [Note: token l
 # residual left to recompute reads them, the tied units' links ([Note: tied units]), the
 # tokens of a forward ([Note: token list]), and the whole-shape params `_trace` traces the
 # loss on (`_whole_stand_in`). What it feeds is dead code XLA removes, or a zero output
-# nothing computes with. The type is the traced one (`_traced_avals`, `_avals`:
+# nothing computes with. The type is the traced one (`traced_avals`, `avals`:
 # `jax.typeof`), not a shape and a dtype, because inside `shard_map` a type includes the
 # mesh axes a value varies over (a gathered param varies over the data axes): a stand-in
 # that varied over other axes would trace another program, whose residuals and cotangents
@@ -349,38 +356,14 @@ def _cast_dtypes(program: _Program, units: _Units) -> dict[int, np.dtype]:
   dtype (see the note above; chunked leaves keep their own rule)."""
   out = {}
   for v, i in program.param_var.items():
-    if i in units.of_leaf[i].apart or not _is_float(v.aval):
+    if i in units.of_leaf[i].apart or not is_float(v.aval):
       continue
-    dtypes = _use_casts(program.jaxpr, v)
+    dtypes = use_casts(program.jaxpr, v)
     if dtypes is not None and len(dtypes) == 1:
       (dtype,) = dtypes
       if jnp.finfo(dtype).bits < jnp.finfo(v.aval.dtype).bits:
         out[i] = np.dtype(dtype)
   return out
-
-
-def _use_casts(jaxpr: jcore.Jaxpr, var) -> set | None:
-  """The dtypes every use of `var` in `jaxpr` casts it to, or None where one use is not a
-  float cast (or it is an output)."""
-  if any(v is var for v in jaxpr.outvars):
-    return None
-  dtypes: set = set()
-  for eqn in jaxpr.eqns:
-    for pos, v in enumerate(eqn.invars):
-      if v is not var:
-        continue
-      if eqn.primitive is prims.convert_element_type_p:
-        dtype = eqn.params["new_dtype"]
-        if not jnp.issubdtype(dtype, jnp.floating):
-          return None
-        dtypes.add(np.dtype(dtype))
-        continue
-      inner = inner_jaxpr(eqn)
-      found = None if inner is None else _use_casts(inner, inner.invars[pos])
-      if found is None:
-        return None
-      dtypes |= found
-  return dtypes
 
 
 def _find_lazy(program: _Program, units: _Units) -> _Lazy:
@@ -401,7 +384,7 @@ def _find_lazy(program: _Program, units: _Units) -> _Lazy:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _ChunkRule:
-  """An `_eval` rule: one matmul (`eqn`) on a leaf its unit gathers by row blocks, as
+  """An `eval_eqns` rule: one matmul (`eqn`) on a leaf its unit gathers by row blocks, as
   `_chunked_dot`, or one row lookup (`w[ids]`), as `_chunked_take`."""
 
   eqn: jcore.JaxprEqn
@@ -531,10 +514,10 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> _RowUses:
     param[eqn.outvars[0]] = param[v]
     views.add(id(eqn))
   # The vars a gradient flows to: those computed from a float input.
-  floats = {v for v in jaxpr.invars if _is_float(v.aval)}
+  floats = {v for v in jaxpr.invars if is_float(v.aval)}
   for eqn in jaxpr.eqns:
     if any(isinstance(v, jcore.Var) and v in floats for v in eqn.invars):
-      floats.update(v for v in eqn.outvars if _is_float(v.aval))
+      floats.update(v for v in eqn.outvars if is_float(v.aval))
   # Every other eqn that reads a leaf or a view is a use: a matmul (its other operand no
   # leaf, the leaf's rows no batch dim, its product not a value of the params alone), a
   # row lookup, or another use (`kind` None, which rules the leaf out of being read by rows).
@@ -556,7 +539,7 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> _RowUses:
       )
       lookup = pos == 0 and perm is None and _is_row_lookup(eqn)
       x_var = eqn.invars[1 - pos] if len(eqn.invars) == 2 else None
-      out_casts = _use_casts(jaxpr, eqn.outvars[0]) if lookup else None
+      out_casts = use_casts(jaxpr, eqn.outvars[0]) if lookup else None
       out_cast = None
       if out_casts is not None and len(out_casts) == 1:
         (dtype,) = out_casts
@@ -580,7 +563,7 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> _RowUses:
 
 
 def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
-  """`{id(eqn): rule}` for `_eval`: each matmul on a leaf a unit gathers by row blocks
+  """`{id(eqn): rule}` for `eval_eqns`: each matmul on a leaf a unit gathers by row blocks
   (`UnitIO.chunks`) runs as `_chunked_dot`, each row lookup on it as `_chunked_take`; a cast
   of the leaf (`w.astype(jnp.bfloat16)`) is the leaf's rows in that dtype, recomputed on
   the row blocks, which then move in it. Raises ValueError if such a leaf has another use
@@ -627,7 +610,7 @@ def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping)
     and i not in units.of_leaf[i].apart
     and units.of_leaf[i].shard_dims.get(i) == 0
     and units.of_leaf[i].collectives.table_rows is not None
-    and _is_float(v.aval)
+    and is_float(v.aval)
     and v.aval.ndim >= 2
   }
   found = _row_uses(program, lazy, candidates)
@@ -694,7 +677,7 @@ def _activation_bytes(use: _RowUse, dp: int, trainable: bool) -> float:
 
 
 def _table_rules(program: _Program, lazy: _Lazy, units: _Units) -> dict:
-  """`{id(eqn): rule}` for `_eval`: each use of a table (`UnitIO.tables`) as `_TableDot`
+  """`{id(eqn): rule}` for `eval_eqns`: each use of a table (`UnitIO.tables`) as `_TableDot`
   or `_TableTake`."""
   tables = {i for i in program.param_var.values() if i in units.of_leaf[i].tables}
   found = _row_uses(program, lazy, tables)
@@ -875,7 +858,7 @@ def _execute(
       )
     else:  # a segment that reads no unit
       local = dict(zip(op.acts, acts))
-      _eval(op.lazy + op.eqns, local)
+      eval_eqns(op.lazy + op.eqns, local)
       outs = [local[v] for v in op.outs]
     env.update(zip(op.outs, outs))
   return [read(env, v) for v in jaxpr.outvars]
@@ -897,7 +880,7 @@ class _SegmentFn:
     local.update(params)
     local.update((v, x) for v, x in zip(self.program.jaxpr.constvars, self.program.consts))
     narrowed = {v for v, x in params.items() if x.dtype != v.aval.dtype}
-    _eval(self.op.lazy + self.op.eqns, local, self.rules, narrowed)
+    eval_eqns(self.op.lazy + self.op.eqns, local, self.rules, narrowed)
     return [local[v] for v in self.op.outs]
 
 
@@ -935,13 +918,13 @@ def _run_scan(
     )[0]
     gathered = iter(full)
     local.update(
-      (v, _as_param(next(gathered), v.aval))
+      (v, as_param(next(gathered), v.aval))
       for u in whole
       for i in u.leaves
       for v, j in program.param_var.items()
       if j == i
     )
-  _eval(op.lazy, local)
+  eval_eqns(op.lazy, local)
   start = scan_params(eqn).xs_start
   operands = [None if j - start in op.scan_xs else read(local, v) for j, v in enumerate(eqn.invars)]
   outs, tokens = _scan_unit(
@@ -1059,12 +1042,12 @@ class _Ties:
 # same types, so the residuals (the leaves of the vjp function, a pytree) come in the same
 # order in both. The forward runs `jax.vjp` on the activations and the gathered params and
 # saves the leaves marked in `keep`. The backward traces `jax.vjp` again, on stand-ins for
-# the activations ([Note: stand-ins]) and the params gathered again, and `_swap`s the
+# the activations ([Note: stand-ins]) and the params gathered again, and `swap`s the
 # saved leaves in: what remains of its own trace are the residuals not saved, computed
 # from the params and consts alone, or from integer inputs that were saved instead (a
 # one-hot of the token ids), which it so recomputes. Whatever the stand-ins feed is
 # replaced by a saved residual: dead code. `keep` comes from one trace of the vjp before
-# either pass (`_residual_masks`): a segment saves a residual that depends on a float
+# either pass (`residual_masks`): a segment saves a residual that depends on a float
 # activation, or on an integer input and a param both; a scanned layer, one that depends
 # on the carry or the other xs. Where no residual left to recompute reads a param, the
 # backward gathers nothing and traces on stand-ins for the params too. Without `reshard`
@@ -1087,12 +1070,12 @@ def _unit_call(
   for the next segment)`."""
   trainable = {i: shards[i] for u in units for i in u.shard_keys}
   frozen = {i: shards[i] for u in units for i in u.frozen}
-  token_avals = _avals(tokens)
-  act_avals = _avals(acts)
+  token_avals = avals(tokens)
+  act_avals = avals(acts)
 
   # The gathered params' types (varying axes included), to trace the backward with when it
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
-  full_avals = _traced_avals(
+  full_avals = traced_avals(
     lambda trainable, frozen: _gather(units, {**trainable, **frozen}, layer_axis=True),
     trainable,
     frozen,
@@ -1105,7 +1088,7 @@ def _unit_call(
   keep = of_params = None
   if reshard:
     # one flag per arg of `fn` (a list: one per activation): which inputs taint a residual
-    of_floats, of_ints, of_params = _residual_masks(
+    of_floats, of_ints, of_params = residual_masks(
       fn,
       (_stand_ins(act_avals), _stand_ins(full_avals)),
       ([not is_int for is_int in ints], False),
@@ -1240,7 +1223,7 @@ class _UnitCall:
       # runs the recomputation of the segment k earlier as soon as its gather lands).
       full, ct_outs = _together(self.full_of(trainable, frozen), ct_outs)
     _, vjp = jax.vjp(self.fn, acts0, full)
-    d_acts, d_full = _swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
+    d_acts, d_full = swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
     # A tied unit's gradient: handed back to its first call, or summed with what its later
     # calls handed back, then reduce-scattered once ([Note: tied units]).
     d_links = {i: self.link_ct(i, d_full[i]) for i in self.links_in}
@@ -1277,7 +1260,7 @@ class _UnitCall:
 def _tie(value, zero):
   """`value + zero`: `value` computed once `zero` exists (an input that varies over fewer
   axes than the zero is left as it is): [Note: orderings are data dependencies]."""
-  varies_as_much = _varying(jax.typeof(value)) >= _varying(jax.typeof(zero))
+  varies_as_much = varying(jax.typeof(value)) >= varying(jax.typeof(zero))
   return value + zero.astype(value.dtype) if varies_as_much else value
 
 
@@ -1308,7 +1291,7 @@ def _scan_unit(
   trainable = {i: shards[i] for u in units for i in u.trainable}
   frozen = {i: shards[i] for u in units for i in u.frozen}
   layer = _ScanLayer(params.body, n_carry, len(xs), shard_pos, tuple(units))
-  init_avals = _avals(init)
+  init_avals = avals(init)
   other_avals = [jax.typeof(x).update(shape=jax.typeof(x).shape[1:]) for x in other]
 
   # What each iteration saves: the residuals that depend on the carry or the other xs
@@ -1317,15 +1300,15 @@ def _scan_unit(
   keep = None
   if reshard:
     layer_0 = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    full = _stand_ins(_traced_avals(layer.gather, layer_0(trainable), layer_0(frozen)))
+    full = _stand_ins(traced_avals(layer.gather, layer_0(trainable), layer_0(frozen)))
     args = (consts, _stand_ins(init_avals), _stand_ins(other_avals), full)
-    (keep,) = _residual_masks(layer, args, (False, True, True, False))
+    (keep,) = residual_masks(layer, args, (False, True, True, False))
 
   scan = _ScanUnit(
     layer=layer,
     length=params.length,
     reverse=params.reverse,
-    token_avals=_avals(tokens),
+    token_avals=avals(tokens),
     init_avals=init_avals,
     other_avals=other_avals,
     keep=keep,
@@ -1387,7 +1370,7 @@ class _ScanLayer:
     x = [full[self.shard_pos[j]] if j in self.shard_pos else next(other) for j in range(self.n_xs)]
     args = [*consts, *carry, *x]
     narrowed = [jnp.dtype(a.dtype) != v.aval.dtype for a, v in zip(args, self.body.jaxpr.invars)]
-    outs = _eval_jaxpr(self.body.jaxpr, self.body.consts, args, narrowed)
+    outs = eval_jaxpr(self.body.jaxpr, self.body.consts, args, narrowed)
     return outs[: self.n_carry], outs[self.n_carry :]
 
   def gather(self, trainable, frozen, only=None):
@@ -1486,7 +1469,7 @@ class _ScanUnit:
     consts, trainable, frozen = res.consts, res.trainable, res.frozen
     (d_carry, d_ys), ct_tokens = cts
     d_carry = [_ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
-    d_consts0 = [jnp.zeros_like(c) if _is_float(c) else None for c in consts]
+    d_consts0 = [jnp.zeros_like(c) if is_float(c) else None for c in consts]
     # The first layer the backward gathers (the forward's last) is gathered once the
     # backward of the op k later has started (its token), or with k = 0 once this scan's
     # cotangents exist ([Note: token list]); its shards alone are tied so (a tie on the
@@ -1503,7 +1486,7 @@ class _ScanUnit:
     else:
       first_shards, d_carry = _together(first_shards, d_carry)
 
-    full_avals = _traced_avals(
+    full_avals = traced_avals(
       lambda trainable, frozen: self.gather_at(trainable, frozen, 0)[0], trainable, frozen
     )
     layers = _ScanBackward(
@@ -1521,7 +1504,9 @@ class _ScanUnit:
     # Only the params whose values the backward reads are gathered (a bias's gradient needs
     # none): the others are stand-ins, so that chaining each gather after the layer before
     # does not keep their gathers alive.
-    read = _reads(lambda full: layers.step((d_carry, d_consts0), 0, full, None), full_avals)
+    read = reads(
+      lambda full: layers.step((d_carry, d_consts0), 0, full, None), _stand_ins(full_avals)
+    )
     layers = dataclasses.replace(layers, read=read)
 
     # Without resharding the forward saved every residual, the gathered params included.
@@ -1554,7 +1539,7 @@ class _ScanUnit:
     init0, other0 = _stand_ins(self.init_avals), _stand_ins(self.other_avals)
     _, vjp = jax.vjp(self.layer, consts, init0, other0, full)
     keep_i = self.keep or [True] * len(saved_i)
-    d_consts_i, d_carry, d_x, d_full = _swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
+    d_consts_i, d_carry, d_x, d_full = swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
     d_consts = [None if a is None else a + b for a, b in zip(d_consts, d_consts_i)]
     d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
     d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
@@ -1779,9 +1764,9 @@ def _layer_loop(
   position = loop.position
   # The stacked outputs' buffers, from one trace of the first layer's step (and finish).
   first_out = lambda carry, full: step(carry, position(0), full, None)[1]
-  out0 = _stand_ins(_traced_avals(first_out, carry, loop.gather(position(0), None)[0]))
+  out0 = _stand_ins(traced_avals(first_out, carry, loop.gather(position(0), None)[0]))
   stacked = jax.tree.map(
-    lambda a: a.update(shape=(length, *a.shape)), _traced_avals(loop.done, out0)
+    lambda a: a.update(shape=(length, *a.shape)), traced_avals(loop.done, out0)
   )
   outs = _stand_ins(stacked)
 
@@ -2142,7 +2127,7 @@ class _ChunkedTake:
 # The program's side of [Note: a table computed by rows] (in `collectives`). `_table_leaves`
 # picks the leaves: every use a row lookup or a matmul that keeps the leaf's rows in its
 # product, and fewer bytes to move that way than to gather the leaf. `_table_rules` makes
-# each use an `_eval` rule (`_TableRule`) that the segment runs in place of the eqn. Its
+# each use an `eval_eqns` rule (`_TableRule`) that the segment runs in place of the eqn. Its
 # unit never gathers such a leaf (`UnitIO.tables`, part of `apart`): `_gather` hands the
 # segment this device's shard, and `_scatter` passes its gradient on as it is, reduced
 # already by the rule's backward (`table_rows`). The rule reads that shard, not the view
@@ -2155,7 +2140,7 @@ class _ChunkedTake:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _TableRule:
-  """An `_eval` rule: one use of a table (`UnitIO.tables`) on this device's rows of it, as
+  """An `eval_eqns` rule: one use of a table (`UnitIO.tables`) on this device's rows of it, as
   `_TableDot` (a matmul) or `_TableTake` (a row lookup): see [Note: a table computed by
   rows] and [Note: a table's uses on this device's rows]. The rule reads the leaf's rows from the segment's values (`use.var`), not the view
   the eqn reads, so that its gradient reaches them in the master's dtype."""
@@ -2523,7 +2508,7 @@ def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
   for unit in units:
     for i in unit.trainable:
       cotangent = cts.get(i)
-      if cotangent is not None and _is_float(cotangent) and i not in unit.apart:
+      if cotangent is not None and is_float(cotangent) and i not in unit.apart:
         key = (unit.name, jnp.dtype(cotangent.dtype))
         if key not in picks or cotangent.size < cts[picks[key]].size:
           picks[key] = i
@@ -2564,11 +2549,11 @@ def _together(a, b):
   put them through one too, with zeros materialized for unused results)."""
   leaves_a, tree_a = jax.tree.flatten(a)
   leaves_b, tree_b = jax.tree.flatten(b)
-  vma = lambda x: _varying(jax.typeof(x))
-  every = frozenset().union(*[vma(x) for x in leaves_a + leaves_b if _is_float(x)])
+  vma = lambda x: varying(jax.typeof(x))
+  every = frozenset().union(*[vma(x) for x in leaves_a + leaves_b if is_float(x)])
   # the leaves that go through the barrier: float, varying over every axis
-  picked_a = [n for n, x in enumerate(leaves_a) if _is_float(x) and vma(x) == every]
-  picked_b = [n for n, x in enumerate(leaves_b) if _is_float(x) and vma(x) == every]
+  picked_a = [n for n, x in enumerate(leaves_a) if is_float(x) and vma(x) == every]
+  picked_b = [n for n, x in enumerate(leaves_b) if is_float(x) and vma(x) == every]
   if not picked_a or not picked_b:
     return a, b
   out_a, out_b = _barrier_vjp([leaves_a[n] for n in picked_a], [leaves_b[n] for n in picked_b])
@@ -2608,7 +2593,7 @@ def _landed(tree):
 def _after(shards: dict, token) -> dict:
   """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
   shards cannot start before `token` exists ([Note: orderings are data dependencies])."""
-  return jax.tree.map(lambda x: x + token.astype(x.dtype) if _is_float(x) else x, shards)
+  return jax.tree.map(lambda x: x + token.astype(x.dtype) if is_float(x) else x, shards)
 
 
 def _after_alike(tree, token):
@@ -2617,90 +2602,12 @@ def _after_alike(tree, token):
   the gathered params, over "replica" too under HSDP) added to a grad already reduced
   across "replica" would make it vary over "replica" again. Such a leaf is finished
   already, and has nothing left to order."""
-  needs = _varying(jax.typeof(token))
-  alike = lambda x: _is_float(x) and needs <= _varying(jax.typeof(x))
+  needs = varying(jax.typeof(token))
+  alike = lambda x: is_float(x) and needs <= varying(jax.typeof(x))
   return jax.tree.map(lambda x: x + token.astype(x.dtype) if alike(x) else x, tree)
 
 
-# ----------------------------------------------------------------------------- jaxpr helpers
-
-
-def _as_param(x, aval):
-  """A gathered param as the program reads it: in its own dtype where the unit gathered it
-  cast (see [Note: gathered in the dtype the loss casts to]); the identity otherwise."""
-  return x.astype(aval.dtype) if x.dtype != aval.dtype else x
-
-
-def _eval(eqns, env, rules=None, narrowed=frozenset()):
-  """Runs `eqns` on `env`; `rules` maps `id(eqn)` to a function `rule(invals, env)` run
-  instead of binding it. `narrowed`: vars whose value in `env` is in the dtype every use
-  casts them to, not their own (see [Note: gathered in the dtype the loss casts to])."""
-  for eqn in eqns:
-    invals = [read(env, v) for v in eqn.invars]
-    rule = rules.get(id(eqn)) if rules else None
-    flags = [isinstance(v, jcore.Var) and v in narrowed for v in eqn.invars]
-    if rule:
-      outs = rule(invals, env)
-    elif any(flags):
-      outs = _bind_narrowed(eqn, invals, flags)
-    else:
-      outs = bind(eqn, invals)
-    for var, value in zip(eqn.outvars, outs):
-      env[var] = value
-
-
-def _eval_jaxpr(jaxpr, consts, args, narrowed: Sequence[bool]) -> list:
-  """`jaxpr` on `args`, those flagged in `narrowed` given in the dtype every use casts them
-  to (`_eval`)."""
-  env = dict(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
-  narrow = {v for v, n in zip(jaxpr.invars, narrowed) if n}
-  _eval(jaxpr.eqns, env, narrowed=narrow)
-  return [_as_param(read(env, v), v.aval) if v in narrow else read(env, v) for v in jaxpr.outvars]
-
-
-def _bind_narrowed(eqn, invals, flags) -> list:
-  """`eqn` on `invals`, those flagged given in the dtype the eqn casts them to (see [Note:
-  gathered in the dtype the loss casts to]): the cast is the value itself; a call or a
-  `jax.checkpoint` runs its jaxpr the same way (the checkpoint traced anew, with its policy,
-  on the narrower values); any other eqn gets them cast back, exactly."""
-  if eqn.primitive is prims.convert_element_type_p:
-    (x,) = invals
-    return [x] if x.dtype == eqn.params["new_dtype"] else bind(eqn, invals)
-  if (inner := called_jaxpr(eqn)) is not None:
-    return _eval_jaxpr(open_jaxpr(inner), consts_of(inner), invals, flags)
-  if (remat := remat_params(eqn)) is not None:
-    run = lambda *a: _eval_jaxpr(remat.jaxpr, (), a, flags)
-    checkpointed = jax.checkpoint(run, prevent_cse=remat.prevent_cse, policy=remat.policy)
-    return list(checkpointed(*invals))
-  widened = [_as_param(x, v.aval) if f else x for x, v, f in zip(invals, eqn.invars, flags)]
-  return bind(eqn, widened)
-
-
-def _is_float(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def _residual_masks(fn, args, *taints: Sequence[bool]) -> list[list[bool]]:
-  """For each of `taints` (a flag per arg): which leaves of `jax.vjp(fn, *args)`'s residuals
-  depend on the tainted args, from one trace of the vjp.
-
-  A residual computed from untainted args alone (params, consts) is one a unit's backward
-  recomputes instead of saving.
-  """
-  closed = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]))(*args)
-  sizes = [len(jax.tree.leaves(a)) for a in args]
-  masks = []
-  for tainted in taints:
-    flat_taint = [
-      x for n, t in zip(sizes, tainted) for x in (t if isinstance(t, list) else [t] * n)
-    ]
-    marked = {v for v, t in zip(closed.jaxpr.invars, flat_taint) if t}
-    for eqn in closed.jaxpr.eqns:
-      if any(isinstance(v, jcore.Var) and v in marked for v in eqn.invars):
-        marked.update(eqn.outvars)
-    masks.append([isinstance(v, jcore.Var) and v in marked for v in closed.jaxpr.outvars])
-  return masks
+# ----------------------------------------------------------------------------- stand-ins
 
 
 def _ct_or_none(x, ct):
@@ -2708,61 +2615,20 @@ def _ct_or_none(x, ct):
   inputs; summed over the mesh axes it varies over and `x` does not (an input replicated
   over "data", like a model state, used by every device: the transpose of its implicit
   `pvary`), so that it has `x`'s type."""
-  if not _is_float(x) or ct is None:
+  if not is_float(x) or ct is None:
     return None
   aval = x.aval if hasattr(x, "aval") else jax.typeof(x) if isinstance(x, jax.Array) else x
-  extra = _varying(jax.typeof(ct)) - _varying(aval)
+  extra = varying(jax.typeof(ct)) - varying(aval)
   return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
-
-
-def _traced_avals(fn, *args):
-  """The types (varying axes included) of `fn(*args)`'s outputs, from one trace ([Note:
-  stand-ins])."""
-  closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  return jax.tree.unflatten(jax.tree.structure(shape), closed.out_avals)
-
-
-def _reads(fn, avals) -> Any:
-  """Which leaves of `avals` (a tree of `jax.typeof`s) the outputs of `fn` depend on, from one
-  trace: a tree of bools. An equation that computes a live output, or has effects, reads all
-  of its inputs (a conservative answer for calls and loops)."""
-  jaxpr = jax.make_jaxpr(fn)(_stand_ins(avals)).jaxpr
-  live = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-  for eqn in reversed(jaxpr.eqns):
-    if eqn.effects or any(v in live for v in eqn.outvars):
-      live.update(v for v in eqn.invars if isinstance(v, jcore.Var))
-  return jax.tree.unflatten(jax.tree.structure(avals), [v in live for v in jaxpr.invars])
-
-
-def _avals(tree):
-  return jax.tree.map(jax.typeof, tree)
-
-
-def _varying(aval) -> frozenset:
-  """The mesh axes a value of type `aval` varies over (inside `shard_map`)."""
-  return frozenset(getattr(getattr(aval, "mat", None), "varying", ()) or ())
 
 
 def _stand_in(aval):
   """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
   residuals are saved, so only dead code reads it ([Note: stand-ins])."""
   x = jnp.zeros(aval.shape, aval.dtype)
-  vma = tuple(sorted(_varying(aval)))
+  vma = tuple(sorted(varying(aval)))
   return collectives.make_varying(x, vma) if vma else x
 
 
 def _stand_ins(avals):
   return jax.tree.map(_stand_in, avals)
-
-
-def _swap(vjp, saved, keep):
-  """`vjp` with the residual leaves marked in `keep` replaced by `saved` ([Note: saved and
-  replayed residuals]): the vjp function is a pytree whose leaves are its residuals."""
-  leaves, tree = jax.tree.flatten(vjp)
-  if len(leaves) != len(keep) or sum(keep) != len(saved):
-    raise AssertionError(
-      f"jaxdp FSDP: a unit's backward traced {len(leaves)} residuals, its "
-      f"forward {len(keep)}; please report this with the model"
-    )
-  saved_leaves = iter(saved)
-  return jax.tree.unflatten(tree, [next(saved_leaves) if s else x for x, s in zip(leaves, keep)])
