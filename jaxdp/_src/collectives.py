@@ -520,7 +520,7 @@ def _scatter_bucket(cts, bucket: Bucket, grad_dtype, reduction: Reduction):
 
 class UnitCollectives(NamedTuple):
   """One FSDP unit's collectives as plain functions (`unit_collectives` says what each
-  takes and returns); `fsdp_program` calls them inside each unit's `custom_vjp`. The row
+  takes and returns); FSDP's program calls them inside each unit's `custom_vjp`. The row
   gathers are None where the unit gathers no leaf by row blocks; `scatter_each` is None
   where a scanned layer reduce-scatters with `scatter`."""
 
@@ -534,7 +534,7 @@ class UnitCollectives(NamedTuple):
 
 
 # A unit's collectives are the methods of a frozen record of what they share (its buckets,
-# dtypes, reduction), handed to `fsdp_program` as bound methods in a `UnitCollectives`:
+# dtypes, reduction), handed to FSDP's program as bound methods in a `UnitCollectives`:
 # `_UnitOfBlocks` for a per-leaf state, `_UnitOfFlatShards` for a fused one. `eq=False`
 # keeps them hashed by identity, as the functions they are handed out as.
 
@@ -664,7 +664,7 @@ def unit_collectives(
   experts: Collection[int] = (),
 ) -> UnitCollectives:
   """The gather and the reduce-scatter of one FSDP unit (FSDP's pre-forward and post-backward
-  collectives), as plain functions; `fsdp_program` calls them inside each unit's
+  collectives), as plain functions; FSDP's program calls them inside each unit's
   `custom_vjp` (the gather in its forward and again in its backward, the reduce-scatter at
   the end of its backward).
 

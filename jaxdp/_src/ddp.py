@@ -45,7 +45,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._src import checks, collectives, fsdp_program, loop
+from jaxdp._src import checks, collectives, fsdp_program, fsdp_unit, loop
 from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import bucket_unravel, shard_unravel
 from jaxdp._src.compiler import compiler_options
@@ -605,8 +605,8 @@ def forward_backward(
   return Backward(loss, reduced, aux, collectives.sync_model_state(model_state, plan.axes))
 
 
-def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
-  """One stacked `fsdp_program.UnitIO` per stack's bucket (`Bucket.stack`), for `run_loss`
+def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_unit.UnitIO]:
+  """One stacked `fsdp_unit.UnitIO` per stack's bucket (`Bucket.stack`), for `run_loss`
   to run each scan over the stack as one `custom_vjp` whose loops gather and reduce-scatter
   one layer per iteration: the ZeRO-1 form of FSDP's scanned unit, which keeps its forward's
   layers for the backward (`FSDPConfig(reshard_after_forward=False)`).
@@ -655,7 +655,7 @@ def scanned_units(layout: Layout, plan: _Plan) -> list[fsdp_program.UnitIO]:
 
       trainable = tuple(sorted(p.index for p in b.params))
       units.append(
-        fsdp_program.UnitIO(
+        fsdp_unit.UnitIO(
           name=b.stack,
           trainable=trainable,
           frozen=(),

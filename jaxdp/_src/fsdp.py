@@ -94,7 +94,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._src import checks, collectives, fsdp_program, loop
+from jaxdp._src import checks, collectives, fsdp_program, fsdp_unit, loop
 from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import pad_dim
 from jaxdp._src.compiler import (
@@ -589,7 +589,7 @@ def unit_collectives(
   chunks: bool = True,
   model_specs: tuple[ModelSpec, ...] = (),
   outer_once: bool = False,
-) -> list[fsdp_program.UnitIO]:
+) -> list[fsdp_unit.UnitIO]:
   """Inside the step: each unit's gather (forward all-gather, in `fsdp.param_dtype`) and
   scatter (backward reduce-scatter), as `fsdp_program.run_loss` takes them; the leaves
   `fsdp.chunks` names are gathered by row blocks where the loss uses them (`chunks=False`:
@@ -618,7 +618,7 @@ def unit_collectives(
         for b, dtype in u.grad
       )
       out.append(
-        fsdp_program.UnitIO(
+        fsdp_unit.UnitIO(
           name=u.name,
           trainable=u.trainable,
           frozen=u.frozen,
@@ -650,7 +650,7 @@ def unit_collectives(
   # whole over the other axes (`FSDPConfig.vocab_parallel`).
   tables = data_axes(mesh) == (DATA,) and not any(map(any, model_specs)) and layout.outer == 1
   return [
-    fsdp_program.UnitIO(
+    fsdp_unit.UnitIO(
       name=u.name,
       trainable=u.trainable,
       frozen=u.frozen,
@@ -807,7 +807,7 @@ class FSDPStep:
       # The same values as `call_with_units`'s, each unit gathered whole here instead
       values = dict(enumerate(stored))
       values.update(tmaster)
-      full = {**values, **fsdp_program.gather_units(units, values)}
+      full = {**values, **fsdp_unit.gather_units(units, values)}
       trained = {leaf.index: full[leaf.index] for leaf in layout.leaves if leaf.trainable}
       whole_grad = jax.value_and_grad(functools.partial(unit_loss.whole, full), has_aux=True)
       # fp32 whole-size accumulators, varying: each device sums its own micro-batches' grads
@@ -821,7 +821,7 @@ class FSDPStep:
       )
       loss, model_state = each.loss, each.model_state
       aux = loop.mean_micro(each.auxs, None, k)
-      grads = fsdp_program.scatter_units(units, each.grads)
+      grads = fsdp_unit.scatter_units(units, each.grads)
     else:  # every micro-batch gathers and reduce-scatters; the shards add up
       each = step_lib.accumulate(
         functools.partial(unit_grad, tmaster),

@@ -90,8 +90,9 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend.core import primitives as prims
 
-from jaxdp._src import collectives
+from jaxdp._src import collectives, fsdp_unit, ordering
 from jaxdp._src.buffer import pad_dim
+from jaxdp._src.fsdp_unit import Lazy, Program, UnitIO, Units, ct_or_none, stand_in, stand_ins
 from jaxdp._src.jaxprs import (
   as_param,
   avals,
@@ -108,99 +109,13 @@ from jaxdp._src.jaxprs import (
   swap,
   traced_avals,
   use_casts,
-  varying,
 )
 from jaxdp._src.mesh import DATA
 
 PyTree = Any
 
 
-@dataclasses.dataclass(frozen=True)
-class UnitIO:
-  """One unit as `run_loss` needs it: its leaves and its collectives."""
-
-  name: str
-  # Leaves with a gradient and leaves without: [Note: trainable and frozen shards].
-  trainable: tuple[int, ...]
-  frozen: tuple[int, ...]
-  stacked: bool  # its leaves are stacked layers, sharded per layer: `(layers, rows / dp, ...)`
-  collectives: collectives.UnitCollectives  # one layer's, for a stacked unit
-  chunks: Mapping[int, int] = dataclasses.field(default_factory=dict)  # leaf -> row blocks
-  shards: tuple[int, ...] | None = None
-  """Keys of the unit's trainable shards in `run_loss`'s `values`, which `gather` takes and
-  `scatter` returns: None = `trainable` (one block per leaf); a fused state's flat bucket
-  shards (`fsdp.unit_collectives`; a fused state has no chunks)."""
-  grad_dtypes: Mapping[int, Any] = dataclasses.field(default_factory=dict)
-  """Trainable leaf -> the dtype `scatter` reduces its gradient in, where a tied unit's
-  uses are summed ([Note: tied units]; missing: the cotangent's own dtype)."""
-  casts: Mapping[int, Any] = dataclasses.field(default_factory=dict)
-  """Leaf -> the narrower float dtype every use of it in the loss casts it to (`run_loss`
-  finds them, see [Note: gathered in the dtype the loss casts to]): gathered in it."""
-  tables: frozenset[int] = frozenset()
-  """Leaves never gathered: each use computes with this device's rows and moves the
-  activations instead (`run_loss` picks them, see [Note: a table computed by rows])."""
-  shard_dims: Mapping[int, int] = dataclasses.field(default_factory=dict)
-  """Leaf -> the dim its shards split (a table computed by rows: dim 0; a lookup table:
-  dim 1)."""
-  lookups: frozenset[int] = frozenset()
-  """Leaves `FSDPConfig(lookups=)` names: split by their columns (dim 1), every use a row
-  lookup, run on this device's columns (`_ColumnTake`) where the unit's collectives can
-  reduce a table (`table_rows`), else gathered."""
-
-  @property
-  def apart(self) -> frozenset[int]:
-    """The leaves never gathered whole: by row blocks (`chunks`) or not at all (`tables`)."""
-    return frozenset(self.chunks) | self.tables
-
-  @property
-  def leaves(self) -> tuple[int, ...]:
-    return tuple(sorted(self.trainable + self.frozen))
-
-  @property
-  def shard_keys(self) -> tuple[int, ...]:
-    return self.trainable if self.shards is None else self.shards
-
-
-def gather_units(units: Sequence[UnitIO], shards: dict) -> dict:
-  """{leaf: whole param} of every leaf of `units` (a stacked unit: all its layers), outside
-  any custom_vjp: for keeping units gathered across micro-batches."""
-  return _gather(units, shards, layer_axis=True)
-
-
-def scatter_units(units: Sequence[UnitIO], cts: dict) -> dict:
-  """{leaf: shard grad} of the trainable leaves of `units` from whole-size gradients."""
-  return _scatter(units, cts, layer_axis=True)
-
-
 # ----------------------------------------------------------------------------- the program
-
-
-@dataclasses.dataclass(frozen=True)
-class _Units:
-  """The units, looked up by leaf and by name."""
-
-  of_leaf: Mapping[int, UnitIO]
-  by_name: Mapping[str, UnitIO]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Program:
-  """The loss traced with whole params, its `jit`s inlined: what `run_loss` replays."""
-
-  jaxpr: jcore.Jaxpr  # inputs: every leaf, then the leaves of `batch`
-  consts: list  # the values of `jaxpr.constvars`
-  n_leaves: int
-  param_var: Mapping[jcore.Var, int]  # the input var of each leaf a unit holds -> the leaf
-  out_tree: Any  # the loss's output structure
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lazy:
-  """The vars computed from params (and consts) alone: every op that reads one recomputes it
-  from its gathered params instead of receiving it."""
-
-  defs: Mapping[jcore.Var, jcore.JaxprEqn]  # lazy var -> the eqn that defines it
-  units: Mapping[jcore.Var, set]  # a param's or a lazy var -> the names of its units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,20 +179,20 @@ def run_loss(
     tables: compute a leaf by rows where that moves fewer bytes than gathering it (see
       [Note: a table computed by rows]; `_table_leaves` says which leaves may be).
   """
-  index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
+  index = Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   program = _trace(loss_fn, treedef, leaf_avals, values, index, batch, axes)
   casts = _cast_dtypes(program, index)
   units = [
     dataclasses.replace(u, casts={i: casts[i] for i in u.leaves if i in casts}) for u in units
   ]
-  index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
+  index = Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   lazy = _find_lazy(program, index)
   picked = _lookup_leaves(program, lazy, index, treedef)
   if tables:
     picked |= _table_leaves(program, lazy, index, casts)
   if picked:
     units = [dataclasses.replace(u, tables=frozenset(u.leaves) & picked) for u in units]
-    index = _Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
+    index = Units({i: u for u in units for i in u.leaves}, {u.name: u for u in units})
   rules = {**_chunk_rules(program, lazy, index, treedef), **_table_rules(program, lazy, index)}
   ops = _plan(program, lazy, _cut(program, lazy, index), index)
   outs = _execute(
@@ -298,20 +213,6 @@ def run_loss(
 _TOKEN = jax.ShapeDtypeStruct((), jnp.float32)  # a token's type: [Note: token list]
 
 
-# [Note: stand-ins]
-# A stand-in is zeros of a value's type, traced where the type matters and the value does
-# not: the activations of a backward's replayed vjp (every residual they feed is replaced
-# by a saved one: [Note: saved and replayed residuals]), the gathered params where no
-# residual left to recompute reads them, the tied units' links ([Note: tied units]), the
-# tokens of a forward ([Note: token list]), and the whole-shape params `_trace` traces the
-# loss on (`_whole_stand_in`). What it feeds is dead code XLA removes, or a zero output
-# nothing computes with. The type is the traced one (`traced_avals`, `avals`:
-# `jax.typeof`), not a shape and a dtype, because inside `shard_map` a type includes the
-# mesh axes a value varies over (a gathered param varies over the data axes): a stand-in
-# that varied over other axes would trace another program, whose residuals and cotangents
-# need not have the forward's types.
-
-
 def _whole_stand_in(aval, axes):
   """Zeros of `aval` varying over `axes`: a whole-shape value to trace with (dead code once
   traced), or a token ([Note: stand-ins])."""
@@ -319,7 +220,7 @@ def _whole_stand_in(aval, axes):
   return collectives.make_varying(zeros, tuple(axes)) if axes else zeros
 
 
-def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> _Program:
+def _trace(loss_fn, treedef, leaf_avals, values, units: Units, batch, axes) -> Program:
   """Step 1: `loss_fn` traced on whole-shape params, `jit`s inlined."""
   # A unit's leaves are stand-ins of their whole shape ([Note: stand-ins]); the others (the
   # integer leaves) their values.
@@ -335,7 +236,7 @@ def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> 
   )
   n_leaves = len(leaf_avals)
   param_var = {v: i for i, v in enumerate(flat.jaxpr.invars[:n_leaves]) if i in units.of_leaf}
-  return _Program(flat.jaxpr, flat.consts, n_leaves, param_var, jax.tree.structure(out_shape))
+  return Program(flat.jaxpr, flat.consts, n_leaves, param_var, jax.tree.structure(out_shape))
 
 
 # [Note: gathered in the dtype the loss casts to]
@@ -351,7 +252,7 @@ def _trace(loss_fn, treedef, leaf_avals, values, units: _Units, batch, axes) -> 
 # param's slice in the body), where the operands map one to one to the inner inputs.
 
 
-def _cast_dtypes(program: _Program, units: _Units) -> dict[int, np.dtype]:
+def _cast_dtypes(program: Program, units: Units) -> dict[int, np.dtype]:
   """{leaf: dtype} of the units' float leaves that every use casts to one narrower float
   dtype (see the note above; chunked leaves keep their own rule)."""
   out = {}
@@ -366,7 +267,7 @@ def _cast_dtypes(program: _Program, units: _Units) -> dict[int, np.dtype]:
   return out
 
 
-def _find_lazy(program: _Program, units: _Units) -> _Lazy:
+def _find_lazy(program: Program, units: Units) -> Lazy:
   """Step 2: which vars are computed from params (and consts) alone."""
   defs, var_units = {}, {v: {units.of_leaf[i].name} for v, i in program.param_var.items()}
   static = set(program.param_var) | set(program.jaxpr.constvars)
@@ -379,7 +280,7 @@ def _find_lazy(program: _Program, units: _Units) -> _Lazy:
       static.update(eqn.outvars)
       for v in eqn.outvars:
         var_units[v] = names
-  return _Lazy(defs, var_units)
+  return Lazy(defs, var_units)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -487,7 +388,7 @@ class _RowUses:
   returned: set[int]  # the leaves the program outputs (a view of them included)
 
 
-def _row_uses(program: _Program, lazy: _Lazy, leaves) -> _RowUses:
+def _row_uses(program: Program, lazy: Lazy, leaves) -> _RowUses:
   """Every eqn of the top level that reads one of `leaves` or a cast or transpose of one
   (`w.astype(jnp.bfloat16).T`: a *view*, recomputed on the rows, not a use), by leaf; and
   the leaves the program outputs."""
@@ -562,7 +463,7 @@ def _row_uses(program: _Program, lazy: _Lazy, leaves) -> _RowUses:
   return _RowUses(uses, returned)
 
 
-def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict:
+def _chunk_rules(program: Program, lazy: Lazy, units: Units, treedef) -> dict:
   """`{id(eqn): rule}` for `eval_eqns`: each matmul on a leaf a unit gathers by row blocks
   (`UnitIO.chunks`) runs as `_chunked_dot`, each row lookup on it as `_chunked_take`; a cast
   of the leaf (`w.astype(jnp.bfloat16)`) is the leaf's rows in that dtype, recomputed on
@@ -595,7 +496,7 @@ def _chunk_rules(program: _Program, lazy: _Lazy, units: _Units, treedef) -> dict
   return rules
 
 
-def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping) -> frozenset:
+def _table_leaves(program: Program, lazy: Lazy, units: Units, casts: Mapping) -> frozenset:
   """The leaves to compute by rows (see [Note: a table computed by rows]): float leaves of
   units that are not stacked, not chunked, split by their rows, whose collectives can
   reduce a table's rows,
@@ -630,7 +531,7 @@ def _table_leaves(program: _Program, lazy: _Lazy, units: _Units, casts: Mapping)
   return frozenset(picked)
 
 
-def _lookup_leaves(program: _Program, lazy: _Lazy, units: _Units, treedef) -> frozenset:
+def _lookup_leaves(program: Program, lazy: Lazy, units: Units, treedef) -> frozenset:
   """The leaves `FSDPConfig(lookups=)` names (`UnitIO.lookups`) whose units can reduce a
   table (`table_rows`) and that the loss looks up: computed by columns ([Note: a table
   looked up by columns]). Raises ValueError if the loss uses one otherwise."""
@@ -676,7 +577,7 @@ def _activation_bytes(use: _RowUse, dp: int, trainable: bool) -> float:
   return (dp - 1) * nbytes(x) * gathers + 2 * (dp - 1) / dp * nbytes(use.eqn.outvars[0].aval)
 
 
-def _table_rules(program: _Program, lazy: _Lazy, units: _Units) -> dict:
+def _table_rules(program: Program, lazy: Lazy, units: Units) -> dict:
   """`{id(eqn): rule}` for `eval_eqns`: each use of a table (`UnitIO.tables`) as `_TableDot`
   or `_TableTake`."""
   tables = {i for i in program.param_var.values() if i in units.of_leaf[i].tables}
@@ -688,7 +589,7 @@ def _table_rules(program: _Program, lazy: _Lazy, units: _Units) -> dict:
   }
 
 
-def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
+def _scan_xs(eqn, program: Program, units: Units) -> dict[int, int] | None:
   """{xs position: leaf} of a scan whose xs are every leaf of some stacked units, each once
   (None: not such a scan)."""
   if eqn.primitive is not prims.scan_p:
@@ -710,7 +611,7 @@ def _scan_xs(eqn, program: _Program, units: _Units) -> dict[int, int] | None:
   return pos
 
 
-def _cut(program: _Program, lazy: _Lazy, units: _Units) -> list[_Piece]:
+def _cut(program: Program, lazy: Lazy, units: Units) -> list[_Piece]:
   """Step 3: the program's eqns (but the lazy ones) cut into pieces: each scan over stacked
   units alone; between them, a new segment wherever an eqn reads a unit the open segment
   does not (eqns that read no unit stay in the segment they fall in)."""
@@ -750,7 +651,7 @@ def _direct_reads(piece: _Piece) -> list:
   ]
 
 
-def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -> list[_Op]:
+def _plan(program: Program, lazy: Lazy, pieces: list[_Piece], units: Units) -> list[_Op]:
   """Step 4: each piece's lazy eqns, inputs, outputs and units."""
   order = {id(e): n for n, e in enumerate(program.jaxpr.eqns)}
   param_var = program.param_var
@@ -802,11 +703,11 @@ def _plan(program: _Program, lazy: _Lazy, pieces: list[_Piece], units: _Units) -
 
 
 def _execute(
-  program: _Program,
+  program: Program,
   ops: list[_Op],
   values: dict,
   batch,
-  units: _Units,
+  units: Units,
   rules: dict,
   axes,
   *,
@@ -836,7 +737,7 @@ def _execute(
     acts = [env[v] for v in op.acts]
     ahead = n + prefetch
     if reshard and ahead < len(ops):  # its gather may start once this op's inputs exist
-      acts, op_shards[ahead] = _together(acts, op_shards[ahead])
+      acts, op_shards[ahead] = ordering.together(acts, op_shards[ahead])
     if op.scan_xs is not None:
       outs, tokens = _run_scan(
         program,
@@ -870,7 +771,7 @@ class _SegmentFn:
   gathered params `full` ({leaf: whole param}) and the program's consts, its lazy vars
   recomputed."""
 
-  program: _Program
+  program: Program
   op: _Op
   rules: Mapping[int, Callable]
 
@@ -885,7 +786,7 @@ class _SegmentFn:
 
 
 def _run_scan(
-  program: _Program,
+  program: Program,
   op: _Op,
   acts,
   shards,
@@ -972,7 +873,7 @@ def _summed_leaves(unit: UnitIO) -> tuple[int, ...]:
   return tuple(i for i in unit.trainable if i not in unit.apart)
 
 
-def _tied_units(ops: Sequence[_Op], units: _Units) -> frozenset[str]:
+def _tied_units(ops: Sequence[_Op], units: Units) -> frozenset[str]:
   """The units more than one op gathers (GPT-2's tied `wte`: the embedding at the start,
   the logits at the end) that have gradients to sum."""
   uses = [n for op in ops for n in (op.units if op.scan_xs is None else op.scan_consts)]
@@ -1005,14 +906,6 @@ class _Ties:
 
 # ----------------------------------------------------------------------------- a segment
 
-# [Note: trainable and frozen shards]
-# A unit's `custom_vjp` takes its shards as two dicts, `trainable` and `frozen`, because the
-# two get different cotangents: a trainable shard's is its reduce-scattered gradient, a
-# frozen one's is None (a zero: nothing reduces it). A segment's `trainable` is keyed by
-# `UnitIO.shard_keys` (a leaf, or a fused state's flat bucket shard), a scanned unit's and
-# every `frozen` by leaf. A segment's shards are one block per leaf; a scanned unit's are
-# stacked over the layers, `(layers, rows / dp, ...)`, and an iteration reads its layer's
-# (`_at`). `_gather` takes the two merged, to gather the unit in one go.
 
 # [Note: token list]
 # The order between the backwards of different ops is carried by zeros, *tokens*, that each
@@ -1076,7 +969,7 @@ def _unit_call(
   # The gathered params' types (varying axes included), to trace the backward with when it
   # needs no param value (a unit whose grads need only the cotangent, like a bias or wpe).
   full_avals = traced_avals(
-    lambda trainable, frozen: _gather(units, {**trainable, **frozen}, layer_axis=True),
+    lambda trainable, frozen: fsdp_unit.gather(units, {**trainable, **frozen}, layer_axis=True),
     trainable,
     frozen,
   )
@@ -1090,7 +983,7 @@ def _unit_call(
     # one flag per arg of `fn` (a list: one per activation): which inputs taint a residual
     of_floats, of_ints, of_params = residual_masks(
       fn,
-      (_stand_ins(act_avals), _stand_ins(full_avals)),
+      (stand_ins(act_avals), stand_ins(full_avals)),
       ([not is_int for is_int in ints], False),
       (ints, False),
       (False, True),
@@ -1166,29 +1059,29 @@ class _UnitCall:
     return len(self.token_avals) - 1
 
   def full_of(self, trainable, frozen):
-    return _gather(self.units, {**trainable, **frozen}, layer_axis=True)
+    return fsdp_unit.gather(self.units, {**trainable, **frozen}, layer_axis=True)
 
   def links(self):
-    return {i: _stand_in(self.link_avals[i]) for i in self.links_out}
+    return {i: stand_in(self.link_avals[i]) for i in self.links_out}
 
   def link_ct(self, leaf, cotangent):
     """Tied `leaf`'s cotangent as its link's type: summed over uses in the reduce dtype."""
-    return _ct_or_none(self.link_avals[leaf], cotangent.astype(self.link_avals[leaf].dtype))
+    return ct_or_none(self.link_avals[leaf], cotangent.astype(self.link_avals[leaf].dtype))
 
   def call(self, acts, trainable, frozen, tokens, links):
     outs = self.fn(acts, self.full_of(trainable, frozen))
-    return outs, _stand_ins(self.token_avals), self.links()
+    return outs, stand_ins(self.token_avals), self.links()
 
   def fwd(self, acts, trainable, frozen, tokens, links):
     # The gathered params through a barrier (with the inputs, which the forward waits for
     # anyway): the backward reads the saved residuals, never the gathered bucket. Else XLA
     # moves a cheap residual's computation (`x @ w + b`) into the backward's fusions, which
     # read `b` from the gathered bucket, alive from this forward to that backward.
-    full, acts = _together(self.full_of(trainable, frozen), acts)
+    full, acts = ordering.together(self.full_of(trainable, frozen), acts)
     outs, vjp = jax.vjp(self.fn, acts, full)
     leaves = jax.tree.leaves(vjp)
     saved = [x for x, s in zip(leaves, self.keep or [True] * len(leaves)) if s]
-    zeros = _stand_ins(self.token_avals)
+    zeros = stand_ins(self.token_avals)
     int_acts = [a for a, is_int in zip(acts, self.ints) if is_int]
     residuals = _UnitResiduals(saved, int_acts, trainable, frozen, None if self.reshard else full)
     return (outs, zeros, self.links()), residuals
@@ -1199,29 +1092,31 @@ class _UnitCall:
     k, keep, token_aval = self.k, self.keep, self.token_avals[0]
     # The vjp is traced again on stand-ins for the activations: every residual they feed is
     # replaced by a saved one ([Note: saved and replayed residuals]).
-    acts0 = _stand_ins(self.act_avals)
+    acts0 = stand_ins(self.act_avals)
     if res.int_acts:
       # The integers, recomputed from once this backward starts (plus a zero tied to its
       # cotangents): else XLA merges the recomputation with the forward's, alive until here.
-      zero, ct_outs = _together(_stand_in(token_aval), ct_outs)
+      zero, ct_outs = ordering.together(stand_in(token_aval), ct_outs)
       int_acts = iter(res.int_acts)
-      acts0 = [_tie(next(int_acts), zero) if is_int else x for is_int, x in zip(self.ints, acts0)]
+      acts0 = [
+        ordering.tie(next(int_acts), zero) if is_int else x for is_int, x in zip(self.ints, acts0)
+      ]
     # This segment's backward has started: release the gather of the segment k earlier.
-    fresh, ct_outs = _together(_stand_in(token_aval), ct_outs) if k else (None, ct_outs)
+    fresh, ct_outs = ordering.together(stand_in(token_aval), ct_outs) if k else (None, ct_outs)
     if self.reshard and not any(p and not s for p, s in zip(self.of_params, keep)):
       # nothing to recompute from the params (wpe's grad needs only the cotangent): no gather
-      full = _stand_ins(self.full_avals)
+      full = stand_ins(self.full_avals)
     elif self.reshard:
       # Gather once the backward of the segment k later has started (its token), or, with
       # k = 0, once this segment's own cotangents exist.
       if k:
-        trainable = _after(trainable, ct_tokens[k - 1])
-        frozen = _after(frozen, ct_tokens[k - 1])
+        trainable = ordering.after(trainable, ct_tokens[k - 1])
+        frozen = ordering.after(frozen, ct_tokens[k - 1])
       else:
-        (trainable, frozen), ct_outs = _together((trainable, frozen), ct_outs)
+        (trainable, frozen), ct_outs = ordering.together((trainable, frozen), ct_outs)
       # ... and recompute nothing from it before this segment's cotangents exist (else XLA
       # runs the recomputation of the segment k earlier as soon as its gather lands).
-      full, ct_outs = _together(self.full_of(trainable, frozen), ct_outs)
+      full, ct_outs = ordering.together(self.full_of(trainable, frozen), ct_outs)
     _, vjp = jax.vjp(self.fn, acts0, full)
     d_acts, d_full = swap(vjp, saved, keep or [True] * len(saved))(ct_outs)
     # A tied unit's gradient: handed back to its first call, or summed with what its later
@@ -1235,7 +1130,7 @@ class _UnitCall:
     # (else XLA copies this unit's while the later unit's reduce-scatter is still in flight;
     # that reduce-scatter still overlaps this segment's backward matmuls).
     d_full = _bucket_after(scattered, d_full, ct_tokens[k])
-    d_trainable = _scatter(scattered, d_full, layer_axis=True)
+    d_trainable = fsdp_unit.scatter(scattered, d_full, layer_axis=True)
     # A handed-back unit's chunked leaves: reduce-scattered by row blocks already.
     d_trainable.update(
       (i, d_full[i]) for u in self.units if u.name in handed for i in u.trainable if i in u.apart
@@ -1247,21 +1142,14 @@ class _UnitCall:
     # to the end of the backward, each unit's full-size gradient and activations live until
     # then; tying this segment's own cotangents to them would leave the reduce-scatter
     # nothing to overlap).
-    done, d_trainable = _together(_stand_in(self.token_avals[-1]), d_trainable)
-    d_acts = _after(dict(enumerate(d_acts)), ct_tokens[k])
-    d_acts = [_ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
+    done, d_trainable = ordering.together(stand_in(self.token_avals[-1]), d_trainable)
+    d_acts = ordering.after(dict(enumerate(d_acts)), ct_tokens[k])
+    d_acts = [ct_or_none(a, d_acts[n]) for n, a in enumerate(acts0)]
     # [Note: token list]: a fresh prefetch token first, the received ones one place on, and
     # this unit's "reduce-scatter done" last.
     d_tokens = ([fresh] + list(ct_tokens[: k - 1]) if k else []) + [done]
     # cotangents of (acts, trainable, frozen, tokens, links): a frozen shard gets none
     return d_acts, d_trainable, None, d_tokens, d_links
-
-
-def _tie(value, zero):
-  """`value + zero`: `value` computed once `zero` exists (an input that varies over fewer
-  axes than the zero is left as it is): [Note: orderings are data dependencies]."""
-  varies_as_much = varying(jax.typeof(value)) >= varying(jax.typeof(zero))
-  return value + zero.astype(value.dtype) if varies_as_much else value
 
 
 # ----------------------------------------------------------------------------- a scanned unit
@@ -1300,8 +1188,8 @@ def _scan_unit(
   keep = None
   if reshard:
     layer_0 = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    full = _stand_ins(traced_avals(layer.gather, layer_0(trainable), layer_0(frozen)))
-    args = (consts, _stand_ins(init_avals), _stand_ins(other_avals), full)
+    full = stand_ins(traced_avals(layer.gather, layer_0(trainable), layer_0(frozen)))
+    args = (consts, stand_ins(init_avals), stand_ins(other_avals), full)
     (keep,) = residual_masks(layer, args, (False, True, True, False))
 
   scan = _ScanUnit(
@@ -1376,7 +1264,9 @@ class _ScanLayer:
   def gather(self, trainable, frozen, only=None):
     """One layer's params from its shards, one all-gather per param (`only`: of those
     leaves alone)."""
-    return _gather(self.units, {**trainable, **frozen}, layer_axis=False, each=True, only=only)
+    return fsdp_unit.gather(
+      self.units, {**trainable, **frozen}, layer_axis=False, each=True, only=only
+    )
 
 
 @jax.tree_util.register_dataclass
@@ -1432,14 +1322,14 @@ class _ScanUnit:
     layer = self.layer
     if after is not None:
       tail = {i: x for i, x in after.items() if i not in layer.head} if split else {}
-      landed, tail = _landed(tail or after)
-      return layer.gather(*_after(shards, landed)), {**after, **tail}
+      landed, tail = ordering.landed(tail or after)
+      return layer.gather(*ordering.after(shards, landed)), {**after, **tail}
     if not split or not layer.head:
       return layer.gather(*shards), after
     full = layer.gather(*shards, only=layer.head)
-    landed, full = _landed(full)  # the rest once the head has landed
+    landed, full = ordering.landed(full)  # the rest once the head has landed
     rest = frozenset(layer.params) - layer.head
-    return {**full, **layer.gather(*_after(shards, landed), only=rest)}, after
+    return {**full, **layer.gather(*ordering.after(shards, landed), only=rest)}, after
 
   def call(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
@@ -1447,7 +1337,7 @@ class _ScanUnit:
 
     gather = functools.partial(self.gather_at, trainable, frozen, split=True)
     looped = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
-    return (looped.carry, looped.outs), _stand_ins(self.token_avals)
+    return (looped.carry, looped.outs), stand_ins(self.token_avals)
 
   def fwd(self, consts, init, other, trainable, frozen, tokens):
     def step(carry, pos, full, landed):
@@ -1459,7 +1349,7 @@ class _ScanUnit:
     gather = functools.partial(self.gather_at, trainable, frozen, split=True)
     looped = _layer_loop(self.length, self.reverse, gather, step, init, ahead=self.k > 0)
     carry, (ys, saved), last = looped.carry, looped.outs, looped.last
-    zeros = _stand_ins(self.token_avals)
+    zeros = stand_ins(self.token_avals)
     # The last layer's params, kept for the backward, which runs it first ([Note: a layer
     # gathered one iteration ahead]); without resharding every residual holds them anyway.
     last = last if self.keep is not None and self.keep_last else None
@@ -1468,7 +1358,7 @@ class _ScanUnit:
   def bwd(self, res: _ScanResiduals, cts):
     consts, trainable, frozen = res.consts, res.trainable, res.frozen
     (d_carry, d_ys), ct_tokens = cts
-    d_carry = [_ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
+    d_carry = [ct_or_none(a, d) for a, d in zip(self.init_avals, d_carry)]
     d_consts0 = [jnp.zeros_like(c) if is_float(c) else None for c in consts]
     # The first layer the backward gathers (the forward's last) is gathered once the
     # backward of the op k later has started (its token), or with k = 0 once this scan's
@@ -1480,11 +1370,11 @@ class _ScanUnit:
     if first_full is not None:  # kept from the forward: no gather; the next layer's
       # gather, chained after it, waits for this scan's cotangents
       first_shards = None
-      first_full, d_carry = _together(first_full, d_carry)
+      first_full, d_carry = ordering.together(first_full, d_carry)
     elif self.k:
-      first_shards = _after(first_shards, ct_tokens[self.k - 1])
+      first_shards = ordering.after(first_shards, ct_tokens[self.k - 1])
     else:
-      first_shards, d_carry = _together(first_shards, d_carry)
+      first_shards, d_carry = ordering.together(first_shards, d_carry)
 
     full_avals = traced_avals(
       lambda trainable, frozen: self.gather_at(trainable, frozen, 0)[0], trainable, frozen
@@ -1505,7 +1395,7 @@ class _ScanUnit:
     # none): the others are stand-ins, so that chaining each gather after the layer before
     # does not keep their gathers alive.
     read = reads(
-      lambda full: layers.step((d_carry, d_consts0), 0, full, None), _stand_ins(full_avals)
+      lambda full: layers.step((d_carry, d_consts0), 0, full, None), stand_ins(full_avals)
     )
     layers = dataclasses.replace(layers, read=read)
 
@@ -1523,8 +1413,8 @@ class _ScanUnit:
     (d_init, d_consts), grads = looped.carry, looped.outs
     # The carry's cotangent leaves once the op after has reduce-scattered; this scan's own
     # fresh token, made then, goes back in every position ([Note: token list]).
-    d_init = list(_after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
-    fresh, d_init = _together(_stand_in(self.token_avals[0]), d_init)
+    d_init = list(ordering.after(dict(enumerate(d_init)), ct_tokens[self.k]).values())
+    fresh, d_init = ordering.together(stand_in(self.token_avals[0]), d_init)
     # cotangents of (consts, init, other, trainable, frozen, tokens)
     return d_consts, d_init, grads.d_other, grads.d_trainable, None, [fresh] * (self.k + 1)
 
@@ -1536,18 +1426,18 @@ class _ScanUnit:
     d_carry, d_consts = acc
     # the vjp replayed on stand-ins and the saved residuals ([Note: saved and replayed
     # residuals])
-    init0, other0 = _stand_ins(self.init_avals), _stand_ins(self.other_avals)
+    init0, other0 = stand_ins(self.init_avals), stand_ins(self.other_avals)
     _, vjp = jax.vjp(self.layer, consts, init0, other0, full)
     keep_i = self.keep or [True] * len(saved_i)
     d_consts_i, d_carry, d_x, d_full = swap(vjp, saved_i, keep_i)((d_carry, d_ys_i))
     d_consts = [None if a is None else a + b for a, b in zip(d_consts, d_consts_i)]
-    d_x = [_ct_or_none(a, d) for a, d in zip(other0, d_x)]
-    d_carry = [_ct_or_none(a, d) for a, d in zip(init0, d_carry)]
+    d_x = [ct_or_none(a, d) for a, d in zip(other0, d_x)]
+    d_carry = [ct_or_none(a, d) for a, d in zip(init0, d_carry)]
     units, late = self.layer.units, self.layer.late
     early = [i for u in units for i in u.trainable if i not in late]
     if landed is not None:  # reduce-scattered once the next layer's gather has landed
-      d_full = {**d_full, **_after({i: d_full[i] for i in early if i in d_full}, landed)}
-    d_trainable = _scatter(units, d_full, layer_axis=False, each=True, only=early)
+      d_full = {**d_full, **ordering.after({i: d_full[i] for i in early if i in d_full}, landed)}
+    d_trainable = fsdp_unit.scatter(units, d_full, layer_axis=False, each=True, only=early)
     # One reduce-scatter per param, not the unit's bucket: its ravel would copy the
     # layer's whole-size grads (the backward's peak). The barrier with the carry's
     # cotangent keeps these reduce-scatters in their own iteration: else XLA's collective
@@ -1555,13 +1445,13 @@ class _ScanUnit:
     # Out of the loop, the last layer's reduce-scatters are left free to run under what
     # follows the scan (the update of the params it does not hold, at the step's end).
     if in_loop and d_trainable and any(u.collectives.scatter_each for u in units):
-      d_trainable, d_carry = _together(d_trainable, d_carry)  # (DDP's: per layer)
+      d_trainable, d_carry = ordering.together(d_trainable, d_carry)  # (DDP's: per layer)
     grads = _LayerGrads(d_x, d_trainable, {i: d_full[i] for i in late if i in d_full})
     return (d_carry, d_consts), grads
 
   def scatter(self, pending: _LayerGrads) -> _LayerGrads:
     """The late gradients of a layer reduce-scattered, one collective per param."""
-    late = _scatter(self.layer.units, pending.late, False, each=True, only=self.layer.late)
+    late = fsdp_unit.scatter(self.layer.units, pending.late, False, each=True, only=self.layer.late)
     return _LayerGrads(pending.d_other, {**pending.d_trainable, **late}, {})
 
 
@@ -1585,7 +1475,7 @@ class _ScanBackward:
   def step(self, acc, pos, full, landed):
     """Layer `pos`'s backward (`_ScanUnit.bwd_layer`) on its saved residuals."""
     if full is None:  # every residual saved: the params' values are not read
-      full = _stand_ins(self.full_avals)
+      full = stand_ins(self.full_avals)
     saved, d_ys = _at(self.saved, pos), _at(self.d_ys, pos)
     last = self.scan.length - 1 - self.first  # the layer the backward runs last
     in_loop = not (isinstance(pos, int) and pos == last)  # else peeled, after the loop
@@ -1602,7 +1492,7 @@ class _ScanBackward:
       )
     else:
       full, after = self.scan.gather_at(self.trainable, self.frozen, pos, after)
-    return {i: x if self.read[i] else _stand_in(jax.typeof(x)) for i, x in full.items()}, after
+    return {i: x if self.read[i] else stand_in(jax.typeof(x)) for i, x in full.items()}, after
 
 
 # [Note: a layer gathered one iteration ahead]
@@ -1621,7 +1511,7 @@ class _ScanBackward:
 # In `_layer_loop`'s terms:
 # * `gather(pos, after)` starts layer `pos`'s all-gather once `after` (the gathered params of
 #   the layer before) exists: chained so (a zero made once they have landed, added to the
-#   shards: `_landed`, `_after`), XLA's all-gather combiner cannot merge two layers'
+#   shards: `ordering.landed`, `ordering.after`), XLA's all-gather combiner cannot merge two layers'
 #   gathers into one collective, which would hold both layers ahead.
 # * `step(carry, pos, full, landed)` runs layer `pos` on `full`, gathered the iteration before.
 # * `finish(out)` (the backward: `_ScanUnit.scatter`) runs one iteration later on what
@@ -1709,7 +1599,7 @@ class _LayerLoop:
     full_next, full = self.gather(self.position(k + 1), full)
     if self.finish is None or full_next is None:
       return _Ahead(full_next, full, None)
-    landed, full_next = _landed(full_next)
+    landed, full_next = ordering.landed(full_next)
     return _Ahead(full_next, full, landed)
 
   def body(self, k, state: _LoopState) -> _LoopState:
@@ -1718,7 +1608,7 @@ class _LayerLoop:
     ahead = self.ahead_of(k, state.full)
     pending, outs = state.pending, state.outs
     if self.finish is not None:
-      pending = pending if ahead.landed is None else _after_alike(pending, ahead.landed)
+      pending = pending if ahead.landed is None else ordering.after_alike(pending, ahead.landed)
       outs = self.put(outs, self.finish(pending), self.position(k - 1))
     carry, out = self.step(state.carry, self.position(k), ahead.full, ahead.landed)
     if self.finish is None:
@@ -1764,11 +1654,11 @@ def _layer_loop(
   position = loop.position
   # The stacked outputs' buffers, from one trace of the first layer's step (and finish).
   first_out = lambda carry, full: step(carry, position(0), full, None)[1]
-  out0 = _stand_ins(traced_avals(first_out, carry, loop.gather(position(0), None)[0]))
+  out0 = stand_ins(traced_avals(first_out, carry, loop.gather(position(0), None)[0]))
   stacked = jax.tree.map(
     lambda a: a.update(shape=(length, *a.shape)), traced_avals(loop.done, out0)
   )
-  outs = _stand_ins(stacked)
+  outs = stand_ins(stacked)
 
   if not ahead:
     state = jax.lax.fori_loop(0, length, loop.own, _LoopState(carry, None, None, outs))
@@ -1965,9 +1855,9 @@ class _ChunkedDot:
     for c, (lo, hi) in enumerate(self.bounds):
       own = (block[lo:hi], self.take(x, lo, hi))
       if c < 2:  # gathered once the input exists
-        (rows, x_c), _ = _together(own, x if self.x_dim is None else own[1])
+        (rows, x_c), _ = ordering.together(own, x if self.x_dim is None else own[1])
       else:  # ... and once block c - 2 is computed: one block ahead
-        (rows, x_c), pieces[c - 2] = _together(own, pieces[c - 2])
+        (rows, x_c), pieces[c - 2] = ordering.together(own, pieces[c - 2])
       pieces.append(self.piece(x_c, self.gather_rows(rows)))
     return self.combine(pieces)
 
@@ -1985,10 +1875,10 @@ class _ChunkedDot:
       lo, hi = self.bounds[c]
       x_c, take_vjp = jax.vjp(lambda x: self.take(x, lo, hi), x)
       if k < 2:  # gathered once the cotangent exists (not hoisted into the forward)
-        (rows, x_c), d_c = _together((block[lo:hi], x_c), d_out)
+        (rows, x_c), d_c = ordering.together((block[lo:hi], x_c), d_out)
       else:  # ... and once block c + 2 is done: its share of d_x, its reduce-scatter
         prev = order[k - 2]
-        (rows, x_c, d_c), (d_xs[prev], grads[prev]) = _together(
+        (rows, x_c, d_c), (d_xs[prev], grads[prev]) = ordering.together(
           (block[lo:hi], x_c, d_out), (d_xs.get(prev), grads[prev])
         )
       d_piece = d_c if self.x_dim is not None else self.rows_of(d_c, self.out_dim, lo, hi)
@@ -2004,7 +1894,7 @@ class _ChunkedDot:
       else:
         grads[c] = jnp.zeros_like(rows)
     d_x = sum((d_xs[c] for c in order[1:]), d_xs[order[0]]) if self.x_grad else None
-    return _ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(len(self.bounds))])
+    return ct_or_none(x, d_x), jnp.concatenate([grads[c] for c in range(len(self.bounds))])
 
 
 # ----------------------------------------------------------------------------- a chunked lookup
@@ -2087,7 +1977,7 @@ class _ChunkedTake:
     for c, (lo, hi) in enumerate(self.bounds):
       own = block[lo:hi]
       if c >= 2:  # gathered once block c - 2's rows are selected: one block ahead
-        own, outs[c - 2] = _together(own, outs[c - 2])
+        own, outs[c - 2] = ordering.together(own, outs[c - 2])
       rows = self.unit.collectives.gather_rows(self.leaf, own, self.dtype)
       inside, local = self.where(g, lo, hi)
       got = jnp.take(rows, local, axis=0)
@@ -2110,7 +2000,7 @@ class _ChunkedTake:
       lo, hi = self.bounds[c]
       d_c = d_out
       if k >= 2:  # once block c + 2's gradient is reduce-scattered
-        d_c, grads[c + 2] = _together(d_out, grads[c + 2])
+        d_c, grads[c + 2] = ordering.together(d_out, grads[c + 2])
       inside, local = self.where(g, lo, hi)
       rows = jnp.zeros((self.dp * (hi - lo), *block.shape[1:]), d_out.dtype)
       d_rows = rows.at[local].add(jnp.where(_expand(inside, d_c.ndim), d_c, 0))
@@ -2128,8 +2018,8 @@ class _ChunkedTake:
 # picks the leaves: every use a row lookup or a matmul that keeps the leaf's rows in its
 # product, and fewer bytes to move that way than to gather the leaf. `_table_rules` makes
 # each use an `eval_eqns` rule (`_TableRule`) that the segment runs in place of the eqn. Its
-# unit never gathers such a leaf (`UnitIO.tables`, part of `apart`): `_gather` hands the
-# segment this device's shard, and `_scatter` passes its gradient on as it is, reduced
+# unit never gathers such a leaf (`UnitIO.tables`, part of `apart`): `fsdp_unit.gather` hands the
+# segment this device's shard, and `fsdp_unit.scatter` passes its gradient on as it is, reduced
 # already by the rule's backward (`table_rows`). The rule reads that shard, not the view
 # the eqn reads (a cast, a transpose: recomputed on the rows, the transpose folded into the
 # matmul's dimension numbers), so that the gradient reaches the shard in its own dtype.
@@ -2298,7 +2188,7 @@ class _TableDot:
         f32 = jnp.promote_types(every.dtype, jnp.float32)
         total = sum((d.astype(f32) for d in d_every[1:]), d_every[0].astype(f32))
       d_x = collectives.scatter_batch(total.astype(every.dtype), self.x_dim)
-    return _ct_or_none(x, d_x), _table_grad(self.unit, self.leaf, d_w, block)
+    return ct_or_none(x, d_x), _table_grad(self.unit, self.leaf, d_w, block)
 
 
 def _table_grad(unit: UnitIO, leaf: int, grad, block):
@@ -2451,52 +2341,7 @@ class _ColumnTake:
     return None, _table_grad(self.unit, self.leaf, grad, block)
 
 
-# ----------------------------------------------------------------------------- a unit's collectives
-
-
-def _gather(
-  units: Sequence[UnitIO], shards: dict, layer_axis: bool, each: bool = False, only=None
-) -> dict:
-  """{leaf: whole param} of `units` from their shards (stacked shards: every layer; `each`:
-  one all-gather per param; `only`, with `each`: of those leaves alone)."""
-  full = {}
-  for unit in units:
-    # [Note: trainable and frozen shards]
-    trainable = {i: shards[i] for i in unit.shard_keys}
-    frozen = {i: shards[i] for i in unit.frozen}
-    gather = unit.collectives.gather_each if each else unit.collectives.gather
-    skip = frozenset() if only is None else frozenset(unit.leaves) - only
-    if unit.casts or unit.apart or skip:
-      gather = functools.partial(gather, casts=unit.casts, apart=unit.apart | skip)
-    # a stacked unit's shards outside a scan: every layer, one gather vmapped over them
-    stacked = layer_axis and unit.stacked
-    full.update(jax.vmap(gather)(trainable, frozen) if stacked else gather(trainable, frozen))
-    # by row blocks, or by rows, where used ([Note: row blocks of a chunked param], [Note: a
-    # table's uses on this device's rows])
-    full.update((i, shards[i]) for i in unit.apart - skip)
-  return full
-
-
-def _scatter(
-  units: Sequence[UnitIO], cts: dict, layer_axis: bool, each: bool = False, only=None
-) -> dict:
-  """{leaf: shard grad} of the trainable leaves of `units` (`only`: of those leaves alone)
-  from their whole-size cotangents `cts`; the leaves reduced where used (`UnitIO.apart`)
-  pass as they are."""
-  grads = {}
-  for unit in units:
-    leaves = [i for i in unit.trainable if only is None or i in only]
-    if leaves:
-      skip = unit.apart | frozenset(i for i in unit.trainable if i not in leaves)
-      unit_cts = {i: cts[i] for i in leaves if i not in skip}
-      collective = unit.collectives
-      scatter = collective.scatter_each if each and collective.scatter_each else collective.scatter
-      if skip:
-        scatter = functools.partial(scatter, apart=skip)
-      stacked = layer_axis and unit.stacked
-      grads.update(jax.vmap(scatter)(unit_cts) if stacked else scatter(unit_cts))
-      grads.update((i, cts[i]) for i in leaves if i in unit.apart)  # reduced already
-  return grads
+# ----------------------------------------------------------------------------- gradient buckets
 
 
 def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
@@ -2512,123 +2357,4 @@ def _bucket_after(units: Sequence[UnitIO], cts: dict, token) -> dict:
         key = (unit.name, jnp.dtype(cotangent.dtype))
         if key not in picks or cotangent.size < cts[picks[key]].size:
           picks[key] = i
-  return {**cts, **_after({i: cts[i] for i in picks.values()}, token)}
-
-
-# ----------------------------------------------------------------------------- ordering
-
-# [Note: orderings are data dependencies]
-# XLA's scheduler may move any computation as far as its data dependencies allow, so every
-# order this file needs (a gather not before some point, a reduce-scatter done before
-# another starts) is written as one:
-# * `_together(a, b)` passes `a` and `b` through one `optimization_barrier`: nothing
-#   computed from either result starts before both exist. The caller uses both results:
-#   XLA drops a barrier's operands whose results are unused, and the order with them. It is
-#   the identity on cotangents (`_barrier_vjp`): JAX's transpose of a barrier would put
-#   them through one too, with zeros materialized for unused results.
-# * `_after(x, token)` and `_tie(x, zero)` add a zero: `x` (or the gather that reads it)
-#   waits for the zero, an add XLA keeps, since the zero comes out of a barrier, where XLA
-#   cannot see that it is zero.
-# The zeros are tokens ([Note: token list]), or made through a barrier: `_together(
-# _stand_in(type), x)` gives a zero that exists once `x` does. The GPU scheduler keeps
-# these orders (barriers are expanded only after scheduling). Megatron orders its
-# collectives by when it launches them and waits on their handles
-# (`param_and_grad_buffer.py`'s `start_grad_sync` / `finish_grad_sync`); a JAX program
-# has only its data flow.
-
-
-def _together(a, b):
-  """`(a, b)` through one `optimization_barrier`: XLA computes nothing from either result
-  before both of `a` and `b` exist. The caller must use both results (XLA drops the operands
-  of a barrier whose results are unused, and with them the ordering). Integer leaves pass
-  outside the barrier, and so do leaves that vary over fewer mesh axes than the others (the
-  barrier's results vary over every axis any operand varies over: a replicated model state
-  would come out varying).
-
-  Differentiated, it is the identity on the cotangents (JAX's own rule for the barrier would
-  put them through one too, with zeros materialized for unused results)."""
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  vma = lambda x: varying(jax.typeof(x))
-  every = frozenset().union(*[vma(x) for x in leaves_a + leaves_b if is_float(x)])
-  # the leaves that go through the barrier: float, varying over every axis
-  picked_a = [n for n, x in enumerate(leaves_a) if is_float(x) and vma(x) == every]
-  picked_b = [n for n, x in enumerate(leaves_b) if is_float(x) and vma(x) == every]
-  if not picked_a or not picked_b:
-    return a, b
-  out_a, out_b = _barrier_vjp([leaves_a[n] for n in picked_a], [leaves_b[n] for n in picked_b])
-  for n, x in zip(picked_a, out_a):
-    leaves_a[n] = x
-  for n, x in zip(picked_b, out_b):
-    leaves_b[n] = x
-  return jax.tree.unflatten(tree_a, leaves_a), jax.tree.unflatten(tree_b, leaves_b)
-
-
-@jax.custom_vjp
-def _barrier_vjp(a, b):
-  return jax.lax.optimization_barrier((a, b))
-
-
-def _barrier_fwd(a, b):
-  return _barrier_vjp(a, b), None
-
-
-def _barrier_bwd(_, ct):
-  return ct
-
-
-_barrier_vjp.defvjp(_barrier_fwd, _barrier_bwd)
-
-
-def _landed(tree):
-  """`(zero, tree)`: a zero that exists once `tree` (gathered params) has landed, and `tree`
-  through the barrier that orders it so. Added to shards (`_after`), it orders their gather
-  after `tree`, where a barrier on the shards themselves would materialize them as they
-  enter it (a layer's slice of the stacked shards, in float32 where it is gathered cast:
-  a copy the gather's own input fusion does not need)."""
-  leaf = jax.typeof(jax.tree.leaves(tree)[0])  # a zero varying as the gathered params
-  return _together(_stand_in(leaf.update(shape=(), dtype=jnp.float32)), tree)
-
-
-def _after(shards: dict, token) -> dict:
-  """`shards` plus the (zero) `token`: a data dependency XLA keeps, so the gather of these
-  shards cannot start before `token` exists ([Note: orderings are data dependencies])."""
-  return jax.tree.map(lambda x: x + token.astype(x.dtype) if is_float(x) else x, shards)
-
-
-def _after_alike(tree, token):
-  """`_after` on the float leaves of `tree` that vary over every mesh axis `token` does; the
-  others as they are. In a loop's carry a leaf must keep its type: the token (varying like
-  the gathered params, over "replica" too under HSDP) added to a grad already reduced
-  across "replica" would make it vary over "replica" again. Such a leaf is finished
-  already, and has nothing left to order."""
-  needs = varying(jax.typeof(token))
-  alike = lambda x: is_float(x) and needs <= varying(jax.typeof(x))
-  return jax.tree.map(lambda x: x + token.astype(x.dtype) if alike(x) else x, tree)
-
-
-# ----------------------------------------------------------------------------- stand-ins
-
-
-def _ct_or_none(x, ct):
-  """A custom_vjp cotangent for input `x` (a value or its type): None (zero) for integer
-  inputs; summed over the mesh axes it varies over and `x` does not (an input replicated
-  over "data", like a model state, used by every device: the transpose of its implicit
-  `pvary`), so that it has `x`'s type."""
-  if not is_float(x) or ct is None:
-    return None
-  aval = x.aval if hasattr(x, "aval") else jax.typeof(x) if isinstance(x, jax.Array) else x
-  extra = varying(jax.typeof(ct)) - varying(aval)
-  return collectives.sum_over(ct, tuple(sorted(extra))) if extra else ct
-
-
-def _stand_in(aval):
-  """Zeros of `aval`'s shape, dtype and varying axes: traced in place of a value whose
-  residuals are saved, so only dead code reads it ([Note: stand-ins])."""
-  x = jnp.zeros(aval.shape, aval.dtype)
-  vma = tuple(sorted(varying(aval)))
-  return collectives.make_varying(x, vma) if vma else x
-
-
-def _stand_ins(avals):
-  return jax.tree.map(_stand_in, avals)
+  return {**cts, **ordering.after({i: cts[i] for i in picks.values()}, token)}
