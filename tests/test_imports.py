@@ -34,6 +34,7 @@ LAYERS = (
   ("distributed_optimizer",),
   ("units", "fsdp_unit", "step"),
   ("ordering",),
+  ("fsdp_scan",),
   ("fsdp_program",),
   ("ddp", "fsdp"),
   ("train",),

@@ -25,10 +25,11 @@ CUSTOM_VJP = {
   # collectives.py: the grad-ready hooks' backward (cotangents of leaves, sink, acc)
   "collectives.py:grad_ready_hook.bwd",
   "collectives.py:grad_ready_hook_each.bwd",
-  # fsdp_program.py: a unit's primal (outputs, tokens, links) and the two backwards
+  # fsdp_program.py: a unit's primal (outputs, tokens, links) and its backward
   "fsdp_program.py:_UnitCall.call",
   "fsdp_program.py:_UnitCall.bwd",
-  "fsdp_program.py:_ScanUnit.bwd",
+  # fsdp_scan.py: a scanned unit's backward
+  "fsdp_scan.py:_ScanUnit.bwd",
 }
 """The functions whose 3+-value returns `jax.custom_vjp` requires."""
 

@@ -121,7 +121,7 @@ class Lazy:
 # `UnitIO.shard_keys` (a leaf, or a fused state's flat bucket shard), a scanned unit's and
 # every `frozen` by leaf. A segment's shards are one block per leaf; a scanned unit's are
 # stacked over the layers, `(layers, rows / dp, ...)`, and an iteration reads its layer's
-# (`_at`). `gather` takes the two merged, to gather the unit in one go.
+# (`fsdp_scan._at`). `gather` takes the two merged, to gather the unit in one go.
 
 
 def gather(
