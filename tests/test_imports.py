@@ -34,7 +34,7 @@ LAYERS = (
   ("distributed_optimizer",),
   ("units", "fsdp_unit", "step"),
   ("ordering",),
-  ("fsdp_scan",),
+  ("fsdp_scan", "fsdp_tables"),
   ("fsdp_program",),
   ("ddp", "fsdp"),
   ("train",),

@@ -52,8 +52,8 @@ class UnitIO:
   dim 1)."""
   lookups: frozenset[int] = frozenset()
   """Leaves `FSDPConfig(lookups=)` names: split by their columns (dim 1), every use a row
-  lookup, run on this device's columns (`_ColumnTake`) where the unit's collectives can
-  reduce a table (`table_rows`), else gathered."""
+  lookup, run on this device's columns (`fsdp_tables._ColumnTake`) where the unit's
+  collectives can reduce a table (`table_rows`), else gathered."""
 
   @property
   def apart(self) -> frozenset[int]:
