@@ -154,8 +154,9 @@ def test_readme_example_prints_nothing_jaxdp_could_prevent(tmp_path):
   import_jax = run(["python", "-c", "import jax"], tmp_path, env)
   readme = run(["python", "readme.py"], tmp_path, env)
   assert readme.returncode == 0, readme.stderr[-3000:]
+  # jaxlib 0.10's plugin probes the driver three times, two lines each; 0.12's writes nothing
   probe = [line for line in stderr_lines(import_jax) if "Could not find cuda drivers" in line]
-  assert len(probe) == 3 and len(stderr_lines(import_jax)) == 6, import_jax.stderr
+  assert len(stderr_lines(import_jax)) == 2 * len(probe), import_jax.stderr
   assert stderr_lines(readme) == stderr_lines(import_jax), readme.stderr
 
   jaxdp_first = code.replace(

@@ -124,7 +124,11 @@ def test_hfsdp_collectives_and_bytes_per_device():
   scatters = [(n, g) for kind, n, g in kinds if kind == "reduce-scatter"]
   # The backward's reduce-scatters over "data" move whole unit buckets (the bucket layout's
   # 128-element alignment included: lcm(D, 128)); then one per unit across "replica".
-  assert [g for _, g in scatters] == ["data", "data", "replica", "replica"]
+  assert sorted(g for _, g in scatters) == ["data", "data", "replica", "replica"]
+  # each unit's "replica" scatter reduces what its "data" scatter made: the k-th comes after
+  # k of those (the units' order between them is the scheduler's)
+  for k, at in enumerate(i for i, (_, g) in enumerate(scatters) if g == "replica"):
+    assert sum(g == "data" for _, g in scatters[:at]) >= k + 1, scatters
   assert sorted(n for n, g in scatters if g == "replica") == sorted(block.values())
   gathers = [(n, g) for kind, n, g in kinds if kind == "all-gather"]
   # across "replica": the updated 1/(R·D) of each unit bucket, in the param dtype (fp32)
@@ -132,9 +136,12 @@ def test_hfsdp_collectives_and_bytes_per_device():
   assert {g for _, g in gathers} == {"data", "replica"}
   # no all-reduce over "replica" (HSDP's): only the loss and norm scalars over all devices
   assert [(kind, g) for kind, _, g in ops if kind == "all-reduce"] == [("all-reduce", everyone)]
-  # the order of the step: reduce-scatters across "replica", the update, then the gathers
-  order = [(kind, g) for kind, _, g in kinds if g == "replica"]
-  assert order == [("reduce-scatter", "replica")] * 2 + [("all-gather", "replica")] * 2
+  # across "replica": a unit's reduce-scatter, its update, then its gather; the k-th gather
+  # comes after k of the scatters (how the units interleave is the scheduler's)
+  order = [kind for kind, _, g in kinds if g == "replica"]
+  assert sorted(order) == ["all-gather"] * 2 + ["reduce-scatter"] * 2
+  for k, at in enumerate(i for i, kind in enumerate(order) if kind == "all-gather"):
+    assert order[:at].count("reduce-scatter") >= k + 1, order
 
   for leaf in jax.tree.leaves(state.opt_state[0].mu) + jax.tree.leaves(state.master):
     assert leaf.shape[0] % (R * D) == 0 and leaf.sharding.spec[0] == ("data", "replica")

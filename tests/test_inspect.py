@@ -420,13 +420,14 @@ def test_gpu_buckets_overlap_backward_gemms(gpu_mesh, kind):
   assert s.is_scheduled and s.num_partitions == N
   check_buckets(s, kind, dtype)
   assert all(c.opcode == f"{kind}-start" and c.done_name for c in s.collectives)
-  # Every bucket but the last one issued runs under a backward GEMM; the last
-  # has nothing left to hide behind and XLA issues it synchronously.
+  # Every bucket but the last one issued runs under a backward GEMM; the last has nothing
+  # left to hide behind: its done follows its start (COST_MODEL_OPTIONS keep the pair XLA
+  # would make synchronous).
   *hidden, last = sorted(s.collectives, key=lambda c: c.start_index)
   for c in hidden:
     assert c.is_async and c.overlaps_gemm, ji.report(s)
     assert c.done_index > c.start_index + 1
-  assert last.exposed and not last.is_async
+  assert last.exposed and last.done_index == last.start_index + 1
   assert ji.report(s).count("EXPOSED") == 1
 
 
@@ -484,7 +485,10 @@ def test_gpu_memory_stats(gpu_mesh):
   # Outputs: 4 buckets plus XLA's tuple index table (one pointer per output).
   assert 0 <= m.output_bytes - LAYERS * bucket_bytes() <= 8 * LAYERS
   assert m.temp_bytes > 0 and m.alias_bytes == 0
-  assert m.peak_bytes == m.argument_bytes + m.output_bytes + m.temp_bytes
+  # XLA's peak: every argument and output live at once, and at most all its temps besides
+  # (jaxlib 0.10's XLA counts all of them; 0.12's the temps live at the peak).
+  assert m.argument_bytes + m.output_bytes < m.peak_bytes
+  assert m.peak_bytes <= m.argument_bytes + m.output_bytes + m.temp_bytes
 
 
 @needs_gpu_compile

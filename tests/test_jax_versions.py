@@ -33,7 +33,21 @@ def test_every_option_jaxdp_passes_is_known_to_the_installed_xla():
     options = compiler.compiler_options(platform, scanned)
     wanted = compiler.CPU_OPTIONS if platform == "cpu" else compiler.GPU_OPTIONS
     assert set(options) == set(wanted), platform
-  assert compiler.knows_option("xla_gpu_enable_pipelined_reduce_scatter", True)
+  # the reduce-scatter pipeliner, in one of its spellings
+  assert compiler.first_known(compiler.REDUCE_SCATTER_PIPELINER)
+  for options in (compiler.COST_MODEL_OPTIONS,):
+    assert all(compiler.knows_option(name, value) for name, value in options.items())
+
+
+def test_an_option_spelled_two_ways_is_passed_as_this_xla_spells_it(caplog):
+  """XLA renames options between releases: the first spelling the installed XLA knows is
+  the one passed, and none known is dropped with a warning naming the newest."""
+  newest, older = {"xla_no_such_new": 1}, {"xla_gpu_enable_latency_hiding_scheduler": True}
+  assert compiler.first_known((newest, older)) == older
+  assert compiler.first_known((older, newest)) == older
+  with caplog.at_level("WARNING"):
+    assert compiler.first_known((newest, {"xla_no_such_old": 1})) == {}
+  assert "xla_no_such_new" in caplog.text and "xla_no_such_old" not in caplog.text
 
 
 def test_host_offload_is_refused_on_a_jaxlib_that_cannot_compile_it():

@@ -55,10 +55,25 @@ GPU_OPTIONS = {
 
 GPU_PLATFORMS = ("cuda", "gpu", "rocm")
 
-COST_MODEL_OPTIONS = {"xla_gpu_collect_cost_model_stats": True}
+COST_MODEL_OPTIONS = {
+  "xla_gpu_collect_cost_model_stats": True,
+  # After scheduling, XLA makes a collective with nothing between its start and its done
+  # synchronous. jaxlib 0.10's XLA marks the pair so (`"is_sync":true`); jaxlib 0.12's
+  # rewrites it as a plain collective, without its estimate. Kept as the pair, it is the
+  # same schedule with its time readable.
+  "xla_disable_hlo_passes": "gpu-convert-async-collectives-to-sync",
+}
 """XLA:GPU options that keep the scheduler's cost estimate of every instruction in the
 compiled HLO, for `jaxdp.inspect.predict_step`. The schedule is the same with or without
 them."""
+
+REDUCE_SCATTER_PIPELINER = (
+  # jaxlib 0.12's XLA: a mode, the boolean's replacement
+  {"xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON"},
+  {"xla_gpu_enable_pipelined_reduce_scatter": True},  # jaxlib 0.10's
+)
+"""XLA:GPU's collective pipeliner for reduce-scatters in loops, one spelling per XLA
+release, newest first (`first_known` picks the installed one)."""
 
 
 LAYER_GATHER_COMBINE_BYTES = 1 << 32
@@ -119,11 +134,38 @@ def known_options(options: dict) -> dict:
   return {name: value for name, value in options.items() if knows_option(name, value)}
 
 
+def first_known(spellings: tuple[dict, ...]) -> dict:
+  """The first of `spellings` (one option as XLA releases spell it, newest first) that the
+  installed XLA knows; `{}`, with a warning naming the newest spelling, if none.
+
+  Examples:
+    >>> first_known(({"xla_no_such": 1}, {"xla_gpu_enable_latency_hiding_scheduler": True}))
+    {'xla_gpu_enable_latency_hiding_scheduler': True}
+  """
+  for options in spellings:
+    if all(_accepts(name, value) for name, value in options.items()):
+      return dict(options)
+  return known_options(spellings[0])
+
+
 @functools.cache
 def knows_option(name: str, value) -> bool:
-  """Does the installed XLA accept option `name` (with `value`)? Once per process and
-  option: a compile of an identity on the CPU, whose XLA reads every backend's options
-  (they are one `DebugOptions`)."""
+  """Does the installed XLA accept option `name` (with `value`)? Warns, naming it, once per
+  process, if not."""
+  if _accepts(name, value):
+    return True
+  _log.warning(
+    "this XLA (jaxlib %s) has no compile option %r: jaxdp compiles without it",
+    jax.lib.__version__,
+    name,
+  )
+  return False
+
+
+@functools.cache
+def _accepts(name: str, value) -> bool:
+  """Once per process and option: a compile of an identity on the CPU, whose XLA reads every
+  backend's options (they are one `DebugOptions`)."""
   cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   one = jax.ShapeDtypeStruct((), jnp.float32, sharding=cpu)
   try:
@@ -131,10 +173,5 @@ def knows_option(name: str, value) -> bool:
   except jax.errors.JaxRuntimeError as e:
     if "No such compile option" not in str(e):
       raise
-    _log.warning(
-      "this XLA (jaxlib %s) has no compile option %r: jaxdp compiles without it",
-      jax.lib.__version__,
-      name,
-    )
     return False
   return True

@@ -99,9 +99,10 @@ from jaxdp._src import step as step_lib
 from jaxdp._src.buffer import pad_dim
 from jaxdp._src.compiler import (
   GPU_PLATFORMS,
-  compiler_options as base_compiler_options,
-  known_options,
+  REDUCE_SCATTER_PIPELINER,
+  first_known,
 )
+from jaxdp._src.compiler import compiler_options as base_compiler_options
 from jaxdp._src.config import DDPConfig, FSDPConfig
 from jaxdp._src.distributed_optimizer import (
   check_exact,
@@ -1004,7 +1005,7 @@ def compiler_options(platform: str, fsdp: FSDPConfig | None = None) -> dict[str,
   # prefetch=0: a layer's params gathered in its own iteration, one by one (not combined)
   options = base_compiler_options(platform, scanned=bool(fsdp.stacked) and fsdp.prefetch > 0)
   if platform in GPU_PLATFORMS:
-    options.update(known_options({"xla_gpu_enable_pipelined_reduce_scatter": True}))
+    options.update(first_known(REDUCE_SCATTER_PIPELINER))
   return options
 
 
