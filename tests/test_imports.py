@@ -22,7 +22,7 @@ PACKAGE = "jaxdp._src"
 COLLECTIVES = frozenset({"psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "pcast"})
 
 LAYERS = (
-  ("config", "cuda_probe", "jaxprs"),
+  ("config", "cuda_probe", "jaxprs", "hlo"),
   ("mesh",),
   ("compiler",),
   ("layout",),

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxdp._src import aot, compiler
+from jaxdp._src import aot, compiler, hlo
 from jaxdp._src import inspect as ji
 
 N = 8  # devices on the "data" axis
@@ -262,16 +262,16 @@ def test_mesh_groups_with_device_ids():
   """Shardy's form on a mesh whose devices are not 0..n-1 row-major: `device_ids=(...)`
   (iota or a list) lays them out before the groups are read (read as every device before)."""
   attrs = ", replica_groups=mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'a'}, x=1"
-  assert ji._parse_mesh_groups(attrs) == (4, ((0, 1, 2, 3), (4, 5, 6, 7)))
+  assert hlo.parse_mesh_groups(attrs) == (4, ((0, 1, 2, 3), (4, 5, 6, 7)))
   listed = ", replica_groups=mesh['a'=4,'b'=2], device_ids=(0,4,1,5,2,6,3,7) {'b'}"
-  assert ji._parse_mesh_groups(listed) == (2, ((0, 4), (1, 5), (2, 6), (3, 7)))
+  assert hlo.parse_mesh_groups(listed) == (2, ((0, 4), (1, 5), (2, 6), (3, 7)))
 
 
 def test_replica_groups_iota_form():
   # XLA's compact form; not produced by the programs above, parsed all the same.
   attrs = ", replica_groups=[2,4]<=[4,2]T(1,0), use_global_device_ids=true"
-  assert ji._parse_replica_groups(attrs) == ((0, 2, 4, 6), (1, 3, 5, 7))
-  assert ji._parse_replica_groups(", replica_groups=[1,8]<=[8]") == (tuple(range(8)),)
+  assert hlo.parse_replica_groups(attrs) == ((0, 2, 4, 6), (1, 3, 5, 7))
+  assert hlo.parse_replica_groups(", replica_groups=[1,8]<=[8]") == (tuple(range(8)),)
 
 
 def test_hlo_this_parser_cannot_read_stops_it_named():

@@ -13,17 +13,8 @@ answers from it:
 - `memory_stats` reads `compiled.memory_analysis()` into a `MemoryStats` with the peak bytes per
   device.
 
-The HLO forms handled are the ones XLA 0.10.2 prints (checked on CPU and on the deviceless H100
-target, see tests/test_inspect.py):
-
-- CPU: synchronous `all-reduce`, `reduce-scatter`, `all-gather`, `all-to-all`, `collective-permute`,
-  possibly tuple-shaped (combined).
-- GPU: `all-reduce-start`/`-done`, `all-gather-start`/`-done`, `collective-permute-start`/`-done`
-  and the async-wrapped `reduce-scatter-start`/`-done` and `all-to-all-start`/`-done` (the printed
-  sugar for `async-start`/`async-done`; the unsugared `async-start(...), calls=%wrapped` form is
-  read too). A start whose `backend_config` says `"is_sync":true` is one XLA runs synchronously:
-  nothing could overlap it.
-- Collectives inside `while` bodies count `known_trip_count` times.
+The text is read by `jaxdp._src.hlo`, which lists the HLO forms it handles (those XLA 0.10.2
+prints, on CPU and on the deviceless H100 target).
 
 Byte counts are per device: an operand `f32[1024,1024]` is 4 MiB on every device of the group. Ring
 bytes are what each device sends with the ring algorithm (`ring_bytes`).
@@ -35,62 +26,12 @@ import dataclasses
 import json
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 
+from jaxdp._src import hlo
 from jaxdp._src.compiler import COST_MODEL_OPTIONS
-
-COLLECTIVE_KINDS = (
-  "all-reduce",
-  "reduce-scatter",
-  "all-gather",
-  "all-to-all",
-  "collective-permute",
-)
-
-# Ops that launch no kernel: nothing runs while they "execute".
-_FREE_OPCODES = frozenset(
-  {
-    "parameter",
-    "constant",
-    "get-tuple-element",
-    "tuple",
-    "bitcast",
-    "after-all",
-    "add-dependency",
-    "opt-barrier",
-    "partition-id",
-    "replica-id",
-    "domain",
-    "async-update",
-    "copy-start",
-    "copy-done",
-    "send",
-    "recv",
-    "send-done",
-    "recv-done",
-  }
-)
-_CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
-_GEMM_TARGET = re.compile(r"gemm|matmul|\$conv", re.IGNORECASE)
-
-# The `/*index=5*/` markers XLA prints inside long operand and tuple lists.
-_COMMENT = re.compile(r"/\*.*?\*/")
-# Names print with a "%" in compiled text and without one in pre-optimization HLO
-# (`lowered.as_text(dialect="hlo")`, whose computations also have no signature).
-# A computation's first line, `ENTRY %main.12 (p.0: f32[8]) -> f32[8] {` or `%region_0.3 {`:
-# groups (ENTRY, name).
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
-# An instruction, `  ROOT %add.3 = f32[8]{0} add(%a, %b), metadata={...}`: groups (ROOT,
-# name, everything after the "=", which `_parse_instr` splits into shape, opcode, operands).
-_INSTR = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-# An array in a shape, `bf16[8,1024]{1,0}`, `pred[]`, `s32[<=16]` (a dynamic dim: its bound):
-# groups (element type, dims); a tuple shape holds several.
-_ARRAY = re.compile(r"\b(pred|token|[a-z]+[0-9]+[a-z0-9]*)\[([^\]]*)\]")
-# An operand named in compiled text: `%param.1`.
-_NAME_REF = re.compile(r"%([\w.\-]+)")
 
 
 # ----------------------------------------------------------------------------
@@ -128,7 +69,7 @@ class Collective:
 
   Attributes:
     name: HLO name of the op (the `-start` for an asynchronous one).
-    kind: one of `COLLECTIVE_KINDS`.
+    kind: one of `hlo.COLLECTIVE_KINDS`.
     opcode: as printed, e.g. `"all-reduce"` or `"reduce-scatter-start"`.
     is_async: issued as a start/done pair that XLA may overlap with compute (False for a plain op
       and for a start marked `"is_sync":true`).
@@ -327,7 +268,7 @@ def ring_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
   """Bytes each device sends for one collective with the ring algorithm.
 
   Args:
-    kind: one of `COLLECTIVE_KINDS`.
+    kind: one of `hlo.COLLECTIVE_KINDS`.
     buffer_bytes: `B`, the full buffer: an all-reduce's or reduce-scatter's input, an all-gather's
       output, an all-to-all's input, a collective-permute's input.
     group_size: `N`, devices in the group.
@@ -345,8 +286,8 @@ def ring_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
     >>> ring_bytes("reduce-scatter", 800, 8) + ring_bytes("all-gather", 800, 8)
     1400.0
   """
-  if kind not in COLLECTIVE_KINDS:
-    raise ValueError(f"ring_bytes: kind {kind!r} is not one of {COLLECTIVE_KINDS}")
+  if kind not in hlo.COLLECTIVE_KINDS:
+    raise ValueError(f"ring_bytes: kind {kind!r} is not one of {hlo.COLLECTIVE_KINDS}")
   if kind == "collective-permute":
     return float(buffer_bytes)
   if group_size <= 1:
@@ -355,494 +296,111 @@ def ring_bytes(kind: str, buffer_bytes: float, group_size: int) -> float:
   return factor * (group_size - 1) / group_size * buffer_bytes
 
 
-def _dtype_bits(name: str) -> int:
-  if name == "pred":
-    return 8
-  if name == "token":
-    return 0
-  # the first number in the type's name: f32 -> 32, bf16 -> 16, f8e4m3fn -> 8, s4 -> 4
-  m = re.match(r"[a-z]+?(\d+)", name)
-  if not m:
-    raise ValueError(f"unknown HLO element type {name!r}")
-  return int(m.group(1))
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  out = []
-  for dtype, dims in _ARRAY.findall(shape):
-    # a dynamic dim `<=16` counts at its bound: the buffer XLA allocates
-    sizes = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
-    out.append((dtype, sizes))
-  return out
-
-
-def _bytes(shape: str) -> int:
-  return sum(math.ceil(math.prod(dims) * _dtype_bits(dtype) / 8) for dtype, dims in _arrays(shape))
-
-
-def _parse_replica_groups(attrs: str) -> tuple[tuple[int, ...], ...] | None:
-  # Explicit form: replica_groups={{0,1,2,3},{4,5,6,7}}, one {...} per group.
-  m = re.search(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}", attrs)
-  if m:
-    return tuple(
-      tuple(int(x) for x in g.split(",") if x.strip())
-      for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))
-    )
-  # Iota form: [groups,size]<=[dims] or [groups,size]<=[dims]T(perm): the device ids
-  # 0 .. prod(dims) - 1 laid out as `dims`, transposed by `perm`, read row-major into
-  # `groups` rows of `size` (e.g. [2,4]<=[4,2]T(1,0) is {{0,2,4,6},{1,3,5,7}}).
-  m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
-  if m:
-    import numpy as np  # noqa: PLC0415
-
-    shape = [int(x) for x in m.group(1).split(",")]
-    dims = [int(x) for x in m.group(2).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if m.group(3):
-      ids = ids.transpose([int(x) for x in m.group(3).split(",")])
-    return tuple(tuple(int(x) for x in g) for g in ids.reshape(shape))
-  return None
-
-
-def _parse_mesh_groups(attrs: str):
-  """Shardy form `mesh['a'=4,'b'=2] {'a'}` -> (group size, groups).
-
-  Devices are numbered row-major over the mesh axes (the form has no device list); groups are left
-  empty when a sub-axis (`'a':(1)2`) is reduced.
-  """
-  at = attrs.find("replica_groups=mesh[")
-  if at < 0:
-    return None
-  open_at = at + len("replica_groups=mesh")
-  close = _balanced(attrs, open_at)
-  mesh = attrs[open_at + 1 : close - 1]
-  # the mesh's devices, where not 0..n-1 row-major: `, device_ids=([2,4]T(1,0))` (iota form,
-  # as replica groups have it) or `, device_ids=(0,4,1,5,...)`
-  rest, ids_text = attrs[close:], None
-  d = re.match(r",\s*device_ids=", rest)
-  if d:
-    end = _balanced(rest, d.end())
-    ids_text, rest = rest[d.end() + 1 : end - 1], rest[end:]
-  # the axes reduced over, after the mesh: `{'a'}`, `{'a', 'b'}`
-  m = re.match(r"\s*\{([^}]*)\}", rest)
-  if not m:
-    return None
-  names_sizes = re.findall(r"'([^']+)'=(\d+)", mesh)  # [('a', '4'), ('b', '2')]
-  names = [a for a, _ in names_sizes]
-  sizes = [int(n) for _, n in names_sizes]
-  # each reduced axis, or a sub-axis of one, `'a':(1)2` (pre-size 1, size 2): (name, pre, size)
-  reduced = re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", m.group(1))
-  size = 1
-  for axis, _, sub in reduced:
-    size *= int(sub) if sub else sizes[names.index(axis)]
-  if any(sub for _, _, sub in reduced) or "device_ids" in mesh:
-    return size, ()
-  import numpy as np  # noqa: PLC0415
-
-  ids = np.arange(math.prod(sizes))
-  if ids_text is not None:
-    ids = _device_ids(ids_text, ids.size)
-  # A group is the devices that differ only in the reduced axes: move those axes last and
-  # read the ids row-major in rows of `size`.
-  axes = [names.index(a) for a, _, _ in reduced]
-  kept = [i for i in range(len(names)) if i not in axes]
-  ids = ids.reshape(sizes).transpose(kept + axes)
-  groups = tuple(tuple(int(x) for x in g) for g in ids.reshape(-1, size))
-  return size, groups
-
-
-def _device_ids(text: str, n: int):
-  """A mesh's `device_ids=(...)`: the iota form `[2,4]T(1,0)` (the ids 0..n-1 laid out as
-  [2,4], transposed by (1,0), read row-major) or an explicit list `0,4,1,5,...`."""
-  import numpy as np  # noqa: PLC0415
-
-  m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
-  if m:
-    dims = [int(x) for x in m.group(1).split(",")]
-    ids = np.arange(math.prod(dims)).reshape(dims)
-    if m.group(2):
-      ids = ids.transpose([int(x) for x in m.group(2).split(",")])
-    ids = ids.ravel()
-  elif re.fullmatch(r"[\d,\s]+", text):
-    ids = np.array([int(x) for x in text.split(",") if x.strip()])
-  else:
-    raise ValueError(f"HLO text: a mesh's device_ids jaxdp cannot read: {text[:120]!r}")
-  if ids.size != n:
-    raise ValueError(f"HLO text: a mesh of {n} devices with {ids.size} device_ids: {text!r}")
-  return ids
-
-
 # ----------------------------------------------------------------------------
-# HLO text
+# The schedule
 
 
-@dataclasses.dataclass
-class _Instr:
-  name: str
-  shape: str
-  opcode: str
-  operands: list[str]
-  attrs: str
-
-
-def _balanced(text: str, start: int) -> int:
-  """Index just past the bracket group opening at text[start]."""
-  # A stack of the closers expected; brackets inside a quoted string (a backend_config's
-  # JSON, a metadata op_name) do not count, nor an escaped quote inside one.
-  pairs = {"(": ")", "{": "}", "[": "]"}
-  stack = []
-  in_str = False
-  i = start
-  while i < len(text):
-    ch = text[i]
-    if in_str:
-      if ch == "\\":
-        i += 1
-      elif ch == '"':
-        in_str = False
-    elif ch == '"':
-      in_str = True
-    elif ch in pairs:
-      stack.append(pairs[ch])
-    elif stack and ch == stack[-1]:
-      stack.pop()
-      if not stack:
-        return i + 1
-    i += 1
-  return len(text)
-
-
-def _names(text: str) -> list[str]:
-  """Instruction names in an operand list: `%a, %b` or (pre-optimization) `a, b`."""
-  if "%" in text:
-    return _NAME_REF.findall(text)
-  # Pre-optimization operands may carry their shapes (`f32[8]{0} Arg_0.1, f32[8]{0} b.2`):
-  # the name is the last word of each comma-separated part at bracket depth 0.
-  names, depth, start = [], 0, 0
-  for i, ch in enumerate(text + ","):
-    if ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    elif ch == "," and depth == 0:
-      part = text[start:i].split()
-      if part and re.fullmatch(r"[\w.\-]+", part[-1]):
-        names.append(part[-1])
-      start = i + 1
-  return names
-
-
-def _parse_instr(line: str) -> _Instr | None:
-  m = _INSTR.match(line)
-  if not m:
-    return None
-  # `rest` is `shape opcode(operands), attrs`: a tuple shape `(f32[8], s32[])` runs to its
-  # closing parenthesis, an array shape `f32[8]{0}` to the first space.
-  name, rest = m.group(2), m.group(3)
-  if rest.startswith("("):
-    end = _balanced(rest, 0)
-  else:
-    end = rest.find(" ")
-    end = len(rest) if end < 0 else end
-  shape, rest = rest[:end], rest[end:].lstrip()
-  m = re.match(r"([\w\-]+)\(", rest)
-  if not m:
-    return None
-  opcode = m.group(1)
-  close = _balanced(rest, m.end() - 1)
-  operands = _names(rest[m.end() : close - 1])
-  attrs = rest[close:]
-  return _Instr(name, shape, opcode, operands, attrs)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Module:
-  """An HLO module's text, parsed (`_parse_module`)."""
-
-  header: str
-  """The `HloModule` line."""
-  comps: dict[str, list[_Instr]]
-  """Each computation's instructions, in the text's (the schedule's) order."""
-  entry: str
-  """The ENTRY computation's name."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Classified:
-  """What an instruction is to the schedule (`_Parser.classify`)."""
-
-  category: str
-  """"collective", "collective-start", "collective-done", "free", "control", "gemm" or
-  "compute"."""
-  kind: str | None = None
-  """A collective's kind ("all-gather", ...)."""
-  role: str | None = None
-  """A collective's part: "sync" (one instruction), "start" or "done"."""
-
-
-def _parse_module(text: str) -> _Module:
-  # Line by line: a computation opens with a header line ending in "{" and closes with a
-  # line starting "}"; in between, one instruction per line.
-  text = _COMMENT.sub("", text)
-  comps: dict[str, list[_Instr]] = {}
-  entry = None
-  header = ""
-  current = None
-  for line in text.splitlines():
-    if line.startswith("HloModule"):
-      header = line
-      continue
-    if current is None:
-      m = _HEADER.match(line)
-      if m:
-        current = m.group(2)
-        comps[current] = []
-        if m.group(1):
-          entry = current
-      continue
-    if line.startswith("}"):
-      current = None
-      continue
-    instr = _parse_instr(line)
-    if instr is not None:
-      comps[current].append(instr)
-    elif line.strip():
-      # XLA's text changes with XLA: a line read as nothing would drop its op from every
-      # count and prediction, so one jaxdp cannot read stops the parse, named.
-      raise ValueError(
-        f"HLO text: a line of computation {current!r} jaxdp cannot read as an instruction "
-        f"(this XLA prints something new): {line.strip()[:200]!r}"
+def _schedule_of(parser: hlo.Parser) -> Schedule:
+  """The `Schedule` of a module read by `parser`: its ops in run order, its collectives
+  (an async one's start paired with its done)."""
+  ops: list[ScheduledOp] = []
+  open_starts: dict[tuple[str, str], dict[str, Any]] = {}
+  found: list[dict[str, Any]] = []
+  for instr, comp, trips in parser.walk():
+    classified = parser.classify(instr)
+    category, kind, role = classified.category, classified.kind, classified.role
+    ops.append(ScheduledOp(len(ops), instr.name, instr.opcode, category, comp, trips))
+    index = len(ops) - 1
+    if role in ("sync", "start"):
+      shapes = parser.operand_shapes(comp, instr)
+      if instr.opcode.endswith("-start") or instr.opcode == "async-start":
+        shapes = [s for s in shapes if hlo.arrays(s)]
+      record = {
+        "name": instr.name,
+        "kind": kind,
+        "opcode": instr.opcode,
+        "is_async": role == "start" and '"is_sync":true' not in instr.attrs,
+        "done_name": None,
+        "computation": comp,
+        "trip_count": trips,
+        "start_index": index,
+        "done_index": index,
+        "shapes": shapes,
+        "result": instr.shape,
+        "attrs": parser.collective_attrs(instr),
+      }
+      found.append(record)
+      if role == "start":
+        open_starts[(comp, instr.name)] = record
+    elif role == "done":
+      start = next(
+        (open_starts.pop((comp, o)) for o in instr.operands if (comp, o) in open_starts),
+        None,
       )
-  if entry is None:
-    raise ValueError(
-      "schedule: no ENTRY computation found; pass compiled.as_text() (the "
-      "optimized HLO) or lowered.as_text(dialect='hlo') (before optimization), "
-      "not StableHLO (lowered.as_text())"
-    )
-  return _Module(header, comps, entry)
+      if start is not None:
+        start.update(done_name=instr.name, done_index=index, result=instr.shape)
+  collectives = tuple(_collective(parser, r, ops) for r in found)
+  return Schedule(
+    parser.module, parser.is_scheduled, parser.num_partitions, tuple(ops), collectives
+  )
 
 
-def _called(instr: _Instr) -> list[str]:
-  """The computations `instr` calls, named in its attributes."""
-  names = []
-  # one computation: `to_apply=%add.1`, `body=%region_2.5`
-  for key in ("calls", "to_apply", "body", "condition", "true_computation", "false_computation"):
-    m = re.search(rf"\b{key}=%?([\w.\-]+)", instr.attrs)
+def _collective(parser: hlo.Parser, r: dict[str, Any], ops: list[ScheduledOp]) -> Collective:
+  """The `Collective` of one record of `_schedule_of`: its bytes, groups and overlap."""
+  arrays = [a for s in r["shapes"] for a in hlo.arrays(s)]
+  dtypes = tuple(dict.fromkeys(d for d, _ in arrays))
+  shapes = tuple(f"{d}[{','.join(map(str, dims))}]" for d, dims in arrays)
+  operand_bytes = sum(hlo.shape_bytes(s) for s in r["shapes"])
+  result_bytes = hlo.shape_bytes(r["result"])
+  pairs: tuple[tuple[int, int], ...] = ()
+  if r["kind"] == "collective-permute":
+    # source_target_pairs={{0,1},{1,2},{2,3}}: (source, target) device pairs
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", r["attrs"])
     if m:
-      names.append(m.group(1))
-  # several: `branch_computations={%branch_0, %branch_1}`, a fusion's `calls={...}`
-  for key in ("branch_computations", "calls"):
-    m = re.search(rf"\b{key}=\{{([^}}]*)\}}", instr.attrs)
-    if m:
-      names += _names(m.group(1))
-  return names
-
-
-def _collective_kind(opcode: str) -> tuple[str, str] | None:
-  """-> (kind, "sync" | "start" | "done") for a collective opcode."""
-  for kind in COLLECTIVE_KINDS:
-    if opcode == kind:
-      return kind, "sync"
-    if opcode == kind + "-start":
-      return kind, "start"
-    if opcode == kind + "-done":
-      return kind, "done"
-  return None
-
-
-class _Parser:
-  def __init__(self, text: str):
-    module = _parse_module(text)
-    header, self.comps, self.entry = module.header, module.comps, module.entry
-    m = re.match(r"HloModule\s+([\w.\-]+)", header)
-    self.module = m.group(1) if m else "unknown"
-    self.is_scheduled = "is_scheduled=true" in header
-    m = re.search(r"num_partitions=(\d+)", header)
-    self.num_partitions = int(m.group(1)) if m else 1
-    m = re.search(r"replica_count=(\d+)", header)
-    self.replica_count = int(m.group(1)) if m else 1
-    self.shapes = {c: {i.name: i.shape for i in instrs} for c, instrs in self.comps.items()}
-    self._gemm_cache: dict[str, bool] = {}
-
-  def has_gemm(self, comp: str, seen: frozenset = frozenset()) -> bool:
-    if comp in self._gemm_cache:
-      return self._gemm_cache[comp]
-    if comp in seen or comp not in self.comps:
-      return False
-    found = any(
-      self.is_gemm(i) or any(self.has_gemm(c, seen | {comp}) for c in _called(i))
-      for i in self.comps[comp]
-    )
-    self._gemm_cache[comp] = found
-    return found
-
-  def is_gemm(self, instr: _Instr) -> bool:
-    if instr.opcode in ("dot", "convolution"):
-      return True
-    if instr.opcode == "custom-call":
-      m = re.search(r'custom_call_target="([^"]*)"', instr.attrs)
-      return bool(m and _GEMM_TARGET.search(m.group(1)))
-    if instr.opcode == "fusion":
-      return any(self.has_gemm(c) for c in _called(instr))
-    return False
-
-  def wrapped_collective(self, instr: _Instr) -> _Instr | None:
-    """The collective an unsugared async-start wraps (its kind and its replica groups are
-    that instruction's, not the start's)."""
-    for comp in _called(instr):
-      for inner in self.comps.get(comp, []):
-        kind = _collective_kind(inner.opcode)
-        if kind and kind[1] == "sync":
-          return inner
-    return None
-
-  def collective_attrs(self, instr: _Instr) -> str:
-    """A collective's attributes (replica groups, pairs): an unsugared async-start's are
-    those of the collective it wraps, with its own (`is_sync`, a backend_config) after."""
-    if instr.opcode != "async-start":
-      return instr.attrs
-    inner = self.wrapped_collective(instr)
-    return instr.attrs if inner is None else inner.attrs + instr.attrs
-
-  def classify(self, instr: _Instr) -> _Classified:
-    kind = _collective_kind(instr.opcode)
-    if kind is None and instr.opcode in ("async-start", "async-done"):
-      role = "start" if instr.opcode == "async-start" else "done"
-      inner = self.wrapped_collective(instr) if role == "start" else None
-      wrapped = _collective_kind(inner.opcode)[0] if inner is not None else None
-      kind = (wrapped, role) if (wrapped or role == "done") else None
-    if kind is not None:
-      collective, role = kind
-      category = "collective" if role == "sync" else f"collective-{role}"
-      return _Classified(category, collective, role)
-    if instr.opcode in _FREE_OPCODES:
-      return _Classified("free")
-    if instr.opcode in _CONTROL_OPCODES:
-      return _Classified("control")
-    if self.is_gemm(instr):
-      return _Classified("gemm")
-    return _Classified("compute")
-
-  def walk(self) -> Iterator[tuple[_Instr, str, int]]:
-    """Instrs in schedule order, while/call/conditional bodies inlined."""
-
-    def go(comp: str, trips: int, depth: int):
-      if depth > 64:
-        return
-      for instr in self.comps.get(comp, []):
-        yield instr, comp, trips
-        if instr.opcode == "while":
-          # `body=%region_1.2`, and the trip count XLA knows, in the while's backend_config
-          # (`"known_trip_count":{"n":"8"}`); unknown: counted once
-          m = re.search(r"\bbody=%([\w.\-]+)", instr.attrs)
-          n = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
-          if m:
-            yield from go(m.group(1), trips * (int(n.group(1)) if n else 1), depth + 1)
-        elif instr.opcode in ("call", "conditional"):
-          for c in _called(instr):
-            yield from go(c, trips, depth + 1)
-
-    yield from go(self.entry, 1, 0)
-
-  def operand_shapes(self, comp: str, instr: _Instr) -> list[str]:
-    table = self.shapes[comp]
-    return [table[o] for o in instr.operands if o in table]
-
-  def build(self) -> Schedule:
-    ops: list[ScheduledOp] = []
-    open_starts: dict[tuple[str, str], dict[str, Any]] = {}
-    found: list[dict[str, Any]] = []
-    for instr, comp, trips in self.walk():
-      classified = self.classify(instr)
-      category, kind, role = classified.category, classified.kind, classified.role
-      ops.append(ScheduledOp(len(ops), instr.name, instr.opcode, category, comp, trips))
-      index = len(ops) - 1
-      if role in ("sync", "start"):
-        shapes = self.operand_shapes(comp, instr)
-        if instr.opcode.endswith("-start") or instr.opcode == "async-start":
-          shapes = [s for s in shapes if _arrays(s)]
-        record = {
-          "name": instr.name,
-          "kind": kind,
-          "opcode": instr.opcode,
-          "is_async": role == "start" and '"is_sync":true' not in instr.attrs,
-          "done_name": None,
-          "computation": comp,
-          "trip_count": trips,
-          "start_index": index,
-          "done_index": index,
-          "shapes": shapes,
-          "result": instr.shape,
-          "attrs": self.collective_attrs(instr),
-        }
-        found.append(record)
-        if role == "start":
-          open_starts[(comp, instr.name)] = record
-      elif role == "done":
-        start = next(
-          (open_starts.pop((comp, o)) for o in instr.operands if (comp, o) in open_starts),
-          None,
+      pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}"))
+    groups: tuple[tuple[int, ...], ...] = ()
+    group_size = len({a for a, _ in pairs})
+  else:
+    groups = hlo.parse_replica_groups(r["attrs"]) or ()
+    mesh_form = hlo.parse_mesh_groups(r["attrs"])
+    if "replica_groups=" in r["attrs"] and not groups and mesh_form is None:
+      if not re.search(r"replica_groups=\{\s*\}", r["attrs"]):  # `{}`: every device
+        at = r["attrs"].index("replica_groups=")
+        raise ValueError(
+          f"HLO text: {r['name']}'s replica groups are in a form jaxdp cannot read (this "
+          f"XLA prints something new): {r['attrs'][at : at + 120]!r}"
         )
-        if start is not None:
-          start.update(done_name=instr.name, done_index=index, result=instr.shape)
-    collectives = tuple(self.collective(r, ops) for r in found)
-    return Schedule(self.module, self.is_scheduled, self.num_partitions, tuple(ops), collectives)
-
-  def collective(self, r: dict[str, Any], ops: list[ScheduledOp]) -> Collective:
-    arrays = [a for s in r["shapes"] for a in _arrays(s)]
-    dtypes = tuple(dict.fromkeys(d for d, _ in arrays))
-    shapes = tuple(f"{d}[{','.join(map(str, dims))}]" for d, dims in arrays)
-    operand_bytes = sum(_bytes(s) for s in r["shapes"])
-    result_bytes = _bytes(r["result"])
-    pairs: tuple[tuple[int, int], ...] = ()
-    if r["kind"] == "collective-permute":
-      # source_target_pairs={{0,1},{1,2},{2,3}}: (source, target) device pairs
-      m = re.search(r"source_target_pairs=\{(.*?)\}\}", r["attrs"])
-      if m:
-        pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)", m.group(1) + "}"))
-      groups: tuple[tuple[int, ...], ...] = ()
-      group_size = len({a for a, _ in pairs})
+    if mesh_form is not None:
+      group_size, groups = mesh_form
+    elif groups and groups[0]:
+      group_size = len(groups[0])
+    elif "use_global_device_ids=true" in r["attrs"] or parser.replica_count == 1:
+      group_size = parser.num_partitions
     else:
-      groups = _parse_replica_groups(r["attrs"]) or ()
-      mesh_form = _parse_mesh_groups(r["attrs"])
-      if "replica_groups=" in r["attrs"] and not groups and mesh_form is None:
-        if not re.search(r"replica_groups=\{\s*\}", r["attrs"]):  # `{}`: every device
-          at = r["attrs"].index("replica_groups=")
-          raise ValueError(
-            f"HLO text: {r['name']}'s replica groups are in a form jaxdp cannot read (this "
-            f"XLA prints something new): {r['attrs'][at : at + 120]!r}"
-          )
-      if mesh_form is not None:
-        group_size, groups = mesh_form
-      elif groups and groups[0]:
-        group_size = len(groups[0])
-      elif "use_global_device_ids=true" in r["attrs"] or self.replica_count == 1:
-        group_size = self.num_partitions
-      else:
-        group_size = self.replica_count
-    between = ops[r["start_index"] + 1 : r["done_index"]] if r["is_async"] else []
-    kernels = tuple(o.name for o in between if o.category in ("gemm", "compute"))
-    gemms = tuple(o.name for o in between if o.category == "gemm")
-    return Collective(
-      name=r["name"],
-      kind=r["kind"],
-      opcode=r["opcode"],
-      is_async=r["is_async"],
-      done_name=r["done_name"],
-      computation=r["computation"],
-      trip_count=r["trip_count"],
-      start_index=r["start_index"],
-      done_index=r["done_index"],
-      dtypes=dtypes,
-      operand_shapes=shapes,
-      operand_bytes=operand_bytes,
-      result_bytes=result_bytes,
-      replica_groups=groups,
-      group_size=group_size,
-      source_target_pairs=pairs,
-      overlapped=kernels,
-      overlapped_gemms=gemms,
-    )
+      group_size = parser.replica_count
+  between = ops[r["start_index"] + 1 : r["done_index"]] if r["is_async"] else []
+  kernels = tuple(o.name for o in between if o.category in ("gemm", "compute"))
+  gemms = tuple(o.name for o in between if o.category == "gemm")
+  return Collective(
+    name=r["name"],
+    kind=r["kind"],
+    opcode=r["opcode"],
+    is_async=r["is_async"],
+    done_name=r["done_name"],
+    computation=r["computation"],
+    trip_count=r["trip_count"],
+    start_index=r["start_index"],
+    done_index=r["done_index"],
+    dtypes=dtypes,
+    operand_shapes=shapes,
+    operand_bytes=operand_bytes,
+    result_bytes=result_bytes,
+    replica_groups=groups,
+    group_size=group_size,
+    source_target_pairs=pairs,
+    overlapped=kernels,
+    overlapped_gemms=gemms,
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -903,9 +461,9 @@ def schedule(
   if isinstance(program, Schedule):
     return program
   if isinstance(program, str):
-    return _Parser(program).build()
+    return _schedule_of(hlo.Parser(program))
   compiled = _compiled(program, args, kwargs, compiler_options)
-  return _Parser(compiled.as_text()).build()
+  return _schedule_of(hlo.Parser(compiled.as_text()))
 
 
 def _fmt_bytes(n: float) -> str:
@@ -1074,7 +632,7 @@ class Interval:
 
   Attributes:
     name: HLO instruction name (a collective's `-start`, or the op itself when synchronous).
-    kind: `"gemm"`, `"compute"` (any other kernel), a collective kind (`COLLECTIVE_KINDS`)
+    kind: `"gemm"`, `"compute"` (any other kernel), a collective kind (`hlo.COLLECTIVE_KINDS`)
       or a host copy's direction (`"host-to-device"`, `"device-to-host"`).
     lane: `"compute"` (the stream kernels run on), `"comm"` (the collectives' stream) or
       `"host"` (the copies between host and device memory).
@@ -1163,7 +721,6 @@ class StepPrediction:
 # `"reification_cost":[{"name":"sol","exec_time_us":12.5,...}]` ("sol": speed of light, the
 # analytical model's time for the kernel or the collective).
 _REIFICATION = re.compile(r'"reification_cost":\[')
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 def _estimate_us(attrs: str) -> float | None:
@@ -1171,7 +728,7 @@ def _estimate_us(attrs: str) -> float | None:
   m = _REIFICATION.search(attrs)
   if not m:
     return None
-  text = attrs[m.end() - 1 : _balanced(attrs, m.end() - 1)]
+  text = attrs[m.end() - 1 : hlo.balanced(attrs, m.end() - 1)]
   try:
     entries = json.loads(text)
   except ValueError:
@@ -1229,7 +786,7 @@ class _HostCopy:
 _PLACED_ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 
 
-def _host_copy(instr: _Instr) -> _HostCopy | None:
+def _host_copy(instr: hlo.Instr) -> _HostCopy | None:
   """A copy between host and device memory (memory space S(5)), or None for another op:
   a `copy-start` (its shape `(destination, source, context)`), or the async slice of a host
   array to the device or of a device array into one (`fusion-start` of a dynamic-slice or
@@ -1240,7 +797,7 @@ def _host_copy(instr: _Instr) -> _HostCopy | None:
   arrays = []
   for dtype, dims, layout in _PLACED_ARRAY.findall(instr.shape):
     sizes = tuple(int(d.lstrip("<=")) for d in dims.split(",") if d.strip())
-    nbytes = math.ceil(math.prod(sizes) * _dtype_bits(dtype) / 8) if sizes else 0
+    nbytes = math.ceil(math.prod(sizes) * hlo.dtype_bits(dtype) / 8) if sizes else 0
     arrays.append((nbytes, "S(5)" in (layout or ""), bool(sizes)))
   if instr.opcode == "copy-start":
     if len(arrays) < 2 or arrays[0][1] == arrays[1][1]:
@@ -1268,7 +825,7 @@ class _Replay:
   own per direction (the GPU's copy engines), at `HOST_LINK_BYTES_PER_S`.
   """
 
-  def __init__(self, parser: _Parser, wrapped: dict[str, float]):
+  def __init__(self, parser: hlo.Parser, wrapped: dict[str, float]):
     self.p = parser
     self.wrapped = wrapped  # async-start name -> estimate of the collective it wraps
     self.t = 0.0  # the compute stream's clock
@@ -1281,25 +838,25 @@ class _Replay:
     self.unestimated: dict[str, None] = {}
     self.unknown_trips: dict[str, None] = {}
 
-  def cost(self, instr: _Instr) -> float:
+  def cost(self, instr: hlo.Instr) -> float:
     us = _estimate_us(instr.attrs)
     if us is None:
       self.unestimated[instr.name] = None
       return 0.0
     return us
 
-  def kernel(self, instr: _Instr, kind: str, comp: str) -> None:
+  def kernel(self, instr: hlo.Instr, kind: str, comp: str) -> None:
     end = self.t + self.cost(instr)
     self.slots.append(_Slot(instr.name, kind, "compute", self.t, end, comp))
     self.t = end
 
-  def issue(self, instr: _Instr, kind: str, comp: str) -> int:
+  def issue(self, instr: hlo.Instr, kind: str, comp: str) -> int:
     """Queues a collective on the communication stream: it starts once both its issue (the
     compute stream's clock) and the collective before it are done. Returns its slot."""
     us = _estimate_us(instr.attrs)
     if us is None:  # an async-start: the estimate is the collective's it wraps
       us = self.wrapped.get(instr.name)
-    for called in _called(instr) if us is None else ():  # unsugared: calls=%wrapped
+    for called in hlo.called(instr) if us is None else ():  # unsugared: calls=%wrapped
       us = next((_estimate_us(i.attrs) for i in self.p.comps.get(called, [])[::-1]), None)
     if us is None:
       self.unestimated[instr.name] = None
@@ -1309,7 +866,7 @@ class _Replay:
     self.comm.append(len(self.slots) - 1)
     return len(self.slots) - 1
 
-  def transfer(self, instr: _Instr, copy: _HostCopy, comp: str) -> int:
+  def transfer(self, instr: hlo.Instr, copy: _HostCopy, comp: str) -> int:
     """Queues a host copy on its direction's stream, as `issue` a collective. Returns its
     slot."""
     direction, nbytes = copy.direction, copy.nbytes
@@ -1337,10 +894,10 @@ class _Replay:
       s.exposed += max(0.0, min(s.end, end) - max(s.start, self.t))
     self.t = end
 
-  def loop(self, instr: _Instr, depth: int) -> None:
+  def loop(self, instr: hlo.Instr, depth: int) -> None:
     body = re.search(r"\bbody=%?([\w.\-]+)", instr.attrs)
     cond = re.search(r"\bcondition=%?([\w.\-]+)", instr.attrs)
-    n = _TRIP_COUNT.search(instr.attrs)
+    n = hlo.TRIP_COUNT.search(instr.attrs)
     if n:  # XLA:GPU runs the body n times and never the condition (while_thunk.cc)
       for _ in range(int(n.group(1))):
         self.run(body.group(1), depth + 1)
@@ -1350,12 +907,12 @@ class _Replay:
       if comp:
         self.run(comp.group(1), depth + 1)
 
-  def branches(self, instr: _Instr, depth: int) -> None:
+  def branches(self, instr: hlo.Instr, depth: int) -> None:
     """A conditional: the longest branch (each replayed from the same state)."""
     # the replay's state before the branches: both clocks, and how many slots exist
     before = (self.t, self.comm_free, len(self.slots), len(self.comm))
     longest = None
-    for comp in _called(instr):
+    for comp in hlo.called(instr):
       self.t, self.comm_free = before[:2]
       del self.slots[before[2] :], self.comm[before[3] :]
       self.run(comp, depth + 1)
@@ -1398,7 +955,7 @@ class _Replay:
       elif instr.opcode == "conditional":
         self.branches(instr, depth)
       elif instr.opcode == "call":
-        for called in _called(instr):
+        for called in hlo.called(instr):
           self.run(called, depth + 1)
       elif category in ("gemm", "compute"):
         self.kernel(instr, category, comp)
@@ -1492,7 +1049,7 @@ def predict_step(
     options = {**COST_MODEL_OPTIONS, **(compiler_options or {})}
     compiled = _compiled(program, args, kwargs, options)
     text, wrapped = compiled.as_text(), _wrapped_estimates(compiled)
-  parser = _Parser(text)
+  parser = hlo.Parser(text)
   if not _REIFICATION.search(text) or '"name":"sol"' not in text:
     raise ValueError(
       f"predict_step: {parser.module} carries no XLA:GPU cost estimates; pass a GPU program "
