@@ -39,6 +39,8 @@ LAYERS = (
   ("ddp", "fsdp"),
   ("train",),
   ("aot", "inspect", "distributed", "eval"),
+  ("checkpoint_format",),
+  ("checkpoint_restore",),
   ("ledger", "checkpoint", "nnx", "launch", "plot"),
 )
 """Bottom to top; the modules of one layer are peers and import none of each other."""

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import jaxdp
-from jaxdp._src import checkpoint as ckpt_lib, train
+from jaxdp._src import checkpoint_format, train
 from jaxdp._src.distributed_optimizer import per_leaf_state
 from tests.test_checkpoint import TX, _batch, _params
 
@@ -189,7 +189,7 @@ def test_a_save_stores_the_states_own_arrays(fused):
   config = jaxdp.DDPConfig(data_parallel_sharding_strategy="optim", fused_update=fused)
   state = jaxdp.init_state(_init, TX, mesh, config)
   assert state.fused == fused
-  stored, flat = ckpt_lib._stored_arrays(state)
+  stored, flat = checkpoint_format.stored_arrays(state)
   own = {id(x) for x in jax.tree.leaves(state)}
   assert all(id(x) in own for x in stored.values())
   # leaves b1, count, emb, w1, w2: the int one replicated, the trainable ones sharded (the
@@ -252,7 +252,7 @@ def test_checkpoint_metadata_reads_back_and_writes_the_stored_bytes(name):
   path = os.path.join(HERE, "data", name, "3", "meta", "metadata")
   with open(path) as f:
     text = f.read()
-  meta = ckpt_lib._Metadata.from_json(json.loads(text))
+  meta = checkpoint_format.Metadata.from_json(json.loads(text))
   assert json.dumps(meta.to_json()) == text
 
 
