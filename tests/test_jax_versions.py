@@ -35,8 +35,7 @@ def test_every_option_jaxdp_passes_is_known_to_the_installed_xla():
     assert set(options) == set(wanted), platform
   # the reduce-scatter pipeliner, in one of its spellings
   assert compiler.first_known(compiler.REDUCE_SCATTER_PIPELINER)
-  for options in (compiler.COST_MODEL_OPTIONS,):
-    assert all(compiler.knows_option(name, value) for name, value in options.items())
+  assert all(compiler.knows_option(k, v) for k, v in compiler.COST_MODEL_OPTIONS.items())
 
 
 def test_an_option_spelled_two_ways_is_passed_as_this_xla_spells_it(caplog):

@@ -15,6 +15,7 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxdp._src import jaxprs
 from jaxdp._src.buffer import (
   bucket_ravel,
   bucket_unravel,
@@ -61,7 +62,7 @@ from jaxdp._src.mesh import DATA, EXPERT, REPLICA
 
 def varying_axes(x) -> frozenset:
   """The mesh axes a value inside `jax.shard_map` varies over (empty outside one)."""
-  return frozenset(getattr(getattr(jax.typeof(x), "mat", None), "varying", ()) or ())
+  return jaxprs.varying(jax.typeof(x))
 
 
 def make_varying(tree, axes: Sequence[str]):
@@ -108,7 +109,7 @@ def data_index(axes: Sequence[str]) -> jax.Array:
 
 
 def _vary(x, axes: Sequence[str]):
-  missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+  missing = tuple(a for a in axes if a not in varying_axes(x))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 

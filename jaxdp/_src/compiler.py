@@ -65,7 +65,7 @@ COST_MODEL_OPTIONS = {
 }
 """XLA:GPU options that keep the scheduler's cost estimate of every instruction in the
 compiled HLO, for `jaxdp.inspect.predict_step`. The schedule is the same with or without
-them."""
+them; a collective XLA would make synchronous stays its start/done pair."""
 
 REDUCE_SCATTER_PIPELINER = (
   # jaxlib 0.12's XLA: a mode, the boolean's replacement
